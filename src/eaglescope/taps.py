@@ -1,0 +1,151 @@
+"""The tap contract: which hidden states of the target an EAGLE-3 draft reads.
+
+One convention inside eaglescope: Hugging Face ``output_hidden_states`` indices.
+``hs[0]`` is the embedding output, ``hs[i]`` the un-normed residual stream entering
+decoder layer ``i``. The final normed state is never a tap, so valid taps are
+``0 .. num_layers-1``. Concatenation order is tap order, low to high.
+
+Engines store explicit ids in their own conventions (FIELD.md §1); this module is the
+only place that translates. Nothing else in eaglescope computes a layer index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eaglescope.errors import EagleScopeError
+
+INDEX_CONVENTION = "hf_output_hidden_states"
+
+# Engines and how they read `eagle_config.eagle_aux_hidden_state_layer_ids`.
+#   vllm:          ids used as-is ("state entering layer i")           -> hs[i]
+#   sglang:        newer SGLang: +1 only when the first id is 1         -> heuristic
+#   sglang-legacy: older SGLang: id i means "output of layer i", +1     -> hs[i+1]
+#   specforge:     writes "output of layer i" ids                       -> hs[i+1]
+ENGINES = ("vllm", "sglang", "sglang-legacy", "specforge")
+
+
+def default_tap_layers(num_layers: int) -> tuple[int, ...]:
+    """What EAGLE, SGLang and vLLM capture when a checkpoint names no ids."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass(frozen=True)
+class TapContract:
+    """Taps in HF hidden-state indices for a target with ``num_layers`` decoder layers."""
+
+    layers: tuple[int, ...]
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+        self.validate()
+
+    @classmethod
+    def default(cls, num_layers: int) -> TapContract:
+        if num_layers < 4:
+            raise EagleScopeError(
+                f"the default taps [2, L//2, L-3] need at least 4 layers; this target has {num_layers}:"
+                " pass explicit taps"
+            )
+        return cls(default_tap_layers(num_layers), num_layers)
+
+    @classmethod
+    def parse(cls, text: str | None, num_layers: int) -> TapContract:
+        """`"2,8,13"` → contract; None or "" or "default" → the default."""
+        if text is None or text.strip() in ("", "default"):
+            return cls.default(num_layers)
+        try:
+            layers = tuple(int(t) for t in text.replace(" ", "").split(","))
+        except ValueError:
+            raise EagleScopeError(f"taps must be comma-separated integers, got {text!r}") from None
+        return cls(layers, num_layers)
+
+    def validate(self) -> None:
+        L = self.num_layers
+        if L < 1:
+            raise EagleScopeError(f"a target needs at least one layer, got num_layers={L}")
+        if not self.layers:
+            raise EagleScopeError("a tap contract needs at least one tap")
+        bad = [i for i in self.layers if not 0 <= i <= L - 1]
+        if bad:
+            raise EagleScopeError(
+                f"taps {bad} are out of range for a {L}-layer target: valid hidden-state indices are "
+                f"0 (embedding) .. {L - 1} (entering the last layer); the final normed state is never a tap"
+            )
+        if len(set(self.layers)) != len(self.layers):
+            raise EagleScopeError(f"taps {list(self.layers)} contain duplicates")
+        if list(self.layers) != sorted(self.layers):
+            raise EagleScopeError(
+                f"taps {list(self.layers)} are not in increasing order: EAGLE-3 concatenates low to high"
+            )
+
+    @property
+    def count(self) -> int:
+        return len(self.layers)
+
+    @property
+    def is_default(self) -> bool:
+        return self.num_layers >= 4 and self.layers == default_tap_layers(self.num_layers)
+
+    def describe(self) -> list[str]:
+        """Human names of the tapped tensors."""
+        out = []
+        for i in self.layers:
+            out.append("embedding output" if i == 0 else f"input of layer {i} (output of layer {i - 1})")
+        return out
+
+    # -- engine conventions -------------------------------------------------------------
+    def to_engine_ids(self, engine: str) -> list[int]:
+        """The explicit ids to write so that `engine` captures exactly these taps."""
+        _check_engine(engine)
+        if engine == "vllm":
+            return list(self.layers)
+        if engine in ("sglang-legacy", "specforge"):
+            if 0 in self.layers:
+                raise EagleScopeError(
+                    f"{engine} ids mean 'output of layer i'; the embedding (tap 0) cannot be expressed"
+                )
+            return [i - 1 for i in self.layers]
+        # newer SGLang: +1 only when the first id is 1
+        shifted = [i - 1 for i in self.layers]
+        if shifted[0] == 1:
+            return shifted
+        if self.layers[0] != 1:
+            return list(self.layers)
+        raise EagleScopeError(
+            "newer SGLang adds +1 only when the first id is 1, so a first tap of hs[1] cannot be expressed"
+        )
+
+    @classmethod
+    def from_engine_ids(cls, ids: list[int] | None, engine: str, num_layers: int) -> TapContract:
+        """What `engine` actually captures for these explicit ids (None → engine default)."""
+        return cls(tuple(engine_capture(ids, engine, num_layers)), num_layers)
+
+    def to_dict(self) -> dict:
+        return {"layers": list(self.layers), "index_convention": INDEX_CONVENTION, "num_layers": self.num_layers}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TapContract:
+        conv = d.get("index_convention", INDEX_CONVENTION)
+        if conv != INDEX_CONVENTION:
+            raise EagleScopeError(f"unknown tap index convention {conv!r}; expected {INDEX_CONVENTION!r}")
+        return cls(tuple(d["layers"]), int(d["num_layers"]))
+
+
+def _check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        raise EagleScopeError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+
+
+def engine_capture(ids: list[int] | None, engine: str, num_layers: int) -> list[int]:
+    """HF hidden-state indices `engine` captures given checkpoint ids (None = no ids written)."""
+    _check_engine(engine)
+    if ids is None:
+        return list(default_tap_layers(num_layers))
+    ids = [int(i) for i in ids]
+    if engine == "vllm":
+        return ids
+    if engine in ("sglang-legacy", "specforge"):
+        return [i + 1 for i in ids]
+    return [i + 1 for i in ids] if ids and ids[0] == 1 else ids

@@ -1,0 +1,343 @@
+"""Generic target: any `transformers.AutoModelForCausalLM` checkpoint, taps through forward hooks.
+
+Correct rather than fast. The prefix cache is transformers' own `DynamicCache`; tree verification
+works by handing the model an explicit 4D additive mask (transformers passes a 4D mask through
+unchanged) and explicit `position_ids`, and by editing each cache layer's key/value tensors along
+the sequence dimension (-2) to crop or keep accepted positions. That edit is agnostic to what a
+layer stores there: full per-head K/V for ordinary attention, or compressed latents of different
+widths for MLA (DeepSeek-V3 / Kimi-K2 cache `kv_lora_rank` and `qk_rope_head_dim` wide tensors).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eaglescope.errors import EagleScopeError
+from eaglescope.taps import TapContract
+from eaglescope.target.base import (
+    Target,
+    TargetFingerprint,
+    TargetOutput,
+    chat_template_of,
+    sha256_text,
+    tokenizer_sha256,
+)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def _read_config_json(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise EagleScopeError(f"{model_dir} has no config.json: not a Hugging Face checkpoint directory")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EagleScopeError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise EagleScopeError(f"{path} must hold a JSON object")
+    return cfg
+
+
+def _eos_ids(model_dir: Path, config) -> list[int]:
+    """generation_config.json wins over config.json: it is what `generate` stops on."""
+    eos = None
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError):
+            eos = None
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
+    """The decoder blocks whose inputs are hs[0..L-1]: `model.model.layers` for most families."""
+    base = getattr(model, "base_model", model)
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
+            return layers
+    raise EagleScopeError(
+        f"cannot find the {num_layers} decoder layers of {type(model).__name__}: the generic target supports "
+        "models whose base model holds them in a `layers`, `h` or `blocks` list"
+    )
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    # transformers 5.2x renamed `past_key_values` to `cache` (old name deprecated, still accepted for a while).
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _new_cache(config):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=config)
+    except TypeError:  # older signature without `config`
+        return DynamicCache()
+
+
+def _check_cache_supported(config) -> None:
+    """Only plain full-attention layers can be cropped and index-selected position by position."""
+    cache = _new_cache(config)
+    from transformers.cache_utils import DynamicLayer
+
+    for i, layer in enumerate(getattr(cache, "layers", [])):
+        if not isinstance(layer, DynamicLayer) or getattr(layer, "is_sliding", False):
+            raise EagleScopeError(
+                f"layer {i} of this model uses a {type(layer).__name__} cache (sliding-window or recurrent state); "
+                "the generic target supports full-attention models only"
+            )
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if types - {"full_attention"}:
+        raise EagleScopeError(
+            f"this model has {sorted(types)} layers; the generic target supports full-attention models only"
+        )
+
+
+class HFTarget(Target):
+    """A transformers causal LM behind the `Target` interface (batch 1 cache path + batched taps path)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        fingerprint: TargetFingerprint,
+        max_positions: int,
+        eos_token_ids: list[int],
+        taps: TapContract | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.fingerprint = fingerprint
+        self.max_positions = max_positions
+        self.eos_token_ids = eos_token_ids
+        emb = model.get_input_embeddings().weight  # not next(parameters()): MoE routers may be kept in fp32
+        self.device, self.dtype = emb.device, emb.dtype
+        self.layers = _decoder_layers(model, fingerprint.num_layers)
+        self._cache_kw = _cache_kwarg(model)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks: list = []
+        self.taps = None
+        self.set_taps(taps)
+        self._cache = None
+        self._committed = 0
+        self._pending = 0
+        self._max_len = 0
+
+    # -- loading -------------------------------------------------------------------------
+    @classmethod
+    def from_dir(
+        cls,
+        model_dir: Path | str,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        taps: TapContract | None = None,
+        trust_remote_code: bool = False,
+        attn_implementation: str = "sdpa",
+    ) -> HFTarget:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise EagleScopeError(f"target directory {model_dir} does not exist")
+        raw = _read_config_json(model_dir)
+        if "auto_map" in raw and not trust_remote_code:
+            raise EagleScopeError(
+                f"{model_dir} ships its own modeling code (auto_map in config.json); eaglescope does not run it "
+                "unless trust_remote_code is set"
+            )
+        try:
+            config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        except (ValueError, KeyError) as e:
+            kind = raw.get("model_type", "<missing model_type>")
+            raise EagleScopeError(
+                f"transformers does not know the model type {kind!r} of {model_dir}: {str(e).splitlines()[0]}"
+            ) from None
+        except (OSError, TypeError) as e:
+            raise EagleScopeError(f"cannot read the config of {model_dir}: {str(e).splitlines()[0]}") from None
+        if getattr(config, "is_encoder_decoder", False):
+            raise EagleScopeError(f"{model_dir} is an encoder-decoder model; a target must be a decoder-only LM")
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        archs = getattr(config, "architectures", None) or []
+        if not archs:
+            raise EagleScopeError(f"{model_dir}/config.json names no architectures; cannot tell which model it is")
+        needed = ("num_hidden_layers", "hidden_size", "vocab_size")
+        missing = [k for k in needed if not isinstance(getattr(text, k, None), int)]
+        if missing:
+            raise EagleScopeError(f"{model_dir}/config.json lacks {', '.join(missing)}")
+        _check_cache_supported(config)
+        if not any(any(model_dir.glob(g)) for g in _WEIGHT_GLOBS):
+            raise EagleScopeError(f"{model_dir} holds no weights (*.safetensors or pytorch_model*.bin)")
+
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                model_dir,
+                config=config,
+                dtype=dtype,
+                attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
+                output_loading_info=True,
+            )
+        except ValueError as e:
+            if "Unrecognized configuration" in str(e) or "not supported" in str(e).lower():
+                raise EagleScopeError(
+                    f"transformers has no causal-LM class for {archs[0]} in {model_dir}: {str(e).splitlines()[0]}"
+                ) from None
+            raise EagleScopeError(f"cannot load the weights in {model_dir}: {str(e).splitlines()[0]}") from None
+        except (RuntimeError, OSError) as e:
+            raise EagleScopeError(f"cannot load the weights in {model_dir}: {str(e).splitlines()[0]}") from None
+        # transformers silently random-initialises missing or mismatched weights; a target must never be random.
+        bad = list(info.get("missing_keys") or []) + [str(m[0]) for m in info.get("mismatched_keys") or []]
+        if bad:
+            raise EagleScopeError(
+                f"the weights in {model_dir} do not fit its config: {len(bad)} tensors missing or of the wrong "
+                f"shape (first: {bad[0]})"
+            )
+        model.to(device).eval()
+        model.requires_grad_(False)
+
+        tokenizer = None
+        if any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            except (OSError, ValueError, TypeError) as e:
+                raise EagleScopeError(f"cannot load the tokenizer in {model_dir}: {str(e).splitlines()[0]}") from None
+
+        fp = TargetFingerprint(
+            architecture=archs[0],
+            num_layers=text.num_hidden_layers,
+            hidden_size=text.hidden_size,
+            vocab_size=text.vocab_size,
+            tokenizer_sha256=tokenizer_sha256(model_dir),
+            chat_template_sha256=sha256_text(chat_template_of(model_dir)),
+        )
+        max_pos = getattr(text, "max_position_embeddings", None)
+        if not isinstance(max_pos, int):
+            raise EagleScopeError(f"{model_dir}/config.json lacks max_position_embeddings")
+        return cls(model, tokenizer, fp, max_pos, _eos_ids(model_dir, config), taps)
+
+    # -- taps ----------------------------------------------------------------------------
+    def set_taps(self, taps: TapContract | None) -> None:
+        super().set_taps(taps)
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if taps is None:
+            return
+        for i in taps.layers:
+            self._hooks.append(self.layers[i].register_forward_pre_hook(self._capture_hook(i), with_kwargs=True))
+
+    def _capture_hook(self, i: int):
+        def hook(module, args, kwargs):
+            # hs[i] is whatever enters decoder layer i; families pass it positionally or by name.
+            self._captured[i] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def _aux(self) -> torch.Tensor | None:
+        if self.taps is None:
+            return None
+        try:
+            aux = torch.cat([self._captured[i] for i in self.taps.layers], dim=-1)
+        finally:
+            self._captured = {}
+        return aux
+
+    # -- cached batch-1 path ---------------------------------------------------------------
+    def reset(self, max_len: int) -> None:
+        if max_len > self.max_positions:
+            raise EagleScopeError(f"a sequence of {max_len} tokens exceeds the target's {self.max_positions} positions")
+        self._cache = _new_cache(self.model.config)
+        self._committed = 0
+        self._pending = 0
+        self._max_len = max_len
+
+    @property
+    def cache_len(self) -> int:
+        return self._committed
+
+    def _edit_cache(self, keep: torch.Tensor | None) -> None:
+        """Crop every layer to the committed prefix, appending the pending positions in `keep` (if any)."""
+        n = self._committed
+        for layer in self._cache.layers:
+            if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+                continue
+            for name in ("keys", "values"):
+                t = getattr(layer, name)  # [B, heads, S, d]; d differs between keys and values under MLA
+                new = t[..., :n, :]
+                if keep is not None and keep.numel():
+                    new = torch.cat([new, t[..., n:, :].index_select(-2, keep.to(t.device))], dim=-2)
+                setattr(layer, name, new)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        if self._cache is None:
+            raise EagleScopeError("call reset(max_len) before forward")
+        if self._pending:
+            self._edit_cache(None)
+            self._pending = 0
+        T, n = tokens.shape[0], self._committed
+        if n + T > self._max_len:
+            raise EagleScopeError(f"{n + T} tokens exceed the cache size {self._max_len} given to reset")
+        if positions is None:
+            positions = torch.arange(n, n + T, device=self.device)
+        if tree_mask is None:
+            tree_mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+        visible = torch.cat(
+            [torch.ones(T, n, dtype=torch.bool, device=self.device), tree_mask.to(self.device, torch.bool)], dim=1
+        )
+        # Additive float mask works with both eager (adds it to the scores) and SDPA (float attn_mask).
+        mask = torch.zeros(T, n + T, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        out = self.model(
+            input_ids=tokens.to(self.device).view(1, T),
+            attention_mask=mask.view(1, 1, T, n + T),
+            position_ids=positions.to(self.device).view(1, T),
+            use_cache=True,
+            **{self._cache_kw: self._cache},
+        )
+        self._pending = T
+        aux = self._aux()
+        return TargetOutput(out.logits[0].float(), None if aux is None else aux[0])
+
+    def commit(self, keep: torch.Tensor | None = None) -> None:
+        if keep is None:
+            self._committed += self._pending
+        else:
+            keep = keep.to(torch.long).flatten()
+            if keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= self._pending):
+                raise EagleScopeError(f"commit keeps positions {keep.tolist()} but only {self._pending} are pending")
+            self._edit_cache(keep)
+            self._committed += keep.numel()
+        self._pending = 0
+
+    # -- batched cache-free path -------------------------------------------------------------
+    @torch.no_grad()
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetOutput:
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+            use_cache=False,
+        )
+        return TargetOutput(out.logits.float(), self._aux())

@@ -1,0 +1,251 @@
+"""Draft trees: the data structure every proposer hands to verification, and EAGLE-2 tree building.
+
+A tree of N nodes is a few parallel tensors. Node 0 is the root: the last committed token
+(or last round's bonus token), already known to be right, not a draft. Parents precede
+children (``parents[i] < i``), so one pass in node order visits every parent first, and the
+flattened tree can be fed to the target in node order with ``ancestor_mask`` as attention
+mask and ``positions`` as RoPE positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eaglescope.errors import EagleScopeError
+
+# Official EAGLE-2/3 dynamic-tree defaults (FIELD.md §4): (depth, top_k, total_tokens).
+EAGLE_DEFAULT_TREE = (7, 10, 60)
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [N] long; tokens[0] = root (already committed)
+    parents: torch.Tensor  # [N] long; parents[0] = -1, parents[i] < i
+    depths: torch.Tensor  # [N] long; root 0
+    scores: torch.Tensor  # [N] float; cumulative draft log-prob, root 0
+    # [N, V] or None. Row i = the draft distribution q the children of node i were sampled from
+    # (sampled chains / SpecInfer-style i.i.d. siblings). None = deterministic top-k tree (q = 1).
+    draft_probs: torch.Tensor | None = None
+    # [N] long or None: TreeBuilder ids of the nodes (root = builder id 0), so the caller can map
+    # a tree node back to the draft step output (hidden state) that produced it.
+    source: torch.Tensor | None = None
+
+    @classmethod
+    def from_parents(
+        cls,
+        tokens: torch.Tensor | list[int],
+        parents: torch.Tensor | list[int],
+        scores: torch.Tensor | list[float] | None = None,
+        draft_probs: torch.Tensor | None = None,
+    ) -> DraftTree:
+        """Tree from tokens and parents (parents precede children); depths are computed."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        parents = torch.as_tensor(parents, dtype=torch.long, device=tokens.device)
+        par = parents.tolist()
+        depth = [0] * len(par)
+        for i in range(1, len(par)):
+            if not 0 <= par[i] < i:
+                raise EagleScopeError(f"tree node {i} has parent {par[i]}; parents must precede children")
+            depth[i] = depth[par[i]] + 1
+        if scores is None:
+            scores = torch.zeros(len(par), device=tokens.device)
+        scores = torch.as_tensor(scores, device=tokens.device)
+        tree = cls(tokens, parents, torch.tensor(depth, device=tokens.device), scores, draft_probs)
+        tree.validate()
+        return tree
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor | list[int], draft_probs: torch.Tensor | None = None) -> DraftTree:
+        """A chain ``tokens[0] (root) -> tokens[1] -> ...``.
+
+        ``draft_probs`` ``[N, V]`` or ``[N-1, V]``: row i = the q token i+1 was sampled from (the leaf
+        row, never used, is zero-filled when omitted). Scores are cumulative log q when given, else 0."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        n = tokens.shape[0]
+        dev = tokens.device
+        parents = torch.arange(-1, n - 1, device=dev)
+        depths = torch.arange(n, device=dev)
+        scores = torch.zeros(n, device=dev)
+        if draft_probs is not None:
+            if draft_probs.dim() != 2 or draft_probs.shape[0] not in (n, n - 1):
+                raise EagleScopeError(f"chain draft_probs must be [{n} or {n - 1}, V], got {list(draft_probs.shape)}")
+            if draft_probs.shape[0] == n - 1:
+                draft_probs = torch.cat([draft_probs, draft_probs.new_zeros(1, draft_probs.shape[1])])
+            step = draft_probs[:-1].gather(1, tokens[1:, None]).squeeze(1).float().log()
+            scores = torch.cat([scores[:1], step.cumsum(0)])
+        tree = cls(tokens, parents, depths, scores, draft_probs)
+        tree.validate()
+        return tree
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+    def positions(self, offset: int | torch.Tensor = 0) -> torch.Tensor:
+        """RoPE positions of the nodes when the root sits at ``offset``."""
+        return offset + self.depths
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """``[N, N]`` bool: node i attends node j iff j is i or an ancestor of i."""
+        n = self.num_nodes
+        rows = torch.arange(n, device=self.parents.device)
+        up = self.parents.clamp(min=0)  # root points to itself: walking past it stays at the root
+        mask = torch.zeros(n, n, dtype=torch.bool, device=self.parents.device)
+        cur = rows
+        for _ in range(self.max_depth + 1):  # one step up per level; small loop, no loop over N
+            mask[rows, cur] = True
+            cur = up[cur]
+        return mask
+
+    def children(self, i: int) -> list[int]:
+        """Children of node i in node order."""
+        return (self.parents == i).nonzero().flatten().tolist()
+
+    def children_lists(self) -> list[list[int]]:
+        """``out[i]`` = children of node i in node order (one host sync for the whole tree)."""
+        out: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for i, p in enumerate(self.parents.tolist()[1:], start=1):
+            out[p].append(i)
+        return out
+
+    def paths(self) -> list[list[int]]:
+        """Root-to-leaf node-index paths, leaves in node order."""
+        par = self.parents.tolist()
+        kids = self.children_lists()
+        out = []
+        for leaf in range(self.num_nodes):
+            if kids[leaf]:
+                continue
+            path = [leaf]
+            while par[path[-1]] >= 0:
+                path.append(par[path[-1]])
+            out.append(path[::-1])
+        return out
+
+    def validate(self) -> None:
+        n = self.tokens.shape[0]
+        if n < 1 or self.tokens.dim() != 1:
+            shape = list(self.tokens.shape)
+            raise EagleScopeError(f"a draft tree needs a 1-D token tensor with a root, got shape {shape}")
+        for name in ("parents", "depths", "scores"):
+            t = getattr(self, name)
+            if t.shape != (n,):
+                raise EagleScopeError(f"draft tree {name} has shape {list(t.shape)}, expected [{n}]")
+        par = self.parents.tolist()
+        if par[0] != -1:
+            raise EagleScopeError(f"draft tree root must have parent -1, got {par[0]}")
+        idx = torch.arange(n, device=self.parents.device)
+        if n > 1 and not bool(((self.parents[1:] >= 0) & (self.parents[1:] < idx[1:])).all()):
+            raise EagleScopeError("draft tree parents must precede children (0 <= parents[i] < i for i > 0)")
+        if int(self.depths[0]) != 0 or (
+            n > 1 and not bool((self.depths[1:] == self.depths[self.parents[1:]] + 1).all())
+        ):
+            raise EagleScopeError("draft tree depths must be 0 at the root and parent depth + 1 elsewhere")
+        if self.draft_probs is not None and (self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != n):
+            raise EagleScopeError(f"draft tree draft_probs must be [{n}, V], got {list(self.draft_probs.shape)}")
+        if self.source is not None and self.source.shape != (n,):
+            raise EagleScopeError(f"draft tree source has shape {list(self.source.shape)}, expected [{n}]")
+
+
+class TreeBuilder:
+    """EAGLE-2 dynamic tree construction, on-device.
+
+    Builder ids: 0 is the root; every candidate ever expanded gets the next id. A round goes::
+
+        b = TreeBuilder(root_token, top_k, device)
+        frontier = b.expand(torch.tensor([0]), draft_logprobs_at_root)        # [1, V]
+        for _ in range(depth - 1):
+            # run the draft on b.tokens[frontier] (mask: b.ancestor_mask(frontier)) ...
+            frontier = b.expand(frontier, draft_logprobs)                        # [m, V]
+        tree = b.finalize(total_tokens)          # tree.source maps nodes back to builder ids
+
+    Every expansion adds all m*top_k children as candidates; only the global top_k (by cumulative
+    log-prob) are expanded further. ``finalize`` reranks all candidates globally.
+    """
+
+    def __init__(self, root_token: int, top_k: int, device: torch.device | str | None = None):
+        if top_k < 1:
+            raise EagleScopeError(f"tree top_k must be >= 1, got {top_k}")
+        self.top_k = top_k
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.tokens = torch.tensor([int(root_token)], dtype=torch.long, device=self.device)
+        self.parents = torch.tensor([-1], dtype=torch.long, device=self.device)
+        self.depths = torch.tensor([0], dtype=torch.long, device=self.device)
+        self.scores = torch.tensor([0.0], device=self.device)
+        self.levels = 0  # number of expand() calls = depth of the deepest candidate
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    def expand(self, parent_nodes: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        """Add the top_k children of each ``parent_nodes[j]`` (draft log-probs ``logprobs[j]``).
+
+        Returns the builder ids of the next frontier: the global top_k new candidates by cumulative
+        log-prob, best first."""
+        parent_nodes = parent_nodes.to(self.device, torch.long).flatten()
+        m = parent_nodes.shape[0]
+        if logprobs.dim() != 2 or logprobs.shape[0] != m:
+            raise EagleScopeError(f"expand needs logprobs [{m}, V] for {m} parents, got {list(logprobs.shape)}")
+        k = min(self.top_k, logprobs.shape[1])
+        if self.scores.dtype != logprobs.dtype and logprobs.is_floating_point():
+            self.scores = self.scores.to(logprobs.dtype)
+        child_lp, child_tok = logprobs.topk(k, dim=-1)  # [m, k]
+        cum = (self.scores[parent_nodes][:, None] + child_lp).flatten()  # [m*k]
+        first = self.num_nodes
+        self.tokens = torch.cat([self.tokens, child_tok.flatten()])
+        self.parents = torch.cat([self.parents, parent_nodes.repeat_interleave(k)])
+        self.depths = torch.cat([self.depths, (self.depths[parent_nodes] + 1).repeat_interleave(k)])
+        self.scores = torch.cat([self.scores, cum])
+        self.levels += 1
+        best = cum.topk(min(self.top_k, cum.shape[0])).indices
+        return first + best
+
+    def ancestor_mask(self, nodes: torch.Tensor) -> torch.Tensor:
+        """``[m, num_nodes]`` bool: which builder nodes each of ``nodes`` attends (itself + ancestors)."""
+        nodes = nodes.to(self.device, torch.long).flatten()
+        rows = torch.arange(nodes.shape[0], device=self.device)
+        up = self.parents.clamp(min=0)
+        mask = torch.zeros(nodes.shape[0], self.num_nodes, dtype=torch.bool, device=self.device)
+        cur = nodes
+        for _ in range(self.levels + 1):
+            mask[rows, cur] = True
+            cur = up[cur]
+        return mask
+
+    def finalize(self, total_tokens: int, check: bool = False) -> DraftTree:
+        """Keep the root and the best ``total_tokens - 1`` candidates; nodes ordered by (depth, -score).
+
+        A child's cumulative log-prob never exceeds its parent's, and ties are broken towards the
+        shallower node, so every kept node's parent ranks before it: the kept set is connected."""
+        if total_tokens < 1:
+            raise EagleScopeError(f"total_tokens must be >= 1, got {total_tokens}")
+        n_keep = min(total_tokens - 1, self.num_nodes - 1)
+        cand = torch.arange(1, self.num_nodes, device=self.device)
+        # rank by score desc, ties to the shallower node: stable sort by depth, then stable by score
+        by_depth = cand[torch.sort(self.depths[cand], stable=True).indices]
+        ranked = by_depth[torch.sort(self.scores[by_depth], descending=True, stable=True).indices]
+        kept = ranked[:n_keep]
+        # final order: by depth, then score desc (parents precede children; siblings best first)
+        kept = kept[torch.sort(self.scores[kept], descending=True, stable=True).indices]
+        kept = kept[torch.sort(self.depths[kept], stable=True).indices]
+        src = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device), kept])
+        remap = torch.full((self.num_nodes,), -1, dtype=torch.long, device=self.device)
+        remap[src] = torch.arange(src.shape[0], device=self.device)
+        parents = torch.cat([remap.new_full((1,), -1), remap[self.parents[kept]]])
+        tree = DraftTree(
+            tokens=self.tokens[src],
+            parents=parents,
+            depths=self.depths[src],
+            scores=self.scores[src],
+            source=src,
+        )
+        if check:  # host syncs; connectivity holds by construction, tests check it
+            tree.validate()  # a missing ancestor would show up as parent -1 here
+        return tree

@@ -1,0 +1,131 @@
+"""Verification: which drafted tokens the target accepts, and the bonus token after them.
+
+``target_logits[i]`` is the target's prediction for the token *after* tree node i (one target
+forward over the tree with ``tree.ancestor_mask()``). Both verifiers walk from the root down
+one path; the result is the same whatever proposer built the tree (chain, EAGLE-2 tree,
+prompt lookup, a small LM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eaglescope.decode.sampling import process_logits, sample
+from eaglescope.decode.tree import DraftTree
+from eaglescope.errors import EagleScopeError
+
+
+@dataclass
+class VerifyResult:
+    accepted: list[int]  # node indices of the accepted path, root excluded, in order
+    bonus: int  # token emitted after the last accepted node
+    tokens: list[int]  # what this round emits: accepted draft tokens, then the bonus
+
+    @property
+    def last_node(self) -> int:
+        """The node whose target state the bonus was drawn from (0 = root when nothing accepted)."""
+        return self.accepted[-1] if self.accepted else 0
+
+    @property
+    def path(self) -> list[int]:
+        """Root plus accepted nodes: the positions whose target KV / features survive the round."""
+        return [0, *self.accepted]
+
+
+def _check(tree: DraftTree, target_logits: torch.Tensor) -> None:
+    if target_logits.dim() != 2 or target_logits.shape[0] != tree.num_nodes:
+        raise EagleScopeError(
+            f"target logits must be [{tree.num_nodes}, V] for a {tree.num_nodes}-node tree,"
+            f" got {list(target_logits.shape)}"
+        )
+
+
+def _children_by_score(tree: DraftTree) -> list[list[int]]:
+    scores = tree.scores.tolist()
+    return [sorted(kids, key=lambda c: -scores[c]) for kids in tree.children_lists()]
+
+
+def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
+    """Longest root path whose every token equals the target argmax at its parent.
+
+    Lossless because every emitted token is the target argmax given exactly the emitted prefix."""
+    _check(tree, target_logits)
+    best = target_logits.argmax(-1).tolist()
+    tokens = tree.tokens.tolist()
+    kids = tree.children_lists()
+    cur, accepted = 0, []
+    while True:
+        nxt = next((c for c in kids[cur] if tokens[c] == best[cur]), None)
+        if nxt is None:
+            break
+        accepted.append(nxt)
+        cur = nxt
+    return VerifyResult(accepted, best[cur], [tokens[c] for c in accepted] + [best[cur]])
+
+
+def verify_sampling(
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
+    """Recursive rejection sampling down the tree; emits tokens distributed exactly as the target's.
+
+    ``generator`` must live on the logits' device. ``temperature == 0`` is greedy verification."""
+    if temperature == 0:
+        return verify_greedy(tree, target_logits)
+    _check(tree, target_logits)
+    p = process_logits(target_logits, temperature, top_k, top_p)  # [N, V]
+    q = tree.draft_probs
+    if q is not None:
+        q = q.to(p.device, p.dtype)
+    tokens = tree.tokens.tolist()
+    kids = _children_by_score(tree)
+    rand_device = generator.device if generator is not None else p.device
+
+    def uniform() -> torch.Tensor:
+        return torch.rand((), generator=generator, device=rand_device).to(p.device)
+
+    cur, accepted = 0, []
+    residual = p[0]
+    while True:
+        child = None
+        for c in kids[cur]:
+            tok = tokens[c]
+            if q is None:
+                # Deterministic draft (q = 1 on c). Accepting c w.p. r(c), else drawing from
+                # r with c zeroed and renormalised, yields exactly r: P(y) = r(c)[y=c] +
+                # (1 - r(c)) r(y)[y!=c] / (1 - r(c)) = r(y). By induction over the siblings, the
+                # token leaving this node is distributed as p[cur]. A duplicate sibling finds
+                # r(c) = 0 and is rejected with no change to r.
+                if bool(uniform() < residual[tok]):
+                    child = c
+                    break
+                residual = residual.clone()
+                residual[tok] = 0.0
+            else:
+                # c ~ q[cur] (siblings i.i.d. from q, SpecInfer). Accept w.p. min(1, r/q), else draw
+                # from norm(max(r - q, 0)): the standard speculative-sampling step, whose output is
+                # exactly r; the next sibling is a fresh draw, so the same step repeats with the
+                # residual as target and the node still emits p[cur] (Leviathan et al.; SpecInfer).
+                qc = q[cur, tok]
+                if bool(uniform() * qc < residual[tok]):  # u < r/q without dividing by q = 0
+                    child = c
+                    break
+                residual = (residual - q[cur]).clamp(min=0.0)
+            total = residual.sum()
+            if not bool(total > 0):  # cannot happen in exact arithmetic: rejection had prob 0
+                residual = p[cur]
+                break
+            residual = residual / total
+        if child is None:
+            break
+        accepted.append(child)
+        cur = child
+        residual = p[cur]  # fresh target distribution after the accepted prefix
+    bonus = int(sample(residual, generator))
+    return VerifyResult(accepted, bonus, [tokens[c] for c in accepted] + [bonus])

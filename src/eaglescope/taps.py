@@ -43,10 +43,10 @@ class TapContract:
 
     @classmethod
     def default(cls, num_layers: int) -> TapContract:
-        if num_layers < 4:
+        if num_layers < 7:
             raise EagleScopeError(
-                f"the default taps [2, L//2, L-3] need at least 4 layers; this target has {num_layers}:"
-                " pass explicit taps"
+                f"the default taps [2, L//2, L-3] are distinct only for 7 or more layers; this target has"
+                f" {num_layers}: pass explicit taps"
             )
         return cls(default_tap_layers(num_layers), num_layers)
 
@@ -86,7 +86,7 @@ class TapContract:
 
     @property
     def is_default(self) -> bool:
-        return self.num_layers >= 4 and self.layers == default_tap_layers(self.num_layers)
+        return self.num_layers >= 7 and self.layers == default_tap_layers(self.num_layers)
 
     def describe(self) -> list[str]:
         """Human names of the tapped tensors."""

@@ -1,0 +1,159 @@
+"""The `eaglescope` command line. Each subcommand is a plain function; errors become one stderr line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+from eaglescope.errors import EagleScopeError
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="Hugging Face checkpoint directory of the target model")
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"],
+                   help="native Llama-family path or generic transformers path (auto: native when supported)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise EagleScopeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def prompt_ids_from_args(args, tokenizer) -> list[int]:
+    if args.prompt_ids is not None:
+        if args.chat:
+            raise EagleScopeError("--chat applies to --prompt text, not to --prompt-ids")
+        return _parse_ids(args.prompt_ids)
+    if tokenizer is None:
+        raise EagleScopeError("the target directory has no tokenizer; pass --prompt-ids instead of --prompt")
+    if args.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise EagleScopeError("--chat needs a chat template, and the target's tokenizer has none")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer.encode(args.prompt, add_special_tokens=True)
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from eaglescope.decode.vanilla import SamplingConfig, generate_vanilla
+    from eaglescope.target import load_target, parse_dtype
+
+    device = torch.device(args.device) if args.device else None
+    if device is None:
+        from eaglescope.target import default_device
+
+        device = default_device()
+    dtype = parse_dtype(args.dtype, device)
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling.validate()
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    target = load_target(args.target, device=device, dtype=dtype, backend=args.backend)
+    prompt_ids = prompt_ids_from_args(args, target.tokenizer)
+    stop = None
+    if args.stop_ids:
+        stop = list(target.eos_token_ids) + _parse_ids(args.stop_ids)
+    if args.draft or args.proposer in ("ngram",):
+        from eaglescope.decode.speculative import run_speculative_from_args
+
+        result = run_speculative_from_args(args, target, prompt_ids, sampling, stop)
+    else:
+        result = generate_vanilla(target, prompt_ids, args.max_new_tokens, sampling, stop)
+    text = target.tokenizer.decode(result.token_ids, skip_special_tokens=False) if target.tokenizer else None
+    stats = {
+        "new_tokens": len(result.token_ids),
+        "seconds": round(result.seconds, 6),
+        "tokens_per_second": round(result.tokens_per_second, 3),
+        "finish_reason": result.finish_reason,
+    }
+    if result.stats is not None:
+        stats.update(result.stats.to_dict())
+    if args.json:
+        print(json.dumps({"prompt_ids": prompt_ids, "token_ids": result.token_ids, "text": text, "stats": stats}))
+    else:
+        print(text if text is not None else " ".join(map(str, result.token_ids)))
+        extra = "".join(f", {k}={v}" for k, v in stats.items() if k in ("accept_length", "rounds"))
+        print(f"[{stats['new_tokens']} tokens in {stats['seconds']:.3f}s, "
+              f"{stats['tokens_per_second']:.1f} tok/s{extra}]", file=sys.stderr)
+    return 0
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="decode with the target, optionally speculatively with a draft")
+    _add_target_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn with the tokenizer's template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop-ids", default=None, help="extra stop token ids, comma-separated")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--draft", default=None, help="EAGLE-3 draft checkpoint (or draft LM for --proposer draft-lm)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--chain", type=int, default=None, metavar="K", help="chain of K draft tokens per round")
+    shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="EAGLE-2 dynamic tree")
+    p.add_argument("--proposer", default="eagle3", choices=["eagle3", "ngram", "draft-lm"])
+    p.add_argument("--trace", default=None, help="record a trace of this run into DIR")
+    p.add_argument("--trace-mode", default="full", choices=["full", "fingerprint"])
+    p.set_defaults(func=cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eaglescope", description="Train, serve and debug EAGLE-3 draft models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    for module_name in _EXTRA_COMMANDS:
+        try:
+            module = __import__(module_name, fromlist=["add_parsers"])
+        except ImportError:
+            continue
+        module.add_parsers(sub)
+    return parser
+
+
+# Subcommands that live beside the code they drive; each module exposes add_parsers(sub).
+_EXTRA_COMMANDS = [
+    "eaglescope.commands",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = os.environ.get("EAGLESCOPE_DEBUG") == "1"
+    if not debug:
+        warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+    try:
+        return int(args.func(args) or 0)
+    except EagleScopeError as e:
+        print(f"eaglescope: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("eaglescope: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - a bug, but the user still gets one line and a way to see more
+        if debug:
+            raise
+        print(f"eaglescope: internal error: {type(e).__name__}: {e} (set EAGLESCOPE_DEBUG=1 for a traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

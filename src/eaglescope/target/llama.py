@@ -1,0 +1,409 @@
+"""Native Llama-family target (Llama, Qwen2, Qwen3, Mistral): static KV cache, tree masks, taps.
+
+Module and parameter names mirror transformers' so a checkpoint's state dict loads as it is.
+The cache is written by slot, gpt-fast style: a verify writes its T new keys after the
+committed prefix and `commit(keep)` moves the accepted ones down; rejected slots are simply
+overwritten by the next forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eaglescope.errors import EagleScopeError
+from eaglescope.target.base import Target, TargetFingerprint, TargetOutput
+
+NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+
+
+@dataclass
+class RopeSpec:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    params: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> RopeSpec:
+        # transformers 5 writes `rope_parameters`; older checkpoints use rope_theta + rope_scaling.
+        params = dict(cfg.get("rope_parameters") or {})
+        if not params:
+            params = dict(cfg.get("rope_scaling") or {})
+            params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise EagleScopeError(
+                f"rope type {rope_type!r} is not supported by the native path (supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}); use --backend hf"
+            )
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise EagleScopeError("partial_rotary_factor != 1 is not supported by the native path; use --backend hf")
+        return cls(float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))), rope_type, params)
+
+    def inv_freq(self, head_dim: int, max_position_embeddings: int, seq_len: int | None = None) -> torch.Tensor:
+        """Inverse frequencies exactly as transformers computes them for this rope type."""
+        base = self.theta
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        if self.rope_type == "dynamic":
+            # NTK-aware: the base grows once the sequence is longer than the trained context.
+            factor = self.params["factor"]
+            seq = max(seq_len or 0, max_position_embeddings)
+            base = base * ((factor * seq / max_position_embeddings) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        inv = 1.0 / (base**exponent)
+        if self.rope_type == "linear":
+            inv = inv / self.params["factor"]
+        elif self.rope_type == "llama3":
+            factor = self.params["factor"]
+            low, high = self.params["low_freq_factor"], self.params["high_freq_factor"]
+            old_ctx = self.params["original_max_position_embeddings"]
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+            inv = torch.where(medium, smoothed, scaled)
+        return inv
+
+
+@dataclass
+class LlamaArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeSpec
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    architecture: str = "LlamaForCausalLM"
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> LlamaArgs:
+        model_type = cfg.get("model_type")
+        if model_type not in NATIVE_MODEL_TYPES:
+            raise EagleScopeError(f"model_type {model_type!r} has no native implementation; use --backend hf")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise EagleScopeError(f"hidden_act {cfg.get('hidden_act')!r} is not supported by the native path")
+        try:
+            n_heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            sliding = None
+            if model_type == "mistral":
+                sliding = cfg.get("sliding_window")
+            elif model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+                # Qwen applies the window from layer max_window_layers upwards.
+                if cfg.get("max_window_layers", 0) < cfg["num_hidden_layers"]:
+                    sliding = cfg.get("sliding_window")
+            return cls(
+                model_type=model_type,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=n_heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+                head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                rope=RopeSpec.from_hf_config(cfg),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                qk_norm=model_type == "qwen3",
+                sliding_window=int(sliding) if sliding else None,
+                architecture=(cfg.get("architectures") or ["LlamaForCausalLM"])[0],
+            )
+        except KeyError as e:
+            raise EagleScopeError(f"config.json lacks required key {e.args[0]!r}") from None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like transformers, then cast back before the weight multiply.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] → cos, sin [B, 1, T, D] (half-split layout, as transformers' Llama)."""
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)[None, None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache(nn.Module):
+    """All layers' keys and values in two buffers [L, B, n_kv, S, D] so compaction is one gather."""
+
+    def __init__(self, num_layers: int, batch: int, n_kv: int, max_len: int, head_dim: int, dtype, device) -> None:
+        super().__init__()
+        shape = (num_layers, batch, n_kv, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new [B, n_kv, T, D] at slots start..start+T; return everything up to there."""
+        end = start + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Move slots start+keep[j] to start+j (keep is increasing, so sources never get clobbered early)."""
+        n = keep.numel()
+        src = start + keep.to(self.k.device)
+        self.k[:, :, :, start : start + n] = self.k.index_select(3, src)
+        self.v[:, :, :, start : start + n] = self.v.index_select(3, src)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.attention_bias)
+        self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
+        self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, start: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(layer, start, k, v)
+        if self.n_kv != self.n_heads:
+            rep = self.n_heads // self.n_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.self_attn = Attention(a)
+        self.mlp = MLP(a)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache, layer, start) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.args = a
+        self.model = LlamaBody(a)
+        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        if a.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", a.rope.inv_freq(a.head_dim, a.max_position_embeddings), persistent=False)
+
+    def rope_for(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq
+        a = self.args
+        if a.rope.rope_type == "dynamic":
+            seq_len = int(positions.max()) + 1
+            if seq_len > a.max_position_embeddings:
+                inv_freq = a.rope.inv_freq(a.head_dim, a.max_position_embeddings, seq_len).to(inv_freq.device)
+        return rope_cos_sin(inv_freq, positions, self.model.embed_tokens.weight.dtype)
+
+    def forward(
+        self,
+        idx: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T]
+        mask: torch.Tensor | None,  # [B|1, 1, T, S] bool (True = attend) or None = causal without cache
+        cache: KVCache | None = None,
+        start: int = 0,
+        taps: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = self.model.embed_tokens(idx)
+        cos, sin = self.rope_for(positions)
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            if i in taps:
+                captured.append(x)
+            x = layer(x, cos, sin, mask, cache, i, start)
+        logits = self.lm_head(self.model.norm(x))
+        aux = torch.cat(captured, dim=-1) if captured else None
+        return logits, aux
+
+
+def _sliding_check(a: LlamaArgs, max_len: int) -> None:
+    if a.sliding_window is not None and max_len > a.sliding_window:
+        raise EagleScopeError(
+            f"this {a.model_type} checkpoint uses sliding-window attention (window {a.sliding_window}); sequences "
+            f"longer than the window ({max_len} requested) are not supported by the native path"
+        )
+
+
+class NativeTarget(Target):
+    """Llama-family target on eaglescope's own model code."""
+
+    def __init__(self, model: LlamaModel, fingerprint: TargetFingerprint, eos_token_ids: list[int], tokenizer=None):
+        self.model = model.eval()
+        self.args = model.args
+        self.fingerprint = fingerprint
+        self.taps = None
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.max_positions = self.args.max_position_embeddings
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
+        self.cache: KVCache | None = None
+        self._len = 0
+        self._pending = 0
+
+    def reset(self, max_len: int) -> None:
+        a = self.args
+        _sliding_check(a, max_len)
+        if self.cache is None or self.cache.max_len < max_len:
+            self.cache = KVCache(a.num_layers, 1, a.num_kv_heads, max_len, a.head_dim, self.dtype, self.device)
+        self._len = 0
+        self._pending = 0
+
+    @property
+    def cache_len(self) -> int:
+        return self._len
+
+    @torch.inference_mode()
+    def forward(self, tokens, positions=None, tree_mask=None) -> TargetOutput:
+        if self.cache is None:
+            raise RuntimeError("reset() must be called before forward()")
+        T = tokens.shape[0]
+        start = self._len
+        if start + T > self.cache.max_len:
+            raise EagleScopeError(f"sequence of {start + T} tokens exceeds the cache of {self.cache.max_len}")
+        if positions is None:
+            positions = torch.arange(start, start + T, device=self.device)
+        if tree_mask is None:
+            tree_mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+        mask = torch.cat([torch.ones(T, start, dtype=torch.bool, device=self.device), tree_mask.to(self.device)], 1)
+        logits, aux = self.model(
+            tokens.to(self.device)[None],
+            positions.to(self.device)[None],
+            mask[None, None],
+            self.cache,
+            start,
+            self.taps.layers if self.taps else (),
+        )
+        self._pending = T
+        return TargetOutput(logits[0].float(), None if aux is None else aux[0])
+
+    def commit(self, keep: torch.Tensor | None = None) -> None:
+        if keep is None:
+            self._len += self._pending
+        else:
+            keep = keep.to(self.device)
+            if keep.numel() and not bool((keep == torch.arange(keep.numel(), device=self.device)).all()):
+                self.cache.compact(self._len, keep)
+            self._len += keep.numel()
+        self._pending = 0
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids, attention_mask=None) -> TargetOutput:
+        # Right padding only: causal attention never lets a real token see a pad, so no pad mask is needed.
+        B, T = input_ids.shape
+        _sliding_check(self.args, T)
+        positions = torch.arange(T, device=self.device).expand(B, T)
+        logits, aux = self.model(
+            input_ids.to(self.device), positions, None, None, 0, self.taps.layers if self.taps else ()
+        )
+        return TargetOutput(logits, aux)
+
+
+def build_native(cfg: dict, state_dict: dict[str, torch.Tensor], device, dtype) -> LlamaModel:
+    a = LlamaArgs.from_hf_config(cfg)
+    with torch.device("meta"):
+        model = LlamaModel(a)
+    model = model.to_empty(device=device).to(dtype)
+    model.register_buffer("inv_freq", a.rope.inv_freq(a.head_dim, a.max_position_embeddings).to(device), False)
+    sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+    if a.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    expected = {k: p for k, p in model.state_dict().items() if not (a.tie_word_embeddings and k == "lm_head.weight")}
+    missing = sorted(set(expected) - set(sd))
+    if missing:
+        raise EagleScopeError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]!r}")
+    unexpected = sorted(set(sd) - set(expected))
+    if unexpected:
+        raise EagleScopeError(f"checkpoint has {len(unexpected)} unexpected weights, e.g. {unexpected[0]!r}")
+    for k, t in sd.items():
+        if tuple(t.shape) != tuple(expected[k].shape):
+            raise EagleScopeError(
+                f"weight {k!r} has shape {tuple(t.shape)} but config.json implies {tuple(expected[k].shape)}"
+            )
+    model.load_state_dict(sd, strict=False, assign=False)
+    if a.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def load_native(model_dir: Path, cfg: dict, state_dict, fingerprint, eos, tokenizer, device, dtype) -> NativeTarget:
+    return NativeTarget(build_native(cfg, state_dict, device, dtype), fingerprint, eos, tokenizer)

@@ -1,0 +1,117 @@
+"""Reading a Hugging Face checkpoint directory: config, weights, tokenizer, fingerprint."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from eaglescope.errors import EagleScopeError
+from eaglescope.target.base import TargetFingerprint, chat_template_of, sha256_text, tokenizer_sha256
+
+
+def check_dir(model_dir: Path | str, what: str = "target") -> Path:
+    p = Path(model_dir)
+    if not p.exists():
+        raise EagleScopeError(f"{what} directory {str(p)!r} does not exist")
+    if not p.is_dir():
+        raise EagleScopeError(f"{what} path {str(p)!r} is not a directory")
+    return p
+
+
+def read_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise EagleScopeError(f"{model_dir} has no config.json; is it a Hugging Face checkpoint directory?")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EagleScopeError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise EagleScopeError(f"{path} must hold a JSON object")
+    return cfg
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise EagleScopeError(f"weight file {path} is corrupted or truncated ({e})") from None
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All weights of a checkpoint: model.safetensors, a sharded index, or (weights_only) .bin."""
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return _load_safetensors(single)
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise EagleScopeError(f"{index} is malformed ({e})") from None
+        sd: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = model_dir / shard
+            if not shard_path.is_file():
+                raise EagleScopeError(f"shard {shard} listed in {index.name} is missing")
+            sd.update(_load_safetensors(shard_path))
+        missing = sorted(set(weight_map) - set(sd))
+        if missing:
+            raise EagleScopeError(f"{index.name} lists {missing[0]!r} but no shard holds it")
+        return sd
+    binary = model_dir / "pytorch_model.bin"
+    if binary.is_file():
+        try:
+            return torch.load(binary, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file for the user
+            raise EagleScopeError(f"{binary} could not be loaded safely ({e})") from None
+    raise EagleScopeError(f"{model_dir} has no weights (model.safetensors, an index, or pytorch_model.bin)")
+
+
+def load_tokenizer(model_dir: Path):
+    """The checkpoint's tokenizer through transformers, or None when the directory has none."""
+    if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001
+        raise EagleScopeError(f"tokenizer in {model_dir} could not be loaded ({e})") from None
+
+
+def eos_token_ids(model_dir: Path, cfg: dict, tokenizer=None) -> list[int]:
+    ids: list[int] = []
+    gen = model_dir / "generation_config.json"
+    sources = [cfg.get("eos_token_id")]
+    if gen.is_file():
+        try:
+            sources.insert(0, json.loads(gen.read_text()).get("eos_token_id"))
+        except json.JSONDecodeError:
+            pass
+    if tokenizer is not None:
+        sources.append(tokenizer.eos_token_id)
+    for s in sources:
+        for i in s if isinstance(s, list) else [s]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+def fingerprint_of(model_dir: Path, cfg: dict) -> TargetFingerprint:
+    text_cfg = cfg.get("text_config", cfg)
+    return TargetFingerprint(
+        architecture=(cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0],
+        num_layers=int(text_cfg["num_hidden_layers"]),
+        hidden_size=int(text_cfg["hidden_size"]),
+        vocab_size=int(text_cfg["vocab_size"]),
+        tokenizer_sha256=tokenizer_sha256(model_dir),
+        chat_template_sha256=sha256_text(chat_template_of(model_dir)),
+    )

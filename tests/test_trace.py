@@ -88,6 +88,7 @@ def test_full_trace_round_trips_values_dtypes_and_structure(tmp_path, dtype):
         (0, VERIFY_TOKENS, None),
     ]
     assert t.events[0].extra == {"note": "round 0"} and all(e.kind == "full" for e in t)
+    assert t.events[0].segments == 3 and t.events[1].segments == 1
     for key, value in want.items():
         got = t.get(*key)
         assert got.dtype == value.dtype and torch.equal(got, value), key
@@ -186,6 +187,9 @@ def test_recorder_misuse_is_a_trace_error(tmp_path):
         rec.record("x.y", torch.ones(1), obj=object())
     with pytest.raises(TraceError, match="Tensor"):
         rec.record("x.z", [1.0, 2.0])
+    with pytest.raises(TraceError, match="equal segments"):
+        rec.record("x.v", torch.ones(2, 7), segments=2)  # checked in full mode too
+    rec.record("x.v", torch.ones(2, 7))  # the failed call recorded nothing
     with pytest.raises(TraceError, match="mode"):
         TraceRecorder(tmp_path / "u", mode="everything", producer="x")
     rec.close()

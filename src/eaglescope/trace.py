@@ -10,6 +10,10 @@ SGLang, vLLM or their own engine and drop ``rec.record(stage, tensor)`` calls in
         ...
         rec.next_round()
 
+Rounds: round 0 is prefill (target.tap.*, target.aux over the prompt, verify.bonus = first token,
+next.hidden_in); each round r >= 1 is one cycle draft (draft.*) → tree (verify.tokens/parents) → target
+verify forward (target.tap.*, target.aux over the tree) → verify.accepted/bonus → next.hidden_in.
+
 Fingerprint mode stores, instead of a float tensor, a few small statistics and a fixed-seed random
 projection of every row, so that a 671B-parameter engine can afford to record and two traces can still
 be compared (``compare``) without the full tensors.
@@ -443,8 +447,8 @@ class TraceRecorder:
             key = _event_key(r, stage, part)
             if key in self._seen:
                 raise TraceError(f"stage {stage!r} recorded twice in round {r}: call next_round() between rounds")
-            self._seen.add(key)
             self._add(r, stage, part, key, t, segments, full, extra)
+            self._seen.add(key)
 
     def close(self) -> Path:
         """Write the manifest and the remaining tensors, then swap the directory in. Idempotent."""
@@ -487,8 +491,11 @@ class TraceRecorder:
     # -- internals ---------------------------------------------------------------------------------------
     def _add(self, r, stage, part, key, t, segments, full, extra) -> None:
         ev = {"round": r, "stage": stage, "part": part, "key": key, "file": None}
-        ev |= {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
-        keep_full = self.mode == "full" or full or not (t.is_floating_point() or t.is_complex())
+        width = t.shape[-1] if t.dim() else 1
+        if segments < 1 or width % segments:
+            raise TraceError(f"{stage}: cannot split a last dimension of {width} into {segments} equal segments")
+        ev |= {"shape": list(t.shape), "dtype": _dtype_name(t.dtype), "segments": int(segments)}
+        keep_full = self.mode == "full" or full or not t.is_floating_point()
         if keep_full:
             # A copy even on the CPU: engines reuse buffers, and a view would drag its whole storage along.
             self._put(key, t.detach().to("cpu", copy=True).contiguous())
@@ -497,7 +504,7 @@ class TraceRecorder:
             fp = fingerprint(t, segments, self.seed)
             for name, v in fp.tensors().items():
                 self._put(f"{key}:{name}", v.contiguous())
-            ev |= {"kind": "fingerprint", "segments": fp.segments, "seed": fp.seed}
+            ev |= {"kind": "fingerprint", "seed": fp.seed}
         ev["extra"] = extra
         self.events.append(ev)
         self._flush()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 CORPUS = [
@@ -25,7 +25,13 @@ CORPUS = [
     "Think step by step: two plus two is four.",
     "You are a helpful assistant that answers briefly.",
     "System User Assistant user assistant system ### : \n\n",
+    "### Assistant: The answer is Paris. The end. The capital. Four.",
 ]
+
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -128,10 +134,17 @@ LLAMA3_GENERATION = ChatStyle(
 STYLES = {s.name: s for s in (LLAMA3, QWEN3, CUSTOM, LLAMA3_GENERATION)}
 
 
-def make_tokenizer_dir(root: Path, style: ChatStyle, vocab_size: int = 300) -> Path:
+def make_tokenizer_dir(root: Path, style: ChatStyle, vocab_size: int = 600) -> Path:
     """Train a byte-level BPE, attach `style`'s template and tokens, save_pretrained under root/style.name."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Llama-3 / Qwen2 style split: runs of newlines stay one piece whatever follows them, so the
+    # text before an answer tokenizes the same alone (serving prompt) as with the answer after it.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

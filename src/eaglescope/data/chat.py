@@ -159,7 +159,7 @@ def assistant_char_spans(messages: list[dict], tokenizer, text: str) -> list[tup
             answer = answer[: ends[-1][1]]
         if not text.startswith(local[:a]):
             raise EagleScopeError(
-                f"chat template renders the conversation before assistant turn {i} differently once later turns "
+                f"chat template renders the conversation before assistant message {i} differently once later turns "
                 "follow, so its answer cannot be located."
             )
         start = a
@@ -169,7 +169,7 @@ def assistant_char_spans(messages: list[dict], tokenizer, text: str) -> list[tup
             end = pos + len(eot)  # earlier turn re-rendered (e.g. reasoning stripped): anchor on end-of-turn
         else:
             raise EagleScopeError(
-                f"chat template re-renders assistant turn {i} once later turns follow and writes no end-of-turn "
+                f"chat template re-renders assistant message {i} once later turns follow and writes no end-of-turn "
                 "control token to anchor on, so its answer cannot be located."
             )
         if spans and start < spans[-1][1]:

@@ -223,6 +223,12 @@ def test_tree_forward_and_commit_match_transformers_on_each_path(family, target)
     _tree_round(family[1], target, _prompt(6, 3), parents, _prompt(7, 4), leaf=5, nxt=9)
 
 
+def test_eager_attention_accepts_the_tree_mask_too(family):
+    tgt = HFTarget.from_dir(family[0], taps=ALL_TAPS, attn_implementation="eager")
+    assert tgt.model.config._attn_implementation == "eager"
+    _tree_round(family[1], tgt, _prompt(5, 10), [-1, 0, 1, 0, 3], _prompt(5, 11), leaf=4, nxt=17)
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_tree_and_any_accepted_path_match_transformers(family, target, data):
@@ -337,9 +343,10 @@ def test_unknown_architecture(tmp_path, small_dir):
         HFTarget.from_dir(d)
 
 
-def test_shape_mismatch(tmp_path, small_dir):
-    d = _copy_with_config(small_dir, tmp_path / "s", lambda c: c.update(vocab_size=VOCAB * 2))
-    with pytest.raises(EagleScopeError, match="weights"):
+@pytest.mark.parametrize("edit", [{"vocab_size": VOCAB * 2}, {"hidden_size": 32}, {"num_hidden_layers": 6}])
+def test_weights_that_do_not_fit_the_config_are_refused_not_random_initialised(tmp_path, small_dir, edit):
+    d = _copy_with_config(small_dir, tmp_path / "s", lambda c: c.update(edit))
+    with pytest.raises(EagleScopeError, match="do not fit its config"):
         HFTarget.from_dir(d)
 
 

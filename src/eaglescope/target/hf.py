@@ -199,6 +199,10 @@ class HFTarget(Target):
                 ) from None
             raise EagleScopeError(f"cannot load the weights in {model_dir}: {str(e).splitlines()[0]}") from None
         except (RuntimeError, OSError) as e:
+            if "mismatch" in str(e).lower():
+                raise EagleScopeError(
+                    f"the weights in {model_dir} do not fit its config.json: tensor shapes differ"
+                ) from None
             raise EagleScopeError(f"cannot load the weights in {model_dir}: {str(e).splitlines()[0]}") from None
         # transformers silently random-initialises missing or mismatched weights; a target must never be random.
         bad = list(info.get("missing_keys") or []) + [str(m[0]) for m in info.get("mismatched_keys") or []]
@@ -276,7 +280,8 @@ class HFTarget(Target):
         """Crop every layer to the committed prefix, appending the pending positions in `keep` (if any)."""
         n = self._committed
         for layer in self._cache.layers:
-            if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+            keys = getattr(layer, "keys", None)  # layers stay uninitialised until their first update
+            if not getattr(layer, "is_initialized", True) or keys is None or keys.numel() == 0:
                 continue
             for name in ("keys", "values"):
                 t = getattr(layer, name)  # [B, heads, S, d]; d differs between keys and values under MLA

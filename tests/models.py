@@ -39,8 +39,11 @@ def make_checkpoint(family: str, out: Path, seed: int = 0, **overrides) -> Path:
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.15 if "embed" in name else 1.0 / p.shape[1] ** 0.5)
-    model.save_pretrained(out, safe_serialization=True, **({"max_shard_size": overrides.pop("_shard", None)}
-                                                           if "_shard" in overrides else {}))
+    model.save_pretrained(
+        out,
+        safe_serialization=True,
+        **({"max_shard_size": overrides.pop("_shard", None)} if "_shard" in overrides else {}),
+    )
     return out
 
 

@@ -30,8 +30,13 @@ def pair(request, tmp_path_factory):
     family = request.param
     extra = {}
     if family == "llama":
-        extra["rope_scaling"] = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        extra["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
     d = make_checkpoint(family, tmp_path_factory.mktemp(family), seed=FAMILIES.index(family), **extra)
     hf = load_hf(d)
     target = load_target(d, device="cpu", dtype=torch.float32)
@@ -47,7 +52,7 @@ def hf_run(hf, ids: list[int]):
 
 def check_taps(aux: torch.Tensor, hidden_states, rows: slice | list[int], H: int) -> None:
     for j, hs in enumerate(hidden_states[:-1]):  # the last entry is the final normed state: never a tap
-        assert rel_err(aux[:, j * H:(j + 1) * H], hs[0][rows]) <= 1e-4, f"tap {j}"
+        assert rel_err(aux[:, j * H : (j + 1) * H], hs[0][rows]) <= 1e-4, f"tap {j}"
 
 
 def test_prefill_matches_transformers(pair):
@@ -108,7 +113,7 @@ def test_tree_masked_forward_matches_each_path(pair):
         assert rel_err(out.logits[i], ref_logits[-1]) <= 1e-4, f"node {i}"
         H = target.hidden_size
         for j, hs in enumerate(ref_hs[:-1]):
-            assert rel_err(out.aux[i, j * H:(j + 1) * H], hs[0, -1]) <= 1e-4
+            assert rel_err(out.aux[i, j * H : (j + 1) * H], hs[0, -1]) <= 1e-4
     # keep the deepest path, then decode one more token: the cache must hold exactly prompt + path
     keep = paths[5]
     target.commit(torch.tensor(keep))
@@ -128,7 +133,7 @@ def test_batched_hidden_states_match_transformers(pair):
     assert rel_err(out.logits, ref.logits) <= 1e-4
     H = target.hidden_size
     for j, hs in enumerate(ref.hidden_states[:-1]):
-        assert rel_err(out.aux[..., j * H:(j + 1) * H], hs) <= 1e-4
+        assert rel_err(out.aux[..., j * H : (j + 1) * H], hs) <= 1e-4
 
 
 def test_greedy_generate_equals_transformers_generate(pair):
@@ -137,10 +142,16 @@ def test_greedy_generate_equals_transformers_generate(pair):
         prompt = torch.randint(0, target.vocab_size, (6 + seed,), generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
             # an explicit attention mask: without one, transformers masks any prompt token equal to pad_token_id
-            ref = hf.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+            ref = hf.generate(
+                prompt[None],
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         ours = generate_vanilla(target, prompt.tolist(), 24, stop_ids=[])
-        assert ours.token_ids == ref[0, len(prompt):].tolist()
+        assert ours.token_ids == ref[0, len(prompt) :].tolist()
 
 
 def test_sharded_checkpoint_loads(tmp_path):

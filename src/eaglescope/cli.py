@@ -13,8 +13,12 @@ from eaglescope.errors import EagleScopeError
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="Hugging Face checkpoint directory of the target model")
-    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"],
-                   help="native Llama-family path or generic transformers path (auto: native when supported)")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "native", "hf"],
+        help="native Llama-family path or generic transformers path (auto: native when supported)",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
 
@@ -36,8 +40,9 @@ def prompt_ids_from_args(args, tokenizer) -> list[int]:
     if args.chat:
         if not getattr(tokenizer, "chat_template", None):
             raise EagleScopeError("--chat needs a chat template, and the target's tokenizer has none")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
@@ -85,8 +90,10 @@ def cmd_generate(args) -> int:
     else:
         print(text if text is not None else " ".join(map(str, result.token_ids)))
         extra = "".join(f", {k}={v}" for k, v in stats.items() if k in ("accept_length", "rounds"))
-        print(f"[{stats['new_tokens']} tokens in {stats['seconds']:.3f}s, "
-              f"{stats['tokens_per_second']:.1f} tok/s{extra}]", file=sys.stderr)
+        print(
+            f"[{stats['new_tokens']} tokens in {stats['seconds']:.3f}s, {stats['tokens_per_second']:.1f} tok/s{extra}]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -150,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a bug, but the user still gets one line and a way to see more
         if debug:
             raise
-        print(f"eaglescope: internal error: {type(e).__name__}: {e} (set EAGLESCOPE_DEBUG=1 for a traceback)",
-              file=sys.stderr)
+        print(
+            f"eaglescope: internal error: {type(e).__name__}: {e} (set EAGLESCOPE_DEBUG=1 for a traceback)",
+            file=sys.stderr,
+        )
         return 1
 
 

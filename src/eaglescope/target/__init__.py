@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from eaglescope.errors import EagleScopeError
+from eaglescope.taps import TapContract
 from eaglescope.target.base import Target, TargetFingerprint, TargetOutput
 from eaglescope.target.llama import NATIVE_MODEL_TYPES, load_native
 from eaglescope.target.loading import (
@@ -17,7 +18,6 @@ from eaglescope.target.loading import (
     load_tokenizer,
     read_config,
 )
-from eaglescope.taps import TapContract
 
 __all__ = ["Target", "TargetFingerprint", "TargetOutput", "load_target", "default_device", "parse_dtype"]
 
@@ -31,8 +31,14 @@ def default_device() -> torch.device:
 def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if name not in table:
         raise EagleScopeError(f"unknown dtype {name!r}; use one of {', '.join(table)}")
     return table[name]

@@ -47,6 +47,7 @@ class TargetFingerprint:
 class TargetOutput:
     logits: torch.Tensor  # [T, V] (batch 1 path) or [B, T, V]
     aux: torch.Tensor | None  # [T, nH] / [B, T, nH]: taps concatenated low to high; None without taps
+    final_hidden: torch.Tensor | None = None  # [B, T, H] final normed state (hidden_states() only)
 
 
 def sha256_file(path: Path) -> str | None:
@@ -138,8 +139,15 @@ class Target(ABC):
     def commit(self, keep: torch.Tensor | None = None) -> None:
         """Keep the listed pending positions (all when None)."""
 
+    def truncate(self, length: int) -> None:
+        """Drop committed positions beyond `length` (a draft LM rolling back rejected tokens)."""
+        raise NotImplementedError
+
+    def head(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """Logits from the final normed state (teacher logits recomputed from stored hidden states)."""
+        raise NotImplementedError
+
     @abstractmethod
-    def hidden_states(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-    ) -> TargetOutput:
-        """Cache-free batched forward: logits [B, T, V], aux [B, T, nH]. Right padding only."""
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetOutput:
+        """Cache-free batched forward: logits [B, T, V], aux [B, T, nH], final_hidden [B, T, H].
+        Right padding only."""

@@ -149,7 +149,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [B, T] → cos, sin [B, 1, T, D] (half-split layout, as transformers' Llama)."""
     freqs = positions.float()[..., None] * inv_freq.to(positions.device)[None, None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -282,7 +284,8 @@ class LlamaModel(nn.Module):
         cache: KVCache | None = None,
         start: int = 0,
         taps: tuple[int, ...] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """→ logits [B, T, V], aux [B, T, nH] (None without taps), final normed state [B, T, H]."""
         x = self.model.embed_tokens(idx)
         cos, sin = self.rope_for(positions)
         captured = []
@@ -290,9 +293,9 @@ class LlamaModel(nn.Module):
             if i in taps:
                 captured.append(x)
             x = layer(x, cos, sin, mask, cache, i, start)
-        logits = self.lm_head(self.model.norm(x))
+        final = self.model.norm(x)
         aux = torch.cat(captured, dim=-1) if captured else None
-        return logits, aux
+        return self.lm_head(final), aux, final
 
 
 def _sliding_check(a: LlamaArgs, max_len: int) -> None:
@@ -345,7 +348,7 @@ class NativeTarget(Target):
         if tree_mask is None:
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
         mask = torch.cat([torch.ones(T, start, dtype=torch.bool, device=self.device), tree_mask.to(self.device)], 1)
-        logits, aux = self.model(
+        logits, aux, _ = self.model(
             tokens.to(self.device)[None],
             positions.to(self.device)[None],
             mask[None, None],
@@ -372,10 +375,20 @@ class NativeTarget(Target):
         B, T = input_ids.shape
         _sliding_check(self.args, T)
         positions = torch.arange(T, device=self.device).expand(B, T)
-        logits, aux = self.model(
+        logits, aux, final = self.model(
             input_ids.to(self.device), positions, None, None, 0, self.taps.layers if self.taps else ()
         )
-        return TargetOutput(logits, aux)
+        return TargetOutput(logits, aux, final)
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._len:
+            raise ValueError(f"cannot truncate a cache of {self._len} positions to {length}")
+        self._len = length
+        self._pending = 0
+
+    @torch.inference_mode()
+    def head(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(final_hidden.to(self.dtype))
 
 
 def build_native(cfg: dict, state_dict: dict[str, torch.Tensor], device, dtype) -> LlamaModel:

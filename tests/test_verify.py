@@ -109,6 +109,13 @@ def test_greedy_sometimes_accepted_takes_matching_branch():
     assert res.last_node == 6
 
 
+def test_greedy_duplicate_siblings_take_the_deepest_match():
+    # root children 2 (leaf) and 2 (with child 3): both match, the second goes deeper
+    tree = tree_of([ROOT, 2, 2, 3], [-1, 0, 0, 2])
+    res = verify_greedy(tree, logits_with_argmax([2, 3, 3, 4]))
+    assert res.accepted == [2, 3] and res.tokens == [2, 3, 4]
+
+
 def test_sampling_at_temperature_zero_is_greedy():
     tree = tree_of([ROOT, 2, 3, 3, 0, 1, 4, 0], [-1, 0, 0, 0, 1, 2, 2, 6])
     logits = torch.randn(8, V, generator=torch.Generator().manual_seed(1))

@@ -131,6 +131,8 @@ def predicted_accept_length(alpha: Sequence[float]) -> float:
     Exact for rounds that all draft len(alpha) deep: E[accepted] = Σ_k P(accepted >= k)."""
     total, run = 1.0, 1.0
     for a in alpha:
+        if run == 0.0:  # nothing gets past a zero; later α may be undefined (nan)
+            break
         run *= a
         total += run
     return total

@@ -50,18 +50,27 @@ def _children_by_score(tree: DraftTree) -> list[list[int]]:
 def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
     """Longest root path whose every token equals the target argmax at its parent.
 
-    Lossless because every emitted token is the target argmax given exactly the emitted prefix."""
+    Lossless because every emitted token is the target argmax given exactly the emitted prefix.
+    With duplicate siblings the deepest matching path wins (ties: first in node order)."""
     _check(tree, target_logits)
     best = target_logits.argmax(-1).tolist()
-    tokens = tree.tokens.tolist()
-    kids = tree.children_lists()
-    cur, accepted = 0, []
-    while True:
-        nxt = next((c for c in kids[cur] if tokens[c] == best[cur]), None)
-        if nxt is None:
-            break
-        accepted.append(nxt)
-        cur = nxt
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    depth = [0] * len(tokens)  # accepted depth of each node on a matching path, -1 off every such path
+    last = 0
+    for i in range(1, len(tokens)):  # parents precede children: one pass marks every matching path
+        p = parents[i]
+        if depth[p] >= 0 and tokens[i] == best[p]:
+            depth[i] = depth[p] + 1
+            if depth[i] > depth[last]:
+                last = i
+        else:
+            depth[i] = -1
+    accepted = []
+    while last > 0:
+        accepted.append(last)
+        last = parents[last]
+    accepted.reverse()
+    cur = accepted[-1] if accepted else 0
     return VerifyResult(accepted, best[cur], [tokens[c] for c in accepted] + [best[cur]])
 
 

@@ -337,12 +337,28 @@ class HFTarget(Target):
             self._committed += keep.numel()
         self._pending = 0
 
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._committed:
+            raise ValueError(f"cannot truncate a cache of {self._committed} positions to {length}")
+        self._committed, self._pending = length, 0
+        self._edit_cache(None)
+
+    @torch.no_grad()
+    def head(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(final_hidden.to(self.device, self.dtype))
+
     # -- batched cache-free path -------------------------------------------------------------
     @torch.no_grad()
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetOutput:
-        out = self.model(
-            input_ids=input_ids.to(self.device),
-            attention_mask=None if attention_mask is None else attention_mask.to(self.device),
-            use_cache=False,
-        )
-        return TargetOutput(out.logits.float(), self._aux())
+        # The input of the output embedding is the final normed state, whatever the architecture calls its norm.
+        captured: list[torch.Tensor] = []
+        handle = self.model.get_output_embeddings().register_forward_pre_hook(lambda m, a: captured.append(a[0]))
+        try:
+            out = self.model(
+                input_ids=input_ids.to(self.device),
+                attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+                use_cache=False,
+            )
+        finally:
+            handle.remove()
+        return TargetOutput(out.logits.float(), self._aux(), captured[-1] if captured else None)

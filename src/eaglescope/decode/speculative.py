@@ -1,0 +1,422 @@
+"""Speculative decoding: every proposer feeds one verify loop.
+
+A round: the proposer builds a draft tree whose root is the last emitted token; the target
+runs once over the tree (ancestor mask, positions = root position + depth); verification
+picks the accepted path and a bonus token; the target keeps the KV of root + accepted nodes
+only; the proposer is told what was accepted, with the target's tap features of exactly
+those positions.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+
+import torch
+
+from eaglescope import trace as T
+from eaglescope.decode.stats import SpecStats
+from eaglescope.decode.tree import DraftTree, TreeBuilder
+from eaglescope.decode.vanilla import GenerationResult, SamplingConfig, _sync, check_prompt, choose_token
+from eaglescope.decode.verify import VerifyResult, verify_greedy, verify_sampling
+from eaglescope.draft import Eagle3Draft
+from eaglescope.errors import EagleScopeError
+from eaglescope.target.base import Target, TargetOutput
+
+
+class Proposer(ABC):
+    """Proposes a draft tree each round; learns what the target accepted."""
+
+    name = "proposer"
+
+    @property
+    @abstractmethod
+    def max_nodes(self) -> int:
+        """Upper bound on tree size (root included), so the target cache can be sized."""
+
+    def start(self, prompt_ids: list[int], prefill: TargetOutput, first_token: int) -> None:  # noqa: B027
+        """After the target's prefill of the prompt and its first token."""
+
+    @abstractmethod
+    def propose(self, tokens: list[int], root_position: int) -> DraftTree:
+        """A tree whose root is tokens[-1], which sits at `root_position` in the target's sequence."""
+
+    def accepted(self, tree: DraftTree, result: VerifyResult, verify_out: TargetOutput) -> None:  # noqa: B027
+        """After verification: `result.path` are the tree nodes whose target KV was kept."""
+
+
+def parse_tree_shape(chain: int | None, tree: str | None) -> tuple[int, int, int]:
+    """(depth, top_k, total_tokens). A chain of K is a tree of depth K, top_k 1, K+1 nodes."""
+    from eaglescope.decode.tree import EAGLE_DEFAULT_TREE
+
+    if chain is not None:
+        if chain < 1:
+            raise EagleScopeError(f"--chain must be >= 1, got {chain}")
+        return chain, 1, chain + 1
+    if tree is None:
+        return EAGLE_DEFAULT_TREE
+    try:
+        depth, top_k, total = (int(x) for x in tree.split(","))
+    except ValueError:
+        raise EagleScopeError(f"--tree must be DEPTH,TOPK,TOTAL (e.g. 7,10,60), got {tree!r}") from None
+    if depth < 1 or top_k < 1 or total < 2:
+        raise EagleScopeError(f"--tree needs depth >= 1, top_k >= 1 and total >= 2, got {tree!r}")
+    return depth, top_k, total
+
+
+class Eagle3Proposer(Proposer):
+    """EAGLE-3 draft: catch-up over newly accepted positions from the target's taps, then an EAGLE-2 tree.
+
+    Draft cache slots: [0, committed) hold step-0 keys of every context position (features from
+    the target); tree nodes of the current round are appended after them and dropped when the
+    round ends (the next catch-up overwrites those slots).
+    """
+
+    name = "eagle3"
+
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        depth: int,
+        top_k: int,
+        total_tokens: int,
+        max_len: int,
+        recorder: T.TraceRecorder | None = None,
+    ) -> None:
+        self.draft = draft
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.max_len = max_len
+        self.rec = recorder
+        p = draft.fc.weight
+        self.device, self.dtype = p.device, p.dtype
+        # Every expansion adds at most top_k nodes (the frontier), so a round appends at most this many keys.
+        self.cache = draft.new_cache(1, max_len + depth * top_k + 1)
+        self.committed = 0
+        self.pending_aux: torch.Tensor | None = None  # [P, nH] target features of positions not yet caught up
+        self.pending_tokens: torch.Tensor | None = None  # [P] the token that follows each of those positions
+
+    @property
+    def max_nodes(self) -> int:
+        return self.total_tokens
+
+    # -- hooks a fault-injection test may override --------------------------------------
+    def features(self, aux: torch.Tensor) -> torch.Tensor:
+        """Step-0 input features: fc over the target's concatenated taps."""
+        return self.draft.project(aux.to(self.dtype))
+
+    def next_round_features(self, verify_out: TargetOutput, result: VerifyResult) -> torch.Tensor:
+        """Target features of exactly the positions whose KV survived: root + accepted."""
+        return verify_out.aux[torch.tensor(result.path, device=verify_out.aux.device)]
+
+    # -- protocol ------------------------------------------------------------------------
+    def start(self, prompt_ids, prefill, first_token) -> None:
+        if prefill.aux is None:
+            raise EagleScopeError("the target returned no tap features: set its taps to the draft's contract")
+        self.committed = 0
+        self.pending_aux = prefill.aux
+        self.pending_tokens = torch.tensor(prompt_ids[1:] + [first_token], device=self.device)
+
+    def accepted(self, tree, result, verify_out) -> None:
+        self.pending_aux = self.next_round_features(verify_out, result)
+        toks = [int(tree.tokens[i]) for i in result.accepted] + [result.bonus]
+        self.pending_tokens = torch.tensor(toks, device=self.device)
+
+    def _record(self, stage: str, tensor: torch.Tensor, **kw) -> None:
+        if self.rec is not None:
+            self.rec.record(stage, tensor, **kw)
+
+    @torch.inference_mode()
+    def catch_up(self) -> torch.Tensor:
+        """Step 0 over the pending positions; commits their keys. Returns the last pre-norm output [H]."""
+        P = self.pending_aux.shape[0]
+        start = self.committed
+        if start + P + self.depth * self.top_k + 1 > self.cache.max_len:
+            raise EagleScopeError("draft cache overflow: sequence longer than the decoder was sized for")
+        hidden = self.features(self.pending_aux)  # [P, H]
+        positions = torch.arange(start, start + P, device=self.device)
+        mask = torch.ones(P, start + P, dtype=torch.bool, device=self.device)
+        mask[:, start:] = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
+        self._record(T.DRAFT_FC_OUT, hidden)
+        self._record(T.draft_embed_in(0), self.draft.embed_tokens(self.pending_tokens))
+        self._record(T.draft_hidden_in(0), hidden)
+        out = self.draft.step(
+            self.pending_tokens[None], hidden[None], positions[None], self.cache, start, mask[None, None]
+        )[0]
+        self._record(T.draft_hidden_out(0), out)
+        self.committed = start + P
+        return out[-1]
+
+    def _logprobs(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary log-probs [m, Vd] in float32."""
+        return torch.log_softmax(self.draft.logits(hidden_out).float(), dim=-1)
+
+    @torch.inference_mode()
+    def propose(self, tokens, root_position) -> DraftTree:
+        if root_position != self.committed + self.pending_aux.shape[0]:
+            raise RuntimeError(
+                f"draft/target out of step: root at {root_position}, draft has {self.committed} committed + "
+                f"{self.pending_aux.shape[0]} pending"
+            )
+        h_root = self.catch_up()  # features of the position before the root, paired with the root token
+        d2t = self.draft.d2t
+        builder = TreeBuilder(tokens[-1], self.top_k, self.device)
+        lp = self._logprobs(h_root[None])
+        self._record_topk(1, lp)
+        frontier = builder.expand(torch.zeros(1, dtype=torch.long, device=self.device), lp)
+        hidden_of = {0: h_root}  # builder id → pre-norm output of the step that consumed that node
+        processed: list[int] = []  # builder ids whose keys sit in the tree slots, in slot order
+        for level in range(1, self.depth):
+            ids = frontier.tolist()
+            m = len(ids)
+            parents = builder.parents[frontier].tolist()
+            draft_tok = builder.tokens[frontier]
+            tgt_tok = draft_tok + d2t[draft_tok]  # draft ids → target ids: the embedding is the target's
+            hidden_in = torch.stack([hidden_of[p] for p in parents])
+            start = self.committed + len(processed)
+            anc = builder.ancestor_mask(frontier)  # [m, num_nodes]
+            cols = torch.tensor(processed + ids, dtype=torch.long, device=self.device)
+            mask = torch.cat([torch.ones(m, self.committed, dtype=torch.bool, device=self.device), anc[:, cols]], 1)
+            # A node at depth d consumes the token at sequence position root+d and sits at RoPE position root+d-1,
+            # as TTT step d does (feature position + d).
+            positions = torch.full((m,), root_position + level - 1, device=self.device)
+            self._record(T.draft_embed_in(level), self.draft.embed_tokens(tgt_tok))
+            self._record(T.draft_hidden_in(level), hidden_in)
+            out = self.draft.step(tgt_tok[None], hidden_in[None], positions[None], self.cache, start, mask[None, None])[
+                0
+            ]
+            self._record(T.draft_hidden_out(level), out)
+            for j, i in enumerate(ids):
+                hidden_of[i] = out[j]
+            processed += ids
+            lp = self._logprobs(out)
+            self._record_topk(level + 1, lp)
+            frontier = builder.expand(frontier, lp)
+        tree = builder.finalize(self.total_tokens)
+        toks = tree.tokens.clone()
+        toks[1:] = toks[1:] + d2t[toks[1:]]
+        tree.tokens = toks
+        return tree
+
+    def _record_topk(self, step: int, lp: torch.Tensor) -> None:
+        if self.rec is not None:
+            v, i = lp.topk(min(self.top_k, lp.shape[-1]), dim=-1)
+            self.rec.record(T.draft_topk(step - 1), {T.TOPK_IDS: self.draft.to_target_ids(i), T.TOPK_LOGPROBS: v})
+
+
+class NgramProposer(Proposer):
+    """Prompt-lookup decoding: continue the latest earlier occurrence of the trailing n-gram."""
+
+    name = "ngram"
+
+    def __init__(self, k: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+
+    @property
+    def max_nodes(self) -> int:
+        return self.k + 1
+
+    def propose(self, tokens, root_position) -> DraftTree:
+        seq = tokens
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            tail = seq[-n:]
+            for s in range(len(seq) - n - 1, -1, -1):
+                if seq[s : s + n] == tail:
+                    cont = seq[s + n : s + n + self.k]
+                    if cont:
+                        return DraftTree.chain([seq[-1], *cont])
+        return DraftTree.chain([seq[-1]])
+
+
+class DraftLMProposer(Proposer):
+    """Classic speculative decoding with a small causal LM sharing the target's tokenizer."""
+
+    name = "draft-lm"
+
+    def __init__(self, draft_lm: Target, k: int, sampling: SamplingConfig, max_len: int) -> None:
+        self.lm, self.k, self.sampling = draft_lm, k, sampling
+        self.lm.reset(max_len + k + 2)
+        self.gen = sampling.generator(draft_lm.device)
+
+    @property
+    def max_nodes(self) -> int:
+        return self.k + 1
+
+    @torch.inference_mode()
+    def propose(self, tokens, root_position) -> DraftTree:
+        from eaglescope.decode.sampling import process_logits, sample
+
+        out = self.lm.forward(torch.tensor(tokens[self.lm.cache_len :], device=self.lm.device))
+        self.lm.commit()
+        draft, probs = [], []
+        logits = out.logits[-1]
+        for i in range(self.k):
+            if self.sampling.greedy:
+                tok = int(logits.argmax())
+            else:
+                q = process_logits(logits, self.sampling.temperature, self.sampling.top_k, self.sampling.top_p)
+                tok = int(sample(q, self.gen))
+                probs.append(q)
+            draft.append(tok)
+            if i + 1 < self.k:
+                logits = self.lm.forward(torch.tensor([tok], device=self.lm.device)).logits[-1]
+                self.lm.commit()
+        self._context = len(tokens)
+        q = None
+        if probs:
+            q = torch.stack(probs + [torch.zeros_like(probs[0])]).to("cpu")  # row i: q the child of node i came from
+        return DraftTree.chain([tokens[-1], *draft], draft_probs=q)
+
+    def accepted(self, tree, result, verify_out) -> None:
+        # The LM consumed tokens[:-1]... plus drafts 1..k-1; keep what is still on the true path.
+        keep = self._context + min(len(result.accepted), self.k - 1)
+        self.lm.truncate(keep)
+
+
+def generate_speculative(
+    target: Target,
+    proposer: Proposer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: SamplingConfig | None = None,
+    stop_ids: list[int] | None = None,
+    recorder: T.TraceRecorder | None = None,
+) -> GenerationResult:
+    sampling = sampling or SamplingConfig()
+    sampling.validate()
+    budget = check_prompt(target, prompt_ids, max_new_tokens)
+    stop = set(target.eos_token_ids if stop_ids is None else stop_ids)
+    gen = sampling.generator(target.device)
+    stats = SpecStats()
+    rec = recorder
+    _sync(target.device)
+    t0 = time.perf_counter()
+    target.reset(len(prompt_ids) + budget + proposer.max_nodes + 1)
+    prefill = target.forward(torch.tensor(prompt_ids, device=target.device))
+    target.commit()
+    first = choose_token(prefill.logits[-1], sampling, gen)
+    if rec is not None:
+        _record_target(rec, target, prefill)
+        rec.record(T.VERIFY_BONUS, torch.tensor([first]))
+        if prefill.aux is not None:
+            rec.record(T.NEXT_HIDDEN_IN, prefill.aux)
+    tokens = list(prompt_ids) + [first]
+    generated = [first]
+    reason = "length" if budget == max_new_tokens else "context"
+    if first in stop:
+        reason = "eos"
+    else:
+        proposer.start(list(prompt_ids), prefill, first)
+    while reason != "eos" and len(generated) < budget:
+        if rec is not None:
+            rec.next_round()
+        root_pos = target.cache_len
+        tree = proposer.propose(tokens, root_pos)
+        if rec is not None:
+            rec.record(T.VERIFY_TOKENS, tree.tokens)
+            rec.record(T.VERIFY_PARENTS, tree.parents)
+        tree_tokens = tree.tokens.to(target.device)
+        out = target.forward(
+            tree_tokens,
+            positions=root_pos + tree.depths.to(target.device),
+            tree_mask=tree.ancestor_mask().to(target.device),
+        )
+        if sampling.greedy:
+            res = verify_greedy(tree, out.logits)
+        else:
+            res = verify_sampling(tree, out.logits, sampling.temperature, sampling.top_k, sampling.top_p, gen)
+        target.commit(torch.tensor(res.path, device=target.device))
+        stats.record_round(tree, len(res.accepted))
+        if rec is not None:
+            _record_target(rec, target, out)
+            rec.record(T.VERIFY_ACCEPTED, torch.tensor(res.accepted, dtype=torch.long))
+            rec.record(T.VERIFY_BONUS, torch.tensor([res.bonus]))
+        emitted = res.tokens
+        for i, tok in enumerate(emitted):
+            if tok in stop:
+                emitted = emitted[: i + 1]
+                reason = "eos"
+                break
+        emitted = emitted[: budget - len(generated)]
+        generated += emitted
+        tokens += emitted
+        if reason == "eos" or len(generated) >= budget:
+            break
+        proposer.accepted(tree, res, out)
+        if rec is not None and isinstance(proposer, Eagle3Proposer):
+            rec.record(T.NEXT_HIDDEN_IN, proposer.pending_aux)
+    _sync(target.device)
+    return GenerationResult(list(prompt_ids), generated, reason, time.perf_counter() - t0, stats)
+
+
+def _record_target(rec: T.TraceRecorder, target: Target, out: TargetOutput) -> None:
+    if out.aux is None or target.taps is None:
+        return
+    H = target.hidden_size
+    for j, layer in enumerate(target.taps.layers):
+        rec.record(T.target_tap(layer), out.aux[:, j * H : (j + 1) * H])
+    rec.record(T.TARGET_AUX, out.aux, segments=target.taps.count)
+
+
+def build_proposer(args, target: Target, sampling: SamplingConfig, max_len: int, recorder=None) -> Proposer:
+    """The proposer the CLI flags ask for."""
+    from eaglescope.draft import check_draft_matches_target, load_draft
+
+    depth, top_k, total = parse_tree_shape(args.chain, args.tree)
+    if args.proposer == "ngram":
+        return NgramProposer(depth)
+    if args.draft is None:
+        raise EagleScopeError(f"--proposer {args.proposer} needs --draft DIR")
+    if args.proposer == "draft-lm":
+        from eaglescope.target import load_target
+
+        lm = load_target(args.draft, device=target.device, dtype=target.dtype, backend=args.backend)
+        if lm.vocab_size != target.vocab_size:
+            raise EagleScopeError(
+                f"draft LM vocabulary ({lm.vocab_size}) differs from the target's ({target.vocab_size})"
+            )
+        return DraftLMProposer(lm, depth if args.chain is not None else 4, sampling, max_len)
+    loaded = load_draft(args.draft, target.num_layers, device=target.device, dtype=target.dtype)
+    check_draft_matches_target(loaded.contract, target.fingerprint)
+    if not loaded.has_embedding:
+        loaded.model.load_target_embedding(target_embedding(target))
+    target.set_taps(loaded.contract.taps)
+    return Eagle3Proposer(loaded.model, depth, top_k, total, max_len, recorder)
+
+
+def target_embedding(target: Target) -> torch.Tensor:
+    if hasattr(target, "model") and hasattr(target.model, "get_input_embeddings"):
+        return target.model.get_input_embeddings().weight
+    return target.model.model.embed_tokens.weight
+
+
+def run_speculative_from_args(args, target: Target, prompt_ids, sampling, stop) -> GenerationResult:
+    budget = check_prompt(target, prompt_ids, args.max_new_tokens)
+    recorder = None
+    if args.trace:
+        recorder = T.TraceRecorder(args.trace, mode=args.trace_mode, producer="eaglescope")
+    proposer = build_proposer(args, target, sampling, len(prompt_ids) + budget + 1, recorder)
+    if recorder is not None:
+        recorder.set_meta(
+            prompt_ids=list(prompt_ids),
+            target=target.fingerprint.to_dict(),
+            taps=target.taps.to_dict() if target.taps else None,
+            settings={
+                "chain": args.chain,
+                "tree": args.tree,
+                "temperature": sampling.temperature,
+                "top_k": sampling.top_k,
+                "top_p": sampling.top_p,
+                "seed": sampling.seed,
+                "max_new_tokens": args.max_new_tokens,
+                "proposer": args.proposer,
+            },
+        )
+    try:
+        result = generate_speculative(target, proposer, prompt_ids, args.max_new_tokens, sampling, stop, recorder)
+    except BaseException:
+        if recorder is not None:
+            recorder.abort()
+        raise
+    if recorder is not None:
+        recorder.close()
+    return result

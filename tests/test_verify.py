@@ -286,3 +286,24 @@ def test_builder_tree_verifies_losslessly_at_first_token():
     for _ in range(4000):
         counts[verify_sampling(tree, logits, generator=g_verify).tokens[0]] += 1
     assert chi2_pvalue(counts[:, None], target_probs_given(ROOT).double()[:, None]) > 1e-3
+
+
+def test_sampled_chain_from_the_target_itself_is_always_accepted():
+    g = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        tokens, rows = [ROOT], []
+        for _ in range(4):
+            rows.append(target_probs_given(tokens[-1]))
+            tokens.append(int(torch.multinomial(rows[-1], 1, generator=g)))
+        tree = DraftTree.chain(tokens, torch.stack(rows))
+        res = verify_sampling(tree, TABLE[tree.tokens], generator=g)
+        assert res.accepted == [1, 2, 3, 4] and res.tokens[:4] == tokens[1:]
+
+
+def test_tokens_outside_top_k_are_never_accepted():
+    g = torch.Generator().manual_seed(6)
+    banned = int(TABLE[ROOT].argmin())
+    tree = DraftTree.from_parents([ROOT, banned, banned], [-1, 0, 1])
+    for _ in range(300):
+        res = verify_sampling(tree, TABLE[tree.tokens], temperature=1.0, top_k=V - 1, generator=g)
+        assert res.accepted == [] and res.bonus != banned

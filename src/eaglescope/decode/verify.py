@@ -94,47 +94,78 @@ def verify_sampling(
         q = q.to(p.device, p.dtype)
     tokens = tree.tokens.tolist()
     kids = _children_by_score(tree)
-    rand_device = generator.device if generator is not None else p.device
+    walk = _walk_topk if q is None else _walk_sampled
+    accepted, residual = walk(p, q, tokens, kids, generator)
+    bonus = int(sample(residual, generator))
+    return VerifyResult(accepted, bonus, [tokens[c] for c in accepted] + [bonus])
 
-    def uniform() -> torch.Tensor:
-        return torch.rand((), generator=generator, device=rand_device).to(p.device)
 
+def _uniforms(n: int, p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    device = generator.device if generator is not None else p.device
+    return torch.rand(n, generator=generator, device=device, dtype=torch.float64).to(p.device)
+
+
+def _walk_topk(p, q, tokens, kids, generator) -> tuple[list[int], torch.Tensor]:
+    """Deterministic draft (q = 1 on each proposed child): recursive rejection over siblings.
+
+    At node ``cur`` with residual r (initially p[cur]): accept child c w.p. r(c); on rejection zero
+    r(c) and renormalise. The token leaving the node is then exactly r: P(y) = r(c)[y=c] +
+    (1 - r(c)) * r(y)[y!=c] / (1 - r(c)) = r(y), and by induction over the siblings it is p[cur].
+    A duplicate sibling finds r(c) = 0 and is rejected without changing r. Since r(c) = p(c) /
+    (1 - rejected mass), a level needs one host sync: p at the children and the uniforms together."""
+    cur, accepted = 0, []
+    while True:
+        children = kids[cur]
+        if not children:
+            return accepted, p[cur]
+        child_tok = torch.tensor([tokens[c] for c in children], device=p.device)
+        pc, u = torch.stack([p[cur, child_tok].double(), _uniforms(len(children), p, generator)]).tolist()
+        rejected: dict[int, float] = {}
+        child = None
+        for j, c in enumerate(children):
+            if tokens[c] in rejected:
+                continue
+            left = 1.0 - sum(rejected.values())
+            if left <= 0.0:  # float round-off only: everything already rejected
+                break
+            if u[j] * left < pc[j]:  # u < p(c) / left
+                child = c
+                break
+            rejected[tokens[c]] = pc[j]
+        if child is None:
+            residual = p[cur].clone()
+            residual[list(rejected)] = 0.0
+            total = residual.sum()
+            return accepted, residual / total if bool(total > 0) else p[cur]
+        accepted.append(child)
+        cur = child
+
+
+def _walk_sampled(p, q, tokens, kids, generator) -> tuple[list[int], torch.Tensor]:
+    """Sampled draft: child c ~ q[cur] (a chain, or SpecInfer-style i.i.d. siblings).
+
+    Accept c w.p. min(1, r(c)/q(c)), else continue with r = norm(max(r - q, 0)): the standard
+    speculative-sampling step (Leviathan et al.) whose output is exactly r. The next sibling is a
+    fresh draw from q, so the same step repeats with the residual as target, and the token leaving
+    the node is distributed as p[cur] (SpecInfer)."""
     cur, accepted = 0, []
     residual = p[0]
     while True:
         child = None
         for c in kids[cur]:
             tok = tokens[c]
-            if q is None:
-                # Deterministic draft (q = 1 on c). Accepting c w.p. r(c), else drawing from
-                # r with c zeroed and renormalised, yields exactly r: P(y) = r(c)[y=c] +
-                # (1 - r(c)) r(y)[y!=c] / (1 - r(c)) = r(y). By induction over the siblings, the
-                # token leaving this node is distributed as p[cur]. A duplicate sibling finds
-                # r(c) = 0 and is rejected with no change to r.
-                if bool(uniform() < residual[tok]):
-                    child = c
-                    break
-                residual = residual.clone()
-                residual[tok] = 0.0
-            else:
-                # c ~ q[cur] (siblings i.i.d. from q, SpecInfer). Accept w.p. min(1, r/q), else draw
-                # from norm(max(r - q, 0)): the standard speculative-sampling step, whose output is
-                # exactly r; the next sibling is a fresh draw, so the same step repeats with the
-                # residual as target and the node still emits p[cur] (Leviathan et al.; SpecInfer).
-                qc = q[cur, tok]
-                if bool(uniform() * qc < residual[tok]):  # u < r/q without dividing by q = 0
-                    child = c
-                    break
-                residual = (residual - q[cur]).clamp(min=0.0)
+            u = _uniforms(1, p, generator)[0]
+            if bool(u * q[cur, tok] < residual[tok]):  # u < r/q without dividing by q = 0
+                child = c
+                break
+            residual = (residual - q[cur]).clamp(min=0.0)
             total = residual.sum()
             if not bool(total > 0):  # cannot happen in exact arithmetic: rejection had prob 0
                 residual = p[cur]
                 break
             residual = residual / total
         if child is None:
-            break
+            return accepted, residual
         accepted.append(child)
         cur = child
         residual = p[cur]  # fresh target distribution after the accepted prefix
-    bonus = int(sample(residual, generator))
-    return VerifyResult(accepted, bonus, [tokens[c] for c in accepted] + [bonus])

@@ -281,7 +281,8 @@ class Eagle3Draft(nn.Module):
     def load_target_embedding(self, weight: torch.Tensor) -> None:
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
             raise EagleScopeError(
-                f"target embedding has shape {tuple(weight.shape)}, draft expects {tuple(self.embed_tokens.weight.shape)}"
+                f"target embedding has shape {tuple(weight.shape)}, "
+                f"draft expects {tuple(self.embed_tokens.weight.shape)}"
             )
         with torch.no_grad():
             self.embed_tokens.weight.copy_(weight)

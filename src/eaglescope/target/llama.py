@@ -190,6 +190,23 @@ class KVCache(nn.Module):
         self.v[:, :, :, start : start + n] = self.v.index_select(3, src)
 
 
+class GrowingCache:
+    """Same `write` contract as KVCache, but concatenates instead of writing in place, so autograd can see
+    every step's keys (training-time test unrolls the draft through it)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        have = 0 if self.k is None else self.k.shape[2]
+        if start != have:
+            raise ValueError(f"GrowingCache appends only: start {start} != length {have}")
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
 class Attention(nn.Module):
     def __init__(self, a: LlamaArgs) -> None:
         super().__init__()

@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
 # Subcommands that live beside the code they drive; each module exposes add_parsers(sub).
 _EXTRA_COMMANDS = [
     "eaglescope.commands",
+    "eaglescope.data.prepare",
+    "eaglescope.export",
 ]
 
 

@@ -52,6 +52,30 @@ def test_process_logits_order_temperature_topk_topp():
         torch.testing.assert_close(process_logits(torch.randn(3, 4, V), t, k, p).sum(-1), torch.ones(3, 4))
 
 
+def full_vocab_reference(logits, temperature, top_k, top_p):
+    """The textbook recipe on the whole vocabulary: mask below the k-th logit, softmax, nucleus by full sort."""
+    logits = logits / temperature
+    if top_k:
+        logits = logits.masked_fill(logits < logits.topk(top_k).values[..., -1:], float("-inf"))
+    probs = logits.softmax(-1)
+    if top_p:
+        sorted_p, order = probs.sort(-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        drop[..., 0] = False
+        probs = probs.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, None, None), (0.7, 50, 0.9), (1.3, None, 0.5), (0.5, 200, 0.3)]
+)
+def test_process_logits_matches_full_vocab_reference(temperature, top_k, top_p):
+    logits = torch.randn(7, 1000, generator=torch.Generator().manual_seed(2)) * 3
+    expected = full_vocab_reference(logits, temperature, top_k, top_p)
+    torch.testing.assert_close(process_logits(logits, temperature, top_k, top_p), expected)
+
+
 def test_process_logits_rejects_bad_settings():
     for kwargs in [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2)]:
         with pytest.raises(EagleScopeError):

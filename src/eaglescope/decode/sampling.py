@@ -38,19 +38,25 @@ def process_logits(
         return torch.nn.functional.one_hot(logits.argmax(-1), vocab).to(logits.dtype)
     logits = logits / temperature
     if top_k and top_k < vocab:
-        keep = torch.zeros_like(logits, dtype=torch.bool)
-        keep.scatter_(-1, logits.topk(top_k, dim=-1).indices, True)
-        logits = logits.masked_fill(~keep, float("-inf"))
+        # work on the k survivors only: topk returns them sorted, so nucleus needs no full-vocab sort
+        vals, idx = logits.topk(top_k, dim=-1)
+        return torch.zeros_like(logits).scatter_(-1, idx, _nucleus(torch.softmax(vals, dim=-1), top_p))
     probs = torch.softmax(logits, dim=-1)
-    if top_p is not None and top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # drop a token when the mass strictly before it already reaches p; the first is never dropped
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    if top_p is None or top_p >= 1.0:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    return torch.zeros_like(probs).scatter_(-1, order, _nucleus(sorted_p, top_p))
+
+
+def _nucleus(sorted_p: torch.Tensor, top_p: float | None) -> torch.Tensor:
+    """Top-p on probabilities sorted in descending order; returns them renormalised (same order)."""
+    if top_p is None or top_p >= 1.0:
+        return sorted_p
+    # drop a token when the mass strictly before it already reaches p; the first is never dropped
+    drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+    drop[..., 0] = False
+    kept = sorted_p.masked_fill(drop, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

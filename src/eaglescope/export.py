@@ -73,10 +73,13 @@ def choose_engine_ids(taps: TapContract, engine: str) -> tuple[list[int] | None,
         return legacy_ok, []
     ids = taps.to_engine_ids("sglang")
     legacy = engine_capture(ids, "sglang-legacy", L)
-    why = "it cannot read the embedding (tap 0)" if 0 in taps.layers else "no ids mean the same to both versions"
+    if 0 in taps.layers:
+        why = "legacy SGLang cannot capture the embedding output at all: serve with newer SGLang or vLLM"
+    else:
+        why = "no ids mean the same to both versions: export with --to sglang-legacy for an old SGLang"
     return ids, [
         f"ids {ids} are for newer SGLang; legacy SGLang (always +1) would capture {legacy} instead of "
-        f"{list(taps.layers)} because {why}: export with --to sglang-legacy for an old SGLang"
+        f"{list(taps.layers)}; {why}"
     ]
 
 
@@ -134,10 +137,14 @@ def describe_draft(
         ok = cap == list(taps.layers)
         engines[engine] = {"captures": cap, "captures_names": _names(cap, L), "matches_contract": ok}
         if not ok:
+            try:
+                choose_engine_ids(taps, engine)
+                fix = f"re-export with --to {engine}"
+            except EagleScopeError as e:
+                fix = f"{engine} cannot capture these taps ({e})"
             warns.append(
                 f"ENGINE_TAP_CONVENTION: {engine} will capture {cap} ({'; '.join(_names(cap, L))}) but the draft "
-                f"was trained on {list(taps.layers)}: export with --to {engine.split('-')[0]}"
-                + (" (legacy SGLang: --to sglang-legacy)" if engine == "sglang-legacy" else "")
+                f"was trained on {list(taps.layers)}; {fix}"
             )
     vocab, vocab_warns = _vocab_map_report(loaded)
     warns += vocab_warns
@@ -204,7 +211,7 @@ def format_description(d: dict) -> str:
     how = "default" if ct["is_default"] else "non-default"
     if ct["inferred"]:
         how += f", INFERRED from the {ct['inferred_from']}"
-    lines.append(f"taps       {ct['taps']} of a {L}-layer target ({how}), HF output_hidden_states indices")
+    lines.append(f"taps       {ct['taps']} of a target with {L} layers ({how}), HF output_hidden_states indices")
     lines += [f"             hs[{i}]  {n}" for i, n in zip(ct["taps"], ct["tap_names"], strict=True)]
     fp = ct["target"]
     if fp:

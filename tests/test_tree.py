@@ -111,7 +111,11 @@ def test_tree_builder_matches_brute_force_eagle2(root, top_k, depth, total, voca
         # frontier is best-first and its scores are the best among the newest level
         fs = b.scores[frontier]
         assert bool((fs[:-1] >= fs[1:]).all())
-    tree = b.finalize(total, check=True)
+    par = b.parents.tolist()
+    mask = b.ancestor_mask(torch.arange(b.num_nodes))  # the draft's own tree attention while expanding
+    for i in range(b.num_nodes):
+        assert set(mask[i].nonzero().flatten().tolist()) == ancestors(par, i)
+    tree = b.finalize(total, check=True)  # check: also compares the precomputed mask with a walk
     ref = reference_eagle2(root, vocab, top_k, depth, total)
     got = builder_paths(b, tree.source.tolist())
     assert len(got) == tree.num_nodes == len(ref) == min(total, b.num_nodes)

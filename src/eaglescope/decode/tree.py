@@ -9,7 +9,7 @@ mask and ``positions`` as RoPE positions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,6 +31,8 @@ class DraftTree:
     # [N] long or None: TreeBuilder ids of the nodes (root = builder id 0), so the caller can map
     # a tree node back to the draft step output (hidden state) that produced it.
     source: torch.Tensor | None = None
+    # [N, N] bool or None: a precomputed ancestor_mask() (TreeBuilder fills it without host syncs)
+    mask: torch.Tensor | None = None
 
     @classmethod
     def from_parents(
@@ -93,6 +95,8 @@ class DraftTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """``[N, N]`` bool: node i attends node j iff j is i or an ancestor of i."""
+        if self.mask is not None:
+            return self.mask
         n = self.num_nodes
         rows = torch.arange(n, device=self.parents.device)
         up = self.parents.clamp(min=0)  # root points to itself: walking past it stays at the root
@@ -151,6 +155,8 @@ class DraftTree:
             raise EagleScopeError(f"draft tree draft_probs must be [{n}, V], got {list(self.draft_probs.shape)}")
         if self.source is not None and self.source.shape != (n,):
             raise EagleScopeError(f"draft tree source has shape {list(self.source.shape)}, expected [{n}]")
+        if self.mask is not None and not torch.equal(self.mask, replace(self, mask=None).ancestor_mask()):
+            raise EagleScopeError("draft tree mask does not match its parents")
 
 
 class TreeBuilder:
@@ -174,10 +180,13 @@ class TreeBuilder:
             raise EagleScopeError(f"tree top_k must be >= 1, got {top_k}")
         self.top_k = top_k
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.tokens = torch.tensor([int(root_token)], dtype=torch.long, device=self.device)
-        self.parents = torch.tensor([-1], dtype=torch.long, device=self.device)
-        self.depths = torch.tensor([0], dtype=torch.long, device=self.device)
-        self.scores = torch.tensor([0.0], device=self.device)
+        self.tokens = torch.full((1,), int(root_token), dtype=torch.long, device=self.device)
+        self.parents = torch.full((1,), -1, dtype=torch.long, device=self.device)
+        self.depths = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.scores = torch.zeros(1, device=self.device)
+        # [num_nodes, levels+1]: column d = the node's ancestor at depth d, the node itself past its own
+        # depth; makes an ancestor mask one scatter instead of a walk up the tree
+        self.lineage = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self.levels = 0  # number of expand() calls = depth of the deepest candidate
 
     @property
@@ -204,20 +213,20 @@ class TreeBuilder:
         self.depths = torch.cat([self.depths, (self.depths[parent_nodes] + 1).repeat_interleave(k)])
         self.scores = torch.cat([self.scores, cum])
         self.levels += 1
+        self.lineage = torch.cat([self.lineage, self.lineage[:, -1:]], dim=1)
+        new_ids = torch.arange(first, self.num_nodes, device=self.device)
+        cols = torch.arange(self.levels + 1, device=self.device)
+        inherited = self.lineage[parent_nodes].repeat_interleave(k, dim=0)
+        own = cols[None, :] >= self.depths[first:, None]
+        self.lineage = torch.cat([self.lineage, torch.where(own, new_ids[:, None], inherited)])
         best = cum.topk(min(self.top_k, cum.shape[0])).indices
         return first + best
 
     def ancestor_mask(self, nodes: torch.Tensor) -> torch.Tensor:
         """``[m, num_nodes]`` bool: which builder nodes each of ``nodes`` attends (itself + ancestors)."""
         nodes = nodes.to(self.device, torch.long).flatten()
-        rows = torch.arange(nodes.shape[0], device=self.device)
-        up = self.parents.clamp(min=0)
         mask = torch.zeros(nodes.shape[0], self.num_nodes, dtype=torch.bool, device=self.device)
-        cur = nodes
-        for _ in range(self.levels + 1):
-            mask[rows, cur] = True
-            cur = up[cur]
-        return mask
+        return mask.scatter_(1, self.lineage[nodes], True)
 
     def finalize(self, total_tokens: int, check: bool = False) -> DraftTree:
         """Keep the root and the best ``total_tokens - 1`` candidates; nodes ordered by (depth, -score).
@@ -239,12 +248,16 @@ class TreeBuilder:
         remap = torch.full((self.num_nodes,), -1, dtype=torch.long, device=self.device)
         remap[src] = torch.arange(src.shape[0], device=self.device)
         parents = torch.cat([remap.new_full((1,), -1), remap[self.parents[kept]]])
+        n = src.shape[0]
+        # kept set is ancestor-closed, so every lineage entry maps to a kept node
+        mask = torch.zeros(n, n, dtype=torch.bool, device=self.device).scatter_(1, remap[self.lineage[src]], True)
         tree = DraftTree(
             tokens=self.tokens[src],
             parents=parents,
             depths=self.depths[src],
             scores=self.scores[src],
             source=src,
+            mask=mask,
         )
         if check:  # host syncs; connectivity holds by construction, tests check it
             tree.validate()  # a missing ancestor would show up as parent -1 here

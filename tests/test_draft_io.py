@@ -120,13 +120,11 @@ def test_official_and_specforge_checkpoints_load_with_inferred_taps(target_dir, 
     assert torch.equal(loaded.model.d2t, model.d2t)
 
 
-def test_vllm_style_layer_names_load(target_dir, tmp_path):
+@pytest.mark.parametrize("prefix", ["layers.0.", "model.layers.0."])
+def test_vllm_style_layer_names_load(target_dir, tmp_path, prefix):
     model, contract = make_draft(target_dir)
     save_draft(model, contract, tmp_path / "d")
-    sd = {
-        k.replace("midlayer.", "layers.0.", 1): v
-        for k, v in load_file(str(tmp_path / "d" / "model.safetensors")).items()
-    }
+    sd = {k.replace("midlayer.", prefix, 1): v for k, v in load_file(str(tmp_path / "d" / "model.safetensors")).items()}
     save_file(sd, str(tmp_path / "d" / "model.safetensors"))
     loaded = load_draft(tmp_path / "d")
     assert torch.equal(loaded.model.midlayer.self_attn.q_proj.weight, model.midlayer.self_attn.q_proj.weight)

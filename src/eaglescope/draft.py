@@ -253,7 +253,7 @@ class Eagle3Draft(nn.Module):
 
     def step(
         self,
-        token_ids: torch.Tensor,  # [B, T] target-vocabulary ids paired with `hidden`
+        embeds: torch.Tensor,  # [B, T, H] target embeddings of the tokens paired with `hidden`
         hidden: torch.Tensor,  # [B, T, H] fc(aux) at step 0, own pre-norm output afterwards
         positions: torch.Tensor,  # [B, T] RoPE positions
         cache: KVCache,  # keys/values of every earlier query this one may see
@@ -262,8 +262,7 @@ class Eagle3Draft(nn.Module):
     ) -> torch.Tensor:
         """One draft layer application → pre-norm output [B, T, H] (what the next step receives)."""
         cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
-        embeds = self.embed_tokens(token_ids).to(hidden.dtype)
-        return self.midlayer(embeds, hidden, cos, sin, mask, cache, start)
+        return self.midlayer(embeds.to(hidden.dtype), hidden, cos, sin, mask, cache, start)
 
     def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits from a pre-norm output."""
@@ -400,8 +399,9 @@ def load_draft(
     if archs and not any("Eagle3" in a or "Eagle" in a for a in archs):
         raise EagleScopeError(f"{path} holds a {archs[0]} checkpoint, not an EAGLE-3 draft ({ARCHITECTURE})")
     sd = load_state_dict(path)
-    sd = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v for k, v in sd.items()}
+    # Strip "model." first so that "model.layers.0.*" is renamed too.
     sd = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in sd.items()}
+    sd = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v for k, v in sd.items()}
     if "fc.weight" not in sd:
         raise EagleScopeError(f"{path} has no fc.weight: not an EAGLE-3 draft checkpoint")
     config = DraftConfig.from_hf_config(cfg, fc_in=sd["fc.weight"].shape[1])

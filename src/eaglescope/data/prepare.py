@@ -1,0 +1,498 @@
+"""`eaglescope prepare`: chat data → rendered samples, draft vocabulary and (optionally) the
+target's tap features on disk, in the layout of eaglescope.data.shards.
+
+Pipeline, per shard of `--shard-samples` conversations:
+  1. `--regenerate`: each assistant turn is replaced, turn by turn, by the target's own greedy
+     answer to the conversation so far (EAGLE-3 trains on the target's distribution, not on the
+     dataset's). Batch 1 on the target's static-cache decoding path (generate_vanilla): simple
+     and exact; batching across conversations is left for later.
+  2. Render with the target tokenizer's chat template and build the assistant-only loss mask
+     (eaglescope.data.chat), truncating to --max-length.
+  3. `--hidden-states`: one batched, cache-free target forward per --batch-size samples (sorted
+     by length to waste little on padding), storing aux [T, nH] and final_hidden [T, H].
+Each finished shard is recorded with its sha256 in progress.json, so a rerun skips it. At the
+end the token parts are merged into samples.safetensors, the draft vocabulary is counted over
+loss-masked tokens, and prepare.json is written last (atomically): present means complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eaglescope.data.chat import _apply, chat_template_hash, read_conversations, render
+from eaglescope.data.shards import (
+    FORMAT_VERSION,
+    HIDDEN_DIR,
+    MANIFEST,
+    PARTS_DIR,
+    PROGRESS,
+    SAMPLES,
+    VOCAB,
+    PreparedData,
+    check_file,
+    open_safetensors,
+    part_name,
+    save_atomic,
+    sha256_of,
+    shard_name,
+    write_json_atomic,
+)
+from eaglescope.data.vocab import build_draft_vocab, count_tokens, validate_vocab_map
+from eaglescope.errors import EagleScopeError
+from eaglescope.taps import TapContract
+from eaglescope.target.base import Target
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class PrepareConfig:
+    target: str
+    data: str
+    out: str
+    taps: str | None = None  # "2,4,5" | "default"; None → default (or none when no hidden states and L < 7)
+    max_length: int = 2048
+    draft_vocab_size: int | None = None  # None → min(32000, target vocab)
+    regenerate: bool = False
+    regen_max_new_tokens: int = 256
+    hidden_states: bool = False
+    batch_size: int = 8
+    shard_samples: int = 1024
+    device: str | None = None
+    dtype: str = "auto"
+    backend: str = "auto"
+    limit: int | None = None
+    overwrite: bool = False
+
+    def validate(self) -> None:
+        for name, low in (("max_length", 2), ("batch_size", 1), ("shard_samples", 1), ("regen_max_new_tokens", 1)):
+            if getattr(self, name) < low:
+                raise EagleScopeError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}.")
+        if self.limit is not None and self.limit < 1:
+            raise EagleScopeError(f"--limit must be >= 1, got {self.limit}.")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise EagleScopeError(f"--draft-vocab-size must be >= 1, got {self.draft_vocab_size}.")
+
+
+def note(msg: str) -> None:
+    print(f"eaglescope: {msg}", file=sys.stderr)
+
+
+# -- regeneration ----------------------------------------------------------------------------
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """Control tokens the template writes after an assistant answer (e.g. <|eot_id|>, <|im_end|>):
+    generation must stop at them even when config.json's eos is a different token."""
+    user = [{"role": "user", "content": "x"}]
+    try:
+        prompt = _apply(tokenizer, user, add_generation_prompt=True)
+        full = _apply(tokenizer, [*user, {"role": "assistant", "content": "y"}], add_generation_prompt=False)
+    except EagleScopeError:
+        return []  # a template that insists on other roles: fall back to the eos ids
+    suffix = full[len(os.path.commonprefix([prompt, full])) :]
+    special = set(tokenizer.all_special_ids)
+    return [t for t in tokenizer(suffix, add_special_tokens=False)["input_ids"] if t in special]
+
+
+def regenerate_conversation(
+    target: Target, tokenizer, messages: list[dict], max_new_tokens: int, max_length: int, stop_ids: list[int]
+) -> tuple[list[dict], bool]:
+    """Replace each assistant turn by the target's greedy answer to the (regenerated) turns before it.
+
+    → (messages, cut): cut is True when a prompt left no room within max_length and the
+    conversation was ended before that turn.
+    """
+    from eaglescope.decode.vanilla import SamplingConfig, generate_vanilla
+
+    stop = set(stop_ids)
+    out: list[dict] = []
+    limit = min(max_length, target.max_positions)
+    for m in messages:
+        if m["role"] != "assistant":
+            out.append(m)
+            continue
+        if not out:
+            continue  # a leading assistant turn answers nothing; render drops it too
+        prompt = _apply(tokenizer, out, add_generation_prompt=True)
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]  # the template writes bos itself
+        room = limit - len(ids)
+        if room < 1:
+            return out, True
+        res = generate_vanilla(target, ids, min(max_new_tokens, room), SamplingConfig(), stop_ids)
+        toks = res.token_ids
+        if toks and toks[-1] in stop:
+            toks = toks[:-1]  # the template writes the end-of-turn itself
+        out.append({"role": "assistant", "content": tokenizer.decode(toks, skip_special_tokens=False)})
+    return out, False
+
+
+# -- hidden states ---------------------------------------------------------------------------
+def _hidden_for(target: Target, samples: list[list[int]], batch_size: int, acc: dict) -> dict[str, torch.Tensor]:
+    """Tap features of `samples` (in order), concatenated; accumulates per-tap sum/sumsq/count into acc."""
+    taps = target.taps.layers
+    H = target.hidden_size
+    aux_rows: list[torch.Tensor | None] = [None] * len(samples)
+    fin_rows: list[torch.Tensor | None] = [None] * len(samples)
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))  # similar lengths share a batch
+    for b in range(0, len(order), batch_size):
+        idx = order[b : b + batch_size]
+        T = len(samples[idx[0]])
+        ids = torch.zeros(len(idx), T, dtype=torch.long)  # right padding; causal attention keeps pads unseen
+        att = torch.zeros(len(idx), T, dtype=torch.long)
+        for j, i in enumerate(idx):
+            ids[j, : len(samples[i])] = torch.tensor(samples[i])
+            att[j, : len(samples[i])] = 1
+        out = target.hidden_states(ids, att)
+        if out.final_hidden is None:
+            raise EagleScopeError("this target backend returns no final hidden state; use --backend native.")
+        for j, i in enumerate(idx):
+            n = len(samples[i])
+            aux_rows[i] = out.aux[j, :n].cpu()
+            fin_rows[i] = out.final_hidden[j, :n].to(out.aux.dtype).cpu()
+    aux = torch.cat(aux_rows) if samples else torch.zeros(0, H * len(taps), dtype=target.dtype)
+    fin = torch.cat(fin_rows) if samples else torch.zeros(0, H, dtype=target.dtype)
+    per_tap = aux.float().view(aux.shape[0], len(taps), H)
+    norms = per_tap.norm(dim=-1)  # [T, n_taps]
+    for j, t in enumerate(taps):
+        x = per_tap[:, j].double()
+        s = acc.setdefault(str(t), [0.0, 0.0, 0])
+        s[0] += float(x.sum())
+        s[1] += float((x * x).sum())
+        s[2] += x.numel()
+    lengths = torch.tensor([0] + [len(s) for s in samples], dtype=torch.int64)
+    return {"aux": aux, "final_hidden": fin, "norms": norms, "offsets": lengths.cumsum(0)}
+
+
+def _percentile(sorted_x: torch.Tensor, q: float) -> float:
+    """Linear-interpolation percentile of an ascending 1-D tensor (torch.quantile caps its input size)."""
+    pos = q / 100 * (sorted_x.numel() - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return float(sorted_x[lo] + (sorted_x[hi] - sorted_x[lo]) * (pos - lo))
+
+
+def tap_statistics(root: Path, shard_files: list[str], taps: tuple[int, ...], acc: dict) -> dict:
+    norms = [open_safetensors(root / f).get_tensor("norms") for f in shard_files]
+    norms = torch.cat(norms) if norms else torch.zeros(0, len(taps))
+    stats = {}
+    for j, t in enumerate(taps):
+        s, ss, n = acc.get(str(t), [0.0, 0.0, 0])
+        mean = s / n if n else 0.0
+        entry = {"mean": mean, "std": math.sqrt(max(ss / n - mean * mean, 0.0)) if n else 0.0}
+        col = torch.sort(norms[:, j]).values
+        for q in PERCENTILES:
+            entry[f"norm_p{q}"] = _percentile(col, q) if col.numel() else 0.0
+        stats[str(t)] = entry
+    return stats
+
+
+# -- the driver ------------------------------------------------------------------------------
+def _inputs(cfg: PrepareConfig, data: Path, target: Target, taps: TapContract | None, template_sha: str, L: int):
+    """Everything the output depends on: a rerun with equal inputs may resume or be a no-op."""
+    return {
+        "data_sha256": sha256_of(data),
+        "target": target.fingerprint.to_dict(),
+        "chat_template_sha256": template_sha,
+        "taps": None if taps is None else list(taps.layers),
+        "max_length": L,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "regenerate": cfg.regenerate,
+        "regen_max_new_tokens": cfg.regen_max_new_tokens if cfg.regenerate else None,
+        "hidden_states": cfg.hidden_states,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "shard_samples": cfg.shard_samples,
+        "limit": cfg.limit,
+    }
+
+
+def _clear(out: Path) -> None:
+    """Remove what prepare writes (and nothing else the user may keep there)."""
+    for name in (MANIFEST, PROGRESS, SAMPLES, VOCAB):
+        (out / name).unlink(missing_ok=True)
+    for d in (HIDDEN_DIR, PARTS_DIR):
+        shutil.rmtree(out / d, ignore_errors=True)
+
+
+def _differences(a: dict, b: dict) -> str:
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return ", ".join(keys)
+
+
+def _check_out(out: Path, inputs: dict, overwrite: bool) -> dict | None:
+    """→ the manifest if `out` is already complete for these inputs; else prepares `out` and returns None."""
+    if out.exists() and not out.is_dir():
+        raise EagleScopeError(f"--out {out} exists and is not a directory.")
+    if overwrite:
+        _clear(out)
+    elif (out / MANIFEST).is_file() or (out / PROGRESS).is_file():
+        name = MANIFEST if (out / MANIFEST).is_file() else PROGRESS
+        try:
+            old = json.loads((out / name).read_text()).get("inputs", {})
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            old = None
+        if old != inputs:
+            diff = _differences(old, inputs) if isinstance(old, dict) else f"unreadable {name}"
+            raise EagleScopeError(
+                f"{out} holds a preparation from different inputs ({diff}); pass --overwrite to replace it."
+            )
+        if name == MANIFEST:
+            try:
+                return PreparedData.open(out, verify=True).manifest
+            except EagleScopeError as e:
+                note(f"{e} Redoing what is damaged.")
+                (out / MANIFEST).unlink()
+    elif out.is_dir() and any(out.iterdir()):
+        raise EagleScopeError(
+            f"--out {out} is not empty and holds no eaglescope preparation; choose another directory or pass "
+            "--overwrite."
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+def _shard_done(out: Path, entry: dict | None) -> bool:
+    """A shard counts as done only if every file it recorded is intact."""
+    if entry is None:
+        return False
+    try:
+        for f in (entry["tokens"], entry.get("hidden")):
+            if f is not None:
+                check_file(out, f, verify=True)
+    except EagleScopeError as e:
+        note(f"{e} Redoing that shard.")
+        return False
+    return True
+
+
+def _load_target(cfg: PrepareConfig):
+    from eaglescope.target import default_device, load_target, parse_dtype
+
+    device = torch.device(cfg.device) if cfg.device else default_device()
+    target = load_target(cfg.target, device=device, dtype=parse_dtype(cfg.dtype, device), backend=cfg.backend)
+    tok = getattr(target, "tokenizer", None)
+    if tok is None:
+        raise EagleScopeError(f"{cfg.target} has no tokenizer; data must be rendered with the target's own.")
+    template_sha = chat_template_hash(tok)  # raises when the tokenizer has no chat template
+    if len(tok) > target.vocab_size:
+        raise EagleScopeError(
+            f"the tokenizer has {len(tok)} tokens but the model's vocab_size is {target.vocab_size}: "
+            "tokenizer and checkpoint do not belong together."
+        )
+    if cfg.taps is None and not cfg.hidden_states and target.num_layers < 7:
+        taps = None  # nothing to capture now, and no default exists for so few layers
+    else:
+        taps = TapContract.parse(cfg.taps, target.num_layers)
+    target.set_taps(taps if cfg.hidden_states else None)
+    return target, tok, taps, template_sha
+
+
+def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[int], None] | None = None) -> dict:
+    """Run the whole preparation into cfg.out; → the manifest. `on_shard_done(k)` runs after each new shard."""
+    cfg.validate()
+    data = Path(cfg.data)
+    if not data.is_file():
+        raise EagleScopeError(f"{data}: no such data file.")
+    out = Path(cfg.out)
+    convs = list(read_conversations(data))  # broken JSONL fails here, before the target is loaded
+    if cfg.limit is not None:
+        convs = convs[: cfg.limit]
+    if not convs:
+        raise EagleScopeError(f"{data} holds no conversations.")
+    target, tok, taps, template_sha = _load_target(cfg)
+    if cfg.draft_vocab_size is None:
+        cfg.draft_vocab_size = min(32000, target.vocab_size)
+    if cfg.draft_vocab_size > target.vocab_size:
+        raise EagleScopeError(
+            f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the target vocabulary of {target.vocab_size}."
+        )
+    L = min(cfg.max_length, target.max_positions)  # the manifest's max_length is this effective one
+    inputs = _inputs(cfg, data, target, taps, template_sha, L)
+    done = _check_out(out, inputs, cfg.overwrite)
+    if done is not None:
+        note(f"{out} is already prepared from these inputs; nothing to do.")
+        return done
+
+    num_shards = math.ceil(len(convs) / cfg.shard_samples)
+    prog_path = out / PROGRESS
+    prog = json.loads(prog_path.read_text()) if prog_path.is_file() else {"inputs": inputs, "shards": {}}
+    if not prog_path.is_file():
+        write_json_atomic(prog, prog_path)
+    stop_ids = sorted(set(target.eos_token_ids) | set(end_of_turn_ids(tok)))
+
+    bar = tqdm(total=len(convs), unit="conv", desc="prepare", disable=None if progress else True, file=sys.stderr)
+    resumed = 0
+    for k in range(num_shards):
+        chunk = convs[k * cfg.shard_samples : (k + 1) * cfg.shard_samples]
+        if _shard_done(out, prog["shards"].get(str(k))):
+            resumed += 1
+            bar.update(len(chunk))
+            continue
+        entry = {"skipped": 0, "truncated": 0, "regen_cut": 0}
+        if cfg.regenerate:
+            regen = []
+            for conv in chunk:
+                msgs, cut = regenerate_conversation(target, tok, conv, cfg.regen_max_new_tokens, L, stop_ids)
+                regen.append(msgs)
+                entry["regen_cut"] += cut
+                bar.update(1)
+            chunk_msgs = regen
+        else:
+            chunk_msgs = chunk
+        samples: list[list[int]] = []
+        masks: list[list[int]] = []
+        for conv in chunk_msgs:
+            r = render(conv, tok)
+            if r is not None and len(r.input_ids) > L:
+                entry["truncated"] += 1
+                r.input_ids, r.loss_mask = r.input_ids[:L], r.loss_mask[:L]
+            if r is None or not any(r.loss_mask):
+                entry["skipped"] += 1
+                continue
+            samples.append(r.input_ids)
+            masks.append(r.loss_mask)
+        lengths = torch.tensor([0] + [len(s) for s in samples], dtype=torch.int64)
+        flat_ids = [t for s in samples for t in s]
+        flat_mask = [m for s in masks for m in s]
+        entry["num_samples"] = len(samples)
+        entry["tokens"] = {
+            "file": part_name(k),
+            **save_atomic(
+                {
+                    "input_ids": torch.tensor(flat_ids, dtype=torch.int32),
+                    "loss_mask": torch.tensor(flat_mask, dtype=torch.uint8),
+                    "offsets": lengths.cumsum(0),
+                },
+                out / part_name(k),
+            ),
+        }
+        entry["hidden"] = None
+        if cfg.hidden_states:
+            acc: dict = {}
+            tensors = _hidden_for(target, samples, cfg.batch_size, acc)
+            entry["hidden"] = {"file": shard_name(k), **save_atomic(tensors, out / shard_name(k))}
+            entry["tap_acc"] = acc
+        if not cfg.regenerate:
+            bar.update(len(chunk))
+        prog["shards"][str(k)] = entry
+        write_json_atomic(prog, prog_path)
+        if on_shard_done is not None:
+            on_shard_done(k)
+    bar.close()
+    if resumed:
+        note(f"resumed: {resumed} of {num_shards} shards were already done.")
+    return _finish(out, cfg, prog, num_shards, target, taps, template_sha, data, inputs, L)
+
+
+def _finish(out: Path, cfg, prog, num_shards, target, taps, template_sha, data, inputs, L) -> dict:
+    entries = [prog["shards"][str(k)] for k in range(num_shards)]
+    ids, masks, lengths = [], [], []
+    for e in entries:
+        h = open_safetensors(check_file(out, e["tokens"], verify=False))
+        ids.append(h.get_tensor("input_ids"))
+        masks.append(h.get_tensor("loss_mask"))
+        lengths.append(h.get_tensor("offsets").diff())
+    n = sum(e["num_samples"] for e in entries)
+    skipped = sum(e["skipped"] for e in entries)
+    if n == 0:
+        raise EagleScopeError(
+            f"no usable sample: all {skipped} conversations have nothing to supervise (no assistant turn within "
+            f"--max-length {L})."
+        )
+    input_ids, loss_mask, lengths = torch.cat(ids), torch.cat(masks), torch.cat(lengths)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    samples_file = {
+        "file": SAMPLES,
+        **save_atomic({"input_ids": input_ids, "loss_mask": loss_mask, "offsets": offsets}, out / SAMPLES),
+    }
+    counts = count_tokens([(input_ids.long(), loss_mask)], target.vocab_size)
+    d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
+    validate_vocab_map(d2t, t2d, target.vocab_size, cfg.draft_vocab_size)
+    vocab_file = {"file": VOCAB, **save_atomic({"d2t": d2t, "t2d": t2d, "token_counts": counts}, out / VOCAB)}
+    shards, tap_stats = [], {}
+    if cfg.hidden_states:
+        shards = [{**e["hidden"], "num_samples": e["num_samples"]} for e in entries]
+        acc: dict = {}
+        for e in entries:
+            for t, (s, ss, c) in e["tap_acc"].items():
+                a = acc.setdefault(t, [0.0, 0.0, 0])
+                a[0], a[1], a[2] = a[0] + s, a[1] + ss, a[2] + c
+        tap_stats = tap_statistics(out, [s["file"] for s in shards], taps.layers, acc)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "producer": "eaglescope prepare",
+        "inputs": inputs,
+        "target": target.fingerprint.to_dict(),
+        "chat_template_sha256": template_sha,
+        "taps": None if taps is None else taps.to_dict(),
+        "num_samples": n,
+        "num_tokens": int(input_ids.numel()),
+        "num_supervised_tokens": int(loss_mask.sum()),
+        "num_conversations": sum(e["num_samples"] + e["skipped"] for e in entries),
+        "skipped": skipped,
+        "truncated": sum(e["truncated"] for e in entries),
+        "regen_cut": sum(e["regen_cut"] for e in entries),
+        "max_length": L,
+        "regenerated": cfg.regenerate,
+        "regen_max_new_tokens": cfg.regen_max_new_tokens if cfg.regenerate else None,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "source": {"path": str(data.resolve()), "sha256": inputs["data_sha256"]},
+        "samples_file": samples_file,
+        "vocab_file": vocab_file,
+        "hidden_states": cfg.hidden_states,
+        "dtype": inputs["dtype"],
+        "aux_width": None if not cfg.hidden_states else target.hidden_size * taps.count,
+        "shards": shards,
+        "tap_stats": tap_stats,
+    }
+    write_json_atomic(manifest, out / MANIFEST)
+    return manifest
+
+
+# -- command line ----------------------------------------------------------------------------
+def cmd_prepare(args) -> int:
+    fields = set(PrepareConfig.__dataclass_fields__)
+    cfg = PrepareConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    m = prepare(cfg)
+    parts = [
+        f"{m['num_samples']} samples",
+        f"{m['num_tokens']} tokens ({m['num_supervised_tokens']} supervised)",
+        f"{m['skipped']} skipped",
+        f"{m['truncated']} truncated to {m['max_length']}",
+        f"draft vocab {m['draft_vocab_size']}",
+    ]
+    if m["hidden_states"]:
+        parts.append(f"{len(m['shards'])} hidden-state shards")
+    print(f"{cfg.out}: " + ", ".join(parts))
+    return 0
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("prepare", help="render chat data, build the draft vocabulary, optionally store tap features")
+    p.add_argument("--target", required=True, help="Hugging Face checkpoint directory of the target model")
+    p.add_argument("--data", required=True, help="JSONL of conversations (ShareGPT or OpenAI form)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--taps", default=None, help="tap indices '2,4,5' (HF hidden-state indices) or 'default'")
+    p.add_argument("--max-length", type=int, default=2048, help="truncate samples to this many tokens")
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="default min(32000, target vocab)")
+    p.add_argument("--regenerate", action="store_true", help="replace assistant turns by the target's greedy answers")
+    p.add_argument("--regen-max-new-tokens", type=int, default=256)
+    p.add_argument("--hidden-states", action="store_true", help="store the target's tap features in shards")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per target forward for --hidden-states")
+    p.add_argument("--shard-samples", type=int, default=1024, help="conversations per shard (the unit of resume)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"])
+    p.add_argument("--limit", type=int, default=None, help="use only the first N conversations")
+    p.add_argument("--overwrite", action="store_true", help="replace a preparation made from different inputs")
+    p.set_defaults(func=cmd_prepare)
+
+
+__all__ = ["PrepareConfig", "prepare", "regenerate_conversation", "end_of_turn_ids", "cmd_prepare", "add_parsers"]

@@ -120,7 +120,15 @@ def describe_draft(
     target_fp: TargetFingerprint | None = None,
     target_embedding: torch.Tensor | None = None,
 ) -> dict:
-    """Everything `inspect` reports, as a JSON-able dict (stable keys; see tests/test_export.py)."""
+    """Everything `inspect` reports, as a JSON-able dict. Stable keys (`inspect --json`):
+
+    path, architectures; contract {taps, tap_names, index_convention, num_layers, is_default, inferred,
+    inferred_from, target, ttt_length, loss_mask_shift, draft_vocab_source}; config {hidden_size,
+    intermediate_size, num_heads, num_kv_heads, head_dim, vocab_size, draft_vocab_size, target_hidden_size,
+    num_aux, rope_theta, norm_before_residual}; embedding {saved, matches_target}; vocab_map {ok, identity,
+    first_ids_only, target_id_min, target_id_max, …}; config_tap_ids; engines {sglang|sglang-legacy|vllm:
+    {captures, captures_names, matches_contract}}; target {matches, reason, fingerprint} or null; warnings.
+    """
     ct, c = loaded.contract, loaded.model.config
     taps = ct.taps
     L = taps.num_layers

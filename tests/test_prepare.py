@@ -237,14 +237,20 @@ def test_cli_prepares_and_errors_are_one_line(env, tmp_path, capsys):
     env["tok"].save_pretrained(small)
     bare = make_checkpoint("llama", tmp_path / "bare", vocab_size=len(env["tok"]))
     capsys.readouterr()
+
+    def cmd(target, data, out_dir):
+        return ["prepare", "--target", str(target), "--data", str(data), "--out", str(out_dir)]
+
+    tgt = env["target"]
     cases = [
         ([*base, "--data", str(env["data"]), "--limit", "5"], "different inputs (limit)"),
-        (["prepare", "--target", str(env["target"]), "--data", str(bad), "--out", str(tmp_path / "o1")], ":2: invalid"),
-        (["prepare", "--target", str(env["target"]), "--data", str(no_answer), "--out", str(tmp_path / "o2")], "no usa"),
-        (["prepare", "--target", str(small), "--data", str(env["data"]), "--out", str(tmp_path / "o3")], "do not belong"),
-        (["prepare", "--target", str(bare), "--data", str(env["data"]), "--out", str(tmp_path / "o4")], "no tokenizer"),
-        (["prepare", "--target", str(env["target"]), "--data", str(tmp_path / "x"), "--out", str(out)], "no such data"),
+        (cmd(tgt, bad, tmp_path / "o1"), ":2: invalid JSON"),
+        (cmd(tgt, no_answer, tmp_path / "o2"), "no usable sample"),
+        (cmd(small, env["data"], tmp_path / "o3"), "do not belong"),
+        (cmd(bare, env["data"], tmp_path / "o4"), "no tokenizer"),
+        (cmd(tgt, tmp_path / "x", out), "no such data file"),
         ([*base, "--data", str(env["data"]), "--taps", "1,9"], "out of range"),
+        (cmd(tgt, env["data"], bad), "not a directory"),
     ]
     for argv, expect in cases:
         rc, err = run_cli(argv, capsys)

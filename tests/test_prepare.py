@@ -215,6 +215,33 @@ def test_regenerate_uses_the_targets_greedy_answers(env, tmp_path):
         assert d.sample(i)["input_ids"].tolist() == render(history, tok, 200).input_ids
 
 
+def test_regeneration_stops_where_the_prompt_leaves_no_room(env, tmp_path):
+    tok = env["tok"]
+    convs = list(read_conversations(env["data"]))[:2]
+    # max_length = the first prompt's length: its answer has no room; the second, shorter one does.
+    p0 = len(tok(tok.apply_chat_template(convs[0][:2], add_generation_prompt=True, tokenize=False))["input_ids"])
+    p1 = len(tok(tok.apply_chat_template(convs[1][:1], add_generation_prompt=True, tokenize=False))["input_ids"])
+    m = prepare(config(env, tmp_path / "o", regenerate=True, regen_max_new_tokens=3, limit=2, max_length=p0), False)
+    assert p1 + 3 < p0 and m["regen_cut"] == 1 and m["skipped"] == 1 and m["num_samples"] == 1
+
+
+def test_conversations_the_template_rejects_are_skipped_and_counted(env, tmp_path, capsys):
+    strict = tmp_path / "strict"
+    shutil.copytree(env["target"], strict)
+    tok = load(strict)
+    tok.chat_template = (
+        "{%- for m in messages %}{%- if m['role'] == 'system' %}{{ raise_exception('no system role') }}{%- endif %}"
+        "{%- endfor %}" + LLAMA3.template
+    )
+    tok.save_pretrained(strict)
+    capsys.readouterr()
+    m = prepare(config(env, tmp_path / "o", target=str(strict)), progress=False)
+    with_system = sum(any(x["role"] == "system" for x in c) for c in read_conversations(env["data"]))
+    assert m["invalid"] == with_system == 6 and m["num_samples"] == 12 - 1 - with_system
+    assert "6 conversations could not be rendered" in capsys.readouterr().err
+    assert m["chat_template_sha256"] != chat_template_hash(env["tok"])
+
+
 def run_cli(argv, capsys):
     rc = main(argv)
     err = capsys.readouterr().err.strip()

@@ -335,21 +335,23 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
             resumed += 1
             bar.update(len(chunk))
             continue
-        entry = {"skipped": 0, "truncated": 0, "regen_cut": 0}
-        if cfg.regenerate:
-            regen = []
-            for conv in chunk:
-                msgs, cut = regenerate_conversation(target, tok, conv, cfg.regen_max_new_tokens, L, stop_ids)
-                regen.append(msgs)
-                entry["regen_cut"] += cut
-                bar.update(1)
-            chunk_msgs = regen
-        else:
-            chunk_msgs = chunk
+        entry = {"skipped": 0, "truncated": 0, "regen_cut": 0, "invalid": 0, "first_invalid": None}
         samples: list[list[int]] = []
         masks: list[list[int]] = []
-        for conv in chunk_msgs:
-            r = render(conv, tok)
+        for j, conv in enumerate(chunk):
+            # One conversation the template rejects (e.g. "roles must alternate") is skipped and
+            # counted, not allowed to abort a long run.
+            try:
+                if cfg.regenerate:
+                    conv, cut = regenerate_conversation(target, tok, conv, cfg.regen_max_new_tokens, L, stop_ids)
+                    entry["regen_cut"] += cut
+                r = render(conv, tok)
+            except EagleScopeError as e:
+                entry["invalid"] += 1
+                entry["first_invalid"] = entry["first_invalid"] or f"conversation {k * cfg.shard_samples + j}: {e}"
+                r = None
+            if cfg.regenerate:
+                bar.update(1)
             if r is not None and len(r.input_ids) > L:
                 entry["truncated"] += 1
                 r.input_ids, r.loss_mask = r.input_ids[:L], r.loss_mask[:L]
@@ -401,11 +403,13 @@ def _finish(out: Path, cfg, prog, num_shards, target, taps, template_sha, data, 
         lengths.append(h.get_tensor("offsets").diff())
     n = sum(e["num_samples"] for e in entries)
     skipped = sum(e["skipped"] for e in entries)
+    invalid = sum(e["invalid"] for e in entries)
+    first_invalid = next((e["first_invalid"] for e in entries if e["first_invalid"]), None)
     if n == 0:
-        raise EagleScopeError(
-            f"no usable sample: all {skipped} conversations have nothing to supervise (no assistant turn within "
-            f"--max-length {L})."
-        )
+        why = f"first: {first_invalid}" if first_invalid else f"no assistant turn within --max-length {L}"
+        raise EagleScopeError(f"no usable sample: all {skipped} conversations have nothing to supervise ({why}).")
+    if invalid:
+        note(f"{invalid} conversations could not be rendered and were skipped; first: {first_invalid}")
     input_ids, loss_mask, lengths = torch.cat(ids), torch.cat(masks), torch.cat(lengths)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     samples_file = {
@@ -437,6 +441,7 @@ def _finish(out: Path, cfg, prog, num_shards, target, taps, template_sha, data, 
         "num_supervised_tokens": int(loss_mask.sum()),
         "num_conversations": sum(e["num_samples"] + e["skipped"] for e in entries),
         "skipped": skipped,
+        "invalid": invalid,
         "truncated": sum(e["truncated"] for e in entries),
         "regen_cut": sum(e["regen_cut"] for e in entries),
         "max_length": L,

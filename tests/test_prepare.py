@@ -3,12 +3,14 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from models import make_checkpoint
 from tokenizers_fixtures import LLAMA3, load, make_tokenizer_dir
 
 from eaglescope.cli import main
 from eaglescope.data.chat import chat_template_hash, read_conversations, render
-from eaglescope.data.prepare import PrepareConfig, prepare
+from eaglescope.data.prepare import PrepareConfig, _percentile, prepare
 from eaglescope.data.shards import PreparedData
 from eaglescope.data.vocab import build_draft_vocab, count_tokens, validate_vocab_map
 from eaglescope.decode.vanilla import generate_vanilla
@@ -144,6 +146,13 @@ def test_tap_statistics_describe_the_stored_features(full):
         assert stats[t]["norm_p50"] == pytest.approx(float(norms.quantile(0.5)), rel=1e-5)
         assert stats[t]["norm_p99"] == pytest.approx(float(norms.quantile(0.99)), rel=1e-5)
         assert stats[t]["norm_p50"] <= stats[t]["norm_p90"] <= stats[t]["norm_p99"]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(0, 1e3), min_size=1, max_size=50), st.sampled_from([0, 1, 50, 90, 99, 100]))
+def test_norm_percentile_matches_torch_quantile(xs, q):
+    x = torch.tensor(xs, dtype=torch.float64)
+    assert _percentile(torch.sort(x).values, q) == pytest.approx(float(torch.quantile(x, q / 100)), abs=1e-9)
 
 
 def test_interrupted_run_resumes_and_equals_an_uninterrupted_one(env, full, capsys):

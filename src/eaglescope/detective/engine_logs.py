@@ -1,0 +1,135 @@
+"""Served acceptance from an SGLang or vLLM server log (FIELD.md §5).
+
+SGLang (scheduler, every decode_log_interval steps):
+    [2025-06-01 10:00:00] Decode batch. #running-req: 1, #token: 812, token usage: 0.01, accept len: 1.12,
+    accept rate: 0.03, cuda graph: True, gen throughput (token/s): 96.55, #queue-req: 0
+  "accept len" is τ (bonus included) over the interval; older builds spell it "#accept length" or
+  "accept_length". No per-position numbers, and no round count: lines are averaged unweighted.
+vLLM v1 (vllm/v1/spec_decode/metrics.py, every log interval):
+    SpecDecoding metrics: Mean acceptance length: 1.13, Accepted throughput: 9.10 tokens/s, Drafted
+    throughput: 240.50 tokens/s, Accepted: 91 tokens, Drafted: 2405 tokens, Per-position acceptance rate:
+    0.112, 0.013, 0.001, 0.000, 0.000, Avg Draft acceptance rate: 3.8%
+  The per-position rate is UNCONDITIONAL (rounds accepting position k / rounds): α_k = a_k / a_{k-1}.
+  Lines are weighted by their number of drafts (Drafted tokens / positions) before that conversion.
+vLLM v0 ("Speculative metrics: Draft acceptance rate: ..., Number of speculative tokens: k, Number of
+  accepted tokens: A, Number of draft tokens: D, Number of emitted tokens: E"): τ = E / (D / k).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from eaglescope.decode.stats import alpha_from_unconditional
+from eaglescope.errors import EagleScopeError
+
+_NUM = r"([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?|nan)"
+_SGLANG = re.compile(r"(?:#\s*)?accept(?:[ _]len(?:gth)?|ance[ _]length)\s*[:=]\s*" + _NUM, re.IGNORECASE)
+_VLLM_TAU = re.compile(r"Mean acceptance length:\s*" + _NUM)
+_VLLM_DRAFTED = re.compile(r"Drafted:\s*([0-9]+)\s*tokens")
+_VLLM_ACCEPTED = re.compile(r"Accepted:\s*([0-9]+)\s*tokens")
+_VLLM_POS = re.compile(r"Per-position acceptance rate:\s*((?:[0-9.]+(?:,\s*)?)+)")
+_VLLM0 = re.compile(
+    r"Number of speculative tokens:\s*([0-9]+).*?Number of draft tokens:\s*([0-9]+).*?"
+    r"Number of emitted tokens:\s*([0-9]+)"
+)
+
+
+@dataclass
+class EngineAcceptance:
+    engine: str  # "sglang" | "vllm"
+    accept_length: float  # τ, bonus included
+    alpha: list[float] | None  # conditional α_1.. (vLLM only)
+    per_position: list[float] | None  # unconditional, as the engine logs it (vLLM only)
+    lines: int  # metric lines used
+    drafts: float | None  # verify rounds behind the numbers, when the log says
+
+    def to_dict(self) -> dict:
+        def clean(xs):
+            return None if xs is None else [None if math.isnan(x) else x for x in xs]
+
+        return {
+            "source": f"{self.engine} log",
+            "engine": self.engine,
+            "accept_length": self.accept_length,
+            "alpha": clean(self.alpha),
+            "per_position": clean(self.per_position),
+            "lines": self.lines,
+            "drafts": self.drafts,
+        }
+
+
+def _vllm_line(line: str) -> tuple[float, list[float] | None, float | None] | None:
+    m = _VLLM_TAU.search(line)
+    if m:
+        tau = float(m.group(1))
+        pos = None
+        if p := _VLLM_POS.search(line):
+            pos = [float(x) for x in p.group(1).replace(" ", "").strip(",").split(",") if x]
+        drafts = None
+        d = _VLLM_DRAFTED.search(line)
+        if d and pos:
+            drafts = int(d.group(1)) / len(pos)  # every draft proposes len(pos) tokens
+        elif d and (a := _VLLM_ACCEPTED.search(line)) and tau > 1:
+            drafts = int(a.group(1)) / (tau - 1)
+        return tau, pos, drafts
+    m = _VLLM0.search(line)
+    if m:
+        k, drafted, emitted = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        if k and drafted:
+            drafts = drafted / k
+            return emitted / drafts, None, drafts
+    return None
+
+
+def parse_engine_log(text: str) -> EngineAcceptance:
+    """Served τ (and α_k where the engine logs per-position rates) from a log's text."""
+    sg: list[float] = []
+    vl: list[tuple[float, list[float] | None, float | None]] = []
+    for line in text.splitlines():
+        if (v := _vllm_line(line)) is not None:
+            if not math.isnan(v[0]) and not (v[2] == 0):  # an interval with no drafts says nothing
+                vl.append(v)
+            continue
+        if "Decode batch" in line or "accept" in line.lower():
+            m = _SGLANG.search(line)
+            if m and not math.isnan(float(m.group(1))):
+                sg.append(float(m.group(1)))
+    if not sg and not vl:
+        raise EagleScopeError(
+            "the engine log has no acceptance lines (SGLang 'Decode batch. ... accept len: X' or vLLM "
+            "'SpecDecoding metrics: Mean acceptance length: X'); was speculative decoding on and logging enabled?"
+        )
+    if len(vl) >= len(sg):
+        return _merge_vllm(vl)
+    return EngineAcceptance("sglang", sum(sg) / len(sg), None, None, len(sg), None)
+
+
+def _merge_vllm(vl: list[tuple[float, list[float] | None, float | None]]) -> EngineAcceptance:
+    # Weighted by drafts where every line says how many; otherwise each interval counts once.
+    weights = [d for _, _, d in vl]
+    if any(w is None for w in weights):
+        weights = [1.0] * len(vl)
+    total = sum(weights)
+    tau = sum(t * w for (t, _, _), w in zip(vl, weights, strict=True)) / total
+    with_pos = [(p, w) for (_, p, _), w in zip(vl, weights, strict=True) if p]
+    per_pos = alpha = None
+    if with_pos:
+        K = max(len(p) for p, _ in with_pos)
+        per_pos = []
+        for k in range(K):
+            num = sum(p[k] * w for p, w in with_pos if len(p) > k)
+            den = sum(w for p, w in with_pos if len(p) > k)
+            per_pos.append(num / den if den else math.nan)
+        alpha = alpha_from_unconditional(per_pos)
+    drafts = None if any(d is None for _, _, d in vl) else total
+    return EngineAcceptance("vllm", tau, alpha, per_pos, len(vl), drafts)
+
+
+def read_engine_log(path: Path | str) -> EngineAcceptance:
+    path = Path(path)
+    if not path.is_file():
+        raise EagleScopeError(f"engine log {str(path)!r} does not exist")
+    return parse_engine_log(path.read_text(encoding="utf-8", errors="replace"))

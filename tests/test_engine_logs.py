@@ -1,0 +1,92 @@
+"""Served acceptance parsed from real-format SGLang and vLLM log lines."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eaglescope.decode.stats import SpecStats
+from eaglescope.detective.engine_logs import parse_engine_log, read_engine_log
+from eaglescope.errors import EagleScopeError
+
+# Lines in the exact shape the engines print (SGLang scheduler log; vLLM v1 spec_decode/metrics.py).
+SGLANG = """\
+[2025-06-01 10:00:00] Prefill batch. #new-seq: 1, #new-token: 57, #cached-token: 0, token usage: 0.00, #running-req: 0, #queue-req: 0
+[2025-06-01 10:00:02] Decode batch. #running-req: 1, #token: 812, token usage: 0.01, accept len: 1.12, accept rate: 0.03, cuda graph: True, gen throughput (token/s): 96.55, #queue-req: 0
+[2025-06-01 10:00:04] Decode batch. #running-req: 1, #token: 852, token usage: 0.01, accept len: 1.10, accept rate: 0.02, cuda graph: True, gen throughput (token/s): 94.10, #queue-req: 0
+[2025-06-01 10:00:06] Decode batch. #running-req: 1, #token: 894, token usage: 0.01, accept len: 1.14, accept rate: 0.03, cuda graph: True, gen throughput (token/s): 97.80, #queue-req: 0
+"""  # noqa: E501
+SGLANG_OLD = "[2024-12-01 09:00:00 TP0] Decode batch. #running-req: 4, #token: 4100, token usage: 0.02, #accept length: 3.47, gen throughput (token/s): 310.2, #queue-req: 0"  # noqa: E501
+VLLM = """\
+INFO 06-01 10:00:10 [loggers.py:118] Engine 000: Avg prompt throughput: 5.7 tokens/s, Avg generation throughput: 10.2 tokens/s, Running: 1 reqs, Waiting: 0 reqs, GPU KV cache usage: 0.1%, Prefix cache hit rate: 0.0%
+INFO 06-01 10:00:10 [metrics.py:96] SpecDecoding metrics: Mean acceptance length: 1.13, Accepted throughput: 1.20 tokens/s, Drafted throughput: 45.00 tokens/s, Accepted: 12 tokens, Drafted: 450 tokens, Per-position acceptance rate: 0.111, 0.013, 0.009, 0.000, 0.000, Avg Draft acceptance rate: 2.7%
+INFO 06-01 10:00:20 [metrics.py:96] SpecDecoding metrics: Mean acceptance length: 1.16, Accepted throughput: 3.00 tokens/s, Drafted throughput: 95.00 tokens/s, Accepted: 30 tokens, Drafted: 950 tokens, Per-position acceptance rate: 0.126, 0.021, 0.011, 0.000, 0.000, Avg Draft acceptance rate: 3.2%
+"""  # noqa: E501
+VLLM_V0 = "INFO 01-01 00:00:00 metrics.py:455] Speculative metrics: Draft acceptance rate: 0.651, System efficiency: 0.570, Number of speculative tokens: 3, Number of accepted tokens: 1953, Number of draft tokens: 3000, Number of emitted tokens: 2860."  # noqa: E501
+
+
+def test_sglang_accept_len_is_averaged_over_decode_lines():
+    r = parse_engine_log(SGLANG)
+    assert r.engine == "sglang" and r.lines == 3
+    assert r.accept_length == pytest.approx((1.12 + 1.10 + 1.14) / 3)
+    assert r.alpha is None and r.per_position is None
+
+
+def test_sglang_legacy_spelling():
+    r = parse_engine_log(SGLANG_OLD)
+    assert r.engine == "sglang" and r.accept_length == pytest.approx(3.47)
+    assert parse_engine_log("Decode batch. #running-req: 1, accept_length=2.5, x").accept_length == 2.5
+
+
+def test_vllm_lines_weighted_by_drafts_and_made_conditional():
+    r = parse_engine_log(VLLM)
+    assert r.engine == "vllm" and r.lines == 2
+    w1, w2 = 450 / 5, 950 / 5  # drafts per interval
+    assert r.drafts == pytest.approx(w1 + w2)
+    assert r.accept_length == pytest.approx((1.13 * w1 + 1.16 * w2) / (w1 + w2))
+    a1 = (0.111 * w1 + 0.126 * w2) / (w1 + w2)
+    a2 = (0.013 * w1 + 0.021 * w2) / (w1 + w2)
+    assert r.per_position[0] == pytest.approx(a1)
+    assert r.alpha[0] == pytest.approx(a1) and r.alpha[1] == pytest.approx(a2 / a1)
+    assert math.isnan(r.alpha[4])  # nothing reached position 4, so α_5 is undefined
+
+
+def test_vllm_v0_line():
+    r = parse_engine_log(VLLM_V0)
+    assert r.engine == "vllm" and r.accept_length == pytest.approx(2860 / 1000)
+
+
+def test_mixed_log_takes_the_engine_with_more_lines():
+    assert parse_engine_log(SGLANG + VLLM.splitlines()[1]).engine == "sglang"
+
+
+def test_log_without_metric_lines_is_refused(tmp_path):
+    with pytest.raises(EagleScopeError, match="no acceptance lines"):
+        parse_engine_log("INFO server started\nINFO Avg prompt throughput: 1.0 tokens/s\n")
+    with pytest.raises(EagleScopeError, match="does not exist"):
+        read_engine_log(tmp_path / "missing.log")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), min_size=5, max_size=40), min_size=1, max_size=4))
+def test_vllm_conversion_recovers_decoder_alpha(intervals):
+    """A vLLM log written from known rounds (depth 4 chains) gives back SpecStats' τ and conditional α."""
+    lines, all_stats = [], SpecStats()
+    for accepted in intervals:
+        s = SpecStats()
+        for a in accepted:
+            s.record_round(4, a)
+        all_stats.merge(s)
+        pos = ", ".join(f"{p:.6f}" for p in s.accepted_per_position + [0.0] * (4 - s.depth))
+        lines.append(
+            f"SpecDecoding metrics: Mean acceptance length: {s.accept_length:.6f}, Accepted throughput: 1.00 tokens/s,"
+            f" Drafted throughput: 2.00 tokens/s, Accepted: {sum(accepted)} tokens, Drafted: {4 * s.rounds} tokens,"
+            f" Per-position acceptance rate: {pos}, Avg Draft acceptance rate: 10.0%"
+        )
+    r = parse_engine_log("\n".join(lines))
+    assert r.accept_length == pytest.approx(all_stats.accept_length, abs=1e-5)
+    for got, want in zip(r.alpha, all_stats.alpha + [math.nan] * 4, strict=False):
+        assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, abs=1e-4)

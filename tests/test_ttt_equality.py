@@ -82,8 +82,8 @@ def test_equality_test_catches_an_unshifted_rope(setups, monkeypatch):
 
     real_step = draft.step
 
-    def step_without_offset(tokens, hidden, positions, cache, start, mask):
-        return real_step(tokens, hidden, torch.arange(positions.shape[1]).expand_as(positions), cache, start, mask)
+    def step_without_offset(embeds, hidden, positions, cache, start, mask):
+        return real_step(embeds, hidden, torch.arange(positions.shape[1]).expand_as(positions), cache, start, mask)
 
     monkeypatch.setattr(draft, "step", step_without_offset)
     with torch.no_grad():

@@ -99,14 +99,32 @@ class Eagle3Proposer(Proposer):
     def max_nodes(self) -> int:
         return self.total_tokens
 
-    # -- hooks a fault-injection test may override --------------------------------------
+    # -- hook points: one method per wiring decision, so a test can inject exactly one fault --------
     def features(self, aux: torch.Tensor) -> torch.Tensor:
-        """Step-0 input features: fc over the target's concatenated taps."""
+        """Step-0 input features: fc over the target's concatenated taps [P, nH] → [P, H]."""
         return self.draft.project(aux.to(self.dtype))
 
     def next_round_features(self, verify_out: TargetOutput, result: VerifyResult) -> torch.Tensor:
         """Target features of exactly the positions whose KV survived: root + accepted."""
         return verify_out.aux[torch.tensor(result.path, device=verify_out.aux.device)]
+
+    def paired_tokens(self, following: list[int]) -> torch.Tensor:
+        """The token paired with each pending feature: the one *after* its position."""
+        return torch.tensor(following, device=self.device)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.draft.embed_tokens(token_ids)
+
+    def child_hidden(self, parent_out: torch.Tensor) -> torch.Tensor:
+        """Features a tree step reads: its parent's own pre-norm output (never the target's again)."""
+        return parent_out
+
+    def tree_position(self, root_position: int, level: int) -> int:
+        """RoPE position of a depth-`level` node's query: root + level - 1, as TTT step `level` uses."""
+        return root_position + level - 1
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.draft.to_target_ids(draft_ids)
 
     # -- protocol ------------------------------------------------------------------------
     def start(self, prompt_ids, prefill, first_token) -> None:
@@ -114,12 +132,11 @@ class Eagle3Proposer(Proposer):
             raise EagleScopeError("the target returned no tap features: set its taps to the draft's contract")
         self.committed = 0
         self.pending_aux = prefill.aux
-        self.pending_tokens = torch.tensor(prompt_ids[1:] + [first_token], device=self.device)
+        self.pending_tokens = self.paired_tokens(prompt_ids[1:] + [first_token])
 
     def accepted(self, tree, result, verify_out) -> None:
         self.pending_aux = self.next_round_features(verify_out, result)
-        toks = [int(tree.tokens[i]) for i in result.accepted] + [result.bonus]
-        self.pending_tokens = torch.tensor(toks, device=self.device)
+        self.pending_tokens = self.paired_tokens([int(tree.tokens[i]) for i in result.accepted] + [result.bonus])
 
     def _record(self, stage: str, tensor: torch.Tensor, **kw) -> None:
         if self.rec is not None:
@@ -137,11 +154,10 @@ class Eagle3Proposer(Proposer):
         mask = torch.ones(P, start + P, dtype=torch.bool, device=self.device)
         mask[:, start:] = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
         self._record(T.DRAFT_FC_OUT, hidden)
-        self._record(T.draft_embed_in(0), self.draft.embed_tokens(self.pending_tokens))
+        embeds = self.embed(self.pending_tokens)
+        self._record(T.draft_embed_in(0), embeds)
         self._record(T.draft_hidden_in(0), hidden)
-        out = self.draft.step(
-            self.pending_tokens[None], hidden[None], positions[None], self.cache, start, mask[None, None]
-        )[0]
+        out = self.draft.step(embeds[None], hidden[None], positions[None], self.cache, start, mask[None, None])[0]
         self._record(T.draft_hidden_out(0), out)
         self.committed = start + P
         return out[-1]
@@ -158,7 +174,6 @@ class Eagle3Proposer(Proposer):
                 f"{self.pending_aux.shape[0]} pending"
             )
         h_root = self.catch_up()  # features of the position before the root, paired with the root token
-        d2t = self.draft.d2t
         builder = TreeBuilder(tokens[-1], self.top_k, self.device)
         lp = self._logprobs(h_root[None])
         self._record_topk(1, lp)
@@ -169,21 +184,18 @@ class Eagle3Proposer(Proposer):
             ids = frontier.tolist()
             m = len(ids)
             parents = builder.parents[frontier].tolist()
-            draft_tok = builder.tokens[frontier]
-            tgt_tok = draft_tok + d2t[draft_tok]  # draft ids → target ids: the embedding is the target's
-            hidden_in = torch.stack([hidden_of[p] for p in parents])
+            tgt_tok = self.to_target_ids(builder.tokens[frontier])  # the embedding is the target's
+            hidden_in = self.child_hidden(torch.stack([hidden_of[p] for p in parents]))
             start = self.committed + len(processed)
             anc = builder.ancestor_mask(frontier)  # [m, num_nodes]
             cols = torch.tensor(processed + ids, dtype=torch.long, device=self.device)
             mask = torch.cat([torch.ones(m, self.committed, dtype=torch.bool, device=self.device), anc[:, cols]], 1)
-            # A node at depth d consumes the token at sequence position root+d and sits at RoPE position root+d-1,
-            # as TTT step d does (feature position + d).
-            positions = torch.full((m,), root_position + level - 1, device=self.device)
-            self._record(T.draft_embed_in(level), self.draft.embed_tokens(tgt_tok))
+            positions = torch.full((m,), self.tree_position(root_position, level), device=self.device)
+            embeds = self.embed(tgt_tok)
+            self._record(T.draft_embed_in(level), embeds)
             self._record(T.draft_hidden_in(level), hidden_in)
-            out = self.draft.step(tgt_tok[None], hidden_in[None], positions[None], self.cache, start, mask[None, None])[
-                0
-            ]
+            step_mask = mask[None, None]
+            out = self.draft.step(embeds[None], hidden_in[None], positions[None], self.cache, start, step_mask)[0]
             self._record(T.draft_hidden_out(level), out)
             for j, i in enumerate(ids):
                 hidden_of[i] = out[j]
@@ -193,14 +205,14 @@ class Eagle3Proposer(Proposer):
             frontier = builder.expand(frontier, lp)
         tree = builder.finalize(self.total_tokens)
         toks = tree.tokens.clone()
-        toks[1:] = toks[1:] + d2t[toks[1:]]
+        toks[1:] = self.to_target_ids(toks[1:])
         tree.tokens = toks
         return tree
 
     def _record_topk(self, step: int, lp: torch.Tensor) -> None:
         if self.rec is not None:
             v, i = lp.topk(min(self.top_k, lp.shape[-1]), dim=-1)
-            self.rec.record(T.draft_topk(step - 1), {T.TOPK_IDS: self.draft.to_target_ids(i), T.TOPK_LOGPROBS: v})
+            self.rec.record(T.draft_topk(step - 1), {T.TOPK_IDS: self.to_target_ids(i), T.TOPK_LOGPROBS: v})
 
 
 class NgramProposer(Proposer):

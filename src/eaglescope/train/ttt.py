@@ -62,8 +62,8 @@ def ttt_unroll(draft: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, t
     base_pos = torch.arange(T, device=device).expand(B, T)
     logits, outs = [], []
     for k in range(ttt_length):
-        tokens = shift_left(input_ids, k + 1)
-        out = draft.step(tokens, hidden, base_pos + k, cache, k * T, ttt_mask(T, k, device))
+        embeds = draft.embed_tokens(shift_left(input_ids, k + 1))
+        out = draft.step(embeds, hidden, base_pos + k, cache, k * T, ttt_mask(T, k, device))
         logits.append(draft.logits(out))
         outs.append(out)
         hidden = out

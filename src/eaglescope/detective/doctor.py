@@ -1,0 +1,254 @@
+"""`eaglescope doctor`: why does this draft accept so little? A ranked list of named causes.
+
+    static     always: contract vs target fingerprint, engine tap conventions, vocab map, embedding, template
+    trace      with --trace: the trace against eaglescope's golden replay, stage by stage (diagnose.py)
+    behaviour  with --data and/or --engine-log: served α_k (eaglescope's own decoder on prompts from --data, or
+               the engine's log) against teacher-forced α_k predicted on --data and training's acc_k
+
+Exit status: 0 healthy (no findings), 1 findings, 2 bad input (one line on stderr).
+--json prints one object: {"healthy": bool, "findings": [{code, stage, verdict, evidence, fix, confidence,
+round, meaning}, ...most likely first], "context": {...}, "codes": {code: meaning}}.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+
+from eaglescope.detective.behaviour import (
+    DEFAULT_DEPTH,
+    Acceptance,
+    diagnose_behaviour,
+    from_engine,
+    load_samples,
+    predict_on_data,
+    prompt_of,
+    read_training_metrics,
+    serve_with_decoder,
+)
+from eaglescope.detective.engine_logs import read_engine_log
+from eaglescope.detective.findings import CODES, DoctorReport, Finding, rank
+from eaglescope.detective.static import DEFAULT_ENGINES, static_checks
+from eaglescope.errors import EagleScopeError
+
+
+def _load_models(target_dir, draft_dir, device, dtype, backend):
+    """(target with the draft's taps set, LoadedDraft with an embedding), as eaglescope's decoder serves them."""
+    import torch
+
+    from eaglescope.decode.speculative import target_embedding
+    from eaglescope.draft import load_draft
+    from eaglescope.target import default_device, load_target, parse_dtype
+
+    device = torch.device(device) if device else default_device()
+    dt = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, device)
+    target = load_target(target_dir, device=device, dtype=dt, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an inferred contract is reported by the static checks
+        loaded = load_draft(draft_dir, target.num_layers, device=device, dtype=dt)
+    if not loaded.has_embedding:
+        loaded.model.load_target_embedding(target_embedding(target).detach())
+    target.set_taps(loaded.contract.taps)
+    return target, loaded
+
+
+def _run_trace(target, loaded, trace_dir) -> tuple[list[Finding], dict, str | None]:
+    try:
+        from eaglescope.detective.diagnose import diagnose_trace
+    except ImportError:
+        return [], {}, "trace comparison is not available in this build (eaglescope.detective.diagnose missing)"
+    out = diagnose_trace(target, loaded, trace_dir)
+    if isinstance(out, DoctorReport):
+        return list(out.findings), dict(out.context), None
+    if isinstance(out, tuple):  # (findings, context)
+        return list(out[0]), dict(out[1] or {}), None
+    return list(out), dict(getattr(diagnose_trace, "last_context", None) or {}), None
+
+
+def run_doctor(
+    target_dir: str | Path,
+    draft_dir: str | Path,
+    data: str | Path | None = None,
+    trace: str | Path | None = None,
+    engine_log: str | Path | None = None,
+    prompts: int = 8,
+    max_new_tokens: int = 64,
+    device: str | None = None,
+    dtype=None,
+    backend: str = "auto",
+    depth: int = DEFAULT_DEPTH,
+    eval_samples: int = 32,
+    engines: tuple[str, ...] | None = None,
+    progress: bool = False,
+) -> DoctorReport:
+    """Every check the inputs allow → DoctorReport (findings most likely first; healthy = no findings)."""
+
+    def say(msg: str) -> None:
+        if progress:
+            print(f"eaglescope doctor: {msg}", file=sys.stderr)
+
+    if prompts < 1 or max_new_tokens < 1 or depth < 1 or eval_samples < 1:
+        raise EagleScopeError("--prompts, --max-new-tokens, --depth and --eval-samples must be >= 1")
+    notes: list[str] = []
+    served_engine = read_engine_log(engine_log) if engine_log is not None else None
+    if engines is None:
+        engines = (served_engine.engine,) if served_engine is not None else DEFAULT_ENGINES
+
+    say("static checks")
+    findings, static_ctx = static_checks(target_dir, draft_dir, engines)
+    context: dict = {
+        "inputs": {
+            "target": str(target_dir),
+            "draft": str(draft_dir),
+            "data": None if data is None else str(data),
+            "trace": None if trace is None else str(trace),
+            "engine_log": None if engine_log is None else str(engine_log),
+            "engines_checked": list(engines),
+        },
+        "static": static_ctx,
+        "notes": notes,
+    }
+
+    target = loaded = None
+    if trace is not None or data is not None:
+        try:
+            say("loading target and draft")
+            target, loaded = _load_models(target_dir, draft_dir, device, dtype, backend)
+        except EagleScopeError as e:
+            if not findings:  # nothing explains why it does not load: that is the user's input problem
+                raise
+            notes.append(f"the draft does not load ({e}); the static findings explain why, runtime checks skipped")
+
+    if trace is not None and loaded is not None:
+        say(f"comparing trace {trace} with the golden replay")
+        f, ctx, note = _run_trace(target, loaded, trace)
+        findings += f
+        context.update(ctx)
+        if note:
+            notes.append(note)
+
+    if data is not None or served_engine is not None:
+        served: Acceptance | None = from_engine(served_engine) if served_engine is not None else None
+        predicted = None
+        if data is not None and loaded is not None:
+            samples = load_samples(data, getattr(target, "tokenizer", None), max(eval_samples, prompts))
+            say(f"teacher-forced acceptance on {min(eval_samples, len(samples))} samples of {data}")
+            predicted = predict_on_data(target, loaded.model, samples[:eval_samples], depth)
+            if served is None:
+                ps = [p for p in (prompt_of(i, m) for i, m in samples) if p][:prompts]
+                if not ps:
+                    notes.append("no sample of --data has a prompt before its first assistant token; not served")
+                else:
+                    say(f"serving {len(ps)} prompts with eaglescope's decoder (chain of {depth})")
+                    served = serve_with_decoder(target, loaded.model, ps, max_new_tokens, depth)
+        training = read_training_metrics(draft_dir)
+        ttt = static_ctx.get("contract", {}).get("ttt_length")
+        findings += diagnose_behaviour(served, predicted, training, ttt)
+        context["acceptance"] = {
+            "served": served.to_dict() if served else None,
+            "predicted": predicted.to_dict() if predicted else None,
+            "training": training.to_dict() if training else None,
+            "ttt_length": ttt,
+            "depth": depth,
+        }
+        if served_engine is not None:
+            context["acceptance"]["engine_log"] = served_engine.to_dict()
+    ranked = rank(findings)
+    return DoctorReport(healthy=not ranked, findings=ranked, context=context)
+
+
+# -- output ----------------------------------------------------------------------------------------------------
+def _fmt_alpha(xs) -> str:
+    if not xs:
+        return "-"
+    return " ".join("-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}" for x in xs)
+
+
+def format_report(report: DoctorReport) -> str:
+    lines = []
+    if report.healthy:
+        lines.append("healthy: no findings")
+    else:
+        top = report.findings[0]
+        lines.append(f"NOT HEALTHY: {len(report.findings)} finding(s); most likely {top.code}")
+    for i, f in enumerate(report.findings, 1):
+        where = f.stage + (f" (round {f.round})" if f.round is not None else "") if f.stage else "-"
+        lines.append(f"{i}. {f.code}  [{where}, confidence {f.confidence:.2f}]")
+        lines.append(f"   {f.verdict}")
+        lines.append(f"   fix: {f.fix}")
+    acc = report.context.get("acceptance")
+    if acc:
+        for key in ("served", "predicted", "training"):
+            a = acc.get(key)
+            if a:
+                tau = a.get("accept_length")
+                t = f"τ {tau:.2f}" if isinstance(tau, (int, float)) else "τ -"
+                lines.append(f"{key:<10} {a['source']}: {t}, α_k [{_fmt_alpha(a.get('alpha'))}]")
+    if fds := report.context.get("first_divergent_stage"):
+        lines.append(f"first divergent stage: {fds}")
+    lines += [f"note: {n}" for n in report.context.get("notes", [])]
+    return "\n".join(lines)
+
+
+def report_json(report: DoctorReport) -> str:
+    return json.dumps(report.to_dict() | {"codes": CODES}, indent=2, allow_nan=False)
+
+
+def cmd_doctor(args) -> int:
+    report = run_doctor(
+        args.target,
+        args.draft,
+        data=args.data,
+        trace=args.trace,
+        engine_log=args.engine_log,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        device=args.device,
+        dtype=args.dtype,
+        backend=args.backend,
+        depth=args.depth,
+        eval_samples=args.eval_samples,
+        engines=tuple(args.engine) if args.engine else None,
+        progress=not args.json,
+    )
+    if args.html:
+        from eaglescope.detective.report import write_html
+
+        write_html(report, args.html)
+    print(report_json(report) if args.json else format_report(report))
+    if args.html and not args.json:
+        print(f"report: {args.html}")
+    return 0 if report.healthy else 1
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="name the cause of low acceptance: static checks, trace vs golden replay, served vs predicted α_k",
+        description="Exit status: 0 healthy, 1 findings, 2 bad input.",
+    )
+    p.add_argument("--target", required=True, help="target checkpoint directory")
+    p.add_argument("--draft", required=True, help="EAGLE-3 draft checkpoint directory")
+    p.add_argument("--data", default=None, help="held-out data: a JSONL of conversations or a prepared directory")
+    p.add_argument("--trace", default=None, help="a trace directory recorded by the serving engine")
+    p.add_argument("--engine-log", default=None, help="an SGLang or vLLM server log with acceptance lines")
+    p.add_argument(
+        "--engine",
+        action="append",
+        choices=["sglang", "vllm", "sglang-legacy"],
+        default=None,
+        help="engine whose tap convention to check, repeatable (default: the log's engine, else sglang and vllm)",
+    )
+    p.add_argument("--html", default=None, help="write a self-contained HTML report here")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--prompts", type=int, default=8, help="prompts from --data served by eaglescope's decoder")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per served prompt")
+    p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="chain depth for served and predicted α_k")
+    p.add_argument("--eval-samples", type=int, default=32, help="samples of --data for teacher-forced α_k")
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"])
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.set_defaults(func=cmd_doctor)

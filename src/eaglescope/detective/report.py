@@ -1,0 +1,288 @@
+"""The doctor's HTML report: one self-contained file (figures are base64 PNGs; no scripts, fonts or links).
+
+    banner          healthy, or the most likely finding
+    findings        code, stage, verdict, evidence, fix
+    acceptance      α_k per position: served vs predicted (teacher-forced) vs training
+    norms           per-segment norms, trace vs replay   (context["segment_norms"]: {"trace", "replay", "labels"})
+    divergence map  rel. error by stage × round           (context["stage_table"]: [{round, stage, rel_err, match}])
+
+Every part is optional: a report without a trace has no norms or map, and says so instead of failing.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from eaglescope.detective.findings import CODES, DoctorReport
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1180px;
+color:#1d2329;background:#fff}
+h1{font-size:22px;margin:0 0 12px}
+h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #dde2e6;padding-bottom:4px}
+.banner{padding:14px 18px;border-radius:8px;font-size:17px;margin-bottom:8px}
+.ok{background:#e3f4e6;border:1px solid #7cc48a}.bad{background:#fde8e6;border:1px solid #e08b80}
+.banner b{font-size:19px}.muted{color:#68737d;font-size:13px}
+table{border-collapse:collapse;width:100%;font-size:13px}th,td{border:1px solid #dde2e6;padding:5px 7px;
+text-align:left;vertical-align:top}th{background:#f3f5f7}code{font-size:12px}
+td.ev{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:11px;max-width:420px;word-break:break-word}
+img{max-width:100%;border:1px solid #eef0f2;border-radius:4px}
+"""
+
+
+def _e(x) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _num(x) -> float:
+    if x is None:
+        return math.nan
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)  # no display, and the same output everywhere
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# -- figures -----------------------------------------------------------------------------------------------------
+def acceptance_figure(acc: dict | None) -> str | None:
+    """α_k by position for served / predicted / training, plus each one's τ in the legend."""
+    if not acc:
+        return None
+    series = []
+    for key, style in (("served", "o-"), ("predicted", "s--"), ("training", "^:")):
+        a = acc.get(key)
+        if a and a.get("alpha") and any(not math.isnan(_num(x)) for x in a["alpha"]):
+            series.append((key, a, style))
+    if not series:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    for key, a, style in series:
+        ys = [_num(x) for x in a["alpha"]]
+        tau = _num(a.get("accept_length"))
+        label = f"{key}: {a.get('source', key)}" + ("" if math.isnan(tau) else f" (τ {tau:.2f})")
+        ax.plot(range(1, len(ys) + 1), ys, style, label=label, linewidth=2, markersize=6)
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("conditional acceptance α_k")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xticks(range(1, max(len(a["alpha"]) for _, a, _ in series) + 1))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    ax.set_title("Per-position acceptance: served vs predicted", fontsize=11)
+    return _png(fig)
+
+
+def norms_figure(norms: dict | None) -> str | None:
+    """Per-segment norms, trace (solid) vs replay (dashed): one line per segment label."""
+    if not norms or not norms.get("trace") or not norms.get("replay"):
+        return None
+    trace, replay = norms["trace"], norms["replay"]
+    labels = list(norms.get("labels") or [f"segment {i}" for i in range(len(trace))])
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    scalar = all(not isinstance(v, (list, tuple)) for v in list(trace) + list(replay))
+    if scalar:  # one number per segment: grouped bars
+        n = max(len(trace), len(replay))
+        xs = range(n)
+        ax.bar([x - 0.2 for x in xs], [_num(v) for v in trace] + [math.nan] * (n - len(trace)), 0.4, label="trace")
+        ax.bar([x + 0.2 for x in xs], [_num(v) for v in replay] + [math.nan] * (n - len(replay)), 0.4, label="replay")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([str(lb) for lb in labels[:n]] + [""] * (n - len(labels[:n])), rotation=20, fontsize=8)
+    else:
+        for i, (t, r) in enumerate(zip(trace, replay, strict=False)):
+            c = colors[i % len(colors)]
+            lb = labels[i] if i < len(labels) else f"segment {i}"
+            t, r = (t if isinstance(t, (list, tuple)) else [t]), (r if isinstance(r, (list, tuple)) else [r])
+            ax.plot(range(len(t)), [_num(v) for v in t], "-", color=c, label=f"{lb} trace", linewidth=2)
+            ax.plot(range(len(r)), [_num(v) for v in r], "--", color=c, label=f"{lb} replay", linewidth=1.5)
+        ax.set_xlabel(norms.get("x_label", "position"))
+    ax.set_ylabel("norm")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    ax.set_title(norms.get("title", "Per-segment norms: trace vs replay"), fontsize=11)
+    return _png(fig)
+
+
+def _stage_key(stage: str):
+    from eaglescope.detective.findings import stage_rank
+
+    return stage_rank(stage), stage
+
+
+def divergence_figure(table: list[dict] | None) -> str | None:
+    """Heat map of log10 relative error, stages (pipeline order) × rounds; mismatches outlined."""
+    if not table:
+        return None
+    rows = [r for r in table if isinstance(r, dict) and "stage" in r]
+    if not rows:
+        return None
+    stages = sorted({str(r["stage"]) for r in rows}, key=_stage_key)
+    rounds = sorted({int(r.get("round") or 0) for r in rows})
+    si = {s: i for i, s in enumerate(stages)}
+    ri = {r: i for i, r in enumerate(rounds)}
+    import numpy as np
+
+    grid = np.full((len(stages), len(rounds)), np.nan)
+    bad = np.zeros_like(grid, dtype=bool)
+    for r in rows:
+        i, j = si[str(r["stage"])], ri[int(r.get("round") or 0)]
+        e = _num(r.get("rel_err"))
+        grid[i, j] = math.log10(max(e, 1e-12)) if not math.isnan(e) else np.nan
+        bad[i, j] |= r.get("match") is False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(min(2.5 + 0.5 * len(rounds), 11), 1.2 + 0.32 * len(stages)))
+    im = ax.imshow(grid, aspect="auto", cmap="RdYlGn_r", vmin=-8, vmax=0, interpolation="nearest")
+    for i, j in zip(*np.nonzero(bad), strict=True):
+        ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=1.8))
+    ax.set_yticks(range(len(stages)))
+    ax.set_yticklabels(stages, fontsize=8)
+    ax.set_xticks(range(len(rounds)))
+    ax.set_xticklabels([str(r) for r in rounds], fontsize=8)
+    ax.set_xlabel("round")
+    fig.colorbar(im, ax=ax, label="log10 relative error")
+    ax.set_title("Divergence map: trace vs golden replay (outlined = mismatch)", fontsize=11)
+    return _png(fig)
+
+
+# -- the page ---------------------------------------------------------------------------------------------------
+def _evidence(ev) -> str:
+    text = json.dumps(ev, default=str, allow_nan=True)
+    return _e(text if len(text) <= 600 else text[:600] + " …")
+
+
+def _figure_block(title: str, src: str | None, missing: str) -> str:
+    body = f'<img alt="{_e(title)}" src="{src}">' if src else f'<p class="muted">{_e(missing)}</p>'
+    return f"<h2>{_e(title)}</h2>\n{body}\n"
+
+
+def _safe(fn, *args) -> tuple[str | None, str | None]:
+    # A plot that cannot be drawn (odd context, no matplotlib) must not lose the rest of the report.
+    try:
+        return fn(*args), None
+    except Exception as e:  # noqa: BLE001
+        return None, f"could not draw this figure ({type(e).__name__}: {e})"
+
+
+def html_of(report: DoctorReport, title: str = "eaglescope doctor") -> str:
+    d = report.to_dict()
+    ctx = d.get("context") or {}
+    parts = [
+        "<!doctype html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{_e(title)}</h1>",
+    ]
+    inputs = ctx.get("inputs") or {}
+    if inputs:
+        shown = ", ".join(f"{k} <code>{_e(v)}</code>" for k, v in inputs.items() if v not in (None, [], ""))
+        parts.append(f'<p class="muted">{shown}</p>')
+    if report.healthy:
+        parts.append('<div class="banner ok"><b>Healthy</b>: no findings.</div>')
+    else:
+        top = d["findings"][0]
+        parts.append(
+            f'<div class="banner bad"><b>{_e(top["code"])}</b> — {_e(top["verdict"])}'
+            f'<br><span class="muted">fix: {_e(top["fix"])} · stage {_e(top["stage"])} · '
+            f"confidence {top['confidence']:.2f} · {len(d['findings'])} finding(s)</span></div>"
+        )
+    if d["findings"]:
+        parts.append("<h2>Findings (most likely first)</h2><table><tr><th>#</th><th>code</th><th>stage</th>")
+        parts.append("<th>confidence</th><th>verdict</th><th>fix</th><th>evidence</th></tr>")
+        for i, f in enumerate(d["findings"], 1):
+            stage = f["stage"] or "-"
+            if f.get("round") is not None:
+                stage += f" (round {f['round']})"
+            parts.append(
+                f"<tr><td>{i}</td><td><b>{_e(f['code'])}</b><br><span class='muted'>{_e(CODES.get(f['code'], ''))}"
+                f"</span></td><td><code>{_e(stage)}</code></td><td>{f['confidence']:.2f}</td><td>{_e(f['verdict'])}"
+                f"</td><td>{_e(f['fix'])}</td><td class='ev'>{_evidence(f['evidence'])}</td></tr>"
+            )
+        parts.append("</table>")
+    acc = ctx.get("acceptance")
+    if acc:
+        parts.append("<h2>Acceptance</h2><table><tr><th></th><th>source</th><th>τ</th><th>α_k</th></tr>")
+        for key in ("served", "predicted", "training"):
+            a = acc.get(key)
+            if not a:
+                continue
+            tau = _num(a.get("accept_length"))
+            alpha = " ".join("-" if math.isnan(_num(x)) else f"{_num(x):.2f}" for x in a.get("alpha") or [])
+            parts.append(
+                f"<tr><td>{key}</td><td>{_e(a.get('source', ''))}</td>"
+                f"<td>{'-' if math.isnan(tau) else f'{tau:.2f}'}</td><td><code>{_e(alpha or '-')}</code></td></tr>"
+            )
+        parts.append("</table>")
+    src, err = _safe(acceptance_figure, acc)
+    parts.append(
+        _figure_block("Per-position acceptance", src, err or "no acceptance measured (pass --data or --engine-log)")
+    )
+    src, err = _safe(norms_figure, ctx.get("segment_norms"))
+    parts.append(_figure_block("Per-segment norms", src, err or "no trace compared (pass --trace)"))
+    fds = ctx.get("first_divergent_stage")
+    src, err = _safe(divergence_figure, ctx.get("stage_table"))
+    title = "Divergence map by stage" + (f" — first divergent stage: {fds}" if fds else "")
+    parts.append(_figure_block(title, src, err or "no trace compared (pass --trace)"))
+    static = ctx.get("static") or {}
+    if static:
+        parts.append("<h2>Checkpoint</h2><table>")
+        taps = static.get("taps")
+        if taps is not None:
+            names = "; ".join(static.get("tap_names") or [])
+            parts.append(f"<tr><th>taps</th><td><code>{_e(taps)}</code> {_e(names)}</td></tr>")
+        for eng, r in (static.get("engines") or {}).items():
+            if isinstance(r, dict):
+                mark = "ok" if r.get("matches_contract") else "MISMATCH"
+                cap = _e(r.get("captures"))
+                parts.append(f"<tr><th>{_e(eng)}</th><td>captures <code>{cap}</code> {mark}</td></tr>")
+        for key in ("vocab_map", "embedding"):
+            if key in static:
+                parts.append(f"<tr><th>{key}</th><td class='ev'>{_evidence(static[key])}</td></tr>")
+        parts.append("</table>")
+    notes = ctx.get("notes") or []
+    if notes:
+        parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_html(report: DoctorReport, path: str | os.PathLike) -> Path:
+    """Write the report atomically (temp file in the same directory, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = html_of(report)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

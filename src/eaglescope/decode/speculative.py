@@ -119,6 +119,10 @@ class Eagle3Proposer(Proposer):
         """Features a tree step reads: its parent's own pre-norm output (never the target's again)."""
         return parent_out
 
+    def catch_up_positions(self, start: int, count: int) -> torch.Tensor:
+        """RoPE positions of the pending features: their own sequence positions, continuing the cache."""
+        return torch.arange(start, start + count, device=self.device)
+
     def tree_position(self, root_position: int, level: int) -> int:
         """RoPE position of a depth-`level` node's query: root + level - 1, as TTT step `level` uses."""
         return root_position + level - 1
@@ -150,7 +154,7 @@ class Eagle3Proposer(Proposer):
         if start + P + self.depth * self.top_k + 1 > self.cache.max_len:
             raise EagleScopeError("draft cache overflow: sequence longer than the decoder was sized for")
         hidden = self.features(self.pending_aux)  # [P, H]
-        positions = torch.arange(start, start + P, device=self.device)
+        positions = self.catch_up_positions(start, P)
         mask = torch.ones(P, start + P, dtype=torch.bool, device=self.device)
         mask[:, start:] = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
         self._record(T.DRAFT_FC_OUT, hidden)

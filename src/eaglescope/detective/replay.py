@@ -1,0 +1,175 @@
+"""Golden replay: what a correct pipeline computes for the prompt and decisions a trace recorded.
+
+The replay follows the trace's *target-side* decisions (the tree sent to verify, the accepted
+path, the bonus token) so that every round sees the same context as the traced run, and
+recomputes everything else with eaglescope's reference path: the target's taps, fc, every draft
+step, the features handed to the next round. A stage where the trace and the replay disagree
+is therefore a wiring difference, not a different random path.
+
+Besides the canonical stages the replay records, per target forward, every hidden state
+`replay.hs.<i>` (i = 0..L-1): what the diagnoses need to say *which* tensor an engine tapped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from eaglescope import trace as T
+from eaglescope.decode.speculative import Eagle3Proposer, parse_tree_shape, target_embedding
+from eaglescope.decode.tree import DraftTree
+from eaglescope.decode.verify import VerifyResult
+from eaglescope.draft import LoadedDraft
+from eaglescope.errors import EagleScopeError
+from eaglescope.taps import TapContract
+from eaglescope.target.base import Target, TargetOutput
+
+REPLAY_HS = "replay.hs"  # replay.hs.<i>: hidden state i of every target forward (all layers)
+
+
+def replay_hs(i: int) -> str:
+    return f"{REPLAY_HS}.{i}"
+
+
+def _tree_shape(settings: dict) -> tuple[int, int, int]:
+    chain = settings.get("chain")
+    tree = settings.get("tree")
+    if isinstance(tree, (list, tuple)):
+        tree = ",".join(str(x) for x in tree)
+    return parse_tree_shape(int(chain) if chain is not None else None, tree)
+
+
+class _Forced:
+    """The trace's target-side decisions, round by round."""
+
+    def __init__(self, trace: T.Trace) -> None:
+        self.trace = trace
+
+    def get(self, stage: str, rnd: int) -> torch.Tensor | None:
+        if (stage, rnd) not in self._index:
+            return None
+        obj = self.trace.get(stage, rnd)
+        if not isinstance(obj, torch.Tensor):
+            raise EagleScopeError(f"trace stage {stage} (round {rnd}) must be stored in full to be replayed")
+        return obj
+
+    @property
+    def _index(self) -> set[tuple[str, int]]:
+        if not hasattr(self, "_idx"):
+            self._idx = {(e.stage, e.round) for e in self.trace.events}
+        return self._idx
+
+
+def _all_layer_forward(target: Target, all_taps: TapContract, contract: TapContract, fn) -> tuple[TargetOutput, dict]:
+    """Run `fn()` with every layer tapped; return the output with the contract's aux, and all hidden states."""
+    target.set_taps(all_taps)
+    out = fn()
+    target.set_taps(contract)
+    H = target.hidden_size
+    hs = {i: out.aux[:, i * H : (i + 1) * H] for i in all_taps.layers}
+    aux = torch.cat([hs[i] for i in contract.layers], dim=-1)
+    return TargetOutput(out.logits, aux), hs
+
+
+def replay(
+    target: Target,
+    loaded: LoadedDraft,
+    trace_dir: Path | str,
+    out_dir: Path | str,
+    mode: str = "full",
+    proposer_cls: type[Eagle3Proposer] = Eagle3Proposer,
+) -> Path:
+    """Write the golden trace for `trace_dir` into `out_dir` and return its path."""
+    try:
+        trace = T.load_trace(trace_dir)
+    except T.TraceError as e:
+        raise EagleScopeError(f"cannot read trace {trace_dir}: {e}") from None
+    meta = trace.meta or {}
+    prompt_ids = meta.get("prompt_ids")
+    if not prompt_ids:
+        raise EagleScopeError(f"trace {trace_dir} has no prompt_ids in its manifest meta: nothing to replay")
+    settings = meta.get("settings") or {}
+    depth, top_k, total = _tree_shape(settings)
+    contract = loaded.contract.taps
+    if contract.num_layers != target.num_layers:
+        raise EagleScopeError(
+            f"the draft's taps are for a {contract.num_layers}-layer target; this target has {target.num_layers}"
+        )
+    all_taps = TapContract(tuple(range(target.num_layers)), target.num_layers)
+    forced = _Forced(trace)
+    rounds = sorted(trace.rounds())
+    draft = loaded.model
+    if not loaded.has_embedding:
+        draft.load_target_embedding(target_embedding(target))
+
+    emitted_budget = 1 + sum(
+        int(forced.get(T.VERIFY_ACCEPTED, r).numel()) + 1
+        for r in rounds
+        if forced.get(T.VERIFY_ACCEPTED, r) is not None
+    )
+    max_len = len(prompt_ids) + emitted_budget + total + 2
+    rec = T.TraceRecorder(out_dir, mode=mode, producer="eaglescope-replay")
+    rec.set_meta(**{**meta, "replay_of": str(trace_dir), "taps": contract.to_dict()})
+    try:
+        proposer = proposer_cls(draft, depth, top_k, total, max_len, recorder=rec)
+        target.reset(max_len + total + 2)
+
+        def record_target(out: TargetOutput, hs: dict) -> None:
+            for i in contract.layers:
+                rec.record(T.target_tap(i), hs[i])
+            rec.record(T.TARGET_AUX, out.aux, segments=contract.count)
+            for i, h in hs.items():
+                rec.record(replay_hs(i), h)
+
+        prefill, hs = _all_layer_forward(
+            target, all_taps, contract, lambda: target.forward(torch.tensor(prompt_ids, device=target.device))
+        )
+        target.commit()
+        record_target(prefill, hs)
+        bonus = forced.get(T.VERIFY_BONUS, 0)
+        first = int(bonus.flatten()[0]) if bonus is not None else int(prefill.logits[-1].argmax())
+        rec.record(T.VERIFY_BONUS, torch.tensor([first]))
+        rec.record(T.NEXT_HIDDEN_IN, prefill.aux)
+        tokens = list(prompt_ids) + [first]
+        proposer.start(list(prompt_ids), prefill, first)
+        for r in rounds:
+            if r == 0:
+                continue
+            rec.next_round()
+            while rec.round < r:  # keep round numbers aligned with the trace's
+                rec.next_round()
+            root_pos = target.cache_len
+            own_tree = proposer.propose(tokens, root_pos)
+            ft, fp = forced.get(T.VERIFY_TOKENS, r), forced.get(T.VERIFY_PARENTS, r)
+            tree = own_tree if ft is None or fp is None else DraftTree.from_parents(ft.long(), fp.long())
+            rec.record(T.VERIFY_TOKENS, tree.tokens)
+            rec.record(T.VERIFY_PARENTS, tree.parents)
+            out, hs = _all_layer_forward(
+                target,
+                all_taps,
+                contract,
+                lambda tree=tree, root_pos=root_pos: target.forward(
+                    tree.tokens.to(target.device),
+                    positions=root_pos + tree.depths.to(target.device),
+                    tree_mask=tree.ancestor_mask().to(target.device),
+                ),
+            )
+            record_target(out, hs)
+            fa, fb = forced.get(T.VERIFY_ACCEPTED, r), forced.get(T.VERIFY_BONUS, r)
+            if fa is None or fb is None:
+                raise EagleScopeError(f"trace round {r} lacks verify.accepted / verify.bonus: cannot follow it")
+            accepted = [int(x) for x in fa.flatten().tolist()]
+            result = VerifyResult(accepted, int(fb.flatten()[0]), [int(tree.tokens[i]) for i in accepted] + [int(fb)])
+            target.commit(torch.tensor(result.path, device=target.device))
+            rec.record(T.VERIFY_ACCEPTED, torch.tensor(accepted, dtype=torch.long))
+            rec.record(T.VERIFY_BONUS, torch.tensor([result.bonus]))
+            tokens += result.tokens
+            if r == rounds[-1]:
+                break
+            proposer.accepted(tree, result, out)
+            rec.record(T.NEXT_HIDDEN_IN, proposer.pending_aux)
+    except BaseException:
+        rec.abort()
+        raise
+    return rec.close()

@@ -1,0 +1,624 @@
+"""`eaglescope train`: the EAGLE-3 training loop around the TTT core (train/ttt.py).
+
+    data   = PreparedData (eaglescope prepare). With stored hidden states, aux comes from disk and
+             the teacher logits are target.head(final_hidden); otherwise the target runs online on
+             each padded batch (right padding).
+    model  = Eagle3Draft with the target's frozen embedding and the prepared draft vocabulary.
+    step   = ttt_unroll + ttt_loss per sample, averaged over the global batch; AdamW (0.9, 0.95),
+             linear warmup + cosine decay, gradient clipping, bf16 autocast on GPU.
+    out    = OUT/ is the draft checkpoint itself (config.json + model.safetensors, loadable as is),
+             OUT/training_state/ holds what --resume needs, OUT/training_metrics.json the final
+             held-out acc_k / α_k / predicted τ, OUT/tb/ the TensorBoard scalars.
+
+Determinism. The data order is a pure function of (seed, step): epoch e shuffles the training split
+with a generator seeded from (seed, e), and step s takes the (s mod steps_per_epoch)-th global
+batch of it. So resuming needs only the step (plus weights, optimizer moments and RNG states), and a
+torchrun job sees the same global batches as one process: global batch = batch_size × world ×
+grad_accum samples, micro-batch a, rank r takes its slice [a·B·W + r·B, a·B·W + (r+1)·B).
+
+Loss normalisation. ttt_loss averages over the positions of the batch it is given; we call it per
+sample and average over samples, so the mean over a global batch is the same whether the samples sit
+in one process or are spread over ranks and accumulation steps (token-mean per rank would weight
+ranks by their token counts differently from one big batch).
+
+Metric indexing: acc_k and loss_k use the TTT step k = 0..K-1; alpha_k uses the draft position
+k = 1..K (as decode.stats does): alpha_1 is the first drafted token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eaglescope.draft import DraftConfig, DraftContract, Eagle3Draft, atomic_dir, save_draft
+from eaglescope.errors import EagleScopeError
+from eaglescope.taps import TapContract
+from eaglescope.train.metrics import Batch, evaluate, format_report
+from eaglescope.train.ttt import LOSS_MASK_SHIFT, Unrolled, ttt_loss, ttt_unroll
+
+STATE_DIR = "training_state"
+METRICS_FILE = "training_metrics.json"
+SPLIT_SEED = 0x5EED  # the held-out split does not depend on --seed: runs with different seeds compare
+
+
+@dataclass
+class TrainConfig:
+    target: str
+    data: str
+    out: str
+    ttt_length: int = 7
+    taps: str | None = None  # online mode only; with stored hidden states it must match them
+    draft_vocab_size: int | None = None  # None → the prepared vocabulary
+    max_steps: int | None = None
+    epochs: float | None = None  # default 1 when max_steps is not given
+    batch_size: int = 8  # per process
+    grad_accum: int = 1
+    lr: float = 1e-4
+    warmup_steps: int | None = None
+    warmup_ratio: float = 0.02
+    weight_decay: float = 0.0
+    clip: float = 0.5  # 0 disables clipping
+    max_length: int = 2048
+    eval_every: int = 0  # 0 → evaluate at the end only
+    eval_fraction: float = 0.05
+    save_every: int = 0  # 0 → save at the end only
+    resume: bool = False
+    overwrite: bool = False
+    seed: int = 0
+    device: str | None = None
+    dtype: str = "auto"
+    log_dir: str | None = None  # default OUT/tb
+    backend: str = "auto"
+
+    def validate(self) -> None:
+        for name, low in (("ttt_length", 1), ("batch_size", 1), ("grad_accum", 1), ("max_length", 3)):
+            if getattr(self, name) < low:
+                raise EagleScopeError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}.")
+        for name in ("eval_every", "save_every", "weight_decay", "clip", "warmup_ratio"):
+            if getattr(self, name) < 0:
+                raise EagleScopeError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}.")
+        if self.max_steps is not None and self.epochs is not None:
+            raise EagleScopeError("pass either --max-steps or --epochs, not both.")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise EagleScopeError(f"--max-steps must be >= 1, got {self.max_steps}.")
+        if self.epochs is not None and not self.epochs > 0:
+            raise EagleScopeError(f"--epochs must be > 0, got {self.epochs}.")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise EagleScopeError(f"--lr must be a positive number, got {self.lr}.")
+        if not 0 <= self.eval_fraction < 1:
+            raise EagleScopeError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}.")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise EagleScopeError(f"--warmup-steps must be >= 0, got {self.warmup_steps}.")
+
+
+# Settings a resumed run must share with the run it continues (others, like --eval-every, may change).
+RESUME_KEYS = (
+    "ttt_length",
+    "taps",
+    "draft_vocab_size",
+    "max_steps",
+    "epochs",
+    "grad_accum",
+    "lr",
+    "warmup_steps",
+    "warmup_ratio",
+    "weight_decay",
+    "clip",
+    "max_length",
+    "eval_fraction",
+    "seed",
+)
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    metrics: dict  # final evaluation (metrics.evaluate) + "split"
+    history: list[dict] = field(default_factory=list)  # per optimizer step: step, loss, acc, lr
+
+
+# -- distributed ---------------------------------------------------------------------------------
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+
+def _setup(cfg: TrainConfig) -> tuple[Dist, torch.device]:
+    """Under torchrun (WORLD_SIZE > 1): one process per device, gloo on CPU, nccl on GPU."""
+    from eaglescope.target import default_device
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist(), torch.device(cfg.device) if cfg.device else default_device()
+    import torch.distributed as dist
+
+    d = Dist(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+    kind = torch.device(cfg.device).type if cfg.device else default_device().type
+    device = torch.device("cuda", d.local_rank) if kind == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return d, device
+
+
+class _Unroll(nn.Module):
+    """What DDP wraps: its forward is the TTT unroll, so gradient sync follows the real graph."""
+
+    def __init__(self, draft: Eagle3Draft, ttt_length: int) -> None:
+        super().__init__()
+        self.draft, self.ttt_length = draft, ttt_length
+
+    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(ttt_unroll(self.draft, input_ids, aux, self.ttt_length).logits)
+
+
+# -- data ----------------------------------------------------------------------------------------
+def split_indices(n: int, eval_fraction: float) -> tuple[list[int], list[int]]:
+    """Deterministic held-out split by sample → (train, eval), each sorted."""
+    n_eval = 0 if eval_fraction <= 0 or n < 2 else min(n - 1, max(1, round(n * eval_fraction)))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED)).tolist()
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+def collate(samples: list[dict[str, torch.Tensor]], max_length: int) -> dict[str, torch.Tensor]:
+    """Pad to the longest sample (right padding), after truncating to max_length."""
+    samples = [{k: v[:max_length] for k, v in s.items()} for s in samples]
+    B, T = len(samples), max(len(s["input_ids"]) for s in samples)
+    out = {
+        "input_ids": torch.zeros(B, T, dtype=torch.long),
+        "loss_mask": torch.zeros(B, T, dtype=torch.long),
+        "valid": torch.zeros(B, T, dtype=torch.long),
+    }
+    for key in ("aux", "final_hidden"):
+        if key in samples[0]:
+            ref = samples[0][key]
+            out[key] = torch.zeros(B, T, ref.shape[-1], dtype=ref.dtype)
+    for b, s in enumerate(samples):
+        n = len(s["input_ids"])
+        out["input_ids"][b, :n] = s["input_ids"]
+        out["loss_mask"][b, :n] = s["loss_mask"]
+        out["valid"][b, :n] = 1
+        for key in ("aux", "final_hidden"):
+            if key in s:
+                out[key][b, :n] = s[key]
+    return out
+
+
+def make_batch(target, raw: dict[str, torch.Tensor], device: torch.device, aux_dtype: torch.dtype) -> Batch:
+    """Teacher logits and aux for a collated batch: from stored hidden states or the target online."""
+    ids = raw["input_ids"].to(device)
+    valid = raw["valid"].to(device)
+    if "aux" in raw:
+        aux = raw["aux"].to(device)
+        logits = target.head(raw["final_hidden"].to(device))
+    else:
+        out = target.hidden_states(ids, valid)
+        aux, logits = out.aux, out.logits
+    # The target runs under inference_mode; cloning outside it gives tensors autograd may save.
+    return Batch(ids, raw["loss_mask"].to(device), valid, aux.to(aux_dtype).clone(), logits.clone())
+
+
+# -- schedule ------------------------------------------------------------------------------------
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to 0 at `total` (step is 0-based)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+def _trainable_state(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
+    # The embedding is the target's, frozen: reloaded from the target, never saved.
+    return {k: v.detach().cpu().clone() for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+
+
+def save_training_state(out: Path, draft, opt, step: int, cfg: TrainConfig, world: int) -> Path:
+    """OUT/training_state/ via a temp directory and a rename: a crash leaves the previous one whole."""
+    path = out / STATE_DIR
+    tmp, finish, abort = atomic_dir(path)
+    try:
+        state = {
+            "step": step,
+            "model": _trainable_state(draft),
+            "optimizer": opt.state_dict(),
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "config": asdict(cfg),
+            "world_size": world,
+        }
+        torch.save(state, tmp / "state.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, "world_size": world, "config": asdict(cfg)}) + "\n")
+        finish()
+    except BaseException:
+        abort()
+        raise
+    return path
+
+
+def save_checkpoint(out: Path, draft, contract: DraftContract, metrics: dict | None) -> None:
+    """The draft files in OUT/: staged by save_draft, then each renamed into place, so OUT/ itself
+    (which also holds training_state/ and tb/) is never replaced as a whole."""
+    stage = out / ".draft-staging"
+    shutil.rmtree(stage, ignore_errors=True)
+    extra = {METRICS_FILE: json.dumps(metrics, indent=2) + "\n"} if metrics is not None else None
+    save_draft(draft, contract, stage, extra_files=extra)
+    for f in sorted(stage.iterdir(), key=lambda p: p.name != "model.safetensors"):  # weights first
+        os.replace(f, out / f.name)
+    stage.rmdir()
+
+
+def load_training_state(out: Path) -> dict:
+    path = out / STATE_DIR / "state.pt"
+    if not path.is_file():
+        raise EagleScopeError(f"--resume: {out} has no {STATE_DIR}/state.pt to resume from.")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a damaged file is a user-facing problem
+        raise EagleScopeError(f"--resume: {path} could not be loaded ({e}).") from None
+
+
+def _check_resume(saved: dict, cfg: TrainConfig, world: int) -> None:
+    old = saved["config"]
+    for key in RESUME_KEYS:
+        if old.get(key) != getattr(cfg, key):
+            raise EagleScopeError(
+                f"--resume: --{key.replace('_', '-')} is {getattr(cfg, key)!r} but the run being resumed used "
+                f"{old.get(key)!r}."
+            )
+    if old["batch_size"] * saved["world_size"] != cfg.batch_size * world:
+        raise EagleScopeError(
+            f"--resume: batch-size × processes is {cfg.batch_size * world}, the run being resumed used "
+            f"{old['batch_size'] * saved['world_size']}: the data order would change."
+        )
+
+
+def _prepare_out(out: Path, cfg: TrainConfig, d: Dist) -> None:
+    if out.exists() and not out.is_dir():
+        raise EagleScopeError(f"--out {out} exists and is not a directory.")
+    if cfg.resume or not out.is_dir() or not any(out.iterdir()):
+        return
+    if not cfg.overwrite:
+        what = "a training run" if (out / STATE_DIR).is_dir() else "files"
+        raise EagleScopeError(
+            f"--out {out} already holds {what}; pass --resume to continue it, --overwrite to replace it, "
+            "or choose another directory."
+        )
+    if d.main:
+        shutil.rmtree(out)
+
+
+# -- the loop ------------------------------------------------------------------------------------
+def _resolve_data(cfg: TrainConfig, data, target_fp, num_layers: int) -> tuple[TapContract, torch.Tensor, torch.Tensor]:
+    """Taps and vocabulary map from the prepared data, checked against the flags and the target."""
+    from eaglescope.data.vocab import build_draft_vocab
+
+    m = data.manifest
+    prepared_fp = m.get("target") or {}
+    for key in ("num_layers", "hidden_size", "vocab_size", "tokenizer_sha256"):
+        if prepared_fp.get(key) != getattr(target_fp, key):
+            raise EagleScopeError(
+                f"{cfg.data} was prepared for a target with {key}={prepared_fp.get(key)!r}; this target has "
+                f"{getattr(target_fp, key)!r}."
+            )
+    n_vocab = int(m["draft_vocab_size"])
+    if data.has_hidden_states:
+        taps = data.taps
+        if cfg.taps is not None and TapContract.parse(cfg.taps, num_layers) != taps:
+            raise EagleScopeError(
+                f"--taps {cfg.taps} conflicts with the hidden states stored in {cfg.data}, captured at taps "
+                f"{list(taps.layers)}; drop --taps or prepare again."
+            )
+        if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != n_vocab:
+            raise EagleScopeError(
+                f"--draft-vocab-size {cfg.draft_vocab_size} conflicts with the prepared data's draft vocabulary of "
+                f"{n_vocab}; drop the flag or prepare again."
+            )
+        d2t, t2d = data.vocab()
+        return taps, d2t, t2d
+    if cfg.taps is not None:
+        taps = TapContract.parse(cfg.taps, num_layers)
+    else:
+        taps = data.taps or TapContract.default(num_layers)
+    if cfg.draft_vocab_size is None or cfg.draft_vocab_size == n_vocab:
+        d2t, t2d = data.vocab()
+    else:
+        if not 1 <= cfg.draft_vocab_size <= target_fp.vocab_size:
+            raise EagleScopeError(
+                f"--draft-vocab-size must be in 1..{target_fp.vocab_size} (the target vocabulary), "
+                f"got {cfg.draft_vocab_size}."
+            )
+        d2t, t2d = build_draft_vocab(data.token_counts(), cfg.draft_vocab_size)
+    return taps, d2t, t2d
+
+
+def _nonfinite(loss: torch.Tensor, d: Dist) -> bool:
+    bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+    if d.world > 1:  # every rank must stop together, or the others hang in the next all-reduce
+        torch.distributed.all_reduce(bad)
+    return bool(bad.item() > 0)
+
+
+def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
+    """Train a draft as `cfg` says; → TrainResult. `on_step(step, logs)` runs after each optimizer step."""
+    from tqdm import tqdm
+
+    from eaglescope.data.shards import PreparedData
+    from eaglescope.decode.speculative import target_embedding
+    from eaglescope.target import load_target, parse_dtype
+    from eaglescope.target.loading import read_config
+
+    cfg.validate()
+    d, device = _setup(cfg)
+    out = Path(cfg.out)
+    _prepare_out(out, cfg, d)
+    d.barrier()
+    saved = load_training_state(out) if cfg.resume else None
+    if saved is not None:
+        _check_resume(saved, cfg, d.world)
+
+    data = PreparedData.open(cfg.data, verify=d.main)
+    dtype = parse_dtype(cfg.dtype, device)
+    target = load_target(cfg.target, device=device, dtype=dtype, backend=cfg.backend)
+    taps, d2t, t2d = _resolve_data(cfg, data, target.fingerprint, target.num_layers)
+    if not data.has_hidden_states:
+        target.set_taps(taps)
+    max_length = min(cfg.max_length, target.max_positions)
+    amp = device.type == "cuda" and dtype != torch.float32
+    compute_dtype = dtype if amp else torch.float32
+
+    # -- the draft
+    torch.manual_seed(cfg.seed)
+    dcfg = DraftConfig.for_target(read_config(Path(cfg.target)), taps, int(d2t.numel()))
+    draft = Eagle3Draft(dcfg)
+    draft.set_vocab_map(d2t, t2d)
+    draft.load_target_embedding(target_embedding(target).detach().float().cpu())
+    draft = draft.to(device).train()
+    m = data.manifest
+    contract = DraftContract(
+        taps=taps,
+        target=target.fingerprint,
+        ttt_length=cfg.ttt_length,
+        loss_mask_shift=LOSS_MASK_SHIFT,
+        draft_vocab_source=f"prepared data token frequencies, {data.num_samples} samples",
+        extra={
+            "training": {
+                "data_chat_template_sha256": m.get("chat_template_sha256"),
+                "data_regenerated": m.get("regenerated"),
+                "data_hidden_states": data.has_hidden_states,
+            }
+        },
+    )
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+
+    # -- data order
+    train_idx, eval_idx = split_indices(data.num_samples, cfg.eval_fraction)
+    B, W, A = cfg.batch_size, d.world, cfg.grad_accum
+    G = B * W * A
+    steps_per_epoch = len(train_idx) // G
+    if steps_per_epoch == 0:
+        raise EagleScopeError(
+            f"the training split has {len(train_idx)} samples, fewer than one global batch of {G} "
+            f"(batch size {B} × {W} processes × grad-accum {A}); use a smaller --batch-size or more data."
+        )
+    total = cfg.max_steps if cfg.max_steps is not None else math.ceil((cfg.epochs or 1.0) * steps_per_epoch)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total)
+    perm_cache: dict[int, list[int]] = {}
+
+    def global_batch(step: int) -> list[int]:
+        epoch, pos = divmod(step, steps_per_epoch)
+        if epoch not in perm_cache:
+            perm_cache.clear()
+            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+            perm_cache[epoch] = torch.randperm(len(train_idx), generator=g).tolist()
+        return [train_idx[j] for j in perm_cache[epoch][pos * G : (pos + 1) * G]]
+
+    def batch_of(indices: list[int]) -> Batch:
+        return make_batch(target, collate([data.sample(i) for i in indices], max_length), device, compute_dtype)
+
+    def eval_batches(indices: list[int]):
+        for i in range(0, len(indices), B):
+            yield batch_of(indices[i : i + B])
+
+    # -- resume
+    step, last_ckpt = 0, None
+    if saved is not None:
+        missing, unexpected = draft.load_state_dict(saved["model"], strict=False)
+        if unexpected or [k for k in missing if k != "embed_tokens.weight"]:
+            raise EagleScopeError(f"--resume: {out / STATE_DIR} holds weights of a different draft shape.")
+        opt.load_state_dict(saved["optimizer"])
+        torch.set_rng_state(saved["rng_cpu"])
+        if saved["rng_cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["rng_cuda"])
+        step = last_ckpt_step = int(saved["step"])
+        last_ckpt = (out / STATE_DIR, last_ckpt_step)
+
+    fwd: nn.Module = _Unroll(draft, cfg.ttt_length)
+    if W > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # Buffers (vocab map, frozen embedding) are identical on every rank by construction.
+        fwd = DDP(fwd, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    autocast = torch.autocast("cuda", dtype=dtype) if amp else contextlib.nullcontext()
+
+    writer = None
+    if d.main:
+        from torch.utils.tensorboard import SummaryWriter
+
+        out.mkdir(parents=True, exist_ok=True)
+        writer = SummaryWriter(cfg.log_dir or str(out / "tb"), purge_step=step + 1 if saved is not None else None)
+    bar = tqdm(
+        total=total, initial=step, desc="train", unit="step", file=sys.stderr, disable=(not progress or not d.main)
+    )
+    history: list[dict] = []
+
+    def run_eval() -> dict:
+        indices, split = (eval_idx, "held-out") if eval_idx else (train_idx, "train")
+        res = evaluate(draft, eval_batches(indices), cfg.ttt_length, compute_dtype if amp else None)
+        res["split"], res["num_samples"], res["step"] = split, len(indices), step
+        if writer is not None:
+            for k, a in enumerate(res["acc"]):
+                writer.add_scalar(f"eval/acc_{k}", a, step)
+            for k, a in enumerate(res["alpha"]):
+                writer.add_scalar(f"eval/alpha_{k + 1}", a, step)
+            writer.add_scalar("eval/simulated_tau", res["predicted_accept_length"], step)
+        return res
+
+    def checkpoint(metrics: dict | None) -> None:
+        nonlocal last_ckpt
+        if d.main:
+            save_training_state(out, draft, opt, step, cfg, W)
+            save_checkpoint(out, draft, contract, metrics)
+        d.barrier()
+        last_ckpt = (out / STATE_DIR, step)
+
+    def fail(what: str, value: torch.Tensor) -> EagleScopeError:
+        kind = "nan" if bool(torch.isnan(value).any()) else "inf"
+        where = f"{last_ckpt[0]} (step {last_ckpt[1]})" if last_ckpt else "none (no checkpoint was saved yet)"
+        return EagleScopeError(f"{what} became {kind} at step {step + 1}; last good checkpoint: {where}")
+
+    try:
+        while step < total:
+            lr = cfg.lr * lr_factor(step, warmup, total)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            indices = global_batch(step)
+            K = cfg.ttt_length
+            loss_sum, n_samples = 0.0, 0
+            loss_k, hits_k, count_k = [0.0] * K, [0.0] * K, [0] * K
+            for a in range(A):
+                mine = indices[a * B * W + d.rank * B : a * B * W + (d.rank + 1) * B]
+                batch = batch_of(mine)
+                sync = fwd.no_sync() if (W > 1 and a < A - 1) else contextlib.nullcontext()
+                with sync:
+                    with autocast:
+                        logits = fwd(batch.input_ids, batch.aux)
+                    loss = torch.zeros((), device=device)
+                    for b in range(len(mine)):
+                        res = ttt_loss(
+                            draft,
+                            Unrolled([lg[b : b + 1] for lg in logits], []),
+                            batch.target_logits[b : b + 1],
+                            batch.loss_mask[b : b + 1],
+                            batch.valid[b : b + 1],
+                        )
+                        loss = loss + res.loss
+                        for k in range(K):
+                            loss_k[k] += res.step_loss[k]
+                            if res.step_count[k]:
+                                hits_k[k] += res.step_acc[k] * res.step_count[k]
+                                count_k[k] += res.step_count[k]
+                    loss = loss / (B * A)
+                    if _nonfinite(loss, d):
+                        raise fail("loss", loss.detach())
+                    loss.backward()
+                loss_sum += float(loss.detach()) * A
+                n_samples += len(mine)
+            if cfg.clip > 0:
+                norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+                if not bool(torch.isfinite(norm)):
+                    raise fail("gradient norm", norm.detach())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            logs = {
+                "step": step,
+                "loss": loss_sum / A,
+                "loss_k": [x / max(1, n_samples) for x in loss_k],
+                "acc": [h / c if c else math.nan for h, c in zip(hits_k, count_k, strict=True)],
+                "lr": lr,
+            }
+            history.append(logs)
+            if writer is not None:
+                writer.add_scalar("train/loss", logs["loss"], step)
+                writer.add_scalar("lr", lr, step)
+                for k in range(K):
+                    writer.add_scalar(f"train/loss_{k}", logs["loss_k"][k], step)
+                    writer.add_scalar(f"train/acc_{k}", logs["acc"][k], step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{logs['loss']:.3f}", acc_0=f"{logs['acc'][0]:.3f}")
+            if on_step is not None:
+                on_step(step, logs)
+            if step < total and cfg.eval_every and step % cfg.eval_every == 0:
+                if d.main:
+                    run_eval()
+                d.barrier()
+            if step < total and cfg.save_every and step % cfg.save_every == 0:
+                checkpoint(None)
+        metrics = run_eval() if d.main else {}
+        metrics["ttt_length"] = cfg.ttt_length
+        checkpoint(metrics)
+    finally:
+        bar.close()
+        if writer is not None:
+            writer.close()
+    return TrainResult(out, step, metrics, history)
+
+
+# -- command line --------------------------------------------------------------------------------
+def cmd_train(args) -> int:
+    fields = set(TrainConfig.__dataclass_fields__)
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    res = train(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{res.out}: {res.steps} steps; {res.metrics.get('split', 'held-out')} {format_report(res.metrics)}")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("train", help="train an EAGLE-3 draft with training-time test (also under torchrun)")
+    p.add_argument("--target", required=True, help="Hugging Face checkpoint directory of the target model")
+    p.add_argument("--data", required=True, help="a directory written by `eaglescope prepare`")
+    p.add_argument("--out", required=True, help="output directory: becomes the draft checkpoint")
+    p.add_argument("--ttt-length", type=int, default=7, help="TTT unroll steps (1 = no TTT, EAGLE-2 style)")
+    p.add_argument("--taps", default=None, help="tap indices '2,4,5' (online mode; stored hidden states fix them)")
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="default: the prepared vocabulary")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--max-steps", type=int, default=None, help="optimizer steps")
+    length.add_argument("--epochs", type=float, default=None, help="passes over the training split (default 1)")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per process per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=float, default=1e-4)
+    warm = p.add_mutually_exclusive_group()
+    warm.add_argument("--warmup-steps", type=int, default=None)
+    warm.add_argument("--warmup-ratio", type=float, default=0.02, help="fraction of the steps (default 0.02)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip", type=float, default=0.5, help="gradient-norm clip (0 = off)")
+    p.add_argument("--max-length", type=int, default=2048, help="truncate samples to this many tokens")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0 = at the end only)")
+    p.add_argument("--eval-fraction", type=float, default=0.05, help="held-out share of the samples")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/training_state")
+    p.add_argument("--overwrite", action="store_true", help="replace whatever OUT holds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu, cuda … (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="target dtype and GPU autocast: float32 | bfloat16 (default)")
+    p.add_argument("--log-dir", default=None, help="TensorBoard directory (default OUT/tb)")
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"])
+    p.set_defaults(func=cmd_train)
+
+
+__all__ = ["TrainConfig", "TrainResult", "train", "cmd_train", "add_parsers", "collate", "make_batch", "lr_factor"]

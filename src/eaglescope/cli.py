@@ -126,20 +126,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     for module_name in _EXTRA_COMMANDS:
-        try:
-            module = __import__(module_name, fromlist=["add_parsers"])
-        except ImportError:
-            continue
+        module = __import__(module_name, fromlist=["add_parsers"])
         module.add_parsers(sub)
     return parser
 
 
 # Subcommands that live beside the code they drive; each module exposes add_parsers(sub).
 _EXTRA_COMMANDS = [
-    "eaglescope.commands",
+    "eaglescope.detective.commands",
     "eaglescope.data.prepare",
     "eaglescope.export",
+    "eaglescope.train.loop",
 ]
+
+
+def _quiet_transformers() -> None:
+    # Loading reports and progress bars from transformers would bury our one-line errors.
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,9 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("EAGLESCOPE_DEBUG") == "1"
     if not debug:
         warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+    if not debug:
+        _quiet_transformers()
+    from eaglescope.trace import TraceError
+
     try:
         return int(args.func(args) or 0)
-    except EagleScopeError as e:
+    except (EagleScopeError, TraceError) as e:
         print(f"eaglescope: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -470,8 +470,14 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
 
         out.mkdir(parents=True, exist_ok=True)
         writer = SummaryWriter(cfg.log_dir or str(out / "tb"), purge_step=step + 1 if saved is not None else None)
+    # disable=None: a bar on a terminal, nothing in logs and pipes
     bar = tqdm(
-        total=total, initial=step, desc="train", unit="step", file=sys.stderr, disable=(not progress or not d.main)
+        total=total,
+        initial=step,
+        desc="train",
+        unit="step",
+        file=sys.stderr,
+        disable=None if progress and d.main else True,
     )
     history: list[dict] = []
 

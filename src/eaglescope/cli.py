@@ -137,6 +137,7 @@ _EXTRA_COMMANDS = [
     "eaglescope.data.prepare",
     "eaglescope.export",
     "eaglescope.train.loop",
+    "eaglescope.detective.doctor",
 ]
 
 

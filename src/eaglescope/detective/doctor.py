@@ -187,7 +187,9 @@ def format_report(report: DoctorReport) -> str:
                 tau = a.get("accept_length")
                 t = f"τ {tau:.2f}" if isinstance(tau, (int, float)) else "τ -"
                 lines.append(f"{key:<10} {a['source']}: {t}, α_k [{_fmt_alpha(a.get('alpha'))}]")
-    if fds := report.context.get("first_divergent_stage"):
+    from eaglescope.detective.report import first_divergent_stage
+
+    if fds := first_divergent_stage(report.context):
         lines.append(f"first divergent stage: {fds}")
     lines += [f"note: {n}" for n in report.context.get("notes", [])]
     return "\n".join(lines)

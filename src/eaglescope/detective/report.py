@@ -97,35 +97,50 @@ def acceptance_figure(acc: dict | None) -> str | None:
     return _png(fig)
 
 
+def _by_segment(rows, n_labels: int) -> list[list[float]]:
+    """Values per segment. diagnose writes rows (one per round) × segments; a flat list is one value each."""
+    if all(not isinstance(v, (list, tuple)) for v in rows):
+        return [[_num(v)] for v in rows]
+    rows = [list(r) if isinstance(r, (list, tuple)) else [r] for r in rows]
+    width = max((len(r) for r in rows), default=0)
+    if n_labels and width == n_labels:  # rows × segments → segments × rows
+        return [[_num(r[j]) if j < len(r) else math.nan for r in rows] for j in range(width)]
+    return [[_num(v) for v in r] for r in rows]
+
+
 def norms_figure(norms: dict | None) -> str | None:
-    """Per-segment norms, trace (solid) vs replay (dashed): one line per segment label."""
+    """Per-segment norms, trace vs replay: bars when there is one value per segment, else lines."""
     if not norms or not norms.get("trace") or not norms.get("replay"):
         return None
-    trace, replay = norms["trace"], norms["replay"]
-    labels = list(norms.get("labels") or [f"segment {i}" for i in range(len(trace))])
+    labels = list(norms.get("labels") or [])
+    trace, replay = _by_segment(norms["trace"], len(labels)), _by_segment(norms["replay"], len(labels))
+    n = max(len(trace), len(replay))
+    if not n:
+        return None
+    labels += [f"segment {i}" for i in range(len(labels), n)]
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    scalar = all(not isinstance(v, (list, tuple)) for v in list(trace) + list(replay))
-    if scalar:  # one number per segment: grouped bars
-        n = max(len(trace), len(replay))
-        xs = range(n)
-        ax.bar([x - 0.2 for x in xs], [_num(v) for v in trace] + [math.nan] * (n - len(trace)), 0.4, label="trace")
-        ax.bar([x + 0.2 for x in xs], [_num(v) for v in replay] + [math.nan] * (n - len(replay)), 0.4, label="replay")
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels([str(lb) for lb in labels[:n]] + [""] * (n - len(labels[:n])), rotation=20, fontsize=8)
+    if all(len(v) == 1 for v in trace + replay):
+        xs = list(range(n))
+        t = [v[0] for v in trace] + [math.nan] * (n - len(trace))
+        r = [v[0] for v in replay] + [math.nan] * (n - len(replay))
+        ax.bar([x - 0.2 for x in xs], t, 0.4, label="trace", color="#d9534f")
+        ax.bar([x + 0.2 for x in xs], r, 0.4, label="golden replay", color="#4a90d9")
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels[:n], fontsize=9)
     else:
-        for i, (t, r) in enumerate(zip(trace, replay, strict=False)):
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for i in range(n):
             c = colors[i % len(colors)]
-            lb = labels[i] if i < len(labels) else f"segment {i}"
-            t, r = (t if isinstance(t, (list, tuple)) else [t]), (r if isinstance(r, (list, tuple)) else [r])
-            ax.plot(range(len(t)), [_num(v) for v in t], "-", color=c, label=f"{lb} trace", linewidth=2)
-            ax.plot(range(len(r)), [_num(v) for v in r], "--", color=c, label=f"{lb} replay", linewidth=1.5)
-        ax.set_xlabel(norms.get("x_label", "position"))
-    ax.set_ylabel("norm")
+            if i < len(trace):
+                ax.plot(range(len(trace[i])), trace[i], "-", color=c, label=f"{labels[i]} trace", linewidth=2)
+            if i < len(replay):
+                ax.plot(range(len(replay[i])), replay[i], "--", color=c, label=f"{labels[i]} replay", linewidth=1.5)
+        ax.set_xlabel(norms.get("x_label", "round"))
+    ax.set_ylabel("mean row norm")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    ax.set_title(norms.get("title", "Per-segment norms: trace vs replay"), fontsize=11)
+    ax.set_title(norms.get("title", "Per-segment norms of target.aux: trace vs replay"), fontsize=11)
     return _png(fig)
 
 
@@ -168,6 +183,14 @@ def divergence_figure(table: list[dict] | None) -> str | None:
     fig.colorbar(im, ax=ax, label="log10 relative error")
     ax.set_title("Divergence map: trace vs golden replay (outlined = mismatch)", fontsize=11)
     return _png(fig)
+
+
+def first_divergent_stage(ctx: dict) -> str | None:
+    """ "stage (round r)" from diagnose's context["first_divergence"] (or a plain "first_divergent_stage")."""
+    fd = ctx.get("first_divergence")
+    if isinstance(fd, dict) and fd.get("stage"):
+        return f"{fd['stage']} (round {fd.get('round')})"
+    return ctx.get("first_divergent_stage")
 
 
 # -- the page ---------------------------------------------------------------------------------------------------
@@ -245,7 +268,7 @@ def html_of(report: DoctorReport, title: str = "eaglescope doctor") -> str:
     )
     src, err = _safe(norms_figure, ctx.get("segment_norms"))
     parts.append(_figure_block("Per-segment norms", src, err or "no trace compared (pass --trace)"))
-    fds = ctx.get("first_divergent_stage")
+    fds = first_divergent_stage(ctx)
     src, err = _safe(divergence_figure, ctx.get("stage_table"))
     title = "Divergence map by stage" + (f" — first divergent stage: {fds}" if fds else "")
     parts.append(_figure_block(title, src, err or "no trace compared (pass --trace)"))

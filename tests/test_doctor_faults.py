@@ -1,0 +1,248 @@
+"""Fault injection: every trace-path code is planted (into a decoding run, a recorded trace or a checkpoint)
+and the diagnosis names it first, at the right stage and round; the same runs without a fault give no finding.
+
+Faults vary in where they sit (which tap segment, which draft step, the round they start in), in the
+model (8 layers x 64 wide, 12 layers x 96 wide, native and transformers backends), in the tree (chain,
+top-k tree, trees that accept) and in the trace mode (full tensors, fingerprints).
+"""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from drafts import make_draft
+from faults import (
+    OwnPositionTokens,
+    RoundCounting,
+    Setup,
+    TapFault,
+    edit_trace,
+    fault,
+    perturbed_embedding,
+    permute_segments,
+    record,
+    tile_project,
+)
+from models import make_checkpoint
+
+from eaglescope import trace as T
+from eaglescope.detective.diagnose import diagnose_trace
+from eaglescope.draft import save_draft
+from eaglescope.taps import TapContract
+from eaglescope.target import load_target
+
+PROMPT = list(range(5, 15))
+TREE, CHAIN = (3, 3, 8), (3, 1, 4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matmuls: intra-op threads only contend with each other (and with other test processes).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def setups(tmp_path_factory) -> dict[str, Setup]:
+    root = tmp_path_factory.mktemp("faults")
+    a = make_checkpoint("llama", root / "a", seed=0)
+    b = make_checkpoint(
+        "llama",
+        root / "b",
+        seed=1,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=12,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+    )
+    out = {}
+    ta, tb = load_target(a, device="cpu"), load_target(b, device="cpu")
+    for name, target, ckpt, kw in (
+        ("a", ta, a, {"draft_vocab_size": 48}),
+        ("b", tb, b, {"draft_vocab_size": 64, "seed": 1}),
+        # a contract that taps the embedding output: the reverse TAP_EMBEDDING
+        ("e", ta, a, {"draft_vocab_size": 48, "taps": TapContract((0, 3, 5), 8), "seed": 2}),
+    ):
+        draft, contract = make_draft(ckpt, scale=3.0, **kw)
+        save_draft(draft, contract, root / f"{name}-draft")
+        out[name] = Setup(target, root / f"{name}-draft", root, PROMPT)
+    out["hf"] = Setup(load_target(a, device="cpu", backend="hf"), root / "a-draft", root, PROMPT)
+    # A checkpoint that ships an embedding from another model (the draft was trained against the wrong one).
+    draft, contract = make_draft(a, draft_vocab_size=48, scale=3.0)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(torch.randn(draft.embed_tokens.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.15)
+    save_draft(draft, contract, root / "own-embed-draft", save_embedding=True)
+    out["own-embed"] = Setup(ta, root / "own-embed-draft", root, PROMPT)
+    return out
+
+
+def diagnose(S: Setup, trace_dir):
+    return diagnose_trace(S.target, S.draft(), trace_dir)
+
+
+# -- injections ----------------------------------------------------------------------------------------
+def taps(swap: dict, from_round: int = 0, **kw):
+    return lambda S, out: record(S, out, target=TapFault(S.target, swap, from_round), **kw)[0]
+
+
+def hook(name: str, impl, from_round: int = 1, **kw):
+    return lambda S, out: record(S, out, proposer_cls=fault(name, impl, from_round), **kw)[0]
+
+
+def proposer(cls, **kw):
+    return lambda S, out: record(S, out, proposer_cls=cls, **kw)[0]
+
+
+def edited(edits: dict, **kw):
+    def make(S, out):
+        clean, _ = record(S, out.with_name(out.name + "-clean"), **kw)
+        return edit_trace(clean, out, edits)
+
+    return make
+
+
+def _H(p) -> int:
+    return p.draft.embed_tokens.weight.shape[1]
+
+
+class StaleFirstRows(RoundCounting):
+    """Hands on the first len(path) tree rows (tree order) instead of the accepted path."""
+
+    def next_round_features(self, verify_out, result):
+        return verify_out.aux[: len(result.path)]
+
+
+def offset(kind: str, delta: int, from_round: int = 1):
+    if kind == "tree":
+        return fault("tree_position", lambda p, r, lvl: r + lvl - 1 + delta, from_round)
+    return fault("catch_up_positions", lambda p, s, n: torch.arange(s, s + n) + delta, from_round)
+
+
+def shifted(from_round: int):
+    return type(f"Shift{from_round}", (OwnPositionTokens,), {"shift_from_round": from_round})
+
+
+def _shift_map(p, ids):
+    n = p.draft.d2t.shape[0]
+    return (ids + 1) % n + p.draft.d2t[(ids + 1) % n]
+
+
+def aux_of_round(r: int):
+    """Trace edit: round r's next.hidden_in := every row of round r's target.aux (no filtering at all)."""
+    return {(T.NEXT_HIDDEN_IN, r): lambda x, tr: tr.get(T.TARGET_AUX, round=r)}
+
+
+# (code, variant, setup, make(S, out) -> trace dir, stage family, round where it first shows)
+CASES = [
+    # taps: the engine's capture code, labels kept as the contract's
+    ("TAP_OFF_BY_ONE", "all+1-sglang", "a", taps({0: ("hs", 3), 1: ("hs", 5), 2: ("hs", 6)}), "target.aux", 0),
+    ("TAP_OFF_BY_ONE", "seg1-1", "a", taps({1: ("hs", 3)}), "target.aux", 0),
+    ("TAP_OFF_BY_ONE", "seg2+1-12layers", "b", taps({2: ("hs", 10)}), "target.aux", 0),
+    ("TAP_OFF_BY_ONE", "all+1-hf", "hf", taps({0: ("hs", 3), 1: ("hs", 5), 2: ("hs", 6)}), "target.aux", 0),
+    ("TAP_OFF_BY_ONE", "from-round2", "a", taps({0: ("hs", 3)}, from_round=2), "target.aux", 2),
+    ("TAP_OFF_BY_ONE", "fingerprint", "a", taps({0: ("hs", 1)}, mode="fingerprint"), "target.aux", 0),
+    ("TAP_WRONG_LAYER", "seg2-to-7", "a", taps({2: ("hs", 7)}), "target.aux", 0),
+    ("TAP_WRONG_LAYER", "seg1-to-3-12layers", "b", taps({1: ("hs", 3)}), "target.aux", 0),
+    ("TAP_WRONG_LAYER", "seg0-to-6-hf", "hf", taps({0: ("hs", 6)}), "target.aux", 0),
+    ("TAP_WRONG_LAYER", "fingerprint", "b", taps({0: ("hs", 11)}, mode="fingerprint"), "target.aux", 0),
+    ("TAP_ORDER", "swap01", "a", taps({0: ("hs", 4), 1: ("hs", 2)}), "target.aux", 0),
+    ("TAP_ORDER", "reversed-12layers", "b", taps({0: ("hs", 9), 2: ("hs", 2)}), "target.aux", 0),
+    ("TAP_ORDER", "swap12-hf", "hf", taps({1: ("hs", 5), 2: ("hs", 4)}), "target.aux", 0),
+    ("TAP_ORDER", "edited-rotate", "a", edited({(T.TARGET_AUX, 0): permute_segments([1, 2, 0])}), "target.aux", 0),
+    ("TAP_ORDER", "edited-round3", "b", edited({(T.TARGET_AUX, 3): permute_segments([0, 2, 1])}), "target.aux", 3),
+    ("TAP_ORDER", "fingerprint", "a", taps({0: ("hs", 5), 2: ("hs", 2)}, mode="fingerprint"), "target.aux", 0),
+    ("TAP_EMBEDDING", "seg0-is-embedding", "a", taps({0: ("hs", 0)}), "target.aux", 0),
+    ("TAP_EMBEDDING", "seg1-is-embedding-12layers", "b", taps({1: ("hs", 0)}), "target.aux", 0),
+    ("TAP_EMBEDDING", "hf", "hf", taps({0: ("hs", 0)}), "target.aux", 0),
+    ("TAP_EMBEDDING", "layer1-where-embedding-expected", "e", taps({0: ("hs", 1)}), "target.aux", 0),
+    ("TAP_EMBEDDING", "layer2-where-embedding-expected", "e", taps({0: ("hs", 2)}, from_round=1), "target.aux", 1),
+    ("TAP_NORMED", "seg1", "a", taps({1: ("normed", 4)}), "target.aux", 0),
+    ("TAP_NORMED", "seg2-12layers", "b", taps({2: ("normed", 9)}), "target.aux", 0),
+    ("TAP_NORMED", "seg0-hf", "hf", taps({0: ("normed", 2)}), "target.aux", 0),
+    ("TAP_NORMED", "from-round2", "a", taps({2: ("normed", 5)}, from_round=2), "target.aux", 2),
+    ("TAP_NORMED", "fingerprint", "b", taps({0: ("normed", 2)}, mode="fingerprint"), "target.aux", 0),
+    # fc
+    ("FC_SKIPPED", "last-tap", "a", hook("features", lambda p, aux: aux[:, -_H(p) :]), "draft.fc.out", 1),
+    ("FC_SKIPPED", "first-tap-12layers", "b", hook("features", lambda p, aux: aux[:, : _H(p)]), "draft.fc.out", 1),
+    ("FC_SKIPPED", "from-round3", "a", hook("features", lambda p, aux: aux[:, : _H(p)], 3), "draft.fc.out", 3),
+    ("FC_REPEATED", "step0", "a", hook("features", lambda p, aux: tile_project(p, p.draft.project(aux))), "draft.fc.out", 1),
+    ("FC_REPEATED", "steps-k", "a", hook("child_hidden", lambda p, h: tile_project(p, h)), "draft.hidden_in", 1),
+    ("FC_REPEATED", "steps-k-12layers-chain", "b", hook("child_hidden", lambda p, h: tile_project(p, h), shape=CHAIN), "draft.hidden_in", 1),
+    ("FC_REPEATED", "step0-from-round2", "b", hook("features", lambda p, aux: tile_project(p, p.draft.project(aux)), 2), "draft.fc.out", 2),
+    # feedback between draft steps
+    ("FEEDBACK_TARGET_FEATURES", "fc-of-root", "a", hook("child_hidden", lambda p, h: p.features(p.pending_aux)[-1:].expand(h.shape[0], -1)), "draft.hidden_in", 1),
+    ("FEEDBACK_TARGET_FEATURES", "raw-last-tap-chain", "a", hook("child_hidden", lambda p, h: p.pending_aux[-1:, -_H(p) :].expand(h.shape[0], -1), shape=CHAIN), "draft.hidden_in", 1),
+    ("FEEDBACK_TARGET_FEATURES", "12layers-from-round2", "b", hook("child_hidden", lambda p, h: p.features(p.pending_aux)[-1:].expand(h.shape[0], -1), 2), "draft.hidden_in", 2),
+    ("FEEDBACK_TARGET_FEATURES", "fingerprint", "a", hook("child_hidden", lambda p, h: p.features(p.pending_aux)[-1:].expand(h.shape[0], -1), mode="fingerprint"), "draft.hidden_in", 1),
+    ("FEEDBACK_POSTNORM", "tree", "a", hook("child_hidden", lambda p, h: p.draft.norm(h)), "draft.hidden_in", 1),
+    ("FEEDBACK_POSTNORM", "chain-12layers", "b", hook("child_hidden", lambda p, h: p.draft.norm(h), shape=CHAIN), "draft.hidden_in", 1),
+    ("FEEDBACK_POSTNORM", "from-round3", "a", hook("child_hidden", lambda p, h: p.draft.norm(h), 3), "draft.hidden_in", 3),
+    ("FEEDBACK_POSTNORM", "fingerprint", "b", hook("child_hidden", lambda p, h: p.draft.norm(h), mode="fingerprint"), "draft.hidden_in", 1),
+    # what is handed to the next round
+    ("STALE_ACCEPTED", "first-rows", "a", proposer(StaleFirstRows, accept=True), "next.hidden_in", 1),
+    ("STALE_ACCEPTED", "first-rows-12layers", "b", proposer(StaleFirstRows, accept=True), "next.hidden_in", 1),
+    ("STALE_ACCEPTED", "first-rows-from-round2", "a", hook("next_round_features", lambda p, o, r: o.aux[: len(r.path)], 2, accept=True), "next.hidden_in", 2),
+    ("STALE_ACCEPTED", "all-rows-edited", "a", edited(aux_of_round(1), accept=True), "next.hidden_in", 1),
+    ("STALE_ACCEPTED", "all-rows-edited-round2", "b", edited(aux_of_round(2)), "next.hidden_in", 2),
+    # positions
+    ("POSITION_OFFSET", "tree+1", "a", proposer(offset("tree", 1)), "draft.hidden_out", 1),
+    ("POSITION_OFFSET", "tree-1-12layers", "b", proposer(offset("tree", -1)), "draft.hidden_out", 1),
+    ("POSITION_OFFSET", "catch-up+1", "a", proposer(offset("catchup", 1)), "draft.hidden_out", 1),
+    ("POSITION_OFFSET", "tree+1-from-round2", "a", proposer(offset("tree", 1, 2), accept=True), "draft.hidden_out", 2),
+    ("POSITION_OFFSET", "catch-up-1-from-round3-chain", "b", proposer(offset("catchup", -1, 3), shape=CHAIN), "draft.hidden_out", 3),
+    # token pairing and embedding
+    ("SHIFT_OFF_BY_ONE", "tree", "a", proposer(shifted(1)), "draft.embed_in", 1),
+    ("SHIFT_OFF_BY_ONE", "chain-12layers", "b", proposer(shifted(1), shape=CHAIN), "draft.embed_in", 1),
+    ("SHIFT_OFF_BY_ONE", "from-round2-accepting", "a", proposer(shifted(2), accept=True), "draft.embed_in", 2),
+    ("SHIFT_OFF_BY_ONE", "from-round3-accepting", "b", proposer(shifted(3), accept=True), "draft.embed_in", 3),
+    ("EMBEDDING_MISMATCH", "random-table", "a", hook("embed", lambda p, ids: perturbed_embedding(p, "random")[ids]), "draft.embed_in", 1),
+    ("EMBEDDING_MISMATCH", "scaled-12layers", "b", hook("embed", lambda p, ids: perturbed_embedding(p, "scaled")[ids]), "draft.embed_in", 1),
+    ("EMBEDDING_MISMATCH", "noisy-from-round2", "a", hook("embed", lambda p, ids: perturbed_embedding(p, "noisy")[ids], 2), "draft.embed_in", 2),
+    ("EMBEDDING_MISMATCH", "checkpoint-ships-other-embedding", "own-embed", proposer(RoundCounting), "draft.embed_in", 1),
+    # vocabulary map
+    ("VOCAB_MAP", "unmapped", "a", hook("to_target_ids", lambda p, ids: ids), "draft.topk", 1),
+    ("VOCAB_MAP", "off-by-one-map-12layers", "b", hook("to_target_ids", _shift_map), "draft.topk", 1),
+    ("VOCAB_MAP", "unmapped-chain-from-round2", "a", hook("to_target_ids", lambda p, ids: ids, 2, shape=CHAIN), "draft.topk", 2),
+]
+
+
+@pytest.mark.parametrize(
+    "code,variant,setup,make,family,rnd", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES]
+)
+def test_injected_fault_is_the_top_finding(setups, tmp_path, code, variant, setup, make, family, rnd):
+    S = setups[setup]
+    findings, ctx = diagnose(S, make(S, tmp_path / "trace"))
+    assert findings, f"no finding; first divergence {ctx['first_divergence']}"
+    top = findings[0]
+    assert (top.code, T.parse_stage(top.stage)[0], top.round) == (code, family, rnd), (
+        top.verdict,
+        top.evidence,
+    )
+
+
+HEALTHY = [
+    ("tree", "a", {}),
+    ("chain", "a", {"shape": CHAIN}),
+    ("accepting", "a", {"accept": True}),
+    ("12layers", "b", {}),
+    ("12layers-accepting-chain", "b", {"accept": True, "shape": CHAIN}),
+    ("hf", "hf", {}),
+    ("embedding-tap-contract", "e", {}),
+    ("fingerprint", "a", {"mode": "fingerprint"}),
+    ("fingerprint-12layers-accepting", "b", {"mode": "fingerprint", "accept": True}),
+]
+
+
+@pytest.mark.parametrize("variant,setup,kw", HEALTHY, ids=[h[0] for h in HEALTHY])
+def test_uninjected_run_gives_no_finding(setups, tmp_path, variant, setup, kw):
+    S = setups[setup]
+    trace_dir, res = record(S, tmp_path / "trace", **kw)
+    findings, ctx = diagnose(S, trace_dir)
+    assert findings == [], [(f.code, f.stage, f.round, f.verdict) for f in findings]
+    assert ctx["first_divergence"] is None
+    if kw.get("accept"):
+        assert sum(res.stats.accepted) >= 4  # the oracle trees really do accept

@@ -103,125 +103,132 @@ def _segments(observed, count: int, H: int) -> list:
 
 # -- hypotheses, by stage family ----------------------------------------------------------------------
 def diagnose_taps(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]:
-    hs = ev.hidden_states(rnd)
-    if stage == T.TARGET_AUX:
-        expected = list(ev.taps.layers)
-        segs = _segments(observed, len(expected), ev.H)
-    else:
-        expected = [T.parse_stage(stage)[1]]
-        segs = [observed]
-    if not segs:
-        shape = list(observed.shape)
-        return [
-            Finding(
-                "DIVERGENCE_UNEXPLAINED",
-                stage,
-                f"{stage} has shape {shape}, the contract needs {len(expected)} taps of width {ev.H}",
-                {"shape": shape, "taps": expected},
-                "record the concatenation of exactly the contract's taps",
-                0.5,
-                rnd,
-            )
-        ]
+    """Which hidden state each captured segment holds, judged over the round's whole capture.
+
+    A wrong order or a consistent shift only shows across segments, so the verdict comes from the
+    concatenation the draft received (target.aux) when the trace has it, else from the per-tap stages.
+    Engines label per-tap stages with the contract's layers even when they capture others.
+    """
+    contract = list(ev.taps.layers)
+    views: list[tuple[str, list[int], list]] = []
+    aux = observed if stage == T.TARGET_AUX else ev.t(T.TARGET_AUX, rnd)
+    if aux is not None:
+        segs = _segments(aux, len(contract), ev.H)
+        if segs:
+            views.append((T.TARGET_AUX, contract, segs))
+        elif stage == T.TARGET_AUX:
+            shape = list(aux.shape)
+            return [
+                Finding(
+                    "DIVERGENCE_UNEXPLAINED",
+                    stage,
+                    f"{stage} has shape {shape}, the contract needs {len(contract)} taps of width {ev.H}",
+                    {"shape": shape, "taps": contract},
+                    "record the concatenation of exactly the contract's taps",
+                    0.5,
+                    rnd,
+                )
+            ]
+    present = [(i, ev.t(T.target_tap(i), rnd)) for i in contract]
+    present = [(i, x) for i, x in present if x is not None]
+    if present:
+        views.append(("taps", [i for i, _ in present], [x for _, x in present]))
+    if stage != T.TARGET_AUX and T.parse_stage(stage)[1] not in contract:
+        views.append((stage, [T.parse_stage(stage)[1]], [observed]))
     candidates: dict[str, torch.Tensor] = {}
-    for i, h in hs.items():
+    for i, h in ev.hidden_states(rnd).items():
         candidates[f"hs{i}"] = h
         n = ev.normed(i, h)
         if n is not None:
             candidates[f"normed{i}"] = n
-    found, errs = [], []
-    for seg in segs:
-        name, e = ev.best(candidates, seg)
-        found.append(name)
-        errs.append(e)
-    evidence = {
-        "expected_taps": expected,
-        "found": found,
-        "rel_err_vs_expected": [e.get(f"hs{x}") for e, x in zip(errs, expected)],
-    }
-    if all(f == f"hs{x}" for f, x in zip(found, expected)):
-        return []  # every segment is right: the divergence is elsewhere (e.g. precision)
-    raw = [int(f[2:]) if f and f.startswith("hs") else None for f in found]
+    for where, expected, segs in views:
+        found, errs = [], []
+        for seg in segs:
+            name, e = ev.best(candidates, seg)
+            found.append(name)
+            errs.append(e)
+        if all(f == f"hs{x}" for f, x in zip(found, expected)):
+            continue  # this view is right: the divergence is elsewhere (e.g. precision)
+        if where == "taps":
+            where = next(T.target_tap(x) for f, x in zip(found, expected) if f != f"hs{x}")
+        evidence = {
+            "stage": where,
+            "expected_taps": expected,
+            "found": found,
+            "rel_err_vs_expected": [e.get(f"hs{x}") for e, x in zip(errs, expected)],
+        }
+        return [_classify_taps(where, expected, found, evidence, rnd)]
+    return []
+
+
+def _classify_taps(stage: str, expected: list[int], found: list[str | None], evidence: dict, rnd: int) -> Finding:
+    """Name the capture mistake from what each segment holds (found: "hs<i>", "normed<i>" or None)."""
     fix_conv = (
         "check the tap contract and the engine's layer-id convention (eaglescope inspect shows what SGLang "
         "and vLLM capture)"
     )
-    bad = [(j, e, f) for j, (e, f) in enumerate(zip(expected, found)) if f != f"hs{e}"]
-    if any(f is not None and f.startswith("normed") and int(f[6:]) == e for _, e, f in bad):
-        j = next(j for j, e, f in bad if f and f == f"normed{e}")
-        return [
-            Finding(
-                "TAP_NORMED",
-                stage,
-                f"segment {j} of {stage} is the RMS-normed input of layer {expected[j]}, not the raw residual stream",
-                evidence,
-                "capture the hidden state entering the layer (before input_layernorm)",
-                0.95,
-                rnd,
-            )
-        ]
-    if None not in raw and sorted(raw) == sorted(expected) and raw != expected:
-        return [
-            Finding(
-                "TAP_ORDER",
-                stage,
-                f"{stage} holds the right taps in the order {raw} instead of {expected}",
-                evidence,
-                "concatenate taps from low to high layer",
-                0.95,
-                rnd,
-            )
-        ]
-    if any(r is not None and (r == 0) != (e == 0) for r, e in zip(raw, expected)):
-        j = next(j for j, (r, e) in enumerate(zip(raw, expected)) if r is not None and (r == 0) != (e == 0))
-        what = "the embedding output" if raw[j] == 0 else f"layer {raw[j]}'s input"
-        return [
-            Finding(
-                "TAP_EMBEDDING",
-                stage,
-                f"segment {j} of {stage} is {what}; the contract expects tap {expected[j]}",
-                evidence,
-                fix_conv,
-                0.95,
-                rnd,
-            )
-        ]
-    if all(r is not None for r in raw) and all(abs(r - e) <= 1 for r, e in zip(raw, expected)):
-        deltas = sorted({r - e for r, e in zip(raw, expected) if r != e})
-        return [
-            Finding(
-                "TAP_OFF_BY_ONE",
-                stage,
-                f"{stage} holds taps {raw} instead of {expected} (off by {', '.join(f'{d:+d}' for d in deltas)})",
-                evidence,
-                fix_conv + "; SGLang adds +1 to explicit ids",
-                0.95,
-                rnd,
-            )
-        ]
-    if all(r is not None for r in raw):
-        return [
-            Finding(
-                "TAP_WRONG_LAYER",
-                stage,
-                f"{stage} holds taps {raw} instead of {expected}",
-                evidence,
-                fix_conv,
-                0.9,
-                rnd,
-            )
-        ]
-    return [
-        Finding(
-            "DIVERGENCE_UNEXPLAINED",
+    what = "segment" if stage == T.TARGET_AUX else "tap"
+    raw = [int(f[2:]) if f and f.startswith("hs") else None for f in found]
+    normed = [(j, int(f[6:])) for j, f in enumerate(found) if f and f.startswith("normed")]
+    if normed:
+        j, layer = normed[0]
+        where = "" if layer == expected[j] else f" (and of layer {layer}, not {expected[j]})"
+        return Finding(
+            "TAP_NORMED",
             stage,
-            f"{stage} matches no hidden state of the target (segments found: {found})",
+            f"{what} {j} of {stage} is the RMS-normed input of layer {layer}{where}, not the raw residual stream",
             evidence,
-            "compare the engine's capture code with the contract",
-            0.5,
+            "capture the hidden state entering the layer (before input_layernorm)",
+            0.95,
             rnd,
         )
-    ]
+    if None not in raw and sorted(raw) == sorted(expected) and raw != expected:
+        return Finding(
+            "TAP_ORDER",
+            stage,
+            f"{stage} holds the right taps in the order {raw} instead of {expected}",
+            evidence,
+            "concatenate taps from low to high layer",
+            0.95,
+            rnd,
+        )
+    emb = [j for j, (r, e) in enumerate(zip(raw, expected)) if r is not None and (r == 0) != (e == 0)]
+    if emb:
+        j = emb[0]
+        held = "the embedding output" if raw[j] == 0 else f"layer {raw[j]}'s input"
+        return Finding(
+            "TAP_EMBEDDING",
+            stage,
+            f"{what} {j} of {stage} is {held}; the contract expects tap {expected[j]}",
+            evidence,
+            fix_conv,
+            0.95,
+            rnd,
+        )
+    if None not in raw and all(abs(r - e) <= 1 for r, e in zip(raw, expected)):
+        deltas = sorted({r - e for r, e in zip(raw, expected) if r != e})
+        return Finding(
+            "TAP_OFF_BY_ONE",
+            stage,
+            f"{stage} holds taps {raw} instead of {expected} (off by {', '.join(f'{d:+d}' for d in deltas)})",
+            evidence,
+            fix_conv + "; SGLang adds +1 to explicit ids",
+            0.95,
+            rnd,
+        )
+    if None not in raw:
+        return Finding(
+            "TAP_WRONG_LAYER", stage, f"{stage} holds taps {raw} instead of {expected}", evidence, fix_conv, 0.9, rnd
+        )
+    return Finding(
+        "DIVERGENCE_UNEXPLAINED",
+        stage,
+        f"{stage} matches no hidden state of the target (segments found: {found})",
+        evidence,
+        "compare the engine's capture code with the contract",
+        0.5,
+        rnd,
+    )
 
 
 def _tile_fc(ev: Evidence, x: torch.Tensor) -> torch.Tensor:

@@ -433,18 +433,25 @@ def diagnose_feedback(ev: Evidence, rnd: int, stage: str, observed, step: int) -
     return []
 
 
-class _TreeOffset(Eagle3Proposer):
-    delta = 0
+class _Offset(Eagle3Proposer):
+    """Reference proposer with one position rule shifted by `delta` from trace round `from_round` on."""
 
+    delta = 0
+    from_round = 1
+
+    def _shift(self) -> int:
+        # The replay's recorder is at the round being drafted: a fault that starts late shifts only from there.
+        return self.delta if self.rec is not None and self.rec.round >= self.from_round else 0
+
+
+class _TreeOffset(_Offset):
     def tree_position(self, root_position, level):
-        return super().tree_position(root_position, level) + self.delta
+        return super().tree_position(root_position, level) + self._shift()
 
 
-class _CatchUpOffset(Eagle3Proposer):
-    delta = 0
-
+class _CatchUpOffset(_Offset):
     def catch_up_positions(self, start, count):
-        return super().catch_up_positions(start, count) + self.delta
+        return super().catch_up_positions(start, count) + self._shift()
 
 
 def diagnose_positions(ev: Evidence, rnd: int, stage: str, observed, step: int, trace_dir, tmp: Path):
@@ -454,11 +461,14 @@ def diagnose_positions(ev: Evidence, rnd: int, stage: str, observed, step: int, 
         if step == 0 and cls is _TreeOffset:
             continue
         for d in deltas:
-            variants.append((type(f"{cls.__name__}{d}", (cls,), {"delta": d}), d, cls is _TreeOffset))
+            # the first divergent round is where the offset starts (an earlier start would have shown earlier)
+            variants.append(
+                (type(f"{cls.__name__}{d}", (cls,), {"delta": d, "from_round": rnd}), d, cls is _TreeOffset)
+            )
     errors = {}
     for cls, d, tree in variants:
         out = tmp / f"pos{'tree' if tree else 'catchup'}{d:+d}"
-        alt = T.load_trace(replay(ev.target, ev.loaded, trace_dir, out, proposer_cls=cls))
+        alt = T.load_trace(replay(ev.target, ev.loaded, trace_dir, out, proposer_cls=cls, until_round=rnd))
         try:
             cand = alt.get(stage, rnd)
         except KeyError:

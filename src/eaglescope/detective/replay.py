@@ -79,8 +79,9 @@ def replay(
     out_dir: Path | str,
     mode: str = "full",
     proposer_cls: type[Eagle3Proposer] = Eagle3Proposer,
+    until_round: int | None = None,
 ) -> Path:
-    """Write the golden trace for `trace_dir` into `out_dir` and return its path."""
+    """Write the golden trace for `trace_dir` into `out_dir` and return its path (rounds up to `until_round`)."""
     try:
         trace = T.load_trace(trace_dir)
     except T.TraceError as e:
@@ -98,10 +99,11 @@ def replay(
         )
     all_taps = TapContract(tuple(range(target.num_layers)), target.num_layers)
     forced = _Forced(trace)
-    rounds = sorted(trace.rounds())
+    rounds = [r for r in sorted(trace.rounds()) if until_round is None or r <= until_round]
     draft = loaded.model
-    if not loaded.has_embedding:
-        draft.load_target_embedding(target_embedding(target))
+    # The reference embedding is the target's, even when the checkpoint ships one: EAGLE-3 trains with the
+    # target's table frozen, so a shipped copy that differs is a fault to find, not the golden path.
+    draft.load_target_embedding(target_embedding(target))
 
     emitted_budget = 1 + sum(
         int(forced.get(T.VERIFY_ACCEPTED, r).numel()) + 1

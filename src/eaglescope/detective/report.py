@@ -69,31 +69,59 @@ def _plt():
 
 
 # -- figures -----------------------------------------------------------------------------------------------------
+def _alpha_shown(a: dict) -> list[float]:
+    """α_k to plot: positions reached by fewer than MIN_REACHED rounds are noise, so they are left out."""
+    from eaglescope.detective.behaviour import MIN_REACHED
+
+    ys = [_num(x) for x in a.get("alpha") or []]
+    reached = a.get("reached") or []
+    return [math.nan if k < len(reached) and (reached[k] or 0) < MIN_REACHED else y for k, y in enumerate(ys)]
+
+
 def acceptance_figure(acc: dict | None) -> str | None:
-    """α_k by position for served / predicted / training, plus each one's τ in the legend."""
+    """Left: conditional α_k served vs predicted (vs training). Right: teacher-forced acc_k, where a draft that
+    cannot read its own features (no TTT) shows as a drop after step 1."""
     if not acc:
         return None
     series = []
     for key, style in (("served", "o-"), ("predicted", "s--"), ("training", "^:")):
         a = acc.get(key)
-        if a and a.get("alpha") and any(not math.isnan(_num(x)) for x in a["alpha"]):
+        if a and any(not math.isnan(y) for y in _alpha_shown(a)):
             series.append((key, a, style))
-    if not series:
+    accs = [(k, acc[k]) for k in ("predicted", "training") if acc.get(k) and acc[k].get("acc")]
+    if not series and not accs:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    fig, axes = plt.subplots(1, 2 if accs else 1, figsize=(11 if accs else 7.5, 3.6), squeeze=False)
+    ax = axes[0][0]
     for key, a, style in series:
-        ys = [_num(x) for x in a["alpha"]]
+        ys = _alpha_shown(a)
         tau = _num(a.get("accept_length"))
         label = f"{key}: {a.get('source', key)}" + ("" if math.isnan(tau) else f" (τ {tau:.2f})")
         ax.plot(range(1, len(ys) + 1), ys, style, label=label, linewidth=2, markersize=6)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("draft position k")
     ax.set_ylabel("conditional acceptance α_k")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xticks(range(1, max(len(a["alpha"]) for _, a, _ in series) + 1))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    ax.set_title("Per-position acceptance: served vs predicted", fontsize=11)
+    if series:
+        ax.legend(fontsize=8, loc="best")
+    ax.set_title("Served vs predicted α_k", fontsize=11)
+    if accs:
+        ax = axes[0][1]
+        for (key, a), style in zip(accs, ("s--", "^:"), strict=False):
+            ys = [_num(x) for x in a["acc"]]
+            ax.plot(range(1, len(ys) + 1), ys, style, label=f"{key}: {a.get('source', key)}", linewidth=2)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("draft step k (teacher-forced)")
+        ax.set_ylabel("acc_k (unconditional)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+        ax.set_title("Teacher-forced acc_k: flat with TTT, falling without", fontsize=11)
+    fig.tight_layout()
     return _png(fig)
 
 
@@ -194,8 +222,18 @@ def first_divergent_stage(ctx: dict) -> str | None:
 
 
 # -- the page ---------------------------------------------------------------------------------------------------
+def _rounded(x):
+    if isinstance(x, float):
+        return round(x, 3)
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rounded(v) for v in x]
+    return x
+
+
 def _evidence(ev) -> str:
-    text = json.dumps(ev, default=str, allow_nan=True)
+    text = json.dumps(_rounded(ev), default=str, allow_nan=True)
     return _e(text if len(text) <= 600 else text[:600] + " …")
 
 
@@ -250,16 +288,18 @@ def html_of(report: DoctorReport, title: str = "eaglescope doctor") -> str:
         parts.append("</table>")
     acc = ctx.get("acceptance")
     if acc:
-        parts.append("<h2>Acceptance</h2><table><tr><th></th><th>source</th><th>τ</th><th>α_k</th></tr>")
+        parts.append("<h2>Acceptance</h2><table><tr><th></th><th>source</th><th>τ</th><th>α_k</th><th>acc_k</th></tr>")
         for key in ("served", "predicted", "training"):
             a = acc.get(key)
             if not a:
                 continue
             tau = _num(a.get("accept_length"))
             alpha = " ".join("-" if math.isnan(_num(x)) else f"{_num(x):.2f}" for x in a.get("alpha") or [])
+            accs = " ".join("-" if math.isnan(_num(x)) else f"{_num(x):.2f}" for x in a.get("acc") or [])
             parts.append(
                 f"<tr><td>{key}</td><td>{_e(a.get('source', ''))}</td>"
-                f"<td>{'-' if math.isnan(tau) else f'{tau:.2f}'}</td><td><code>{_e(alpha or '-')}</code></td></tr>"
+                f"<td>{'-' if math.isnan(tau) else f'{tau:.2f}'}</td><td><code>{_e(alpha or '-')}</code></td>"
+                f"<td><code>{_e(accs or '-')}</code></td></tr>"
             )
         parts.append("</table>")
     src, err = _safe(acceptance_figure, acc)

@@ -138,6 +138,7 @@ _EXTRA_COMMANDS = [
     "eaglescope.export",
     "eaglescope.train.loop",
     "eaglescope.detective.doctor",
+    "eaglescope.demo",
 ]
 
 

@@ -43,7 +43,9 @@ class PretrainConfig:
     eos_token_id: int = 0
     pad_token_id: int | None = None
     compile: bool = False
-    time_budget_s: float | None = None  # stop early (cosine schedule still ends where it should)
+    # Fit the run to a wall-clock budget: after a few timed steps, `steps` shrinks so the whole cosine
+    # schedule ends inside the budget (a slow CPU gets fewer steps, not a truncated schedule).
+    time_budget_s: float | None = None
 
     def args(self) -> LlamaArgs:
         head_dim = self.hidden_size // self.num_heads
@@ -162,7 +164,9 @@ def pretrain(
         bar = tqdm(total=cfg.steps, desc="pretrain target", unit="step", leave=False)
     t0 = time.perf_counter()
     loss_val, steps_done = float("nan"), 0
-    for step in range(cfg.steps):
+    total = cfg.steps
+    step = 0
+    while step < total:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         b = _batch(train_tokens, cfg, g, device)
@@ -174,18 +178,24 @@ def pretrain(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         steps_done = step + 1
-        if bar is not None and (step % 10 == 0 or step == cfg.steps - 1):
-            loss_val = float(loss)
+        if cfg.time_budget_s is not None and step == 4:
+            per_step = (time.perf_counter() - t0) / 5
+            total = max(10, min(total, int(cfg.time_budget_s / per_step)))
+            cfg.steps = total  # the schedule (lr_at) follows the fitted length
+            if bar is not None:
+                bar.total = total
+        if bar is not None and (step % 10 == 0 or step == total - 1):
+            loss_val = float(loss.detach())
             bar.set_postfix(loss=f"{loss_val:.3f}")
-            bar.update(10 if step + 10 < cfg.steps else cfg.steps - bar.n)
-        if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
-            break
+            bar.n = step + 1
+            bar.refresh()
+        step += 1
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - t0
     stats = {
         "steps": steps_done,
-        "train_loss": float(loss),
+        "train_loss": float(loss.detach()),
         "seconds": seconds,
         "tokens_per_second": steps_done * cfg.batch_size * cfg.seq_len / seconds,
         "parameters": sum(p.numel() for p in model.parameters()),

@@ -1,0 +1,399 @@
+"""`eaglescope demo`: the whole product on the embedded default, on a CPU, in minutes, nothing downloaded.
+
+    stdlib sources → BPE tokenizer → small Llama target (a normal HF checkpoint) → conversations
+    (code prefix → the target's own continuation) → prepare (vocab map, tap features) → train an
+    EAGLE-3 draft with TTT → decode held-out prefixes with and without speculation (outputs must be
+    identical) → τ, α_k, tokens/s, speedup → doctor with an HTML report.
+
+Every stage caches its output under --workdir, keyed by a hash of its settings and inputs, so a second
+run reuses them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from eaglescope.errors import EagleScopeError
+
+
+@dataclass
+class DemoConfig:
+    workdir: str
+    fast: bool = False
+    seed: int = 0
+    # sizes (overridden by --fast)
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    num_layers: int = 8
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    pretrain_steps: int = 3000  # an upper bound: the budget below decides on a slow machine
+    pretrain_budget_s: float = 150.0
+    pretrain_batch: int = 16
+    seq_len: int = 128
+    conversations: int = 160
+    prefix_tokens: int = 64
+    regen_tokens: int = 80
+    draft_steps: int = 200
+    draft_batch: int = 8
+    draft_lr: float = 3e-3
+    eval_prompts: int = 12
+    eval_new_tokens: int = 96
+    chain: int = 4
+
+    def __post_init__(self) -> None:
+        if self.fast:
+            self.pretrain_budget_s, self.conversations, self.draft_steps = 50.0, 64, 80
+            self.eval_prompts, self.eval_new_tokens = 6, 64
+
+    def stage_key(self, stage: str, fields: tuple[str, ...], extra: str = "") -> str:
+        d = {f: getattr(self, f) for f in fields}
+        return hashlib.sha256(json.dumps([stage, d, extra], sort_keys=True).encode()).hexdigest()[:16]
+
+
+TARGET_FIELDS = (
+    "seed",
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "pretrain_steps",
+    "pretrain_batch",
+    "seq_len",
+)
+DATA_FIELDS = TARGET_FIELDS + ("conversations", "prefix_tokens", "regen_tokens")
+DRAFT_FIELDS = DATA_FIELDS + ("draft_steps", "draft_batch", "draft_lr")
+
+
+def default_workdir() -> Path:
+    base = os.environ.get("EAGLESCOPE_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "eaglescope"
+    )
+    return Path(base) / "demo"
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _cached(path: Path, key: str) -> bool:
+    stamp = path / ".eaglescope-stage"
+    return stamp.is_file() and stamp.read_text().strip() == key
+
+
+def _stamp(path: Path, key: str) -> None:
+    (path / ".eaglescope-stage").write_text(key + "\n")
+
+
+def build_target(cfg: DemoConfig, work: Path) -> Path:
+    from eaglescope.corpus import COMPLETION_TEMPLATE, stdlib_corpus, train_tokenizer
+    from eaglescope.pretrain import PretrainConfig, pretrain, save_target
+
+    corpus = stdlib_corpus()
+    key = cfg.stage_key("target", TARGET_FIELDS, corpus.sha256)
+    out = work / "target"
+    if _cached(out, key):
+        _say(f"[1/5] target: cached at {out}")
+        return out
+    t0 = time.perf_counter()
+    _say(
+        f"[1/5] target: {len(corpus.train)} stdlib files for training, {len(corpus.heldout)} held out "
+        f"(list sha256 {corpus.sha256[:12]})"
+    )
+    tok_dir = work / "tokenizer"
+    texts = corpus.read(corpus.train, max_bytes=2_000_000)
+    tok = train_tokenizer(texts, cfg.vocab_size, tok_dir, COMPLETION_TEMPLATE)
+    train_ids = _tokenize(tok, corpus.read(corpus.train))
+    held_ids = _tokenize(tok, corpus.read(corpus.heldout))
+    _say(f"      BPE tokenizer ({len(tok)} tokens); {train_ids.numel():,} training tokens")
+    pcfg = PretrainConfig(
+        vocab_size=len(tok),
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        seq_len=cfg.seq_len,
+        batch_size=cfg.pretrain_batch,
+        steps=cfg.pretrain_steps,
+        seed=cfg.seed,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        time_budget_s=cfg.pretrain_budget_s,
+        lr=4e-3,
+        warmup=30,
+    )
+    model, stats = pretrain(pcfg, train_ids, held_ids, device="cpu")
+    save_target(model, pcfg, out, tok_dir, extra={"stats": stats, "corpus_sha256": corpus.sha256})
+    _stamp(out, key)
+    _say(
+        f"      trained a {stats['parameters'] / 1e6:.1f}M-parameter Llama in {time.perf_counter() - t0:.0f}s "
+        f"({stats['tokens_per_second']:.0f} tok/s); held-out loss {stats.get('heldout_loss', float('nan')):.2f} "
+        "nats/token"
+    )
+    return out
+
+
+def _tokenize(tok, texts: list[str]) -> torch.Tensor:
+    ids: list[int] = []
+    for enc in tok.backend_tokenizer.encode_batch(texts):
+        ids.extend(enc.ids)
+        ids.append(tok.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _prefixes(cfg: DemoConfig, files: list[Path], tok, n: int, seed: int, length: int) -> list[list[int]]:
+    """`n` code prefixes of `length` tokens from random places in `files` (deterministic)."""
+    rng = random.Random(seed)
+    out = []
+    texts = [t for t in (f.read_text(encoding="utf-8", errors="ignore") for f in files) if len(t) > 2000]
+    while len(out) < n:
+        text = rng.choice(texts)
+        start = rng.randrange(0, len(text) - 1500)
+        ids = tok.encode(text[start : start + 1500])[1:]  # drop a partial first token
+        if len(ids) >= length:
+            out.append(ids[:length])
+    return out
+
+
+def build_data(cfg: DemoConfig, work: Path, target_dir: Path) -> Path:
+    from eaglescope.corpus import stdlib_corpus
+    from eaglescope.data.prepare import PrepareConfig, prepare
+    from eaglescope.target.loading import load_tokenizer
+
+    key = cfg.stage_key("data", DATA_FIELDS, (target_dir / ".eaglescope-stage").read_text())
+    out = work / "prepared"
+    if _cached(out, key):
+        _say(f"[2/5] data: cached at {out}")
+        return out
+    t0 = time.perf_counter()
+    tok = load_tokenizer(target_dir)
+    corpus = stdlib_corpus()
+    prefixes = _prefixes(cfg, corpus.train, tok, cfg.conversations, cfg.seed + 1, cfg.prefix_tokens)
+    jsonl = work / "conversations.jsonl"
+    with jsonl.open("w") as f:
+        for ids in prefixes:
+            # The answer is regenerated by the target (the EAGLE-3 recipe); the placeholder is never trained on.
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": tok.decode(ids)},
+                            {"role": "assistant", "content": "pass"},
+                        ]
+                    }
+                )
+                + "\n"
+            )
+    _say(
+        f"[2/5] data: {len(prefixes)} code prefixes; the target writes its own continuations, then its tap "
+        "features are stored"
+    )
+    prepare(
+        PrepareConfig(
+            target=str(target_dir),
+            data=str(jsonl),
+            out=str(out),
+            regenerate=True,
+            regen_max_new_tokens=cfg.regen_tokens,
+            hidden_states=True,
+            max_length=cfg.seq_len * 2,
+            device="cpu",
+            dtype="float32",
+            overwrite=True,
+        )
+    )
+    _stamp(out, key)
+    _say(f"      prepared in {time.perf_counter() - t0:.0f}s")
+    return out
+
+
+def build_draft(
+    cfg: DemoConfig, work: Path, target_dir: Path, data_dir: Path, ttt_length: int = 7, name: str = "draft"
+) -> Path:
+    from eaglescope.train.loop import TrainConfig, train
+
+    key = cfg.stage_key(name, DRAFT_FIELDS, (data_dir / ".eaglescope-stage").read_text() + str(ttt_length))
+    out = work / name
+    if _cached(out, key):
+        _say(f"[3/5] {name}: cached at {out}")
+        return out
+    t0 = time.perf_counter()
+    _say(f"[3/5] {name}: training an EAGLE-3 draft with TTT length {ttt_length}")
+    result = train(
+        TrainConfig(
+            target=str(target_dir),
+            data=str(data_dir),
+            out=str(out),
+            ttt_length=ttt_length,
+            max_steps=cfg.draft_steps,
+            batch_size=cfg.draft_batch,
+            lr=cfg.draft_lr,
+            warmup_steps=20,
+            seed=cfg.seed,
+            device="cpu",
+            dtype="float32",
+            overwrite=True,
+        )
+    )
+    _stamp(out, key)
+    m = result.metrics
+    _say(
+        f"      trained in {time.perf_counter() - t0:.0f}s; held-out acc_k "
+        f"{_fmt(m.get('acc', []))}, predicted τ {m.get('predicted_accept_length', float('nan')):.2f}"
+    )
+    return out
+
+
+def _fmt(xs, n: int = 4) -> str:
+    return "[" + ", ".join("-" if x is None else f"{x:.2f}" for x in list(xs)[:n]) + (", …]" if len(xs) > n else "]")
+
+
+def evaluate(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: Path) -> dict:
+    from eaglescope.corpus import stdlib_corpus
+    from eaglescope.decode.speculative import Eagle3Proposer, generate_speculative, target_embedding
+    from eaglescope.decode.stats import SpecStats
+    from eaglescope.decode.vanilla import generate_vanilla
+    from eaglescope.draft import check_draft_matches_target, load_draft
+    from eaglescope.target import load_target
+
+    _say(
+        f"[4/5] decode {cfg.eval_prompts} held-out prefixes, {cfg.eval_new_tokens} new tokens each, "
+        f"with and without speculation (greedy)"
+    )
+    target = load_target(target_dir, device="cpu", dtype=torch.float32)
+    loaded = load_draft(draft_dir, target.num_layers)
+    check_draft_matches_target(loaded.contract, target.fingerprint)
+    loaded.model.load_target_embedding(target_embedding(target))
+    target.set_taps(loaded.contract.taps)
+    prompts = _prefixes(cfg, stdlib_corpus().heldout, target.tokenizer, cfg.eval_prompts, cfg.seed + 2, 64)
+    settings = {"chain": (cfg.chain, 1, cfg.chain + 1), "tree": (5, 3, 16)}
+    rows = {"vanilla": {"tokens": 0, "seconds": 0.0}}
+    for name in settings:
+        rows[name] = {"tokens": 0, "seconds": 0.0, "stats": SpecStats(), "identical": 0}
+    # warm-up so the first timed call does not pay one-off costs
+    generate_vanilla(target, prompts[0], 8, stop_ids=[])
+    for p in prompts:
+        v = generate_vanilla(target, p, cfg.eval_new_tokens, stop_ids=[])
+        rows["vanilla"]["tokens"] += len(v.token_ids)
+        rows["vanilla"]["seconds"] += v.seconds
+        for name, shape in settings.items():
+            prop = Eagle3Proposer(loaded.model, *shape, max_len=len(p) + cfg.eval_new_tokens + 2)
+            s = generate_speculative(target, prop, p, cfg.eval_new_tokens, stop_ids=[])
+            r = rows[name]
+            r["tokens"] += len(s.token_ids)
+            r["seconds"] += s.seconds
+            r["stats"].merge(s.stats)
+            r["identical"] += int(s.token_ids == v.token_ids)
+    base = rows["vanilla"]["tokens"] / rows["vanilla"]["seconds"]
+    table = []
+    for name, r in rows.items():
+        tps = r["tokens"] / r["seconds"]
+        st = r.get("stats")
+        row = {
+            "method": name if name == "vanilla" else f"eagle3 {name} {settings[name]}",
+            "tokens_per_second": tps,
+            "speedup": tps / base,
+        }
+        if st is not None:
+            row.update(
+                accept_length=st.accept_length,
+                alpha=st.alpha,
+                identical=f"{r['identical']}/{len(prompts)}",
+                eta=(tps / base) / st.accept_length,
+            )
+        table.append(row)
+    _print_table(table)
+    identical = all(r.get("identical", "x/x").split("/")[0] == str(len(prompts)) for r in table[1:])
+    _say(
+        "      speculative outputs are "
+        + (
+            "identical to vanilla greedy on every prompt"
+            if identical
+            else "NOT identical to vanilla greedy on some prompts"
+        )
+    )
+    return {"rows": table, "identical": identical}
+
+
+def _print_table(rows: list[dict]) -> None:
+    _say(f"      {'method':<28}{'τ':>6}  {'α_1..α_4':<26}{'tok/s':>8}{'speedup':>9}{'η':>6}  identical")
+    for r in rows:
+        tau = f"{r['accept_length']:.2f}" if "accept_length" in r else "-"
+        alpha = _fmt(r["alpha"]) if "alpha" in r else "-"
+        eta = f"{r['eta']:.2f}" if "eta" in r else "-"
+        _say(
+            f"      {r['method']:<28}{tau:>6}  {alpha:<26}{r['tokens_per_second']:>8.1f}{r['speedup']:>8.2f}x"
+            f"{eta:>6}  {r.get('identical', '-')}"
+        )
+
+
+def run_doctor_stage(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: Path, data_dir: Path) -> dict | None:
+    try:
+        from eaglescope.detective.doctor import run_doctor
+    except ImportError:
+        _say("[5/5] doctor: not available in this build")
+        return None
+    html = work / "doctor-report.html"
+    _say("[5/5] doctor: static checks, served vs predicted acceptance, HTML report")
+    report = run_doctor(
+        str(target_dir), str(draft_dir), data=str(data_dir), html=str(html), prompts=4, max_new_tokens=48, device="cpu"
+    )
+    if report.healthy:
+        _say("      healthy: no findings")
+    for f in report.findings[:3]:
+        _say(f"      {f.code}: {f.verdict}")
+    _say(f"      report: {html}")
+    return report.to_dict()
+
+
+def run_demo(cfg: DemoConfig) -> dict:
+    work = Path(cfg.workdir).expanduser()
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    t0 = time.perf_counter()
+    _say(f"eaglescope demo ({'fast' if cfg.fast else 'full'}) — artifacts in {work}")
+    target_dir = build_target(cfg, work)
+    data_dir = build_data(cfg, work, target_dir)
+    draft_dir = build_draft(cfg, work, target_dir, data_dir)
+    results = evaluate(cfg, work, target_dir, draft_dir)
+    results["doctor"] = run_doctor_stage(cfg, work, target_dir, draft_dir, data_dir)
+    results["seconds"] = time.perf_counter() - t0
+    results["config"] = asdict(cfg)
+    (work / "demo-results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    _say(
+        f"done in {results['seconds']:.0f}s. Try: eaglescope generate --target {target_dir} --draft {draft_dir} "
+        "--prompt 'def read_config(path):' --chain 4 --json"
+    )
+    return results
+
+
+def cmd_demo(args) -> int:
+    workdir = args.workdir or str(default_workdir())
+    cfg = DemoConfig(workdir=workdir, fast=args.fast, seed=args.seed)
+    res = run_demo(cfg)
+    return 0 if res["identical"] else 1
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("demo", help="end to end on the embedded default (CPU, minutes, nothing downloaded)")
+    p.add_argument(
+        "--workdir", default=None, help="artifact cache (default: $EAGLESCOPE_HOME/demo or ~/.cache/eaglescope/demo)"
+    )
+    p.add_argument("--fast", action="store_true", help="a smaller, quicker run")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo)
+
+
+__all__ = ["DemoConfig", "run_demo", "add_parsers", "EagleScopeError"]

@@ -35,7 +35,7 @@ CODES: dict[str, str] = {
     "TEMPLATE_MISMATCH": "the target's chat template differs from the one the draft was trained with",
     "CONTRACT_MISMATCH": "the target's fingerprint differs from the one recorded in the draft's contract",
     # Behaviour (acceptance).
-    "NO_TTT": "alpha_1 is healthy but alpha_k for k>=2 collapses: the draft was trained without training-time test",
+    "NO_TTT": "step 1 is healthy but steps k>=2 collapse (teacher-forced acc_k, served alpha_k): trained without TTT",
     "SERVING_MISMATCH": "teacher-forced acceptance predicts far more than is served: a wiring or serving problem",
     "UNDERTRAINED": "acceptance is low everywhere, predicted and served: data or capacity",
     "DIVERGENCE_UNEXPLAINED": "the trace diverges from the golden replay but no named hypothesis explains it",

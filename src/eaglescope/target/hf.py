@@ -11,7 +11,6 @@ widths for MLA (DeepSeek-V3 / Kimi-K2 cache `kv_lora_rank` and `qk_rope_head_dim
 from __future__ import annotations
 
 import inspect
-import json
 from pathlib import Path
 
 import torch
@@ -27,38 +26,9 @@ from eaglescope.target.base import (
     sha256_text,
     tokenizer_sha256,
 )
+from eaglescope.target.loading import check_dir, eos_token_ids, load_tokenizer, read_config
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
-
-
-def _read_config_json(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise EagleScopeError(f"{model_dir} has no config.json: not a Hugging Face checkpoint directory")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EagleScopeError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise EagleScopeError(f"{path} must hold a JSON object")
-    return cfg
-
-
-def _eos_ids(model_dir: Path, config) -> list[int]:
-    """generation_config.json wins over config.json: it is what `generate` stops on."""
-    eos = None
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        try:
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-        except (json.JSONDecodeError, AttributeError):
-            eos = None
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
 def _decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -151,10 +121,8 @@ class HFTarget(Target):
     ) -> HFTarget:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        model_dir = Path(model_dir)
-        if not model_dir.is_dir():
-            raise EagleScopeError(f"target directory {model_dir} does not exist")
-        raw = _read_config_json(model_dir)
+        model_dir = check_dir(model_dir)
+        raw = read_config(model_dir)
         if "auto_map" in raw and not trust_remote_code:
             raise EagleScopeError(
                 f"{model_dir} ships its own modeling code (auto_map in config.json); eaglescope does not run it "
@@ -214,15 +182,7 @@ class HFTarget(Target):
         model.to(device).eval()
         model.requires_grad_(False)
 
-        tokenizer = None
-        if any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
-            from transformers import AutoTokenizer
-
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-            except (OSError, ValueError, TypeError) as e:
-                raise EagleScopeError(f"cannot load the tokenizer in {model_dir}: {str(e).splitlines()[0]}") from None
-
+        tokenizer = load_tokenizer(model_dir)
         fp = TargetFingerprint(
             architecture=archs[0],
             num_layers=text.num_hidden_layers,
@@ -234,7 +194,7 @@ class HFTarget(Target):
         max_pos = getattr(text, "max_position_embeddings", None)
         if not isinstance(max_pos, int):
             raise EagleScopeError(f"{model_dir}/config.json lacks max_position_embeddings")
-        return cls(model, tokenizer, fp, max_pos, _eos_ids(model_dir, config), taps)
+        return cls(model, tokenizer, fp, max_pos, eos_token_ids(model_dir, raw, tokenizer), taps)
 
     # -- taps ----------------------------------------------------------------------------
     def set_taps(self, taps: TapContract | None) -> None:

@@ -126,15 +126,20 @@ TAPS = f"0,3,{L - 2}"  # [embedding, layer 3, L-2]: the seed scenario's taps
 
 @torch.no_grad()
 def _greedy(target, prompts: list[list[int]], n_new: int, stop: set[int]) -> list[list[int]]:
+    """The target's greedy continuations, all prompts at once through the cache-free forward (right padding)."""
+    lens = [len(p) for p in prompts]
+    ids = torch.zeros(len(prompts), max(lens) + n_new, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    for _ in range(n_new):
+        logits = target.hidden_states(ids[:, : max(lens)]).logits
+        for i in range(len(prompts)):
+            ids[i, lens[i]] = logits[i, lens[i] - 1].argmax()
+            lens[i] += 1
     out = []
-    for p in prompts:
-        ids = list(p)
-        for _ in range(n_new):
-            nxt = int(target.hidden_states(torch.tensor([ids])).logits[0, -1].argmax())
-            if nxt in stop:
-                break
-            ids.append(nxt)
-        out.append(ids[len(p) :])
+    for i, p in enumerate(prompts):
+        gen = ids[i, len(p) : lens[i]].tolist()
+        out.append(gen[: next((j for j, t in enumerate(gen) if t in stop), len(gen))])
     return out
 
 
@@ -192,13 +197,13 @@ def seed(tmp_path_factory) -> dict:
         progress=False,
     )
     drafts = {}
-    for ttt in (1, 3):
+    for ttt, steps in STEPS.items():
         cfg = TrainConfig(
             target=str(target_dir),
             data=str(root / "prep"),
             out=str(root / f"draft-ttt{ttt}"),
             ttt_length=ttt,
-            max_steps=STEPS,
+            max_steps=steps,
             batch_size=4,
             lr=LR,
             device="cpu",
@@ -210,7 +215,9 @@ def seed(tmp_path_factory) -> dict:
     return {"root": root, "target": target_dir, "drafts": drafts, "heldout": root / "heldout.jsonl"}
 
 
-STEPS, LR = 100, 1e-2
+# Training steps per TTT length: the TTT-1 draft must train long enough for its later steps to visibly fail
+# (teacher-forced acc_k of steps ≥ 2 drifts down as step 1 learns to rely on the target's features).
+STEPS, LR = {1: 100, 3: 60}, 1e-2
 
 
 def _doctor(seed, ttt, **kw):
@@ -226,6 +233,7 @@ def _doctor(seed, ttt, **kw):
     )
 
 
+@pytest.mark.slow
 def test_seed_scenario_no_ttt_is_named_with_alpha_k(seed):
     report = _doctor(seed, 1)
     assert not report.healthy
@@ -239,6 +247,7 @@ def test_seed_scenario_no_ttt_is_named_with_alpha_k(seed):
     assert report.context["acceptance"]["served"]["source"] == "eaglescope decoder"
 
 
+@pytest.mark.slow
 def test_seed_scenario_draft_trained_with_ttt_has_no_no_ttt(seed):
     report = _doctor(seed, 3)
     assert "NO_TTT" not in codes(report.findings), [f.verdict for f in report.findings]
@@ -246,6 +255,7 @@ def test_seed_scenario_draft_trained_with_ttt_has_no_no_ttt(seed):
     assert pred["acc"][0] > 0.3 and min(pred["acc"][1:]) >= ACC_COLLAPSE_RATIO * pred["acc"][0]
 
 
+@pytest.mark.slow
 def test_seed_scenario_from_an_sglang_log_via_the_cli(seed, tmp_path, capsys):
     log = tmp_path / "sglang.log"
     log.write_text(

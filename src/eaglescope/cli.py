@@ -159,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("EAGLESCOPE_DEBUG") == "1"
     if not debug:
         warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
-    if not debug:
         _quiet_transformers()
     from eaglescope.trace import TraceError
 
@@ -178,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             f"eaglescope: internal error: {type(e).__name__}: {e} (set EAGLESCOPE_DEBUG=1 for a traceback)",
             file=sys.stderr,
         )
-        return 1
+        return 3  # distinct from doctor's 1 (findings) and bad input's 2
 
 
 if __name__ == "__main__":

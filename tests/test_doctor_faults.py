@@ -74,9 +74,17 @@ def setups(tmp_path_factory) -> dict[str, Setup]:
     # A checkpoint that ships an embedding from another model (the draft was trained against the wrong one).
     draft, contract = make_draft(a, draft_vocab_size=48, scale=3.0)
     with torch.no_grad():
-        draft.embed_tokens.weight.copy_(torch.randn(draft.embed_tokens.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.15)
+        draft.embed_tokens.weight.copy_(
+            torch.randn(draft.embed_tokens.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.15
+        )
     save_draft(draft, contract, root / "own-embed-draft", save_embedding=True)
     out["own-embed"] = Setup(ta, root / "own-embed-draft", root, PROMPT)
+    # bf16 engine against the float32 replay. The draft has unit-scale weights: the x3 drafts above are chaotic
+    # (near one-hot attention), so bf16 rounding alone moves them by more than any trained draft moves.
+    draft, contract = make_draft(a, draft_vocab_size=48, scale=1.0, seed=3)
+    save_draft(draft, contract, root / "unit-draft")
+    out["unit"] = Setup(ta, root / "unit-draft", root, PROMPT)
+    out["unit-bf16"] = Setup(load_target(a, device="cpu", dtype=torch.bfloat16), root / "unit-draft", root, PROMPT)
     return out
 
 
@@ -169,23 +177,100 @@ CASES = [
     ("FC_SKIPPED", "last-tap", "a", hook("features", lambda p, aux: aux[:, -_H(p) :]), "draft.fc.out", 1),
     ("FC_SKIPPED", "first-tap-12layers", "b", hook("features", lambda p, aux: aux[:, : _H(p)]), "draft.fc.out", 1),
     ("FC_SKIPPED", "from-round3", "a", hook("features", lambda p, aux: aux[:, : _H(p)], 3), "draft.fc.out", 3),
-    ("FC_REPEATED", "step0", "a", hook("features", lambda p, aux: tile_project(p, p.draft.project(aux))), "draft.fc.out", 1),
+    (
+        "FC_REPEATED",
+        "step0",
+        "a",
+        hook("features", lambda p, aux: tile_project(p, p.draft.project(aux))),
+        "draft.fc.out",
+        1,
+    ),
     ("FC_REPEATED", "steps-k", "a", hook("child_hidden", lambda p, h: tile_project(p, h)), "draft.hidden_in", 1),
-    ("FC_REPEATED", "steps-k-12layers-chain", "b", hook("child_hidden", lambda p, h: tile_project(p, h), shape=CHAIN), "draft.hidden_in", 1),
-    ("FC_REPEATED", "step0-from-round2", "b", hook("features", lambda p, aux: tile_project(p, p.draft.project(aux)), 2), "draft.fc.out", 2),
+    (
+        "FC_REPEATED",
+        "steps-k-12layers-chain",
+        "b",
+        hook("child_hidden", lambda p, h: tile_project(p, h), shape=CHAIN),
+        "draft.hidden_in",
+        1,
+    ),
+    (
+        "FC_REPEATED",
+        "step0-from-round2",
+        "b",
+        hook("features", lambda p, aux: tile_project(p, p.draft.project(aux)), 2),
+        "draft.fc.out",
+        2,
+    ),
     # feedback between draft steps
-    ("FEEDBACK_TARGET_FEATURES", "fc-of-root", "a", hook("child_hidden", lambda p, h: p.features(p.pending_aux)[-1:].expand(h.shape[0], -1)), "draft.hidden_in", 1),
-    ("FEEDBACK_TARGET_FEATURES", "raw-last-tap-chain", "a", hook("child_hidden", lambda p, h: p.pending_aux[-1:, -_H(p) :].expand(h.shape[0], -1), shape=CHAIN), "draft.hidden_in", 1),
-    ("FEEDBACK_TARGET_FEATURES", "12layers-from-round2", "b", hook("child_hidden", lambda p, h: p.features(p.pending_aux)[-1:].expand(h.shape[0], -1), 2), "draft.hidden_in", 2),
-    ("FEEDBACK_TARGET_FEATURES", "fingerprint", "a", hook("child_hidden", lambda p, h: p.features(p.pending_aux)[-1:].expand(h.shape[0], -1), mode="fingerprint"), "draft.hidden_in", 1),
+    (
+        "FEEDBACK_TARGET_FEATURES",
+        "fc-of-root",
+        "a",
+        hook("child_hidden", lambda p, h: p.features(p.pending_aux)[-1:].expand(h.shape[0], -1)),
+        "draft.hidden_in",
+        1,
+    ),
+    (
+        "FEEDBACK_TARGET_FEATURES",
+        "raw-last-tap-chain",
+        "a",
+        hook("child_hidden", lambda p, h: p.pending_aux[-1:, -_H(p) :].expand(h.shape[0], -1), shape=CHAIN),
+        "draft.hidden_in",
+        1,
+    ),
+    (
+        "FEEDBACK_TARGET_FEATURES",
+        "12layers-from-round2",
+        "b",
+        hook("child_hidden", lambda p, h: p.features(p.pending_aux)[-1:].expand(h.shape[0], -1), 2),
+        "draft.hidden_in",
+        2,
+    ),
+    (
+        "FEEDBACK_TARGET_FEATURES",
+        "fingerprint",
+        "a",
+        hook("child_hidden", lambda p, h: p.features(p.pending_aux)[-1:].expand(h.shape[0], -1), mode="fingerprint"),
+        "draft.hidden_in",
+        1,
+    ),
     ("FEEDBACK_POSTNORM", "tree", "a", hook("child_hidden", lambda p, h: p.draft.norm(h)), "draft.hidden_in", 1),
-    ("FEEDBACK_POSTNORM", "chain-12layers", "b", hook("child_hidden", lambda p, h: p.draft.norm(h), shape=CHAIN), "draft.hidden_in", 1),
-    ("FEEDBACK_POSTNORM", "from-round3", "a", hook("child_hidden", lambda p, h: p.draft.norm(h), 3), "draft.hidden_in", 3),
-    ("FEEDBACK_POSTNORM", "fingerprint", "b", hook("child_hidden", lambda p, h: p.draft.norm(h), mode="fingerprint"), "draft.hidden_in", 1),
+    (
+        "FEEDBACK_POSTNORM",
+        "chain-12layers",
+        "b",
+        hook("child_hidden", lambda p, h: p.draft.norm(h), shape=CHAIN),
+        "draft.hidden_in",
+        1,
+    ),
+    (
+        "FEEDBACK_POSTNORM",
+        "from-round3",
+        "a",
+        hook("child_hidden", lambda p, h: p.draft.norm(h), 3),
+        "draft.hidden_in",
+        3,
+    ),
+    (
+        "FEEDBACK_POSTNORM",
+        "fingerprint",
+        "b",
+        hook("child_hidden", lambda p, h: p.draft.norm(h), mode="fingerprint"),
+        "draft.hidden_in",
+        1,
+    ),
     # what is handed to the next round
     ("STALE_ACCEPTED", "first-rows", "a", proposer(StaleFirstRows, accept=True), "next.hidden_in", 1),
     ("STALE_ACCEPTED", "first-rows-12layers", "b", proposer(StaleFirstRows, accept=True), "next.hidden_in", 1),
-    ("STALE_ACCEPTED", "first-rows-from-round2", "a", hook("next_round_features", lambda p, o, r: o.aux[: len(r.path)], 2, accept=True), "next.hidden_in", 2),
+    (
+        "STALE_ACCEPTED",
+        "first-rows-from-round2",
+        "a",
+        hook("next_round_features", lambda p, o, r: o.aux[: len(r.path)], 2, accept=True),
+        "next.hidden_in",
+        2,
+    ),
     ("STALE_ACCEPTED", "all-rows-edited", "a", edited(aux_of_round(1), accept=True), "next.hidden_in", 1),
     ("STALE_ACCEPTED", "all-rows-edited-round2", "b", edited(aux_of_round(2)), "next.hidden_in", 2),
     # positions
@@ -193,26 +278,66 @@ CASES = [
     ("POSITION_OFFSET", "tree-1-12layers", "b", proposer(offset("tree", -1)), "draft.hidden_out", 1),
     ("POSITION_OFFSET", "catch-up+1", "a", proposer(offset("catchup", 1)), "draft.hidden_out", 1),
     ("POSITION_OFFSET", "tree+1-from-round2", "a", proposer(offset("tree", 1, 2), accept=True), "draft.hidden_out", 2),
-    ("POSITION_OFFSET", "catch-up-1-from-round3-chain", "b", proposer(offset("catchup", -1, 3), shape=CHAIN), "draft.hidden_out", 3),
+    (
+        "POSITION_OFFSET",
+        "catch-up-1-from-round3-chain",
+        "b",
+        proposer(offset("catchup", -1, 3), shape=CHAIN),
+        "draft.hidden_out",
+        3,
+    ),
     # token pairing and embedding
     ("SHIFT_OFF_BY_ONE", "tree", "a", proposer(shifted(1)), "draft.embed_in", 1),
     ("SHIFT_OFF_BY_ONE", "chain-12layers", "b", proposer(shifted(1), shape=CHAIN), "draft.embed_in", 1),
     ("SHIFT_OFF_BY_ONE", "from-round2-accepting", "a", proposer(shifted(2), accept=True), "draft.embed_in", 2),
     ("SHIFT_OFF_BY_ONE", "from-round3-accepting", "b", proposer(shifted(3), accept=True), "draft.embed_in", 3),
-    ("EMBEDDING_MISMATCH", "random-table", "a", hook("embed", lambda p, ids: perturbed_embedding(p, "random")[ids]), "draft.embed_in", 1),
-    ("EMBEDDING_MISMATCH", "scaled-12layers", "b", hook("embed", lambda p, ids: perturbed_embedding(p, "scaled")[ids]), "draft.embed_in", 1),
-    ("EMBEDDING_MISMATCH", "noisy-from-round2", "a", hook("embed", lambda p, ids: perturbed_embedding(p, "noisy")[ids], 2), "draft.embed_in", 2),
-    ("EMBEDDING_MISMATCH", "checkpoint-ships-other-embedding", "own-embed", proposer(RoundCounting), "draft.embed_in", 1),
+    (
+        "EMBEDDING_MISMATCH",
+        "random-table",
+        "a",
+        hook("embed", lambda p, ids: perturbed_embedding(p, "random")[ids]),
+        "draft.embed_in",
+        1,
+    ),
+    (
+        "EMBEDDING_MISMATCH",
+        "scaled-12layers",
+        "b",
+        hook("embed", lambda p, ids: perturbed_embedding(p, "scaled")[ids]),
+        "draft.embed_in",
+        1,
+    ),
+    (
+        "EMBEDDING_MISMATCH",
+        "noisy-from-round2",
+        "a",
+        hook("embed", lambda p, ids: perturbed_embedding(p, "noisy")[ids], 2),
+        "draft.embed_in",
+        2,
+    ),
+    (
+        "EMBEDDING_MISMATCH",
+        "checkpoint-ships-other-embedding",
+        "own-embed",
+        proposer(RoundCounting),
+        "draft.embed_in",
+        1,
+    ),
     # vocabulary map
     ("VOCAB_MAP", "unmapped", "a", hook("to_target_ids", lambda p, ids: ids), "draft.topk", 1),
     ("VOCAB_MAP", "off-by-one-map-12layers", "b", hook("to_target_ids", _shift_map), "draft.topk", 1),
-    ("VOCAB_MAP", "unmapped-chain-from-round2", "a", hook("to_target_ids", lambda p, ids: ids, 2, shape=CHAIN), "draft.topk", 2),
+    (
+        "VOCAB_MAP",
+        "unmapped-chain-from-round2",
+        "a",
+        hook("to_target_ids", lambda p, ids: ids, 2, shape=CHAIN),
+        "draft.topk",
+        2,
+    ),
 ]
 
 
-@pytest.mark.parametrize(
-    "code,variant,setup,make,family,rnd", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES]
-)
+@pytest.mark.parametrize("code,variant,setup,make,family,rnd", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_injected_fault_is_the_top_finding(setups, tmp_path, code, variant, setup, make, family, rnd):
     S = setups[setup]
     findings, ctx = diagnose(S, make(S, tmp_path / "trace"))
@@ -246,3 +371,15 @@ def test_uninjected_run_gives_no_finding(setups, tmp_path, variant, setup, kw):
     assert ctx["first_divergence"] is None
     if kw.get("accept"):
         assert sum(res.stats.accepted) >= 4  # the oracle trees really do accept
+
+
+@pytest.mark.parametrize(
+    "shape,accept", [(TREE, False), (CHAIN, True), ((4, 4, 12), True)], ids=["tree", "chain", "wide"]
+)
+def test_bf16_run_against_float32_replay_gives_no_finding(setups, tmp_path, shape, accept):
+    trace_dir, _ = record(setups["unit-bf16"], tmp_path / "trace", shape=shape, accept=accept, dtype=torch.bfloat16)
+    assert T.load_trace(trace_dir).get(T.TARGET_AUX, 0).dtype == torch.bfloat16
+    findings, ctx = diagnose(setups["unit"], trace_dir)
+    assert findings == [], [(f.code, f.stage, f.round, f.verdict) for f in findings]
+    # and the comparison did measure bf16 rounding, not nothing
+    assert max(r["rel_err"] or 0.0 for r in ctx["stage_table"] if r["stage"] == T.TARGET_AUX) > 1e-3

@@ -28,6 +28,10 @@ from eaglescope.target.base import Target
 DEFAULT_TOL = 0.05
 # Stages the replay copies from the trace (it follows the trace's decisions): never evidence.
 FORCED = {T.VERIFY_TOKENS, T.VERIFY_PARENTS, T.VERIFY_ACCEPTED, T.VERIFY_BONUS}
+# Draft log-probs of a bf16 engine land within ~0.1-0.25 nats of a float32 replay's (logits of a few units,
+# 8-bit mantissas, 1-3% error on the hidden state): candidates this close may swap ranks, and top-k log-probs
+# are compared with this absolute tolerance (relative error is meaningless for log-probs near 0).
+TIE_NATS = 0.3
 
 
 @dataclass
@@ -59,8 +63,8 @@ class Evidence:
             return None
 
     def same(self, candidate: torch.Tensor, observed, segments: int | None = None) -> Match:
-        c = T.compare(observed, candidate.detach().float().cpu(), segments=segments, tol=self.tol)
-        return Match("", c["rel_l2"], bool(c["match"]))
+        c = _compare(observed, candidate.detach().float().cpu(), segments or 1, self.tol)
+        return Match("", c["rel_l2"], c["match"])
 
     def best(self, candidates: dict[str, torch.Tensor], observed) -> tuple[str | None, dict[str, float | None]]:
         """Name of the candidate the observation matches (lowest error among matches) and all errors."""
@@ -540,23 +544,31 @@ def diagnose_trace(
         ev = Evidence(target, loaded, trace, golden, tol)
         table, first = [], None
         trace_keys = {(e.stage, e.round, e.part) for e in trace.events}
+        reordered: dict[int, int] = {}  # round -> first draft step whose frontier the traced run ordered otherwise
         for e in golden.events:
             if e.stage.startswith(REPLAY_HS) or e.stage in FORCED or (e.stage, e.round, e.part) not in trace_keys:
+                continue
+            family, step = T.parse_stage(e.stage)
+            if family.startswith("draft.") and step is not None and step >= reordered.get(e.round, 1 << 30):
                 continue
             gold = golden.get(e.stage, e.round, part=e.part) if e.part else golden.get(e.stage, e.round)
             obs = trace.get(e.stage, e.round, part=e.part) if e.part else trace.get(e.stage, e.round)
             if isinstance(gold, torch.Tensor) and not gold.is_floating_point():
                 ok = isinstance(obs, torch.Tensor) and obs.shape == gold.shape and torch.equal(obs.long(), gold.long())
+                if not ok and e.part == T.TOPK_IDS:
+                    ok = _near_tie(ev, e.round, e.stage, obs, gold)
                 row = {"round": e.round, "stage": e.stage, "part": e.part, "rel_err": 0.0 if ok else 1.0, "match": ok}
+            elif e.part == T.TOPK_LOGPROBS and isinstance(obs, torch.Tensor) and obs.shape == gold.shape:
+                err = float((obs.float() - gold.float()).abs().max()) if obs.numel() else 0.0
+                row = {"round": e.round, "stage": e.stage, "part": e.part, "rel_err": err, "match": err <= TIE_NATS}
             else:
-                c = T.compare(obs, gold, segments=e.segments, tol=tol)
-                row = {
-                    "round": e.round,
-                    "stage": e.stage,
-                    "part": e.part,
-                    "rel_err": c["rel_l2"],
-                    "match": bool(c["match"]),
-                }
+                c = _compare(obs, gold, e.segments, tol)
+                row = {"round": e.round, "stage": e.stage, "part": e.part, "rel_err": c["rel_l2"], "match": c["match"]}
+                if not row["match"] and family == "draft.embed_in" and step and _is_permutation(obs, gold, tol):
+                    # Exactly tied candidates (bf16) put the same frontier in another row order: this step and
+                    # the later ones of the round are not comparable row by row, and nothing is wrong.
+                    reordered[e.round] = step
+                    row["match"], row["note"] = True, "frontier reordered (tie)"
             table.append(row)
             if not row["match"] and first is None:
                 first = (e, obs)
@@ -581,6 +593,60 @@ def diagnose_trace(
             )
         ]
     return rank(findings), context
+
+
+def _compare(obs, gold, segments: int, tol: float) -> dict:
+    """T.compare's rel_l2 and match; two full tensors are compared directly (no fingerprints: much faster)."""
+    if not (isinstance(obs, torch.Tensor) and isinstance(gold, torch.Tensor)):
+        c = T.compare(obs, gold, segments=segments, tol=tol)
+        return {"rel_l2": c["rel_l2"], "match": bool(c["match"])}
+    if obs.shape != gold.shape:
+        return {"rel_l2": None, "match": False}
+    a, b = T._rows(obs).double(), T._rows(gold).double()
+    rel = float(T._rel(a - b, b)) if a.numel() else 0.0
+    row_err = T._rel(a - b, b, dim=-1)
+    ratio = T._ratio(a.norm(dim=-1), b.norm(dim=-1))
+    ok = rel <= tol and bool((row_err <= tol).all()) and bool(((ratio - 1).abs() <= tol).all())
+    return {"rel_l2": rel, "match": ok}
+
+
+def _is_permutation(obs, gold, tol: float) -> bool:
+    """Rows of `obs` are the rows of `gold` in another order (each matched once, within tol)."""
+    if not isinstance(obs, torch.Tensor) or obs.shape != gold.shape or obs.dim() != 2:
+        return False
+    a, b = obs.double(), gold.double()
+    err = (a[:, None] - b[None]).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)[None]  # [n, n]
+    free = set(range(b.shape[0]))
+    for i in range(a.shape[0]):
+        j = next((j for j in sorted(free, key=lambda j: float(err[i, j])) if err[i, j] <= tol), None)
+        if j is None:
+            return False
+        free.discard(j)
+    return True
+
+
+def _near_tie(ev: Evidence, rnd: int, stage: str, obs, gold: torch.Tensor) -> bool:
+    """True when top-k ids differ only between candidates the replay itself scores within TIE_NATS:
+    a precision tie (the replay follows the traced run's choice afterwards), not a wiring fault."""
+    step = T.parse_stage(stage)[1]
+    h = ev.g(T.draft_hidden_out(step), rnd)
+    if step == 0 and h is not None:
+        h = h[-1:]  # step 0 runs over every pending position; only the root's row proposes
+    if not isinstance(obs, torch.Tensor) or obs.shape != gold.shape or h is None or h.shape[0] != obs.shape[0]:
+        return False
+    d = ev.draft
+    t2d = d.t2d.cpu()
+    rank = torch.cumsum(t2d.long(), 0) - 1
+    obs, gold = obs.long(), gold.long()
+    if int(obs.min()) < 0 or int(obs.max()) >= t2d.shape[0] or not bool(t2d[obs].all()):
+        return False
+    with torch.no_grad():
+        lp = torch.log_softmax(d.logits(h.to(d.fc.weight)).float(), dim=-1).cpu()  # [n, Vd]
+    d_obs, d_gold = rank[obs], rank[gold]
+    if not torch.equal(d.to_target_ids(d_obs.to(d.d2t.device)).cpu(), obs):
+        return False
+    gap = (lp.gather(-1, d_obs) - lp.gather(-1, d_gold)).abs()
+    return bool((gap[obs != gold] <= TIE_NATS).all())
 
 
 def _explain(ev: Evidence, e: T.TraceEvent, obs, trace_dir, tmp: Path) -> list[Finding]:

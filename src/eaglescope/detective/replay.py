@@ -61,6 +61,49 @@ class _Forced:
         return self._idx
 
 
+def _following(proposer_cls: type[Eagle3Proposer], trace: T.Trace) -> type[Eagle3Proposer]:
+    """`proposer_cls` that records its own top-k but grows the tree the traced run grew.
+
+    A near-tie between draft candidates can go either way in another precision (bf16 against this float32
+    replay); the traced run's choice decides which tokens the next draft step sees, so the replay follows
+    it (its logprobs, or failing those its ids) to keep comparing like with like. Ids that are not valid
+    outputs of the draft's vocabulary map (a VOCAB_MAP fault) are not followed: the replay keeps its own.
+    """
+
+    def _record_topk(self, step: int, lp: torch.Tensor) -> None:
+        proposer_cls._record_topk(self, step, lp)
+        rnd = self.rec.round if self.rec is not None else None
+        key = (T.draft_topk(step - 1), rnd)
+        if key not in index:
+            return
+        ids = trace.get(key[0], rnd, part=T.TOPK_IDS)
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != lp.shape[0]:
+            return
+        t2d = self.draft.t2d
+        ids = ids.long().to(lp.device)
+        if int(ids.min()) < 0 or int(ids.max()) >= t2d.shape[0] or not bool(t2d[ids].all()):
+            return
+        draft_ids = (torch.cumsum(t2d.long(), 0) - 1)[ids]
+        if not torch.equal(self.to_target_ids(draft_ids), ids):
+            return
+        try:
+            vals = trace.get(key[0], rnd, part=T.TOPK_LOGPROBS)
+        except KeyError:
+            vals = None
+        if not isinstance(vals, torch.Tensor) or vals.shape != ids.shape:
+            vals = lp.gather(-1, draft_ids)  # fingerprinted logprobs: the replay's own values of those ids
+        # The caller expands the tree from `lp` right after recording it: make it the traced run's choice.
+        # Exact ties (bf16 logits round to equal values) would leave the child order to topk's tie-breaking:
+        # a nudge far below any real gap keeps the recorded rank order.
+        vals = vals.to(lp) - 1e-6 * torch.arange(vals.shape[-1], device=lp.device, dtype=lp.dtype)
+        forced = torch.full_like(lp, -torch.inf)
+        forced.scatter_(-1, draft_ids, vals)
+        lp.copy_(forced)
+
+    index = {(e.stage, e.round) for e in trace.events}
+    return type(f"Following{proposer_cls.__name__}", (proposer_cls,), {"_record_topk": _record_topk})
+
+
 def _all_layer_forward(target: Target, all_taps: TapContract, contract: TapContract, fn) -> tuple[TargetOutput, dict]:
     """Run `fn()` with every layer tapped; return the output with the contract's aux, and all hidden states."""
     target.set_taps(all_taps)
@@ -114,7 +157,7 @@ def replay(
     rec = T.TraceRecorder(out_dir, mode=mode, producer="eaglescope-replay")
     rec.set_meta(**{**meta, "replay_of": str(trace_dir), "taps": contract.to_dict()})
     try:
-        proposer = proposer_cls(draft, depth, top_k, total, max_len, recorder=rec)
+        proposer = _following(proposer_cls, trace)(draft, depth, top_k, total, max_len, recorder=rec)
         target.reset(max_len + total + 2)
 
         def record_target(out: TargetOutput, hs: dict) -> None:

@@ -9,6 +9,7 @@ those positions.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 
@@ -251,7 +252,10 @@ class DraftLMProposer(Proposer):
     def __init__(self, draft_lm: Target, k: int, sampling: SamplingConfig, max_len: int) -> None:
         self.lm, self.k, self.sampling = draft_lm, k, sampling
         self.lm.reset(max_len + k + 2)
-        self.gen = sampling.generator(draft_lm.device)
+        # The drafts must be independent of verification's uniforms: seeded like the verifier, this generator
+        # would replay its stream, correlating each proposal with its own accept test (output no longer p).
+        seed = None if sampling.seed is None else (sampling.seed * 6364136223846793005 + 1442695040888963407) % 2**63
+        self.gen = dataclasses.replace(sampling, seed=seed).generator(draft_lm.device)
 
     @property
     def max_nodes(self) -> int:

@@ -39,6 +39,7 @@ class Setup:
     draft_dir: Path
     root: Path
     prompt: list[int]
+    target_dir: Path | None = None  # the checkpoint the target was loaded from (for run_doctor)
 
     def draft(self, dtype: torch.dtype = torch.float32, target: Target | None = None) -> LoadedDraft:
         """A freshly loaded draft with the target's embedding (what decoding and doctor both start from)."""

@@ -8,9 +8,8 @@ top-k tree, trees that accept) and in the trace mode (full tensors, fingerprints
 
 from __future__ import annotations
 
-import torch
 import pytest
-
+import torch
 from drafts import make_draft
 from faults import (
     OwnPositionTokens,
@@ -19,8 +18,8 @@ from faults import (
     TapFault,
     edit_trace,
     fault,
-    perturbed_embedding,
     permute_segments,
+    perturbed_embedding,
     record,
     tile_project,
 )
@@ -28,6 +27,7 @@ from models import make_checkpoint
 
 from eaglescope import trace as T
 from eaglescope.detective.diagnose import diagnose_trace
+from eaglescope.detective.doctor import run_doctor
 from eaglescope.draft import save_draft
 from eaglescope.taps import TapContract
 from eaglescope.target import load_target
@@ -69,8 +69,8 @@ def setups(tmp_path_factory) -> dict[str, Setup]:
     ):
         draft, contract = make_draft(ckpt, scale=3.0, **kw)
         save_draft(draft, contract, root / f"{name}-draft")
-        out[name] = Setup(target, root / f"{name}-draft", root, PROMPT)
-    out["hf"] = Setup(load_target(a, device="cpu", backend="hf"), root / "a-draft", root, PROMPT)
+        out[name] = Setup(target, root / f"{name}-draft", root, PROMPT, ckpt)
+    out["hf"] = Setup(load_target(a, device="cpu", backend="hf"), root / "a-draft", root, PROMPT, a)
     # A checkpoint that ships an embedding from another model (the draft was trained against the wrong one).
     draft, contract = make_draft(a, draft_vocab_size=48, scale=3.0)
     with torch.no_grad():
@@ -383,3 +383,32 @@ def test_bf16_run_against_float32_replay_gives_no_finding(setups, tmp_path, shap
     assert findings == [], [(f.code, f.stage, f.round, f.verdict) for f in findings]
     # and the comparison did measure bf16 rounding, not nothing
     assert max(r["rel_err"] or 0.0 for r in ctx["stage_table"] if r["stage"] == T.TARGET_AUX) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        c
+        for c in CASES
+        if c[1] in ("swap12-hf", "first-rows", "fingerprint")
+        and c[0] in ("TAP_ORDER", "STALE_ACCEPTED", "FEEDBACK_POSTNORM")
+    ],
+    ids=lambda c: f"{c[0]}-{c[1]}",
+)
+def test_doctor_names_the_injected_fault_first(setups, tmp_path, case):
+    code, _, setup, make, family, rnd = case
+    S = setups[setup]
+    trace_dir = make(S, tmp_path / "trace")
+    report = run_doctor(
+        S.target_dir, S.draft_dir, trace=trace_dir, device="cpu", backend="hf" if setup == "hf" else "auto"
+    )
+    assert not report.healthy
+    top = report.findings[0]
+    assert (top.code, T.parse_stage(top.stage)[0], top.round) == (code, family, rnd), top.verdict
+
+
+def test_doctor_on_a_healthy_trace_is_healthy(setups, tmp_path):
+    S = setups["a"]
+    trace_dir, _ = record(S, tmp_path / "trace", accept=True)
+    report = run_doctor(S.target_dir, S.draft_dir, trace=trace_dir, device="cpu")
+    assert report.healthy and report.findings == [], [(f.code, f.verdict) for f in report.findings]

@@ -273,6 +273,14 @@ CASES = [
     ),
     ("STALE_ACCEPTED", "all-rows-edited", "a", edited(aux_of_round(1), accept=True), "next.hidden_in", 1),
     ("STALE_ACCEPTED", "all-rows-edited-round2", "b", edited(aux_of_round(2)), "next.hidden_in", 2),
+    (
+        "STALE_ACCEPTED",
+        "first-rows-fingerprint",
+        "a",
+        proposer(StaleFirstRows, accept=True, mode="fingerprint"),
+        "next.hidden_in",
+        1,
+    ),
     # positions
     ("POSITION_OFFSET", "tree+1", "a", proposer(offset("tree", 1)), "draft.hidden_out", 1),
     ("POSITION_OFFSET", "tree-1-12layers", "b", proposer(offset("tree", -1)), "draft.hidden_out", 1),
@@ -285,6 +293,14 @@ CASES = [
         proposer(offset("catchup", -1, 3), shape=CHAIN),
         "draft.hidden_out",
         3,
+    ),
+    (
+        "POSITION_OFFSET",
+        "tree+1-fingerprint",
+        "a",
+        proposer(offset("tree", 1), mode="fingerprint"),
+        "draft.hidden_out",
+        1,
     ),
     # token pairing and embedding
     ("SHIFT_OFF_BY_ONE", "tree", "a", proposer(shifted(1)), "draft.embed_in", 1),

@@ -1,10 +1,11 @@
 """Golden replay: what a correct pipeline computes for the prompt and decisions a trace recorded.
 
-The replay follows the trace's *target-side* decisions (the tree sent to verify, the accepted
-path, the bonus token) so that every round sees the same context as the traced run, and
-recomputes everything else with eaglescope's reference path: the target's taps, fc, every draft
-step, the features handed to the next round. A stage where the trace and the replay disagree
-is therefore a wiring difference, not a different random path.
+The replay follows the trace's *decisions* (the tree sent to verify, the accepted path, the bonus
+token, and which draft candidates each tree step expanded) so that every round and every draft step
+sees the same context as the traced run, and recomputes everything else with eaglescope's reference
+path: the target's taps, fc, every draft step, its own top-k, the features handed to the next round.
+A stage where the trace and the replay disagree is therefore a wiring difference, not a different
+path (nor a near-tie that another precision broke the other way).
 
 Besides the canonical stages the replay records, per target forward, every hidden state
 `replay.hs.<i>` (i = 0..L-1): what the diagnoses need to say *which* tensor an engine tapped.

@@ -1,0 +1,343 @@
+"""Static-shape decoding on eaglescope's own modules (LlamaModel, Eagle3Draft): no second model definition.
+
+Why static: a batch-1 decode step of a small target is a few hundred tiny kernels, so launch overhead and
+host syncs decide the speed. Every buffer here has a fixed shape per tree budget, every index that varies
+(cache length, slots, positions) lives in a device tensor, and a whole EAGLE-3 round — draft catch-up,
+tree expansion, target verify, greedy acceptance, KV compaction, next round's features — is one function
+that can be captured as one CUDA graph. The host reads one small tensor per round: how many tokens came out
+and which.
+
+Slots, not lengths: `SlotCache.write(layer, slots, k, v)` stores keys at explicit slot indices and returns
+the whole buffer; attention masks decide what is visible. LlamaModel / Eagle3Draft pass their `start`
+argument straight to `cache.write`, so handing them a slot tensor as `start` runs the unchanged modules on
+this cache.
+
+Draft cache layout: slots [0, ctx) hold step-0 keys of the context; tree-step keys of the current round go
+to a fixed region starting at `tree_base` (level l, frontier j → tree_base + (l-1)*K + j), so their slots
+never depend on the context length.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from eaglescope.decode.tree import TreeBuilder
+from eaglescope.draft import Eagle3Draft
+from eaglescope.target.llama import LlamaModel
+
+
+class SlotCache(nn.Module):
+    """Keys/values [L, B, n_kv, S, D]; `write` puts T new entries at `slots` [T] and returns the full layer."""
+
+    def __init__(self, num_layers: int, batch: int, n_kv: int, size: int, head_dim: int, dtype, device) -> None:
+        super().__init__()
+        shape = (num_layers, batch, n_kv, size, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def size(self) -> int:
+        return self.k.shape[3]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+        return self.k[layer], self.v[layer]
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slots src[j] → dst[j] for all layers; gathers first, so overlapping src/dst are safe."""
+        for buf in (self.k, self.v):
+            buf.index_copy_(3, dst, buf.index_select(3, src))
+
+
+def accept_greedy(
+    tokens: torch.Tensor,  # [N] tree tokens (target ids), node 0 = root
+    parents: torch.Tensor,  # [N], parents[0] = -1
+    depths: torch.Tensor,  # [N]
+    anc: torch.Tensor,  # [N, N] bool ancestor mask (self included)
+    best: torch.Tensor,  # [N] target argmax after each node
+    max_depth: int,
+    force: torch.Tensor | None = None,  # [1] long: accept this depth instead (replay), for cost studies
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy verification without host syncs → (accepted count [] , path [max_depth+1], bonus []).
+
+    Same answer as `verify.verify_greedy`: the deepest node whose whole root path matches the target
+    argmax, first in node order among equals. path[d] = its ancestor at depth d (0 past its depth)."""
+    match = tokens == best[parents.clamp(min=0)]
+    match[0] = True
+    ok = ~(anc & ~match[None, :]).any(1)
+    key = torch.where(ok, depths, -1) if force is None else torch.where(depths <= force, depths, -1)
+    last = key.float().argmax()  # float: argmax over integer tensors is not implemented everywhere
+    a = depths[last]
+    levels = torch.arange(max_depth + 1, device=tokens.device)
+    sel = anc[last][None, :] & (depths[None, :] == levels[:, None])  # [D+1, N]
+    path = sel.float().argmax(1)
+    return a, path, best[last]
+
+
+class FastTarget:
+    """A LlamaModel run on a SlotCache: prefill, and a static-shape step for T tokens at given slots."""
+
+    def __init__(self, model: LlamaModel, size: int, taps: tuple[int, ...] = (), compile: bool = False) -> None:
+        self.model = model.eval()
+        a = model.args
+        p = model.lm_head.weight
+        self.device, self.dtype = p.device, p.dtype
+        self.taps = tuple(taps)
+        self.cache = SlotCache(a.num_layers, 1, a.num_kv_heads, size, a.head_dim, p.dtype, p.device)
+        self.size = size
+        self._run = torch.compile(self._run_eager, dynamic=False) if compile else self._run_eager
+
+    def _run_eager(self, tokens, positions, mask, slots):
+        logits, aux, _ = self.model(tokens[None], positions[None], mask[None, None], self.cache, slots, self.taps)
+        return logits[0], None if aux is None else aux[0]
+
+    def run(self, tokens, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens/positions/slots [T], mask [T, size] bool → logits [T, V], aux [T, nH] | None."""
+        return self._run(tokens, positions, mask, slots)
+
+    @torch.inference_mode()
+    def prefill(self, prompt: torch.Tensor):
+        T = prompt.shape[0]
+        slots = torch.arange(T, device=self.device)
+        mask = torch.arange(self.size, device=self.device)[None, :] <= slots[:, None]
+        return self._run_eager(prompt, slots, mask, slots)
+
+
+def _graph(fn, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """Capture `fn` (after warm-up on a side stream, as CUDA graphs require) into a graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]
+    seconds: float
+    accepted: list[int] = field(default_factory=list)  # per round, bonus excluded (speculative only)
+
+
+class FastVanilla:
+    """Greedy decoding, one graph replay per token and no host sync until the end."""
+
+    def __init__(self, target: FastTarget, max_new: int, use_graph: bool | None = None) -> None:
+        self.t = target
+        dev = target.device
+        self.max_new = max_new
+        self.tok = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.i = torch.zeros(1, dtype=torch.long, device=dev)
+        self.out = torch.zeros(max_new + 1, dtype=torch.long, device=dev)
+        self.slots_all = torch.arange(target.size, device=dev)
+        self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
+        self.graph = None
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        mask = (self.slots_all <= self.pos)[None, :]
+        logits, _ = self.t.run(self.tok, self.pos, mask, self.pos)
+        nxt = logits[-1:].argmax(-1)
+        self.out.index_copy_(0, self.i, nxt)
+        self.tok.copy_(nxt)
+        self.pos.add_(1)
+        self.i.add_(1)
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], max_new: int | None = None) -> Decoded:
+        n = max_new or self.max_new
+        if len(prompt) + n + 1 > self.t.size:
+            raise ValueError(f"prompt {len(prompt)} + {n} new tokens exceed the cache of {self.t.size}")
+        t0 = time.perf_counter()
+        ids = torch.tensor(prompt, device=self.t.device)
+        logits, _ = self.t.prefill(ids)
+        self.tok.copy_(logits[-1:].argmax(-1))
+        self.out[:1].copy_(self.tok)
+        self.pos.fill_(len(prompt))
+        self.i.fill_(1)
+        if self.use_graph and self.graph is None:
+            pos0, i0 = self.pos.clone(), self.i.clone()
+            self.graph = _graph(self._step)
+            self.pos.copy_(pos0)
+            self.i.copy_(i0)
+            self.tok.copy_(self.out[:1])
+            t0 = time.perf_counter()  # capture is a one-time cost, not decoding time
+        for _ in range(n - 1):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._step()
+        out = self.out[:n].tolist()
+        return Decoded(out, time.perf_counter() - t0)
+
+
+class FastEagle:
+    """EAGLE-3 greedy speculative decoding, one (graph-captured) function per round, one host read per round.
+
+    Reuses `TreeBuilder` (on-device EAGLE-2 expansion and rerank) and `Eagle3Draft.step`; the acceptance is
+    `accept_greedy`. `replay` (a list of accepted lengths) forces the acceptance instead of checking tokens:
+    every network still runs, so a replayed run pays every cost of a real one (used at 8B scale)."""
+
+    def __init__(
+        self,
+        target: FastTarget,
+        draft: Eagle3Draft,
+        depth: int,
+        top_k: int,
+        total_tokens: int,
+        max_len: int,
+        use_graph: bool | None = None,
+        replay: bool = False,
+    ) -> None:
+        self.t, self.draft = target, draft
+        self.D, self.K, self.N = depth, top_k, total_tokens
+        self.Pmax = depth + 1  # root + at most `depth` accepted positions feed the next catch-up
+        dev = self.device = target.device
+        if target.size < max_len + total_tokens + self.Pmax:
+            raise ValueError(f"target cache {target.size} < {max_len + total_tokens + self.Pmax} needed")
+        c = draft.config
+        self.tree_base = max_len + self.Pmax
+        self.dsize = self.tree_base + max(depth - 1, 1) * top_k
+        p = draft.fc.weight
+        self.dcache = SlotCache(1, 1, c.num_kv_heads, self.dsize, c.head_dim, p.dtype, dev)
+        nH = c.num_aux * c.target_hidden_size
+        z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
+        self.t_len, self.d_len, self.pend_n, self.root = z(1), z(1), z(1), z(1)
+        self.force = z(1)
+        self.pend_aux = z(self.Pmax, nH, dt=target.dtype)
+        self.pend_tok = z(self.Pmax)
+        self.report = z(self.Pmax + 1)  # [n_emitted, emitted tokens (padded)]
+        self.t_slots = torch.arange(target.size, device=dev)
+        self.d_slots = torch.arange(self.dsize, device=dev)
+        self.replay = replay
+        self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
+        self.graph = None
+
+    # -- one round -------------------------------------------------------------------------------
+    def _logprobs(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.draft.logits(h).float(), dim=-1)
+
+    @torch.inference_mode()
+    def _round(self) -> None:
+        d, dev, K = self.draft, self.device, self.K
+        # draft catch-up over the pending positions (padded to Pmax; pad rows land past the context and are
+        # overwritten next round, and no query of this round can see them)
+        rows = torch.arange(self.Pmax, device=dev)
+        slots = self.d_len + rows
+        mask = self.d_slots[None, :] <= slots[:, None]
+        hidden = d.project(self.pend_aux)
+        emb = d.embed_tokens(self.pend_tok)
+        out = d.step(emb[None], hidden[None], slots[None], self.dcache, slots, mask[None, None])[0]
+        h_root = out.index_select(0, self.pend_n - 1)  # [1, H]
+        ctx = self.d_len + self.pend_n  # == root position
+        self.d_len.copy_(ctx)
+        root_pos = self.t_len
+        b = TreeBuilder(0, K, dev)
+        b.tokens = self.root.clone()
+        frontier = b.expand(torch.zeros(1, dtype=torch.long, device=dev), self._logprobs(h_root))
+        ctx_mask = self.d_slots < ctx  # [dsize]
+        processed: list[torch.Tensor] = []
+        prev_front, prev_out = None, None
+        for level in range(1, self.D):
+            m = frontier.shape[0]
+            if prev_front is None:
+                hidden_in = h_root.expand(m, -1)
+            else:  # each frontier node's parent is in the previous frontier: read its output
+                par = b.parents[frontier]
+                hidden_in = prev_out[(prev_front[None, :] == par[:, None]).float().argmax(1)]
+            processed.append(frontier)
+            cols = torch.cat(processed)
+            anc = b.ancestor_mask(frontier)[:, cols]  # [m, level*m] over the tree region's slots
+            lo = self.tree_base
+            tmask = ctx_mask[None, :].expand(m, -1).clone()
+            tmask[:, lo : lo + cols.shape[0]] = anc
+            slots = lo + (level - 1) * K + torch.arange(m, device=dev)
+            positions = (root_pos + level - 1).expand(m)
+            emb = d.embed_tokens(d.to_target_ids(b.tokens[frontier]))
+            out = d.step(emb[None], hidden_in[None], positions[None], self.dcache, slots, tmask[None, None])[0]
+            prev_front, prev_out = frontier, out
+            frontier = b.expand(frontier, self._logprobs(out))
+        tree = b.finalize(self.N)
+        tokens = torch.cat([tree.tokens[:1], d.to_target_ids(tree.tokens[1:])])
+        N = tokens.shape[0]
+        # target verify over the tree at slots t_len..t_len+N-1
+        rel = self.t_slots - self.t_len
+        inwin = (rel >= 0) & (rel < N)
+        vmask = (tree.mask[:, rel.clamp(0, N - 1)] & inwin[None, :]) | (rel < 0)[None, :]
+        vslots = self.t_len + torch.arange(N, device=dev)
+        logits, aux = self.t.run(tokens, root_pos + tree.depths, vmask, vslots)
+        best = logits.argmax(-1)
+        a, path, bonus = accept_greedy(
+            tokens, tree.parents, tree.depths, tree.mask, best, self.D, self.force if self.replay else None
+        )
+        # keep root + accepted KV, contiguous after the context
+        j = torch.arange(self.Pmax, device=dev)
+        self.t.cache.move(self.t_len + path, self.t_len + j)
+        acc = tokens[path[1:]]
+        emit = torch.where(j < a, torch.cat([acc, acc[:1]]), bonus)
+        self.pend_aux.copy_(aux[path])
+        self.pend_tok.copy_(emit)
+        self.pend_n.copy_(a + 1)
+        self.root.copy_(bonus)
+        self.t_len.add_(a + 1)
+        self.report[0] = a + 1
+        self.report[1:].copy_(emit)
+
+    # -- driver ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _start(self, prompt: list[int]) -> int:
+        ids = torch.tensor(prompt, device=self.device)
+        T = ids.shape[0]
+        logits, aux = self.t.prefill(ids)
+        first = logits[-1:].argmax(-1)
+        # draft prefill: positions 0..T-2 paired with tokens 1..T-1; the last position stays pending
+        P0 = T - 1
+        slots = torch.arange(P0, device=self.device)
+        mask = self.d_slots[None, :] <= slots[:, None]
+        d = self.draft
+        d.step(
+            d.embed_tokens(ids[1:])[None], d.project(aux[:P0])[None], slots[None], self.dcache, slots, mask[None, None]
+        )
+        self.t_len.fill_(T)
+        self.d_len.fill_(P0)
+        self.pend_n.fill_(1)
+        self.pend_aux[:1].copy_(aux[T - 1 :])
+        self.pend_tok[:1].copy_(first)
+        self.root.copy_(first)
+        return int(first)
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], max_new: int, replay: list[int] | None = None) -> Decoded:
+        if len(prompt) < 2:
+            raise ValueError("the prompt needs at least 2 tokens")
+        if self.use_graph and self.graph is None:
+            self._start(prompt)
+            self.graph = _graph(self._round)
+        t0 = time.perf_counter()
+        out = [self._start(prompt)]
+        accepted: list[int] = []
+        r = 0
+        while len(out) < max_new:
+            if self.replay:
+                self.force.fill_(replay[r % len(replay)])
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._round()
+            rep = self.report.tolist()  # the one host read of the round
+            n = rep[0]
+            out += rep[1 : 1 + n]
+            accepted.append(n - 1)
+            r += 1
+        return Decoded(out[:max_new], time.perf_counter() - t0, accepted)

@@ -1,0 +1,111 @@
+"""The GPU fast path's logic, run eagerly on the CPU: it must decode exactly like the reference loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from drafts import make_draft
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from models import make_checkpoint
+
+from eaglescope.decode.speculative import Eagle3Proposer, generate_speculative, target_embedding
+from eaglescope.decode.tree import DraftTree
+from eaglescope.decode.vanilla import generate_vanilla
+from eaglescope.decode.verify import verify_greedy
+from eaglescope.fast import FastEagle, FastTarget, FastVanilla, accept_greedy
+from eaglescope.taps import TapContract
+from eaglescope.target import load_target
+
+
+@st.composite
+def trees_and_logits(draw):
+    n = draw(st.integers(1, 14))
+    V = 4  # a tiny vocabulary, so drafted tokens often equal the argmax and paths get accepted
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = [draw(st.integers(0, V - 1)) for _ in range(n)]
+    best = [draw(st.integers(0, V - 1)) for _ in range(n)]
+    return tokens, parents, best, V
+
+
+@settings(max_examples=200, deadline=None)
+@given(trees_and_logits())
+def test_accept_greedy_equals_reference_verify(case):
+    tokens, parents, best, V = case
+    # Node order by depth, as TreeBuilder emits and accept_greedy's path extraction assumes.
+    tree = DraftTree.from_parents(tokens, parents)
+    order = torch.sort(tree.depths, stable=True).indices.tolist()
+    remap = {old: new for new, old in enumerate(order)}
+    tree = DraftTree.from_parents(
+        [tokens[o] for o in order], [-1 if parents[o] < 0 else remap[parents[o]] for o in order]
+    )
+    best = [best[o] for o in order]
+    logits = torch.nn.functional.one_hot(torch.tensor(best), V).float()
+    ref = verify_greedy(tree, logits)
+    D = tree.max_depth
+    a, path, bonus = accept_greedy(
+        tree.tokens, tree.parents, tree.depths, tree.ancestor_mask(), torch.tensor(best), max(D, 1)
+    )
+    assert int(a) == len(ref.accepted)
+    assert path[: int(a) + 1].tolist() == ref.path
+    assert int(bonus) == ref.bonus
+
+
+def test_accept_greedy_force_picks_a_path_of_that_depth():
+    tree = DraftTree.from_parents([5, 1, 2, 3, 4], [-1, 0, 0, 1, 3])
+    best = torch.tensor([9, 9, 9, 9, 9])  # nothing matches
+    a, path, _ = accept_greedy(tree.tokens, tree.parents, tree.depths, tree.ancestor_mask(), best, 3)
+    assert int(a) == 0
+    a, path, _ = accept_greedy(
+        tree.tokens, tree.parents, tree.depths, tree.ancestor_mask(), best, 3, force=torch.tensor([2])
+    )
+    assert int(a) == 2 and path[:3].tolist() == [0, 1, 3]
+
+
+def _setup(tmp_path, seed=0):
+    ckpt = make_checkpoint("llama", tmp_path / "t", seed=seed)
+    tgt = load_target(ckpt, device="cpu", dtype=torch.float32)
+    tgt.set_taps(TapContract.default(tgt.num_layers))
+    draft, _ = make_draft(ckpt, taps=tgt.taps, seed=seed + 1, scale=1.0)
+    draft.load_target_embedding(target_embedding(tgt))
+    return tgt, draft
+
+
+def test_fast_vanilla_equals_reference(tiny):
+    tgt, _ = tiny
+    prompt = [3, 17, 5, 40, 22, 9]
+    ref = generate_vanilla(tgt, prompt, 24, stop_ids=[])
+    fast = FastVanilla(FastTarget(tgt.model, size=64), 24).generate(prompt)
+    assert fast.tokens == ref.token_ids
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _setup(tmp_path_factory.mktemp("fe"))
+
+
+@pytest.mark.parametrize("shape", [(4, 1, 5), (3, 3, 8), (1, 4, 3)])
+def test_fast_eagle_round_equals_reference_loop(tiny, shape):
+    tgt, draft = tiny
+    torch.manual_seed(shape[2])
+    prompt = torch.randint(0, 96, (7,)).tolist()
+    n = 24
+    ref_prop = Eagle3Proposer(draft, *shape, max_len=len(prompt) + n + 2)
+    ref = generate_speculative(tgt, ref_prop, prompt, n, stop_ids=[])
+    ft = FastTarget(tgt.model, size=len(prompt) + n + 2 * shape[2] + 8, taps=tgt.taps.layers)
+    fast = FastEagle(ft, draft, *shape, max_len=len(prompt) + n + 2).generate(prompt, n)
+    assert fast.tokens == ref.token_ids
+    # same rounds with the same acceptance (the reference stops mid-round at the budget)
+    assert fast.accepted[: len(ref.stats.accepted)] == ref.stats.accepted
+    assert fast.tokens == generate_vanilla(tgt, prompt, n, stop_ids=[]).token_ids
+
+
+def test_fast_eagle_replay_forces_acceptance(tiny):
+    """Replay mode: the forced acceptance lengths are what the rounds accept (a chain always has the depth)."""
+    tgt, draft = tiny
+    prompt = [3, 17, 5, 40, 22, 9]
+    ft = FastTarget(tgt.model, size=80, taps=tgt.taps.layers)
+    fe = FastEagle(ft, draft, 4, 1, 5, max_len=60, replay=True)
+    out = fe.generate(prompt, 20, replay=[3, 1, 0, 2])
+    assert out.accepted[:4] == [3, 1, 0, 2]
+    assert len(out.tokens) == 20

@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
+from models import load_hf, make_checkpoint
 
 from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.errors import EagleScopeError
-from eaglescope.target import load_target
 from eaglescope.taps import TapContract
-from models import load_hf, make_checkpoint
+from eaglescope.target import load_target
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 ALL_TAPS = None  # filled per model: every valid tap index
@@ -197,3 +197,16 @@ def test_sliding_window_beyond_window_is_refused(tmp_path):
     target.reset(16)  # within the window: fine
     with pytest.raises(EagleScopeError, match="sliding-window"):
         target.reset(64)
+
+
+def test_batched_greedy_equals_batch_one_greedy(pair):
+    from eaglescope.decode.vanilla import greedy_batch
+
+    _, _, target = pair
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, target.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
+    free = [generate_vanilla(target, p, 16, stop_ids=[]).token_ids for p in prompts]
+    stop = [free[1][6]]  # a token that does occur: rows must stop at different steps
+    ours = greedy_batch(target, prompts, 16, stop_ids=stop)
+    assert ours == [generate_vanilla(target, p, 16, stop_ids=stop).token_ids for p in prompts]
+    assert len(ours[1]) <= 7

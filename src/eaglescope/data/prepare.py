@@ -135,6 +135,53 @@ def regenerate_conversation(
     return out, False
 
 
+def regenerate_batch(
+    target: Target,
+    tokenizer,
+    convs: list[list[dict]],
+    max_new_tokens: int,
+    max_length: int,
+    stop_ids: list[int],
+    batch_size: int,
+) -> list[tuple[list[dict], bool] | None]:
+    """Single-answer conversations (one assistant turn, last) regenerated in batched greedy decodes.
+
+    Entries for other conversations are None (they go turn by turn through regenerate_conversation)."""
+    from eaglescope.decode.vanilla import greedy_batch
+
+    results: list[tuple[list[dict], bool] | None] = [None] * len(convs)
+    limit = min(max_length, target.max_positions)
+    todo: list[tuple[int, list[dict], list[int]]] = []
+    for i, conv in enumerate(convs):
+        roles = [m["role"] for m in conv]
+        if roles.count("assistant") != 1 or roles[-1] != "assistant" or len(conv) < 2:
+            continue
+        head = conv[:-1]
+        try:
+            ids = tokenizer(_apply(tokenizer, head, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        except EagleScopeError:
+            continue  # the turn-by-turn path reports it
+        if limit - len(ids) < 1:
+            results[i] = (head, True)
+            continue
+        todo.append((i, head, ids))
+    # similar lengths share a batch, so little is padded
+    todo.sort(key=lambda t: len(t[2]))
+    stop = set(stop_ids)
+    for b in range(0, len(todo), batch_size):
+        group = todo[b : b + batch_size]
+        longest = max(len(ids) for _, _, ids in group)
+        outs = greedy_batch(target, [ids for _, _, ids in group], min(max_new_tokens, limit - longest), stop_ids)
+        for (i, head, _), toks in zip(group, outs):
+            if toks and toks[-1] in stop:
+                toks = toks[:-1]  # the template writes the end-of-turn itself
+            results[i] = (
+                head + [{"role": "assistant", "content": tokenizer.decode(toks, skip_special_tokens=False)}],
+                False,
+            )
+    return results
+
+
 # -- hidden states ---------------------------------------------------------------------------
 def _hidden_for(target: Target, samples: list[list[int]], batch_size: int, acc: dict) -> dict[str, torch.Tensor]:
     """Tap features of `samples` (in order), concatenated; accumulates per-tap sum/sumsq/count into acc."""
@@ -338,12 +385,19 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
         entry = {"skipped": 0, "truncated": 0, "regen_cut": 0, "invalid": 0, "first_invalid": None}
         samples: list[list[int]] = []
         masks: list[list[int]] = []
+        batched = (
+            regenerate_batch(target, tok, chunk, cfg.regen_max_new_tokens, L, stop_ids, cfg.batch_size)
+            if cfg.regenerate
+            else [None] * len(chunk)
+        )
         for j, conv in enumerate(chunk):
             # One conversation the template rejects (e.g. "roles must alternate") is skipped and
             # counted, not allowed to abort a long run.
             try:
                 if cfg.regenerate:
-                    conv, cut = regenerate_conversation(target, tok, conv, cfg.regen_max_new_tokens, L, stop_ids)
+                    conv, cut = batched[j] or regenerate_conversation(
+                        target, tok, conv, cfg.regen_max_new_tokens, L, stop_ids
+                    )
                     entry["regen_cut"] += cut
                 r = render(conv, tok)
             except EagleScopeError as e:

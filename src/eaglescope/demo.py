@@ -339,17 +339,45 @@ def _print_table(rows: list[dict]) -> None:
         )
 
 
-def run_doctor_stage(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: Path, data_dir: Path) -> dict | None:
-    try:
-        from eaglescope.detective.doctor import run_doctor
-    except ImportError:
-        _say("[5/5] doctor: not available in this build")
-        return None
-    html = work / "doctor-report.html"
-    _say("[5/5] doctor: static checks, served vs predicted acceptance, HTML report")
+def record_trace(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: Path) -> Path:
+    """A trace of eaglescope's own decoding of one held-out prefix: what doctor compares with its replay."""
+    from eaglescope import trace as T
+    from eaglescope.corpus import stdlib_corpus
+    from eaglescope.decode.speculative import Eagle3Proposer, generate_speculative, target_embedding
+    from eaglescope.draft import load_draft
+    from eaglescope.target import load_target
+
+    target = load_target(target_dir, device="cpu", dtype=torch.float32)
+    loaded = load_draft(draft_dir, target.num_layers)
+    loaded.model.load_target_embedding(target_embedding(target))
+    target.set_taps(loaded.contract.taps)
+    prompt = _prefixes(cfg, stdlib_corpus().heldout, target.tokenizer, 1, cfg.seed + 3, 48)[0]
+    out = work / "trace"
+    rec = T.TraceRecorder(out, mode="full", producer="eaglescope-demo")
+    rec.set_meta(prompt_ids=prompt, settings={"chain": cfg.chain, "tree": None}, taps=loaded.contract.taps.to_dict())
+    prop = Eagle3Proposer(loaded.model, cfg.chain, 1, cfg.chain + 1, max_len=len(prompt) + 34, recorder=rec)
+    generate_speculative(target, prop, prompt, 32, stop_ids=[], recorder=rec)
+    return rec.close()
+
+
+def run_doctor_stage(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: Path, data_dir: Path) -> dict:
+    from eaglescope.detective.doctor import run_doctor
+    from eaglescope.detective.report import write_html
+
+    _say("[5/5] doctor: static checks, trace vs golden replay, served vs predicted acceptance, HTML report")
+    trace_dir = record_trace(cfg, work, target_dir, draft_dir)
     report = run_doctor(
-        str(target_dir), str(draft_dir), data=str(data_dir), html=str(html), prompts=4, max_new_tokens=48, device="cpu"
+        str(target_dir),
+        str(draft_dir),
+        data=str(data_dir),
+        trace=str(trace_dir),
+        prompts=4,
+        max_new_tokens=48,
+        device="cpu",
+        dtype=torch.float32,
+        depth=cfg.chain,
     )
+    html = write_html(report, work / "doctor-report.html")
     if report.healthy:
         _say("      healthy: no findings")
     for f in report.findings[:3]:

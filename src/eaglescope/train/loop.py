@@ -522,21 +522,21 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
                 with sync:
                     with autocast:
                         logits = fwd(batch.input_ids, batch.aux)
-                    loss = torch.zeros((), device=device)
-                    for b in range(len(mine)):
-                        res = ttt_loss(
-                            draft,
-                            Unrolled([lg[b : b + 1] for lg in logits], []),
-                            batch.target_logits[b : b + 1],
-                            batch.loss_mask[b : b + 1],
-                            batch.valid[b : b + 1],
-                        )
-                        loss = loss + res.loss
-                        for k in range(K):
-                            loss_k[k] += res.step_loss[k]
-                            if res.step_count[k]:
-                                hits_k[k] += res.step_acc[k] * res.step_count[k]
-                                count_k[k] += res.step_count[k]
+                    res = ttt_loss(
+                        draft,
+                        Unrolled(list(logits), []),
+                        batch.target_logits,
+                        batch.loss_mask,
+                        batch.valid,
+                        per_sample=True,
+                    )
+                    # per-sample means, summed over this process's samples: the global mean needs B·A below
+                    loss = res.loss * len(mine)
+                    for k in range(K):
+                        loss_k[k] += res.step_loss[k] * len(mine)
+                        if res.step_count[k]:
+                            hits_k[k] += res.step_acc[k] * res.step_count[k]
+                            count_k[k] += res.step_count[k]
                     loss = loss / (B * A)
                     if _nonfinite(loss, d):
                         raise fail("loss", loss.detach())

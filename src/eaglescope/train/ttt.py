@@ -89,7 +89,11 @@ def ttt_loss(
     target_logits: torch.Tensor,  # [B, T, V] the target's logits at every position
     loss_mask: torch.Tensor,  # [B, T] 1 where the token is supervised (assistant)
     valid: torch.Tensor | None = None,  # [B, T] 1 on real (non-pad) tokens
+    per_sample: bool = False,
 ) -> TTTLoss:
+    """Σ_k 0.8^k · L_k. L_k averages over supervised positions of the batch, or with `per_sample`, over
+    samples of each sample's own mean (so a batch split across processes weighs data exactly as one
+    process would; then step_loss is the mean over samples too)."""
     vocab_ids = draft_vocab_ids(draft)
     target_argmax = target_logits.argmax(-1)  # [B, T]
     in_vocab = draft.t2d[target_argmax]
@@ -107,8 +111,10 @@ def ttt_loss(
         trainable = supervised & shift_left(in_vocab, k + 1, False)
         logq = torch.log_softmax(logits.float(), dim=-1)
         ce = -(p * logq).sum(-1)
-        n = trainable.sum()
-        lk = (ce * trainable).sum() / n.clamp_min(1)
+        if per_sample:
+            lk = ((ce * trainable).sum(-1) / trainable.sum(-1).clamp_min(1)).mean()
+        else:
+            lk = (ce * trainable).sum() / trainable.sum().clamp_min(1)
         total = total + (STEP_WEIGHT**k) * lk
         pred = vocab_ids[logits.argmax(-1)]
         hit = (pred == shift_left(target_argmax, k + 1)) & supervised

@@ -175,7 +175,7 @@ def regenerate(model: LlamaModel, prompts: torch.Tensor, new: int, batch: int, d
     n, P = prompts.shape
     S = P + new
     out = []
-    dtype = torch.bfloat16 if device.type == "cuda" else next(model.parameters()).dtype  # what autocast writes
+    dtype = next(model.parameters()).dtype
     for i in range(0, n, batch):
         x = prompts[i : i + batch].to(device)
         B = x.shape[0]
@@ -183,14 +183,13 @@ def regenerate(model: LlamaModel, prompts: torch.Tensor, new: int, batch: int, d
         slots = torch.arange(P, device=device)
         allslots = torch.arange(S, device=device)
         mask = (allslots[None, :] <= slots[:, None])[None, None]
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(x, slots.expand(B, P), mask, cache, slots)[0]
-            seq = [x, logits[:, -1:].argmax(-1)]
-            for t in range(P, S - 1):
-                s = torch.full((1,), t, device=device)
-                m = (allslots <= t)[None, None, None]
-                logits = model(seq[-1], s.expand(B, 1), m, cache, s)[0]
-                seq.append(logits[:, -1:].argmax(-1))
+        logits = model(x, slots.expand(B, P), mask, cache, slots)[0]
+        seq = [x, logits[:, -1:].argmax(-1)]
+        for t in range(P, S - 1):
+            s = torch.full((1,), t, device=device)
+            m = (allslots <= t)[None, None, None]
+            logits = model(seq[-1], s.expand(B, 1), m, cache, s)[0]
+            seq.append(logits[:, -1:].argmax(-1))
         out.append(torch.cat(seq, 1).cpu())
     return torch.cat(out)
 
@@ -365,7 +364,6 @@ def roofline(smoke: bool, replay: dict | None, device, compile_target: bool) -> 
     y = torch.empty_like(x)
     ms = event_ms(lambda: y.copy_(x))
     res["copy_bandwidth_gbs"] = round(2 * x.numel() * x.element_size() / ms / 1e6, 1)
-    del x, y
     a = LlamaArgs(
         "llama", dims["vocab"], dims["d"], dims["ffn"], dims["layers"], dims["heads"], dims["kv"], dims["hd"], 1e-5,
         8192, RopeSpec(500000.0),
@@ -481,7 +479,6 @@ def roofline(smoke: bool, replay: dict | None, device, compile_target: bool) -> 
         res["replay_vanilla_tokens_per_second"] = round(vtps, 2)
         res["replay_speedup"] = round(tps / vtps, 4)
         res["replay_eta"] = round(tps / vtps / tau, 4)
-    del model, draft, ft
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return res
@@ -584,7 +581,10 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     # target's own continuations of training-file prefixes
     t0 = time.perf_counter()
     pre = torch.tensor(prefixes(corpus.train, tok, cfg["n_seq"], 1, cfg["prefix"]))
-    data = regenerate(target, pre, cfg["cont"], cfg["regen_batch"], device)
+    import copy
+
+    infer_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    data = regenerate(to_infer(copy.deepcopy(target), infer_dtype), pre, cfg["cont"], cfg["regen_batch"], device)
     st["regenerate"] = {"sequences": data.shape[0], "length": data.shape[1], "seconds": time.perf_counter() - t0}
     say(f"regenerate: {st['regenerate']}")
     taps = TapContract.default(target.args.num_layers)

@@ -63,7 +63,7 @@ def accept_greedy(
     max_depth: int,
     force: torch.Tensor | None = None,  # [1] long: accept this depth instead (replay), for cost studies
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy verification without host syncs → (accepted count [] , path [max_depth+1], bonus []).
+    """Greedy verification without host syncs → (accepted count [1], path [max_depth+1], bonus [1]).
 
     Same answer as `verify.verify_greedy`: the deepest node whose whole root path matches the target
     argmax, first in node order among equals. path[d] = its ancestor at depth d (0 past its depth)."""
@@ -71,12 +71,13 @@ def accept_greedy(
     match[0] = True
     ok = ~(anc & ~match[None, :]).any(1)
     key = torch.where(ok, depths, -1) if force is None else torch.where(depths <= force, depths, -1)
-    last = key.float().argmax()  # float: argmax over integer tensors is not implemented everywhere
-    a = depths[last]
+    # [1]-shaped indices throughout: indexing with a 0-dim tensor would read it on the host (a sync)
+    last = key.float().argmax().view(1)  # float: argmax over integer tensors is not implemented everywhere
+    a = depths.index_select(0, last)
     levels = torch.arange(max_depth + 1, device=tokens.device)
-    sel = anc[last][None, :] & (depths[None, :] == levels[:, None])  # [D+1, N]
+    sel = anc.index_select(0, last) & (depths[None, :] == levels[:, None])  # [D+1, N]
     path = sel.float().argmax(1)
-    return a, path, best[last]
+    return a, path, best.index_select(0, last)
 
 
 class FastTarget:
@@ -90,7 +91,14 @@ class FastTarget:
         self.taps = tuple(taps)
         self.cache = SlotCache(a.num_layers, 1, a.num_kv_heads, size, a.head_dim, p.dtype, p.device)
         self.size = size
-        self._run = torch.compile(self._run_eager, dynamic=False) if compile else self._run_eager
+        self._run = self._run_eager
+        if compile:
+            # Regional compilation: every decoder layer has the same code, so one compiled block serves all of
+            # them (fuses the norm/rope/residual kernels that dominate a batch-1 step) at a fraction of the
+            # compile time of the whole model per shape.
+            torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+            for layer in model.model.layers:
+                layer.compile()
 
     def _run_eager(self, tokens, positions, mask, slots):
         logits, aux, _ = self.model(tokens[None], positions[None], mask[None, None], self.cache, slots, self.taps)
@@ -291,7 +299,7 @@ class FastEagle:
         self.pend_n.copy_(a + 1)
         self.root.copy_(bonus)
         self.t_len.add_(a + 1)
-        self.report[0] = a + 1
+        self.report[:1].copy_(a + 1)
         self.report[1:].copy_(emit)
 
     # -- driver ----------------------------------------------------------------------------------
@@ -323,7 +331,12 @@ class FastEagle:
             raise ValueError("the prompt needs at least 2 tokens")
         if self.use_graph and self.graph is None:
             self._start(prompt)
-            self.graph = _graph(self._round)
+            try:
+                self.graph = _graph(self._round)
+            except RuntimeError as e:  # keep the run going, eagerly, and say so
+                print(f"FastEagle: CUDA graph capture failed ({e}); running rounds eagerly", flush=True)
+                self.use_graph = False
+                torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = [self._start(prompt)]
         accepted: list[int] = []

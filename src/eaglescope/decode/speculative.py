@@ -251,6 +251,7 @@ class DraftLMProposer(Proposer):
 
     def __init__(self, draft_lm: Target, k: int, sampling: SamplingConfig, max_len: int) -> None:
         self.lm, self.k, self.sampling = draft_lm, k, sampling
+        self.max_len = max_len
         self.lm.reset(max_len + k + 2)
         # The drafts must be independent of verification's uniforms: seeded like the verifier, this generator
         # would replay its stream, correlating each proposal with its own accept test (output no longer p).
@@ -260,6 +261,9 @@ class DraftLMProposer(Proposer):
     @property
     def max_nodes(self) -> int:
         return self.k + 1
+
+    def start(self, prompt_ids, prefill, first_token) -> None:
+        self.lm.reset(self.max_len + self.k + 2)  # a new sequence: nothing of the previous one may be reused
 
     @torch.inference_mode()
     def propose(self, tokens, root_position) -> DraftTree:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from drafts import make_draft
-from eaglescope.train.ttt import LOSS_MASK_SHIFT, STEP_WEIGHT, ttt_loss, ttt_unroll
 from models import make_checkpoint
+
+from eaglescope.train.ttt import LOSS_MASK_SHIFT, STEP_WEIGHT, ttt_loss, ttt_unroll
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_steps_are_weighted_by_point_eight_to_the_k(draft):
     un = ttt_unroll(draft, ids, aux, K)
     res = ttt_loss(draft, un, torch.randn(2, T, 96), torch.ones(2, T, dtype=torch.long))
     expected = sum(STEP_WEIGHT**k * res.step_loss[k] for k in range(K))
-    assert float(res.loss) == pytest.approx(expected, rel=1e-5)
+    assert float(res.loss.detach()) == pytest.approx(expected, rel=1e-5)
 
 
 def test_positions_whose_target_argmax_is_outside_the_draft_vocab_are_not_trained(tmp_path):

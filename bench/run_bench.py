@@ -267,7 +267,7 @@ def eval_fast_eagle(ft, draft, shape, prompts, new, ref):
             st.record_round(None, acc, max_depth=shape[0])
         per_round += r.accepted
         match += int(ref is not None and r.tokens == ref[i])
-    return {"tokens": tok, "seconds": secs, "stats": st, "match": match, "per_round": per_round}
+    return {"tokens": tok, "seconds": secs, "stats": st, "match": match, "per_round": per_round, "graph": fe.use_graph}
 
 
 def eval_hf(model, prompts, new, ref, deadline, **kw):
@@ -291,7 +291,7 @@ def eval_hf(model, prompts, new, ref, deadline, **kw):
 
 
 def row(method, r, base_fast, base_hf, n_prompts, note=""):
-    tps = r["tokens"] / r["seconds"]
+    tps = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
     st = r.get("stats")
     tau = st.accept_length if st is not None else r.get("tau")
     sp = tps / base_fast if base_fast else None
@@ -516,12 +516,18 @@ def main() -> int:
     ap.add_argument("--replay-from", default=None, help="results JSON whose per-round acceptance to replay at 8B")
     ap.add_argument("--compile", action="store_true", help="torch.compile the 8B target step")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every training budget")
+    ap.add_argument("--n-seq", type=int, default=None, help="regenerated training sequences")
+    ap.add_argument("--hf-deadline", type=float, default=None, help="seconds into the run after which HF stops")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = sizes(args.smoke)
     cfg["d_lr"] = 3e-3 if args.smoke else 8e-4
     for k in ("t_target", "t_draft", "t_abl", "t_lm"):
         cfg[k] *= args.scale
+    if args.n_seq:
+        cfg["n_seq"] = args.n_seq
+    if args.hf_deadline:
+        cfg["hf_deadline"] = args.hf_deadline
     out_dir, work = Path(args.out), Path(args.work)
     out_dir.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
@@ -639,14 +645,15 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     runs["ablation TTT-1 tree tuned"] = (eval_fast_eagle(ft, abl, best, prompts, new, ref), best)
     runs["ablation TTT-1 chain"] = (eval_fast_eagle(ft, abl, chain, prompts, new, ref), chain)
     for k, (r, sh) in runs.items():
-        say(f"{k} {sh}: τ {r['stats'].accept_length:.2f}, {r['tokens'] / r['seconds']:.1f} tok/s, match {r['match']}")
+        tps = r["tokens"] / r["seconds"]
+        say(f"{k} {sh}: τ {r['stats'].accept_length:.2f}, {tps:.1f} tok/s, match {r['match']}, graph {r['graph']}")
     # --- transformers -------------------------------------------------------------------------
     hf = load_hf(tgt_dir, device, dtype)
     hf_lm = load_hf(lm_dir, device, dtype)
     dl = cfg["hf_deadline"]
     hv = eval_hf(hf, prompts, new, ref, dl)
     base_hf = hv["tokens"] / hv["seconds"] if hv["seconds"] else None
-    say(f"transformers vanilla: {base_hf:.1f} tok/s over {hv['prompts']} prompts")
+    say(f"transformers vanilla: {hv}")
     ha = eval_hf(hf, prompts, new, ref, dl, assistant_model=hf_lm)
     say(f"transformers assisted: {ha}")
     hp = eval_hf(hf, prompts, new, ref, dl, prompt_lookup_num_tokens=10)

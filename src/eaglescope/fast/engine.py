@@ -67,8 +67,9 @@ def accept_greedy(
 
     Same answer as `verify.verify_greedy`: the deepest node whose whole root path matches the target
     argmax, first in node order among equals. path[d] = its ancestor at depth d (0 past its depth)."""
-    match = tokens == best[parents.clamp(min=0)]
-    match[0] = True
+    # the root always "matches"; no item assignment: a Python scalar written into a CUDA tensor is a host
+    # copy, which CUDA graph capture refuses
+    match = (tokens == best[parents.clamp(min=0)]) | (parents < 0)
     ok = ~(anc & ~match[None, :]).any(1)
     key = torch.where(ok, depths, -1) if force is None else torch.where(depths <= force, depths, -1)
     # [1]-shaped indices throughout: indexing with a 0-dim tensor would read it on the host (a sync)

@@ -18,7 +18,14 @@ import torch
 from eaglescope import trace as T
 from eaglescope.decode.stats import SpecStats
 from eaglescope.decode.tree import DraftTree, TreeBuilder
-from eaglescope.decode.vanilla import GenerationResult, SamplingConfig, _sync, check_prompt, choose_token
+from eaglescope.decode.vanilla import (
+    GenerationResult,
+    SamplingConfig,
+    _sync,
+    begin_generation,
+    check_prompt,
+    choose_token,
+)
 from eaglescope.decode.verify import VerifyResult, verify_greedy, verify_sampling
 from eaglescope.draft import Eagle3Draft
 from eaglescope.errors import EagleScopeError
@@ -305,11 +312,7 @@ def generate_speculative(
     stop_ids: list[int] | None = None,
     recorder: T.TraceRecorder | None = None,
 ) -> GenerationResult:
-    sampling = sampling or SamplingConfig()
-    sampling.validate()
-    budget = check_prompt(target, prompt_ids, max_new_tokens)
-    stop = set(target.eos_token_ids if stop_ids is None else stop_ids)
-    gen = sampling.generator(target.device)
+    sampling, budget, stop, gen = begin_generation(target, prompt_ids, max_new_tokens, sampling, stop_ids)
     stats = SpecStats()
     rec = recorder
     _sync(target.device)

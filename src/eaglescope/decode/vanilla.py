@@ -82,6 +82,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def begin_generation(
+    target: Target,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: SamplingConfig | None,
+    stop_ids: list[int] | None,
+) -> tuple[SamplingConfig, int, set[int], torch.Generator | None]:
+    """What every decoding loop checks and sets up first: sampling, token budget, stop set, generator."""
+    sampling = sampling or SamplingConfig()
+    sampling.validate()
+    budget = check_prompt(target, prompt_ids, max_new_tokens)
+    stop = set(target.eos_token_ids if stop_ids is None else stop_ids)
+    return sampling, budget, stop, sampling.generator(target.device)
+
+
 def generate_vanilla(
     target: Target,
     prompt_ids: list[int],
@@ -89,11 +104,7 @@ def generate_vanilla(
     sampling: SamplingConfig | None = None,
     stop_ids: list[int] | None = None,
 ) -> GenerationResult:
-    sampling = sampling or SamplingConfig()
-    sampling.validate()
-    budget = check_prompt(target, prompt_ids, max_new_tokens)
-    stop = set(target.eos_token_ids if stop_ids is None else stop_ids)
-    gen = sampling.generator(target.device)
+    sampling, budget, stop, gen = begin_generation(target, prompt_ids, max_new_tokens, sampling, stop_ids)
     _sync(target.device)
     t0 = time.perf_counter()
     target.reset(len(prompt_ids) + budget)

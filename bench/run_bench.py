@@ -539,7 +539,8 @@ def main() -> int:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "commit": commit or os.environ.get("EAGLESCOPE_COMMIT", "unknown"),
+        # the device copy of the tree has no .git: the caller passes the commit in the environment
+        "commit": os.environ.get("EAGLESCOPE_COMMIT") or (commit if len(commit) == 40 else "unknown"),
         "smoke": args.smoke,
     }
     try:

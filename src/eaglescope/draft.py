@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
@@ -29,7 +28,16 @@ from eaglescope.data.vocab import validate_vocab_map
 from eaglescope.errors import EagleScopeError
 from eaglescope.taps import TapContract, engine_capture
 from eaglescope.target.base import TargetFingerprint
-from eaglescope.target.llama import MLP, KVCache, LlamaArgs, RMSNorm, RopeSpec, apply_rope, rope_cos_sin
+from eaglescope.target.llama import (
+    MLP,
+    KVCache,
+    LlamaArgs,
+    RMSNorm,
+    RopeSpec,
+    apply_rope,
+    attend,
+    rope_cos_sin,
+)
 from eaglescope.target.loading import check_dir, load_state_dict, read_config
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -184,10 +192,7 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache.write(0, start, k, v)
-        if self.n_kv != self.n_heads:
-            rep = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

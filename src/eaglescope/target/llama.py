@@ -190,6 +190,26 @@ class KVCache(nn.Module):
         self.v[:, :, :, start : start + n] = self.v.index_select(3, src)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention with grouped-query heads. q [B, H, T, D], k/v [B, Hkv, S, D], mask [B|1, 1, T, S] (None = causal).
+
+    With a mask, the rep = H/Hkv query heads that share a kv head are folded into the query axis, so K/V are read
+    once per kv head instead of being copied rep times: at batch 1 the copy of a whole static cache per step
+    would cost more memory traffic than the attention itself."""
+    B, H, T, D = q.shape
+    rep = H // k.shape[1]
+    if rep == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    if mask is None:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    Hkv, S = k.shape[1], k.shape[2]
+    qg = q.reshape(B, Hkv, rep * T, D)  # head h = g*rep + r → group g, rows r*T .. r*T+T-1
+    mg = mask.unsqueeze(2).expand(mask.shape[0], 1, rep, T, S).reshape(mask.shape[0], 1, rep * T, S)
+    y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg)
+    return y.reshape(B, H, T, D)
+
+
 class GrowingCache:
     """Same `write` contract as KVCache, but concatenates instead of writing in place, so autograd can see
     every step's keys (training-time test unrolls the draft through it)."""
@@ -232,13 +252,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, start, k, v)
-        if self.n_kv != self.n_heads:
-            rep = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

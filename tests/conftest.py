@@ -1,5 +1,18 @@
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 # tests import their shared builders (models.py, …) as plain modules
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_intra_op_thread():
+    # The suite's models are tiny and CI has 2 cores: thread hand-off costs more than the matmuls, and
+    # a second thread only contends with the other core's work (measured 10-20x slower on a loaded machine).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

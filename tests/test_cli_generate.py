@@ -18,13 +18,6 @@ from eaglescope.target import load_target
 PROMPT = "1,2,3"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models: thread hand-off costs more than the matmuls, and the suite shares 2 cores.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -36,13 +36,6 @@ PROMPT = list(range(5, 15))
 TREE, CHAIN = (3, 3, 8), (3, 1, 4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls: intra-op threads only contend with each other (and with other test processes).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -32,13 +32,6 @@ TAPS = TapContract((0, 1), 2)
 P_PASS = 1e-4  # fixed seeds: the verdict never changes run to run; this is the false-alarm rate over seed choices
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Thousands of tiny forwards: thread hand-off costs more than the matmuls.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -74,13 +74,6 @@ def _olmo2(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Hundreds of tiny forwards: thread hand-off costs more than the matmuls.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

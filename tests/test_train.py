@@ -148,11 +148,7 @@ def shared_env(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    # Two cores shared with other work: one intra-op thread avoids oversubscription stalls.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield shared_env(tmp_path_factory)
-    torch.set_num_threads(threads)
+    return shared_env(tmp_path_factory)
 
 
 def config(env, out, **kw) -> TrainConfig:

@@ -20,13 +20,6 @@ TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(7)) * 0.8  # t
 DRAFT_Q = torch.softmax(torch.randn(V, V, generator=torch.Generator().manual_seed(8)) * 1.5, -1)  # q(next | last)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Thousands of tiny-tensor rounds: intra-op threads only add contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------- process_logits / sample

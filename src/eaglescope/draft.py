@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -480,7 +480,3 @@ def check_draft_matches_target(contract: DraftContract, target_fp: TargetFingerp
             )
     if fp.tokenizer_sha256 and target_fp.tokenizer_sha256 and fp.tokenizer_sha256 != target_fp.tokenizer_sha256:
         raise EagleScopeError("draft was trained with a different tokenizer than this target's (sha256 differs)")
-
-
-def contract_summary(contract: DraftContract) -> dict:
-    return asdict(contract) | {"taps": contract.taps.to_dict()}

@@ -210,10 +210,20 @@ def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
     return rc, out, err
 
 
-def test_inspect_json_keys_and_engine_captures(target_dir, tmp_path, capsys):
-    # save_draft writes the taps as explicit vLLM-style ids: correct for vLLM and newer SGLang, but
-    # legacy SGLang adds 1 to each, so inspect must say so loudly.
+def test_save_draft_leaves_default_taps_unwritten_so_every_engine_agrees(target_dir, tmp_path, capsys):
     src = saved(target_dir, tmp_path)
+    cfg = json.loads((src / "config.json").read_text())
+    assert "eagle_aux_hidden_state_layer_ids" not in cfg["eagle_config"]
+    rc, out, _ = run_cli(capsys, ["inspect", str(src), "--json", "--target", str(target_dir)])
+    d = json.loads(out)
+    assert rc == 0 and all(e["matches_contract"] for e in d["engines"].values())
+    assert not any(w.startswith("ENGINE_TAP_CONVENTION") for w in d["warnings"])
+
+
+def test_inspect_json_keys_and_engine_captures(target_dir, tmp_path, capsys):
+    # Explicit vLLM-style ids: correct for vLLM and newer SGLang, but legacy SGLang adds 1 to each, so
+    # inspect must say so loudly.
+    src = saved(target_dir, tmp_path, tap_ids=[2, 4, 5])
     rc, out, _ = run_cli(capsys, ["inspect", str(src), "--json", "--target", str(target_dir)])
     assert rc == 0
     d = json.loads(out)

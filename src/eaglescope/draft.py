@@ -352,12 +352,17 @@ def save_draft(
     tap_ids: list[int] | None = None,
     extra_files: dict[str, str] | None = None,
 ) -> Path:
-    """Save in the LlamaForCausalLMEagle3 format + `eaglescope` section. `tap_ids` defaults to vLLM's
-    convention (= HF indices); explicit ids are always written so no engine has to guess."""
+    """Save in the LlamaForCausalLMEagle3 format + `eaglescope` section.
+
+    Layer ids: default taps ([2, L//2, L-3]) are left unwritten, which every engine reads correctly (legacy
+    SGLang adds +1 to explicit ids); other taps are written in vLLM's convention (= HF indices) unless
+    `tap_ids` says otherwise. `eaglescope export --to sglang|vllm` writes each engine's own convention."""
     out = Path(out)
     tmp, finish, abort = atomic_dir(out)
+    if tap_ids is None and not contract.taps.is_default:
+        tap_ids = list(contract.taps.layers)
     try:
-        cfg = model.config.to_hf_config(list(contract.taps.layers) if tap_ids is None else tap_ids)
+        cfg = model.config.to_hf_config(tap_ids)
         cfg["eaglescope"] = contract.to_dict()
         sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k in WEIGHT_NAMES}
         if save_embedding:

@@ -93,6 +93,15 @@ def run_doctor(
     if prompts < 1 or max_new_tokens < 1 or depth < 1 or eval_samples < 1:
         raise EagleScopeError("--prompts, --max-new-tokens, --depth and --eval-samples must be >= 1")
     notes: list[str] = []
+    if trace is not None:
+        from eaglescope.trace import TraceError, load_trace
+
+        try:  # a bad trace path is the user's input: say so before minutes of loading
+            load_trace(trace)
+        except TraceError as e:
+            raise EagleScopeError(f"cannot read trace {trace}: {e}") from None
+    if data is not None and not Path(data).exists():
+        raise EagleScopeError(f"--data {data} does not exist")
     served_engine = read_engine_log(engine_log) if engine_log is not None else None
     if engines is None:
         engines = (served_engine.engine,) if served_engine is not None else DEFAULT_ENGINES

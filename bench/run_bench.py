@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eaglescope.corpus import COMPLETION_TEMPLATE, stdlib_corpus, train_tokenizer
+from eaglescope.corpus import COMPLETION_TEMPLATE, code_prefixes, stdlib_corpus, train_tokenizer
 from eaglescope.decode.stats import SpecStats
 from eaglescope.draft import DraftConfig, Eagle3Draft
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla
@@ -101,16 +101,7 @@ def build_corpus(cfg: dict, work: Path, device):
 
 
 def prefixes(files, tok, n: int, seed: int, length: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    texts = [t for t in (f.read_text(encoding="utf-8", errors="ignore") for f in files) if len(t) > 3000]
-    out = []
-    while len(out) < n:
-        text = rng.choice(texts)
-        start = rng.randrange(0, len(text) - 2500)
-        ids = tok.encode(text[start : start + 2500])[1:]  # drop a partial first token
-        if len(ids) >= length:
-            out.append(ids[:length])
-    return out
+    return code_prefixes(files, tok, n, seed, length, chunk_chars=2500)
 
 
 # -- training ---------------------------------------------------------------------------------------
@@ -197,20 +188,7 @@ def regenerate(model: LlamaModel, prompts: torch.Tensor, new: int, batch: int, d
 def train_draft(target: LlamaModel, taps: TapContract, data: torch.Tensor, ttt: int, budget: float, cfg, device):
     """EAGLE-3 draft trained online: the target's taps and logits are computed per batch (no disk)."""
     a = target.args
-    dc = DraftConfig(
-        hidden_size=a.hidden_size,
-        intermediate_size=a.intermediate_size,
-        num_heads=a.num_heads,
-        num_kv_heads=a.num_kv_heads,
-        head_dim=a.head_dim,
-        vocab_size=a.vocab_size,
-        draft_vocab_size=a.vocab_size,
-        target_hidden_size=a.hidden_size,
-        num_aux=taps.count,
-        rms_norm_eps=a.rms_norm_eps,
-        max_position_embeddings=a.max_position_embeddings,
-        rope=a.rope,
-    )
+    dc = DraftConfig.from_target_args(a, taps, a.vocab_size)
     torch.manual_seed(1)
     draft = Eagle3Draft(dc)
     draft.load_target_embedding(target.model.embed_tokens.weight.detach().float().cpu())

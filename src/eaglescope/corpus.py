@@ -7,6 +7,7 @@ held-out is by a hash of each file's relative path, so two machines with the sam
 from __future__ import annotations
 
 import hashlib
+import random
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,22 @@ def stdlib_corpus(
         bucket = int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "big") / 2**64
         (heldout if bucket < heldout_fraction else train).append(f)
     return Corpus(root, train, heldout, listing.hexdigest())
+
+
+def code_prefixes(files: list[Path], tok, n: int, seed: int, length: int, chunk_chars: int = 1500) -> list[list[int]]:
+    """`n` code prefixes of `length` tokens from random places in `files` (deterministic for a seed)."""
+    rng = random.Random(seed)
+    texts = [t for t in (f.read_text(encoding="utf-8", errors="ignore") for f in files) if len(t) > chunk_chars + 500]
+    if not texts:
+        raise EagleScopeError(f"no source file is longer than {chunk_chars + 500} characters")
+    out: list[list[int]] = []
+    while len(out) < n:
+        text = rng.choice(texts)
+        start = rng.randrange(0, len(text) - chunk_chars)
+        ids = tok.encode(text[start : start + chunk_chars])[1:]  # drop a partial first token
+        if len(ids) >= length:
+            out.append(ids[:length])
+    return out
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, chat_template: str | None = None):

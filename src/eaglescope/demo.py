@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -156,17 +155,9 @@ def _tokenize(tok, texts: list[str]) -> torch.Tensor:
 
 
 def _prefixes(cfg: DemoConfig, files: list[Path], tok, n: int, seed: int, length: int) -> list[list[int]]:
-    """`n` code prefixes of `length` tokens from random places in `files` (deterministic)."""
-    rng = random.Random(seed)
-    out = []
-    texts = [t for t in (f.read_text(encoding="utf-8", errors="ignore") for f in files) if len(t) > 2000]
-    while len(out) < n:
-        text = rng.choice(texts)
-        start = rng.randrange(0, len(text) - 1500)
-        ids = tok.encode(text[start : start + 1500])[1:]  # drop a partial first token
-        if len(ids) >= length:
-            out.append(ids[:length])
-    return out
+    from eaglescope.corpus import code_prefixes
+
+    return code_prefixes(files, tok, n, seed, length, chunk_chars=1500)
 
 
 def build_data(cfg: DemoConfig, work: Path, target_dir: Path) -> Path:

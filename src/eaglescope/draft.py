@@ -103,6 +103,10 @@ class DraftConfig:
             if target_cfg.get("model_type") not in ("llama", "qwen2", "qwen3", "mistral")
             else LlamaArgs.from_hf_config(target_cfg)
         )
+        return cls.from_target_args(a, taps, draft_vocab_size)
+
+    @classmethod
+    def from_target_args(cls, a: LlamaArgs, taps: TapContract, draft_vocab_size: int) -> DraftConfig:
         return cls(
             hidden_size=a.hidden_size,
             intermediate_size=a.intermediate_size,

@@ -38,7 +38,7 @@ from eaglescope.fast import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast.engine import _graph
 from eaglescope.pretrain import PretrainConfig, init_weights, save_target
 from eaglescope.taps import TapContract
-from eaglescope.target.llama import LlamaArgs, LlamaModel, RopeSpec
+from eaglescope.target.llama import LlamaArgs, LlamaModel, RopeSpec, fuse_projections
 from eaglescope.train.ttt import ttt_loss, ttt_unroll
 
 T0 = time.perf_counter()
@@ -248,24 +248,53 @@ def eval_fast_eagle(ft, draft, shape, prompts, new, ref):
     return {"tokens": tok, "seconds": secs, "stats": st, "match": match, "per_round": per_round, "graph": fe.use_graph}
 
 
-def eval_hf(model, prompts, new, ref, deadline, **kw):
-    tok, secs, match, n = 0, 0.0, 0, 0
-    x0 = torch.tensor([prompts[0]], device=model.device)
-    model.generate(x0, max_new_tokens=8, do_sample=False, **kw)  # warm-up
+class ForwardCounter:
+    """Counts a transformers model's forward calls and their query lengths (for τ of HF's speculative modes)."""
+
+    def __init__(self, model) -> None:
+        self.lengths: list[int] = []
+        model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs) -> None:
+        x = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        self.lengths.append(int(x.shape[1]) if x is not None else 0)
+
+
+def eval_hf_methods(target, methods: dict[str, dict], prompts, new, ref, deadline) -> dict[str, dict]:
+    """Every transformers method on each prompt in turn, so a deadline cuts all of them at the same prompt.
+
+    τ for HF's speculative modes = tokens per target forward (HF does not report acceptance): a round is one
+    target forward; a forward over exactly the prompt is a plain prefill and counts neither as a round nor
+    for its one token."""
+    counter = ForwardCounter(target)
+    res = {k: {"tokens": 0, "seconds": 0.0, "match": 0, "prompts": 0, "rounds": 0, "round_tokens": 0} for k in methods}
+    x0 = torch.tensor([prompts[0]], device=target.device)
+    for kw in methods.values():
+        target.generate(x0, max_new_tokens=8, do_sample=False, **kw)  # warm-up
     for i, p in enumerate(prompts):
         if time.perf_counter() - T0 > deadline:
             break
-        x = torch.tensor([p], device=model.device)
-        sync()
-        t0 = time.perf_counter()
-        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False, **kw)
-        sync()
-        secs += time.perf_counter() - t0
-        out = y[0, len(p) :].tolist()
-        tok += len(out)
-        match += int(out == ref[i])
-        n += 1
-    return {"tokens": tok, "seconds": secs, "match": match, "prompts": n}
+        x = torch.tensor([p], device=target.device)
+        for name, kw in methods.items():
+            counter.lengths.clear()
+            sync()
+            t0 = time.perf_counter()
+            y = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False, **kw)
+            sync()
+            r = res[name]
+            r["seconds"] += time.perf_counter() - t0
+            out = y[0, len(p) :].tolist()
+            r["tokens"] += len(out)
+            r["match"] += int(out == ref[i])
+            r["prompts"] += 1
+            prefill = int(bool(counter.lengths) and counter.lengths[0] == len(p))
+            r["rounds"] += len(counter.lengths) - prefill
+            r["round_tokens"] += len(out) - prefill
+    for r in res.values():
+        r["tau"] = r["round_tokens"] / r["rounds"] if r["rounds"] else None
+    return res
 
 
 def row(method, r, base_fast, base_hf, n_prompts, note=""):
@@ -493,6 +522,7 @@ def main() -> int:
     ap.add_argument("--part", choices=["all", "train", "roofline"], default="all")
     ap.add_argument("--replay-from", default=None, help="results JSON whose per-round acceptance to replay at 8B")
     ap.add_argument("--compile", action="store_true", help="torch.compile the 8B target step")
+    ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate matmuls")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every training budget")
     ap.add_argument("--n-seq", type=int, default=None, help="regenerated training sequences")
     ap.add_argument("--hf-deadline", type=float, default=None, help="seconds into the run after which HF stops")
@@ -500,6 +530,7 @@ def main() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = sizes(args.smoke)
     cfg["d_lr"] = 3e-3 if args.smoke else 8e-4
+    cfg["fuse"] = not args.no_fuse
     for k in ("t_target", "t_draft", "t_abl", "t_lm"):
         cfg[k] *= args.scale
     if args.n_seq:
@@ -590,7 +621,10 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     lm_dir = hf_dir_for(lm, lpc, work / "draft_lm", work / "tokenizer", tok)
     target, draft, abl = (to_infer(m, dtype) for m in (target.to(device), draft, abl))
     S = cfg["prefix"] + new + 2 * max(t[2] for t in cfg["trees"] + [cfg["official"]]) + 16
-    ft = FastTarget(target, S, taps=taps.layers)
+    if cfg["fuse"]:
+        for m in (draft, abl):
+            fuse_projections(m)
+    ft = FastTarget(target, S, taps=taps.layers, fuse=cfg["fuse"])
     van = FastVanilla(ft, new)
     van.generate(prompts[0], 16)
     vr = {"tokens": 0, "seconds": 0.0, "match": 0}
@@ -629,21 +663,25 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     # --- transformers -------------------------------------------------------------------------
     hf = load_hf(tgt_dir, device, dtype)
     hf_lm = load_hf(lm_dir, device, dtype)
-    dl = cfg["hf_deadline"]
-    hv = eval_hf(hf, prompts, new, ref, dl)
+    hf_methods = {
+        "vanilla": {},
+        "assisted": {"assistant_model": hf_lm},
+        "lookup": {"prompt_lookup_num_tokens": 10},
+    }
+    hfr = eval_hf_methods(hf, hf_methods, prompts, new, ref, cfg["hf_deadline"])
+    hv, ha, hp = hfr["vanilla"], hfr["assisted"], hfr["lookup"]
+    hv["tau"] = None  # one token per forward by construction
     base_hf = hv["tokens"] / hv["seconds"] if hv["seconds"] else None
-    say(f"transformers vanilla: {hv}")
-    ha = eval_hf(hf, prompts, new, ref, dl, assistant_model=hf_lm)
-    say(f"transformers assisted: {ha}")
-    hp = eval_hf(hf, prompts, new, ref, dl, prompt_lookup_num_tokens=10)
-    say(f"transformers prompt lookup: {hp}")
+    for k, r in hfr.items():
+        say(f"transformers {k}: {r}")
     n = len(prompts)
     rows = [row("eaglescope vanilla (CUDA graph)", vr, base_fast, base_hf, n)]
     rows.append(row("transformers vanilla generate", hv, base_fast, base_hf, n))
     for k, (r, sh) in runs.items():
         rows.append(row(f"{k} {tuple(sh)}", r, base_fast, base_hf, n))
-    rows.append(row("transformers assisted (draft LM)", ha, base_fast, base_hf, n, "τ not exposed by transformers"))
-    rows.append(row("transformers prompt lookup (10)", hp, base_fast, base_hf, n, "τ not exposed by transformers"))
+    tau_note = "τ = tokens per target forward (counted by a hook; HF reports no acceptance)"
+    rows.append(row("transformers assisted (draft LM)", ha, base_fast, base_hf, n, tau_note))
+    rows.append(row("transformers prompt lookup (10)", hp, base_fast, base_hf, n, tau_note))
     tuned = runs["eagle3 tree tuned"]
     out = {
         "rows": rows,

@@ -109,3 +109,48 @@ def test_fast_eagle_replay_forces_acceptance(tiny):
     out = fe.generate(prompt, 20, replay=[3, 1, 0, 2])
     assert out.accepted[:4] == [3, 1, 0, 2]
     assert len(out.tokens) == 20
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fused_projections_match_separate_ones(tmp_path, family):
+    """q/k/v and gate/up fused into one matmul each: same logits, taps and draft step (bias, qk-norm included)."""
+    from eaglescope.target.llama import fuse_projections
+
+    ckpt = make_checkpoint(family, tmp_path / family, seed=3)
+    tgt = load_target(ckpt, device="cpu", dtype=torch.float32)
+    taps = TapContract.default(tgt.num_layers).layers
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(11).expand(2, 11)
+    ref_logits, ref_aux, _ = tgt.model(ids, pos, None, taps=taps)
+    fuse_projections(tgt.model)
+    assert tgt.model.model.layers[0].self_attn.qkv_proj is not None
+    assert tgt.model.model.layers[0].mlp.gate_up_proj is not None
+    logits, aux, _ = tgt.model(ids, pos, None, taps=taps)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux, ref_aux, rtol=1e-5, atol=1e-5)
+
+    draft, _ = make_draft(ckpt, seed=4)
+    emb, hid = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+
+    def run_step(d):
+        cache = d.new_cache(1, 8)
+        return d.logits(d.step(emb, hid, torch.arange(5)[None], cache, 0, mask))
+
+    ref = run_step(draft)
+    fuse_projections(draft)
+    torch.testing.assert_close(run_step(draft), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fast_eagle_with_fused_weights_equals_vanilla(tmp_path):
+    tgt, draft = _setup(tmp_path, seed=5)
+    from eaglescope.target.llama import fuse_projections
+
+    prompt = [3, 17, 5, 40, 22, 9, 11]
+    n = 24
+    ref = generate_vanilla(tgt, prompt, n, stop_ids=[]).token_ids
+    ft = FastTarget(tgt.model, size=len(prompt) + n + 40, taps=tgt.taps.layers, fuse=True)
+    fuse_projections(draft)
+    fast = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 2).generate(prompt, n)
+    assert fast.tokens == ref
+    assert sum(fast.accepted) > 0  # a random draft still gets some tokens accepted on this tiny vocabulary

@@ -32,6 +32,7 @@ from eaglescope.target.llama import (
     MLP,
     KVCache,
     LlamaArgs,
+    QKVProjection,
     RMSNorm,
     RopeSpec,
     apply_rope,
@@ -178,22 +179,17 @@ class DraftConfig:
             raise EagleScopeError(f"draft config.json lacks required key {e.args[0]!r}") from None
 
 
-class DraftAttention(nn.Module):
+class DraftAttention(QKVProjection):
     """Llama attention whose q/k/v read the 2H concatenation [embedding, hidden]."""
 
     def __init__(self, c: DraftConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self._init_qkv(2 * c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache: KVCache, start: int) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache.write(0, start, k, v)
         y = attend(q, k, v, mask)

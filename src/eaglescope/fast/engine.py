@@ -27,7 +27,7 @@ from torch import nn
 
 from eaglescope.decode.tree import TreeBuilder
 from eaglescope.draft import Eagle3Draft
-from eaglescope.target.llama import LlamaModel
+from eaglescope.target.llama import LlamaModel, fuse_projections
 
 
 class SlotCache(nn.Module):
@@ -84,8 +84,13 @@ def accept_greedy(
 class FastTarget:
     """A LlamaModel run on a SlotCache: prefill, and a static-shape step for T tokens at given slots."""
 
-    def __init__(self, model: LlamaModel, size: int, taps: tuple[int, ...] = (), compile: bool = False) -> None:
+    def __init__(
+        self, model: LlamaModel, size: int, taps: tuple[int, ...] = (), compile: bool = False, fuse: bool = False
+    ) -> None:
+        """`fuse` merges q/k/v and gate/up weights in place (the model is then for inference only)."""
         self.model = model.eval()
+        if fuse:
+            fuse_projections(model)
         a = model.args
         p = model.lm_head.weight
         self.device, self.dtype = p.device, p.dtype

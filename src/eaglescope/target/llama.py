@@ -227,13 +227,54 @@ class GrowingCache:
         return self.k, self.v
 
 
-class Attention(nn.Module):
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the concatenation of `parts`' outputs (same input)."""
+    w = torch.cat([p.weight.detach() for p in parts])
+    bias = parts[0].bias is not None
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=bias, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(w)
+        if bias:
+            fused.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
+    return fused.requires_grad_(parts[0].weight.requires_grad)
+
+
+class QKVProjection(nn.Module):
+    """q/k/v projections under transformers' names; `fuse()` merges them into one matmul for decoding.
+
+    Why fuse: a batch-1 step is a chain of matrix-vector products, and one product over the stacked
+    [q; k; v] weight reads the same bytes with one launch instead of three (the small k/v products
+    alone run far below memory bandwidth). Inference only: the fused module no longer has the
+    checkpoint's parameter names."""
+
+    def _init_qkv(self, d_in: int, n_heads: int, n_kv: int, head_dim: int, bias: bool) -> None:
+        self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
+        self.q_proj = nn.Linear(d_in, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_in, n_kv * head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_in, n_kv * head_dim, bias=bias)
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        if self.qkv_proj is None:
+            self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
+            self.q_proj = self.k_proj = self.v_proj = None
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, d_in] → q [B, T, H, D], k, v [B, T, Hkv, D]."""
+        B, T, _ = x.shape
+        if self.qkv_proj is not None:
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        hd = self.head_dim
+        return q.view(B, T, self.n_heads, hd), k.view(B, T, self.n_kv, hd), v.view(B, T, self.n_kv, hd)
+
+
+class Attention(QKVProjection):
     def __init__(self, a: LlamaArgs) -> None:
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
-        self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.attention_bias)
-        self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
-        self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
+        self._init_qkv(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.attention_bias)
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
@@ -243,9 +284,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, start: int) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        q, k, v = self.qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -262,9 +301,28 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
         self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """gate and up in one matmul (see QKVProjection: same bytes, one launch). Inference only."""
+        if self.gate_up_proj is None:
+            self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+            self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Fuse q/k/v and gate/up of every layer of `model` (target or draft) in place; returns it."""
+    for m in model.modules():
+        if isinstance(m, (QKVProjection, MLP)):
+            m.fuse()
+    return model
 
 
 class DecoderLayer(nn.Module):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from drafts import make_draft
@@ -154,3 +156,38 @@ def test_fast_eagle_with_fused_weights_equals_vanilla(tmp_path):
     fast = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 2).generate(prompt, n)
     assert fast.tokens == ref
     assert sum(fast.accepted) > 0  # a random draft still gets some tokens accepted on this tiny vocabulary
+
+
+def test_gemv_linear_matches_linear():
+    from eaglescope.fast.engine import GemvLinear
+
+    torch.manual_seed(0)
+    for bias in (False, True):
+        lin = torch.nn.Linear(48, 20, bias=bias)
+        g = GemvLinear(lin)
+        for shape in ((1, 1, 48), (1, 48), (2, 3, 48)):
+            x = torch.randn(shape)
+            torch.testing.assert_close(g(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler")
+def test_compiled_fast_path_equals_vanilla(tmp_path):
+    """Everything the GPU benchmark turns on — fused weights, compiled layers, products as reductions, the
+    compiled draft side of a round — still decodes exactly like the reference (inductor's CPU backend)."""
+    from eaglescope.fast.engine import compile_layers, use_gemv_reductions
+    from eaglescope.target.llama import fuse_projections
+
+    torch._dynamo.reset()
+    tgt, draft = _setup(tmp_path, seed=5)
+    prompt = [3, 17, 5, 40, 22, 9, 11]
+    n = 16
+    ref = generate_vanilla(tgt, prompt, n, stop_ids=[]).token_ids
+    ft = FastTarget(tgt.model, size=len(prompt) + n + 40, taps=tgt.taps.layers, fuse=True, compile=True)
+    use_gemv_reductions(tgt.model)
+    assert FastVanilla(ft, n).generate(prompt).tokens == ref
+    compile_layers([fuse_projections(draft).midlayer])
+    fe = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 2, compile=True)
+    out = fe.generate(prompt, n)
+    assert fe._draft_fn is not fe._draft_tree  # the compiled round ran (no fallback)
+    assert out.tokens == ref
+    torch._dynamo.reset()

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from eaglescope.decode.tree import TreeBuilder
@@ -52,6 +53,45 @@ class SlotCache(nn.Module):
         """Copy slots src[j] → dst[j] for all layers; gathers first, so overlapping src/dst are safe."""
         for buf in (self.k, self.v):
             buf.index_copy_(3, dst, buf.index_select(3, src))
+
+
+class GemvLinear(nn.Module):
+    """A Linear whose one-row case is written as multiply-and-sum.
+
+    Why: at batch 1 a decode step is a chain of matrix-vector products. cuBLAS runs them as GEMMs with M=1;
+    written as a row reduction, torch.compile emits one bandwidth-bound Triton kernel per product (fp32
+    accumulation, weights read once, tunable block sizes). Several rows (verify, prefill) keep F.linear.
+    Only worth it under torch.compile: eagerly the product would be materialised."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[:-1].numel() != 1:
+            return F.linear(x, self.weight, self.bias)
+        y = (x.reshape(1, -1).float() * self.weight.float()).sum(-1)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def use_gemv_reductions(model: nn.Module) -> nn.Module:
+    """Swap every nn.Linear of `model` for a GemvLinear sharing its weights (in place); returns `model`."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, GemvLinear(child))
+    return model
+
+
+def compile_layers(modules) -> None:
+    """Regional compilation: every decoder layer has the same code, so one compiled block serves them all
+    (fuses the norm/RoPE/residual kernels that dominate a batch-1 step) at a fraction of the compile time
+    of a whole model per shape."""
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    for m in modules:
+        m.compile()
 
 
 def accept_greedy(
@@ -87,7 +127,8 @@ class FastTarget:
     def __init__(
         self, model: LlamaModel, size: int, taps: tuple[int, ...] = (), compile: bool = False, fuse: bool = False
     ) -> None:
-        """`fuse` merges q/k/v and gate/up weights in place (the model is then for inference only)."""
+        """`fuse` merges q/k/v and gate/up weights in place (the model is then for inference only); `compile`
+        compiles each decoder layer (see compile_layers)."""
         self.model = model.eval()
         if fuse:
             fuse_projections(model)
@@ -99,12 +140,7 @@ class FastTarget:
         self.size = size
         self._run = self._run_eager
         if compile:
-            # Regional compilation: every decoder layer has the same code, so one compiled block serves all of
-            # them (fuses the norm/rope/residual kernels that dominate a batch-1 step) at a fraction of the
-            # compile time of the whole model per shape.
-            torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-            for layer in model.model.layers:
-                layer.compile()
+            compile_layers(model.model.layers)
 
     def _run_eager(self, tokens, positions, mask, slots):
         logits, aux, _ = self.model(tokens[None], positions[None], mask[None, None], self.cache, slots, self.taps)
@@ -213,7 +249,10 @@ class FastEagle:
         max_len: int,
         use_graph: bool | None = None,
         replay: bool = False,
+        compile: bool = False,
     ) -> None:
+        """`compile` torch.compiles the draft side of a round and the acceptance (not the target: compile
+        its layers through FastTarget)."""
         self.t, self.draft = target, draft
         self.D, self.K, self.N = depth, top_k, total_tokens
         self.Pmax = depth + 1  # root + at most `depth` accepted positions feed the next catch-up
@@ -237,15 +276,21 @@ class FastEagle:
         self.replay = replay
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
         self.graph = None
+        self._draft_fn, self._accept_fn = self._draft_tree, self._accept
+        if compile:
+            # the tree builder is a few hundred tiny ops per round (topk, cats, scatters): compiled with the
+            # draft layer it becomes a few dozen kernels; static shapes per tree budget, so one compile each
+            self._draft_fn = torch.compile(self._draft_tree, dynamic=False)
+            self._accept_fn = torch.compile(self._accept, dynamic=False)
 
     # -- one round -------------------------------------------------------------------------------
     def _logprobs(self, h: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.draft.logits(h).float(), dim=-1)
 
-    @torch.inference_mode()
-    def _round(self) -> None:
+    def _draft_tree(self):
+        """Draft catch-up over the pending positions, then EAGLE-2 expansion → (tokens, parents, depths, mask)."""
         d, dev, K = self.draft, self.device, self.K
-        # draft catch-up over the pending positions (padded to Pmax; pad rows land past the context and are
+        # catch-up over the pending positions (padded to Pmax; pad rows land past the context and are
         # overwritten next round, and no query of this round can see them)
         rows = torch.arange(self.Pmax, device=dev)
         slots = self.d_len + rows
@@ -274,8 +319,9 @@ class FastEagle:
             cols = torch.cat(processed)
             anc = b.ancestor_mask(frontier)[:, cols]  # [m, level*m] over the tree region's slots
             lo = self.tree_base
-            tmask = ctx_mask[None, :].expand(m, -1).clone()
-            tmask[:, lo : lo + cols.shape[0]] = anc
+            tmask = torch.cat(
+                [ctx_mask[None, :lo].expand(m, -1), anc, ctx_mask[None, lo + cols.shape[0] :].expand(m, -1)], 1
+            )
             slots = lo + (level - 1) * K + torch.arange(m, device=dev)
             positions = (root_pos + level - 1).expand(m)
             emb = d.embed_tokens(d.to_target_ids(b.tokens[frontier]))
@@ -284,16 +330,14 @@ class FastEagle:
             frontier = b.expand(frontier, self._logprobs(out))
         tree = b.finalize(self.N)
         tokens = torch.cat([tree.tokens[:1], d.to_target_ids(tree.tokens[1:])])
-        N = tokens.shape[0]
-        # target verify over the tree at slots t_len..t_len+N-1
-        rel = self.t_slots - self.t_len
-        inwin = (rel >= 0) & (rel < N)
-        vmask = (tree.mask[:, rel.clamp(0, N - 1)] & inwin[None, :]) | (rel < 0)[None, :]
-        vslots = self.t_len + torch.arange(N, device=dev)
-        logits, aux = self.t.run(tokens, root_pos + tree.depths, vmask, vslots)
+        return tokens, tree.parents, tree.depths, tree.mask
+
+    def _accept(self, tokens, parents, depths, tmask, logits, aux) -> None:
+        """Greedy acceptance, KV compaction and next round's pending features (no host sync)."""
+        dev = self.device
         best = logits.argmax(-1)
         a, path, bonus = accept_greedy(
-            tokens, tree.parents, tree.depths, tree.mask, best, self.D, self.force if self.replay else None
+            tokens, parents, depths, tmask, best, self.D, self.force if self.replay else None
         )
         # keep root + accepted KV, contiguous after the context
         j = torch.arange(self.Pmax, device=dev)
@@ -307,6 +351,18 @@ class FastEagle:
         self.t_len.add_(a + 1)
         self.report[:1].copy_(a + 1)
         self.report[1:].copy_(emit)
+
+    @torch.inference_mode()
+    def _round(self) -> None:
+        tokens, parents, depths, tmask = self._draft_fn()
+        N = tokens.shape[0]
+        # target verify over the tree at slots t_len..t_len+N-1
+        rel = self.t_slots - self.t_len
+        inwin = (rel >= 0) & (rel < N)
+        vmask = (tmask[:, rel.clamp(0, N - 1)] & inwin[None, :]) | (rel < 0)[None, :]
+        vslots = self.t_len + torch.arange(N, device=self.device)
+        logits, aux = self.t.run(tokens, self.t_len + depths, vmask, vslots)
+        self._accept_fn(tokens, parents, depths, tmask, logits, aux)
 
     # -- driver ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -339,10 +395,21 @@ class FastEagle:
             self._start(prompt)
             try:
                 self.graph = _graph(self._round)
-            except RuntimeError as e:  # keep the run going, eagerly, and say so
+            except Exception as e:  # keep the run going without the failing piece, and say so
+                torch.cuda.synchronize()
+                if self._draft_fn is not self._draft_tree:
+                    print(f"FastEagle: compiled round failed ({type(e).__name__}: {e}); uncompiled", flush=True)
+                    self._draft_fn, self._accept_fn = self._draft_tree, self._accept
+                    return self.generate(prompt, max_new, replay)
                 print(f"FastEagle: CUDA graph capture failed ({e}); running rounds eagerly", flush=True)
                 self.use_graph = False
-                torch.cuda.synchronize()
+        elif not self.use_graph and self.graph is None and self._draft_fn is not self._draft_tree:
+            self._start(prompt)
+            try:
+                self._round()
+            except Exception as e:
+                print(f"FastEagle: compiled round failed ({type(e).__name__}: {e}); uncompiled", flush=True)
+                self._draft_fn, self._accept_fn = self._draft_tree, self._accept
         t0 = time.perf_counter()
         out = [self._start(prompt)]
         accepted: list[int] = []

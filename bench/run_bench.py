@@ -455,7 +455,8 @@ def roofline(smoke: bool, replay: dict | None, device, compile_target: bool, bud
         t_c = time.perf_counter()
         torch._dynamo.reset()
         torch._inductor.config.coordinate_descent_tuning = gemv
-        (use_gemv_reductions if gemv else _plain_linears)(model)
+        # layers only: they are the compiled region (an eager lm_head as a reduction would materialise V×H)
+        use_gemv_reductions(model.model.layers) if gemv else _plain_linears(model)
         ft = FastTarget(model, S, taps=taps, compile=compiled)
         if not compiled:  # undo an earlier variant's regional compilation
             for layer in model.model.layers:

@@ -183,7 +183,7 @@ def test_compiled_fast_path_equals_vanilla(tmp_path):
     n = 16
     ref = generate_vanilla(tgt, prompt, n, stop_ids=[]).token_ids
     ft = FastTarget(tgt.model, size=len(prompt) + n + 40, taps=tgt.taps.layers, fuse=True, compile=True)
-    use_gemv_reductions(tgt.model)
+    use_gemv_reductions(tgt.model.model.layers)
     assert FastVanilla(ft, n).generate(prompt).tokens == ref
     compile_layers([fuse_projections(draft).midlayer])
     fe = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 2, compile=True)

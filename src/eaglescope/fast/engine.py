@@ -61,7 +61,7 @@ class GemvLinear(nn.Module):
     Why: at batch 1 a decode step is a chain of matrix-vector products. cuBLAS runs them as GEMMs with M=1;
     written as a row reduction, torch.compile emits one bandwidth-bound Triton kernel per product (fp32
     accumulation, weights read once, tunable block sizes). Several rows (verify, prefill) keep F.linear.
-    Only worth it under torch.compile: eagerly the product would be materialised."""
+    Only for modules that run compiled: eagerly the elementwise product would be materialised."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()

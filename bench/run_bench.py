@@ -233,7 +233,7 @@ def alpha_of(stats: SpecStats) -> list[float]:
 
 def eval_fast_eagle(ft, draft, shape, prompts, new, ref):
     fe = FastEagle(ft, draft, *shape, max_len=len(prompts[0]) + new + 2)
-    st, tok, secs, match, per_round = SpecStats(), 0, 0.0, 0, []
+    st, tok, secs, match, per_round, outputs = SpecStats(), 0, 0.0, 0, [], []
     fe.generate(prompts[0], min(new, 32))  # capture + warm-up
     for i, p in enumerate(prompts):
         sync()
@@ -244,8 +244,52 @@ def eval_fast_eagle(ft, draft, shape, prompts, new, ref):
         for acc in r.accepted:
             st.record_round(None, acc, max_depth=shape[0])
         per_round += r.accepted
+        outputs.append(r.tokens)
         match += int(ref is not None and r.tokens == ref[i])
-    return {"tokens": tok, "seconds": secs, "stats": st, "match": match, "per_round": per_round, "graph": fe.use_graph}
+    return {
+        "tokens": tok, "seconds": secs, "stats": st, "match": match, "per_round": per_round, "graph": fe.use_graph,
+        "outputs": outputs,
+    }  # fmt: skip
+
+
+@torch.inference_mode()
+def flip_margins(target_f32, prompts, ref, outputs, device) -> list[dict]:
+    """Where a speculative output first leaves vanilla greedy: the float32 logit gap there between vanilla's token
+    and the speculative one, and float32's own top-2 margin. Gaps near zero = a bf16 near-tie flipped."""
+    flips = []
+    for p, r, o in zip(prompts, ref, outputs):
+        i = next((j for j, (a, b) in enumerate(zip(r, o)) if a != b), None)
+        if i is None:
+            continue
+        ids = torch.tensor(p + r[:i], device=device)[None]
+        logits = target_f32(ids, torch.arange(ids.shape[1], device=device)[None], None)[0][0, -1].float()
+        top2 = logits.topk(2).values
+        flips.append({
+            "position": i,
+            "gap_vanilla_minus_spec": round(float(logits[r[i]] - logits[o[i]]), 5),
+            "fp32_top2_margin": round(float(top2[0] - top2[1]), 5),
+            "fp32_argmax_is_vanilla": int(logits.argmax()) == r[i],
+        })  # fmt: skip
+    return flips
+
+
+def exactness_fp32(target_f32, draft_f32, shapes, prompts, new, S, taps, device) -> dict:
+    """The same decoders in float32 (TF32 off): does speculative decoding reproduce vanilla greedy exactly when the
+    arithmetic is not the bf16 noise source? (Untimed; the table's speeds are the bf16 runs.)"""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ft = FastTarget(target_f32, S, taps=taps)
+        van = FastVanilla(ft, new)
+        ref = [van.generate(p, new).tokens for p in prompts]
+        out = {}
+        for shape in shapes:
+            r = eval_fast_eagle(ft, draft_f32, shape, prompts, new, ref)
+            out[str(tuple(shape))] = {"match_vanilla_fraction": round(r["match"] / len(prompts), 4),
+                                      "accept_length": round(float(r["stats"].accept_length), 4)}  # fmt: skip
+        return {"float32_vanilla": ref, "methods": out}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 class ForwardCounter:
@@ -739,12 +783,15 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     new = cfg["new"]
     tgt_dir = hf_dir_for(target, pc, work / "target", work / "tokenizer", tok)
     lm_dir = hf_dir_for(lm, lpc, work / "draft_lm", work / "tokenizer", tok)
+    target_f32, draft_f32 = copy.deepcopy(target).to(device).eval(), copy.deepcopy(draft).eval()
     target, draft, abl = (to_infer(m, dtype) for m in (target.to(device), draft, abl))
     S = cfg["prefix"] + new + 2 * max(t[2] for t in cfg["trees"] + [cfg["official"]]) + 16
     if cfg["fuse"]:
         for m in (draft, abl):
             fuse_projections(m)
-    ft = FastTarget(target, S, taps=taps.layers, fuse=cfg["fuse"])
+    # float32 logits: bf16 ties would otherwise flip between a 1-token step and a tree verify (see Float32Logits)
+    ft = FastTarget(target, S, taps=taps.layers, fuse=cfg["fuse"], float32_logits=True)
+    st["float32_logits"] = {"mixed_precision_mm": getattr(target.lm_head, "mm_out_dtype", None)}
     van = FastVanilla(ft, new)
     van.generate(prompts[0], 16)
     vr = {"tokens": 0, "seconds": 0.0, "match": 0}
@@ -780,6 +827,19 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     for k, (r, sh) in runs.items():
         tps = r["tokens"] / r["seconds"]
         say(f"{k} {sh}: τ {r['stats'].accept_length:.2f}, {tps:.1f} tok/s, match {r['match']}, graph {r['graph']}")
+    n = len(prompts)
+    # --- exactness: bf16 flips, and the same trees in float32 -------------------------------------
+    t0 = time.perf_counter()
+    ex = {"bf16_flips": {}}
+    for k, (r, sh) in runs.items():
+        ex["bf16_flips"][f"{k} {tuple(sh)}"] = flip_margins(target_f32, prompts, ref, r["outputs"], device)
+    fp = exactness_fp32(target_f32, draft_f32, [cfg["official"], best], prompts, new, S, taps.layers, device)
+    ex["float32"] = fp["methods"]
+    ex["float32_vanilla_equals_bf16_vanilla"] = round(sum(a == b for a, b in zip(fp["float32_vanilla"], ref)) / n, 4)
+    ex["seconds"] = round(time.perf_counter() - t0, 1)
+    st["exactness"] = ex
+    say(f"exactness: float32 {ex['float32']}, fp32 vanilla == bf16 vanilla {ex['float32_vanilla_equals_bf16_vanilla']}")
+    del target_f32, draft_f32
     # --- transformers -------------------------------------------------------------------------
     hf = load_hf(tgt_dir, device, dtype)
     hf_lm = load_hf(lm_dir, device, dtype)
@@ -794,7 +854,6 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     base_hf = hv["tokens"] / hv["seconds"] if hv["seconds"] else None
     for k, r in hfr.items():
         say(f"transformers {k}: {r}")
-    n = len(prompts)
     rows = [row("eaglescope vanilla (CUDA graph)", vr, base_fast, base_hf, n)]
     rows.append(row("transformers vanilla generate", hv, base_fast, base_hf, n))
     for k, (r, sh) in runs.items():

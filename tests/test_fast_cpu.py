@@ -191,3 +191,15 @@ def test_compiled_fast_path_equals_vanilla(tmp_path):
     assert fe._draft_fn is not fe._draft_tree  # the compiled round ran (no fallback)
     assert out.tokens == ref
     torch._dynamo.reset()
+
+
+def test_float32_logits_head_matches_upcast_product():
+    from eaglescope.fast.engine import Float32Logits
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 50, bias=False).to(torch.bfloat16)
+    head = Float32Logits(lin)
+    x = torch.randn(2, 3, 32).to(torch.bfloat16)
+    y = head(x)
+    assert y.dtype == torch.float32 and y.shape == (2, 3, 50)
+    torch.testing.assert_close(y, x.float() @ lin.weight.float().t(), rtol=1e-6, atol=1e-6)

@@ -76,6 +76,37 @@ class GemvLinear(nn.Module):
         return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
+class Float32Logits(nn.Module):
+    """An lm_head with low-precision weights whose logits come out in float32.
+
+    Why: bf16 logits carry ~3 significant digits, so the greedy argmax over them ties often, and any change of
+    kernel (a T-token verify instead of a 1-token step) flips those ties and the outputs diverge. The same
+    product accumulated in float32 and kept in float32 removes that noise source at no extra weight traffic."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.mm_out_dtype = (
+            self.weight.is_cuda and self.weight.dtype != torch.float32 and _has_mm_out_dtype(self.weight)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if self.mm_out_dtype:
+            y = torch.mm(flat, self.weight.t(), out_dtype=torch.float32)
+        else:  # no mixed-precision matmul here: upcast (exact, costs one weight conversion per call)
+            y = F.linear(flat.float(), self.weight.float())
+        return y.view(*x.shape[:-1], -1)
+
+
+def _has_mm_out_dtype(w: torch.Tensor) -> bool:
+    try:
+        torch.mm(w[:2], w[:2].t(), out_dtype=torch.float32)
+        return True
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
 def use_gemv_reductions(model: nn.Module) -> nn.Module:
     """Swap every nn.Linear of `model` for a GemvLinear sharing its weights (in place); returns `model`."""
     for parent in list(model.modules()):
@@ -125,11 +156,19 @@ class FastTarget:
     """A LlamaModel run on a SlotCache: prefill, and a static-shape step for T tokens at given slots."""
 
     def __init__(
-        self, model: LlamaModel, size: int, taps: tuple[int, ...] = (), compile: bool = False, fuse: bool = False
+        self,
+        model: LlamaModel,
+        size: int,
+        taps: tuple[int, ...] = (),
+        compile: bool = False,
+        fuse: bool = False,
+        float32_logits: bool = False,
     ) -> None:
         """`fuse` merges q/k/v and gate/up weights in place (the model is then for inference only); `compile`
-        compiles each decoder layer (see compile_layers)."""
+        compiles each decoder layer (see compile_layers); `float32_logits` swaps in a Float32Logits lm_head."""
         self.model = model.eval()
+        if float32_logits and not isinstance(model.lm_head, Float32Logits):
+            model.lm_head = Float32Logits(model.lm_head)
         if fuse:
             fuse_projections(model)
         a = model.args

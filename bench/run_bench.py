@@ -440,7 +440,16 @@ def copy_bandwidth_gbs(n: int, device, dtype) -> float:
     return round(2 * src.numel() * src.element_size() / ms / 1e6, 1)
 
 
-def roofline(smoke: bool, replay: dict | None, device, compile_target: bool, budget_s: float = 560.0) -> dict:
+def roofline(
+    smoke: bool,
+    replay: dict | None,
+    device,
+    compile_target: bool,
+    budget_s: float = 560.0,
+    res: dict | None = None,
+    checkpoint=lambda: None,
+    variant_names: tuple[str, ...] = ("eager", "compiled", "reductions"),
+) -> dict:
     """8B-shaped decode against the copy bandwidth, verify costs, a draft step, and the replayed-acceptance run.
 
     Decode is measured in up to three variants (all with fused q/k/v and gate/up, one CUDA graph per step):
@@ -454,7 +463,9 @@ def roofline(smoke: bool, replay: dict | None, device, compile_target: bool, bud
         dims = dict(vocab=512, d=64, ffn=128, layers=8, heads=4, kv=2, hd=16)
     else:  # Llama-3.1-8B
         dims = dict(vocab=128256, d=4096, ffn=14336, layers=32, heads=32, kv=8, hd=128)
-    res: dict = {"shape": dims, "dtype": str(dtype), "fused_projections": True}
+    # filled in place and checkpointed after each stage, so a crash or time-out keeps what was measured
+    res = {} if res is None else res
+    res.update({"shape": dims, "dtype": str(dtype), "fused_projections": True})
     res["copy_bandwidth_gbs"] = copy_bandwidth_gbs((1 << 30) if not smoke else (1 << 20), device, dtype)
     a = LlamaArgs(
         "llama", dims["vocab"], dims["d"], dims["ffn"], dims["layers"], dims["heads"], dims["kv"], dims["hd"], 1e-5,
@@ -523,15 +534,16 @@ def roofline(smoke: bool, replay: dict | None, device, compile_target: bool, bud
         say(f"roofline decode: {v}")
         return v, ft, van
 
-    variants = [("fused, eager, CUDA graph", False, False)]
+    variants = [("eager", "fused, eager, CUDA graph", False, False)]
     if compile_target:
         variants += [
-            ("fused, compiled layers, CUDA graph", True, False),
-            ("fused, compiled layers, products as reductions, CUDA graph", True, True),
+            ("compiled", "fused, compiled layers, CUDA graph", True, False),
+            ("reductions", "fused, compiled layers, products as reductions, CUDA graph", True, True),
         ]
+    variants = [v[1:] for v in variants if v[0] in variant_names]
     measured, best, last = [], None, None
     for name, compiled, gemv in variants:
-        if measured and left() < 330:
+        if measured and left() < 200:
             say(f"roofline: skipping variant {name!r} ({left():.0f} s left)")
             continue
         try:
@@ -541,6 +553,8 @@ def roofline(smoke: bool, replay: dict | None, device, compile_target: bool, bud
             v = {"variant": name, "error": f"{type(e).__name__}: {e}"[:500]}
             say(f"roofline: variant {name!r} failed: {v['error']}")
         measured.append(v)
+        res["decode_variants"] = measured
+        checkpoint()
         if "step_ms" in v and (best is None or v["step_ms"] < best[0]["step_ms"]):
             best = (v, compiled, gemv)
     res["decode_variants"] = measured
@@ -577,6 +591,7 @@ def roofline(smoke: bool, replay: dict | None, device, compile_target: bool, bud
                 times[T] = event_ms(f, reps=5)
     res["verify_ms"] = {str(k): round(v, 4) for k, v in times.items()}
     res["verify_cost_ratio"] = {str(T): round(ms_T / times[1], 4) for T, ms_T in times.items()}
+    checkpoint()
     say(f"roofline verify: {res['verify_cost_ratio']}")
 
     # 8B-sized EAGLE-3 draft, fused and (with --compile) its layer compiled
@@ -593,6 +608,8 @@ def roofline(smoke: bool, replay: dict | None, device, compile_target: bool, bud
                 p.normal_(0, 0.02)
     draft.load_target_embedding(model.model.embed_tokens.weight.float())
     draft = fuse_projections(to_infer(draft, dtype))
+    # autotuning every kernel of the draft layer and the tree builder costs minutes; it paid only for the products
+    torch._inductor.config.coordinate_descent_tuning = False
     if compiled:
         compile_layers([draft.midlayer])
     shape = tuple(replay["shape"]) if replay else (7, 10, 60)
@@ -624,7 +641,9 @@ def roofline(smoke: bool, replay: dict | None, device, compile_target: bool, bud
     if replay and replay.get("per_round"):
         pr = replay["per_round"][: (400 if not smoke else 40)]
         t_c = time.perf_counter()
-        fe = FastEagle(ft, draft, *shape, max_len=prompt_len + ctx_new + 2, replay=True, compile=compiled)
+        checkpoint()
+        compile_round = compiled and left() > 110  # compiling the round takes a minute or two
+        fe = FastEagle(ft, draft, *shape, max_len=prompt_len + ctx_new + 2, replay=True, compile=compile_round)
         fe.generate(prompt, 32, replay=pr)
         res["replay_compile_and_capture_seconds"] = round(time.perf_counter() - t_c, 1)
         res["replay_round_compiled"] = fe._draft_fn is not fe._draft_tree
@@ -647,6 +666,9 @@ def roofline(smoke: bool, replay: dict | None, device, compile_target: bool, bud
         say(f"roofline replay: τ {tau:.2f}, {tps:.1f} vs {vtps:.1f} tok/s, round {res['replay_round_ms']} ms")
     if device.type == "cuda" and left() > 60:
         try:
+            checkpoint()
+            van.pos.fill_(base_ctx)  # the step writes out[i] and cache slot pos: keep both inside their buffers
+            van.i.fill_(1)
             res["decode_profile"] = _profile_step(van._step)
         except Exception as e:
             res["decode_profile"] = f"profiler failed: {type(e).__name__}: {e}"
@@ -686,6 +708,8 @@ def main() -> int:
     ap.add_argument("--part", choices=["all", "train", "roofline"], default="all")
     ap.add_argument("--replay-from", default=None, help="results JSON whose per-round acceptance to replay at 8B")
     ap.add_argument("--compile", action="store_true", help="torch.compile the 8B target step")
+    ap.add_argument("--time-limit", type=float, default=590.0, help="seconds the whole run may take")
+    ap.add_argument("--variants", default="eager,compiled,reductions", help="8B decode variants to measure")
     ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate matmuls")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every training budget")
     ap.add_argument("--n-seq", type=int, default=None, help="regenerated training sequences")
@@ -734,10 +758,21 @@ def main() -> int:
             replay = json.loads(Path(args.replay_from).read_text()).get("replay")
         say("roofline: 8B-shaped random-weight target and draft")
         try:
-            result["roofline"] = roofline(args.smoke, replay, device, args.compile)
-        except Exception as e:  # keep what the run already measured
-            result["roofline"] = {"error": repr(e)}
-        say(json.dumps(result["roofline"]))
+            result["roofline"] = {}
+            roofline(
+                args.smoke,
+                replay,
+                device,
+                args.compile,
+                budget_s=args.time_limit - (time.perf_counter() - T0),
+                res=result["roofline"],
+                checkpoint=lambda: write_json(result_path, result),
+                variant_names=tuple(args.variants.split(",")),
+            )
+        except Exception as e:  # keep what the run already measured, and say what broke
+            result["roofline"]["error"] = repr(e)[:2000]
+        say(json.dumps({k: v for k, v in result["roofline"].items() if k != "decode_profile"}))
+        print(result["roofline"].get("decode_profile", ""), flush=True)
     result["seconds"] = round(time.perf_counter() - T0, 1)
     write_json(result_path, result)
     say(f"wrote {result_path}")

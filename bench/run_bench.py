@@ -35,10 +35,10 @@ from eaglescope.corpus import COMPLETION_TEMPLATE, code_prefixes, stdlib_corpus,
 from eaglescope.decode.stats import SpecStats
 from eaglescope.draft import DraftConfig, Eagle3Draft
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla
-from eaglescope.fast.engine import GemvLinear, _graph, compile_layers, use_gemv_reductions
+from eaglescope.fast.engine import GemvLinear, _graph, compile_layers, use_gemv_reductions, use_matmul_attention
 from eaglescope.pretrain import PretrainConfig, init_weights, save_target
 from eaglescope.taps import TapContract
-from eaglescope.target.llama import LlamaArgs, LlamaModel, RopeSpec, fuse_projections
+from eaglescope.target.llama import LlamaArgs, LlamaModel, QKVProjection, RopeSpec, fuse_projections
 from eaglescope.train.ttt import ttt_loss, ttt_unroll
 
 T0 = time.perf_counter()
@@ -506,12 +506,15 @@ def roofline(
     say(f"roofline: copy {res['copy_bandwidth_gbs']} GB/s, matmul-only stack {res['matmul_stack_ms']} ms")
     prompt = torch.randint(0, a.vocab_size, (prompt_len,)).tolist()
 
-    def decode_variant(name: str, compiled: bool, gemv: bool) -> tuple[dict, FastTarget, FastVanilla]:
+    def decode_variant(name: str, compiled: bool, gemv: bool, mm_attn: bool) -> tuple[dict, FastTarget, FastVanilla]:
         t_c = time.perf_counter()
         torch._dynamo.reset()
         torch._inductor.config.coordinate_descent_tuning = gemv
         # layers only: they are the compiled region (an eager lm_head as a reduction would materialise V×H)
         use_gemv_reductions(model.model.layers) if gemv else _plain_linears(model)
+        for m in model.modules():
+            if isinstance(m, QKVProjection):
+                m.attention_impl = "matmul" if mm_attn else "sdpa"
         ft = FastTarget(model, S, taps=taps, compile=compiled)
         if not compiled:  # undo an earlier variant's regional compilation
             for layer in model.model.layers:
@@ -534,20 +537,27 @@ def roofline(
         say(f"roofline decode: {v}")
         return v, ft, van
 
-    variants = [("eager", "fused, eager, CUDA graph", False, False)]
+    variants = [("eager", "fused, eager, CUDA graph", False, False, False)]
     if compile_target:
         variants += [
-            ("compiled", "fused, compiled layers, CUDA graph", True, False),
-            ("reductions", "fused, compiled layers, products as reductions, CUDA graph", True, True),
+            ("compiled", "fused, compiled layers, CUDA graph", True, False, False),
+            ("reductions", "fused, compiled layers, products as reductions, CUDA graph", True, True, False),
+            (
+                "attention",
+                "fused, compiled layers, products as reductions, attention as products, CUDA graph",
+                True,
+                True,
+                True,
+            ),
         ]
     variants = [v[1:] for v in variants if v[0] in variant_names]
     measured, best, last = [], None, None
-    for name, compiled, gemv in variants:
+    for name, compiled, gemv, mm_attn in variants:
         if measured and left() < 200:
             say(f"roofline: skipping variant {name!r} ({left():.0f} s left)")
             continue
         try:
-            v, ft, van = decode_variant(name, compiled, gemv)
+            v, ft, van = decode_variant(name, compiled, gemv, mm_attn)
             last = (name, ft, van)
         except Exception as e:  # report it and go on with the variants that work
             v = {"variant": name, "error": f"{type(e).__name__}: {e}"[:500]}
@@ -556,13 +566,13 @@ def roofline(
         res["decode_variants"] = measured
         checkpoint()
         if "step_ms" in v and (best is None or v["step_ms"] < best[0]["step_ms"]):
-            best = (v, compiled, gemv)
+            best = (v, compiled, gemv, mm_attn)
     res["decode_variants"] = measured
-    bv, compiled, gemv = best
+    bv, compiled, gemv, mm_attn = best
     if last is not None and last[0] == bv["variant"]:
         ft, van = last[1], last[2]
     else:  # rebuild the fastest variant (its numbers stay the ones measured above)
-        _, ft, van = decode_variant(bv["variant"], compiled, gemv)
+        _, ft, van = decode_variant(bv["variant"], compiled, gemv, mm_attn)
     res["decode_variant"] = bv["variant"]
     res["compiled"] = compiled
     res["decode_step_ms"] = bv["step_ms"]
@@ -610,6 +620,8 @@ def roofline(
     draft = fuse_projections(to_infer(draft, dtype))
     # autotuning every kernel of the draft layer and the tree builder costs minutes; it paid only for the products
     torch._inductor.config.coordinate_descent_tuning = False
+    if mm_attn:
+        use_matmul_attention(draft)
     if compiled:
         compile_layers([draft.midlayer])
     shape = tuple(replay["shape"]) if replay else (7, 10, 60)
@@ -709,7 +721,7 @@ def main() -> int:
     ap.add_argument("--replay-from", default=None, help="results JSON whose per-round acceptance to replay at 8B")
     ap.add_argument("--compile", action="store_true", help="torch.compile the 8B target step")
     ap.add_argument("--time-limit", type=float, default=590.0, help="seconds the whole run may take")
-    ap.add_argument("--variants", default="eager,compiled,reductions", help="8B decode variants to measure")
+    ap.add_argument("--variants", default="eager,compiled,reductions,attention", help="8B decode variants to measure")
     ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate matmuls")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every training budget")
     ap.add_argument("--n-seq", type=int, default=None, help="regenerated training sequences")

@@ -144,8 +144,10 @@ def test_fused_projections_match_separate_ones(tmp_path, family):
     torch.testing.assert_close(run_step(draft), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_fast_eagle_with_fused_weights_equals_vanilla(tmp_path):
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_fast_eagle_with_fused_weights_equals_vanilla(tmp_path, attention):
     tgt, draft = _setup(tmp_path, seed=5)
+    from eaglescope.fast.engine import use_matmul_attention
     from eaglescope.target.llama import fuse_projections
 
     prompt = [3, 17, 5, 40, 22, 9, 11]
@@ -153,6 +155,10 @@ def test_fast_eagle_with_fused_weights_equals_vanilla(tmp_path):
     ref = generate_vanilla(tgt, prompt, n, stop_ids=[]).token_ids
     ft = FastTarget(tgt.model, size=len(prompt) + n + 40, taps=tgt.taps.layers, fuse=True)
     fuse_projections(draft)
+    if attention == "matmul":
+        use_matmul_attention(tgt.model)
+        use_matmul_attention(draft)
+        assert FastVanilla(ft, n).generate(prompt).tokens == ref
     fast = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 2).generate(prompt, n)
     assert fast.tokens == ref
     assert sum(fast.accepted) > 0  # a random draft still gets some tokens accepted on this tiny vocabulary
@@ -203,3 +209,20 @@ def test_float32_logits_head_matches_upcast_product():
     y = head(x)
     assert y.dtype == torch.float32 and y.shape == (2, 3, 50)
     torch.testing.assert_close(y, x.float() @ lin.weight.float().t(), rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.sampled_from([(4, 4), (4, 2), (6, 1)]), st.integers(1, 12), st.integers(0, 10**6))
+def test_matmul_attention_equals_sdpa(T, heads, extra, seed):
+    """The decoding form of attention (two products + softmax) against SDPA, grouped-query heads, random masks
+    with at least one visible key per query."""
+    from eaglescope.target.llama import attend
+
+    H, Hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    S = T + extra
+    q = torch.randn(1, H, T, 16, generator=g)
+    k, v = torch.randn(1, Hkv, S, 16, generator=g), torch.randn(1, Hkv, S, 16, generator=g)
+    mask = torch.rand(1, 1, T, S, generator=g) < 0.6
+    mask[..., 0] = True
+    torch.testing.assert_close(attend(q, k, v, mask, "matmul"), attend(q, k, v, mask), rtol=1e-5, atol=1e-5)

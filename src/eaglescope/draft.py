@@ -192,7 +192,7 @@ class DraftAttention(QKVProjection):
         q, k, v = (t.transpose(1, 2) for t in self.qkv(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache.write(0, start, k, v)
-        y = attend(q, k, v, mask)
+        y = attend(q, k, v, mask, self.attention_impl)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

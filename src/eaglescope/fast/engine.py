@@ -28,7 +28,7 @@ from torch import nn
 
 from eaglescope.decode.tree import TreeBuilder
 from eaglescope.draft import Eagle3Draft
-from eaglescope.target.llama import LlamaModel, fuse_projections
+from eaglescope.target.llama import LlamaModel, QKVProjection, fuse_projections
 
 
 class SlotCache(nn.Module):
@@ -113,6 +113,14 @@ def use_gemv_reductions(model: nn.Module) -> nn.Module:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, GemvLinear(child))
+    return model
+
+
+def use_matmul_attention(model: nn.Module) -> nn.Module:
+    """Masked attention as two products + softmax in every layer of `model` (see attend); returns `model`."""
+    for m in model.modules():
+        if isinstance(m, QKVProjection):
+            m.attention_impl = "matmul"
     return model
 
 

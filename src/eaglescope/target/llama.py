@@ -190,23 +190,33 @@ class KVCache(nn.Module):
         self.v[:, :, :, start : start + n] = self.v.index_select(3, src)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str = "sdpa"
+) -> torch.Tensor:
     """Attention with grouped-query heads. q [B, H, T, D], k/v [B, Hkv, S, D], mask [B|1, 1, T, S] (None = causal).
 
     With a mask, the rep = H/Hkv query heads that share a kv head are folded into the query axis, so K/V are read
     once per kv head instead of being copied rep times: at batch 1 the copy of a whole static cache per step
-    would cost more memory traffic than the attention itself."""
+    would cost more memory traffic than the attention itself.
+
+    impl="matmul" (masked, decoding): two batched products and a float32 softmax instead of a fused attention
+    kernel. For a handful of query rows a fused kernel is latency-bound (~14 µs per layer at 8B on an H200);
+    under torch.compile the plain form becomes a few small fused kernels."""
     B, H, T, D = q.shape
     rep = H // k.shape[1]
-    if rep == 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
     if mask is None:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     Hkv, S = k.shape[1], k.shape[2]
     qg = q.reshape(B, Hkv, rep * T, D)  # head h = g*rep + r → group g, rows r*T .. r*T+T-1
     mg = mask.unsqueeze(2).expand(mask.shape[0], 1, rep, T, S).reshape(mask.shape[0], 1, rep * T, S)
-    y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg)
+    if impl == "matmul":
+        scores = (qg @ k.transpose(-1, -2)).float() * D**-0.5
+        probs = scores.masked_fill(~mg, float("-inf")).softmax(-1).to(v.dtype)
+        y = probs @ v
+    else:
+        y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg)
     return y.reshape(B, H, T, D)
 
 
@@ -253,6 +263,7 @@ class QKVProjection(nn.Module):
         self.k_proj = nn.Linear(d_in, n_kv * head_dim, bias=bias)
         self.v_proj = nn.Linear(d_in, n_kv * head_dim, bias=bias)
         self.qkv_proj: nn.Linear | None = None
+        self.attention_impl = "sdpa"  # see attend(); the fast path may switch decoding to "matmul"
 
     def fuse(self) -> None:
         if self.qkv_proj is None:
@@ -291,7 +302,7 @@ class Attention(QKVProjection):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, start, k, v)
-        y = attend(q, k, v, mask)
+        y = attend(q, k, v, mask, self.attention_impl)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -18,8 +18,6 @@ from eaglescope.target import load_target
 PROMPT = "1,2,3"
 
 
-
-
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     return make_checkpoint("llama", tmp_path_factory.mktemp("target"), seed=0)
@@ -197,3 +195,31 @@ def test_malformed_prompt_ids(capsys, target_dir):
 def test_prompt_id_outside_vocabulary(capsys, target_dir):
     code, out, err = run(capsys, "--target", str(target_dir), "--prompt-ids", "1,96")
     assert_one_line_error(code, out, err, "vocabulary")
+
+
+@pytest.mark.parametrize("shape", [None, ["--chain", "3"], ["--tree", "3,2,6"]])
+def test_fast_path_matches_reference_loop(capsys, target_dir, draft_dir, shape):
+    """--fast (the static-shape decoders) gives the reference loop's tokens, with and without stop tokens."""
+    base = ["--target", str(target_dir), "--prompt-ids", PROMPT, "--max-new-tokens", "24"]
+    if shape is not None:
+        base += ["--draft", str(draft_dir), *shape]
+    ref = run_json(capsys, *base)
+    fast = run_json(capsys, *base, "--fast")
+    assert fast["token_ids"] == ref["token_ids"]
+    assert fast["stats"]["finish_reason"] == ref["stats"]["finish_reason"]
+    if shape is not None:
+        assert fast["stats"]["rounds"] >= 1 and fast["stats"]["accept_length"] >= 1.0
+    stop = str(ref["token_ids"][5])  # a token the run emits: both must end right after its first occurrence
+    ref_stop = run_json(capsys, *base, "--stop-ids", stop)
+    fast_stop = run_json(capsys, *base, "--stop-ids", stop, "--fast")
+    assert fast_stop["token_ids"] == ref_stop["token_ids"] and ref_stop["token_ids"][-1] == int(stop)
+    assert len(ref_stop["token_ids"]) <= 6 and fast_stop["stats"]["finish_reason"] == "eos"
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [(["--temperature", "0.7"], "greedily"), (["--proposer", "ngram"], "EAGLE-3"), (["--trace", "x"], "trace")],
+)
+def test_fast_path_refuses_what_it_cannot_do(capsys, target_dir, extra, match):
+    code, out, err = run(capsys, "--target", str(target_dir), "--prompt-ids", PROMPT, "--fast", *extra)
+    assert_one_line_error(code, out, err, match)

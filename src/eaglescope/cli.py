@@ -70,7 +70,11 @@ def cmd_generate(args) -> int:
     stop = None
     if args.stop_ids:
         stop = list(target.eos_token_ids) + _parse_ids(args.stop_ids)
-    if args.draft or args.proposer in ("ngram",):
+    if args.fast:
+        from eaglescope.fast.run import generate_fast
+
+        result = generate_fast(args, target, prompt_ids, sampling, stop)
+    elif args.draft or args.proposer in ("ngram",):
         from eaglescope.decode.speculative import run_speculative_from_args
 
         result = run_speculative_from_args(args, target, prompt_ids, sampling, stop)
@@ -116,6 +120,11 @@ def add_generate_parser(sub) -> None:
     shape.add_argument("--chain", type=int, default=None, metavar="K", help="chain of K draft tokens per round")
     shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="EAGLE-2 dynamic tree")
     p.add_argument("--proposer", default="eagle3", choices=["eagle3", "ngram", "draft-lm"])
+    p.add_argument(
+        "--fast",
+        action="store_true",
+        help="static-shape decoders (one CUDA graph per step or EAGLE-3 round on a GPU); greedy, native targets",
+    )
     p.add_argument("--trace", default=None, help="record a trace of this run into DIR")
     p.add_argument("--trace-mode", default="full", choices=["full", "fingerprint"])
     p.set_defaults(func=cmd_generate)

@@ -252,8 +252,14 @@ class FastVanilla:
         self.i.add_(1)
 
     @torch.inference_mode()
-    def generate(self, prompt: list[int], max_new: int | None = None) -> Decoded:
+    def generate(
+        self, prompt: list[int], max_new: int | None = None, stop: set[int] | None = None, check_every: int = 16
+    ) -> Decoded:
+        """Greedy tokens; with `stop`, ends after the first stop token (read every `check_every` steps, so
+        the loop stays free of per-token host syncs)."""
         n = max_new or self.max_new
+        if n > self.max_new:
+            raise ValueError(f"{n} new tokens exceed this decoder's buffer of {self.max_new}")
         if len(prompt) + n + 1 > self.t.size:
             raise ValueError(f"prompt {len(prompt)} + {n} new tokens exceed the cache of {self.t.size}")
         t0 = time.perf_counter()
@@ -270,13 +276,27 @@ class FastVanilla:
             self.i.copy_(i0)
             self.tok.copy_(self.out[:1])
             t0 = time.perf_counter()  # capture is a one-time cost, not decoding time
-        for _ in range(n - 1):
-            if self.graph is not None:
-                self.graph.replay()
-            else:
-                self._step()
+        done, checked = 1, 0
+        while done < n:
+            if stop:
+                cut = _first_stop(self.out[checked:done].tolist(), stop)
+                if cut is not None:
+                    return Decoded(self.out[: checked + cut + 1].tolist(), time.perf_counter() - t0)
+                checked = done
+            for _ in range(min(check_every if stop else n, n - done)):
+                if self.graph is not None:
+                    self.graph.replay()
+                else:
+                    self._step()
+                done += 1
         out = self.out[:n].tolist()
+        if stop and (cut := _first_stop(out, stop)) is not None:
+            out = out[: cut + 1]
         return Decoded(out, time.perf_counter() - t0)
+
+
+def _first_stop(tokens: list[int], stop: set[int]) -> int | None:
+    return next((j for j, t in enumerate(tokens) if t in stop), None)
 
 
 class FastEagle:
@@ -435,7 +455,10 @@ class FastEagle:
         return int(first)
 
     @torch.inference_mode()
-    def generate(self, prompt: list[int], max_new: int, replay: list[int] | None = None) -> Decoded:
+    def generate(
+        self, prompt: list[int], max_new: int, replay: list[int] | None = None, stop: set[int] | None = None
+    ) -> Decoded:
+        """Greedy speculative tokens; with `stop`, ends after the first stop token (checked at each round's read)."""
         if len(prompt) < 2:
             raise ValueError("the prompt needs at least 2 tokens")
         if self.use_graph and self.graph is None:
@@ -447,7 +470,7 @@ class FastEagle:
                 if self._draft_fn is not self._draft_tree:
                     print(f"FastEagle: compiled round failed ({type(e).__name__}: {e}); uncompiled", flush=True)
                     self._draft_fn, self._accept_fn = self._draft_tree, self._accept
-                    return self.generate(prompt, max_new, replay)
+                    return self.generate(prompt, max_new, replay, stop)
                 print(f"FastEagle: CUDA graph capture failed ({e}); running rounds eagerly", flush=True)
                 self.use_graph = False
         elif not self.use_graph and self.graph is None and self._draft_fn is not self._draft_tree:
@@ -461,7 +484,7 @@ class FastEagle:
         out = [self._start(prompt)]
         accepted: list[int] = []
         r = 0
-        while len(out) < max_new:
+        while len(out) < max_new and not (stop and out[0] in stop):
             if self.replay:
                 self.force.fill_(replay[r % len(replay)])
             if self.graph is not None:
@@ -473,4 +496,9 @@ class FastEagle:
             out += rep[1 : 1 + n]
             accepted.append(n - 1)
             r += 1
-        return Decoded(out[:max_new], time.perf_counter() - t0, accepted)
+            if stop and _first_stop(rep[1 : 1 + n], stop) is not None:
+                break
+        out = out[:max_new]
+        if stop and (cut := _first_stop(out, stop)) is not None:
+            out = out[: cut + 1]
+        return Decoded(out, time.perf_counter() - t0, accepted)

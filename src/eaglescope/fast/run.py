@@ -1,0 +1,61 @@
+"""`eaglescope generate --fast`: the static-shape decoders behind the command line.
+
+Greedy only, native targets only, EAGLE-3 or no proposer: the fast path's acceptance is greedy and its modules
+are eaglescope's own. Anything else gets one clear error instead of a silent fallback."""
+
+from __future__ import annotations
+
+import torch
+
+from eaglescope.decode.speculative import build_proposer, parse_tree_shape
+from eaglescope.decode.stats import SpecStats
+from eaglescope.decode.vanilla import GenerationResult, SamplingConfig, begin_generation
+from eaglescope.errors import EagleScopeError
+from eaglescope.fast.engine import FastEagle, FastTarget, FastVanilla
+from eaglescope.target.base import Target
+from eaglescope.target.llama import NativeTarget, fuse_projections
+
+
+def check_fast_args(args, target: Target, sampling: SamplingConfig) -> None:
+    if not sampling.greedy:
+        raise EagleScopeError("--fast decodes greedily only; drop --temperature or --fast")
+    if not isinstance(target, NativeTarget):
+        raise EagleScopeError(
+            "--fast needs a native target (llama, qwen2, qwen3, mistral); drop --backend hf or --fast"
+        )
+    if args.trace:
+        raise EagleScopeError("--fast records no trace; drop --trace or --fast")
+    if args.proposer != "eagle3":
+        raise EagleScopeError(f"--fast supports EAGLE-3 drafts only, not --proposer {args.proposer}")
+
+
+def generate_fast(args, target: Target, prompt_ids: list[int], sampling: SamplingConfig, stop_ids) -> GenerationResult:
+    check_fast_args(args, target, sampling)
+    _, budget, stop, _ = begin_generation(target, prompt_ids, args.max_new_tokens, sampling, stop_ids)
+    on_gpu = target.device.type == "cuda"
+    reason = "length" if budget == args.max_new_tokens else "context"
+    stats = None
+    if args.draft is None:
+        ft = FastTarget(target.model, len(prompt_ids) + budget + 1, fuse=on_gpu, float32_logits=on_gpu)
+        dec = FastVanilla(ft, budget).generate(prompt_ids, budget, stop=stop)
+    else:
+        if len(prompt_ids) < 2:
+            raise EagleScopeError("--fast with a draft needs a prompt of at least 2 tokens")
+        depth, top_k, total = parse_tree_shape(args.chain, args.tree)
+        max_len = len(prompt_ids) + budget + 2
+        proposer = build_proposer(args, target, sampling, max_len)  # loads and checks the draft, sets the taps
+        draft = proposer.draft
+        if on_gpu:
+            fuse_projections(draft)
+        size = max_len + total + depth + 1
+        ft = FastTarget(target.model, size, taps=target.taps.layers, fuse=on_gpu, float32_logits=on_gpu)
+        fe = FastEagle(ft, draft, depth, top_k, total, max_len=max_len)
+        dec = fe.generate(prompt_ids, budget, stop=stop)
+        stats = SpecStats()
+        for acc in dec.accepted:
+            stats.record_round(None, acc, max_depth=depth)
+    if dec.tokens and dec.tokens[-1] in stop:
+        reason = "eos"
+    if on_gpu:
+        torch.cuda.synchronize()
+    return GenerationResult(list(prompt_ids), dec.tokens, reason, dec.seconds, stats, {"fast": True})

@@ -38,7 +38,7 @@ from eaglescope.fast import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast.engine import GemvLinear, _graph, compile_layers, use_gemv_reductions, use_matmul_attention
 from eaglescope.pretrain import PretrainConfig, init_weights, save_target
 from eaglescope.taps import TapContract
-from eaglescope.target.llama import LlamaArgs, LlamaModel, QKVProjection, RopeSpec, fuse_projections
+from eaglescope.target.llama import LlamaArgs, LlamaModel, RopeSpec, fuse_projections
 from eaglescope.train.ttt import ttt_loss, ttt_unroll
 
 T0 = time.perf_counter()
@@ -403,6 +403,18 @@ def event_ms(fn, reps: int = 20) -> float:
     return statistics.median(ts)
 
 
+@torch.inference_mode()
+def graphed_ms(fn, device, reps: int) -> float:
+    """Median ms of `fn` captured as one CUDA graph (launch overhead excluded as a real decoder runs it); on the CPU,
+    of a few plain calls."""
+    if device.type != "cuda":
+        return event_ms(fn, reps=min(reps, 5))
+    graph = _graph(fn)
+    ms = event_ms(graph.replay, reps=reps)
+    del graph
+    return ms
+
+
 def _plain_linears(model: torch.nn.Module) -> None:
     """Undo use_gemv_reductions: GemvLinear → nn.Linear over the same weights."""
     for parent in list(model.modules()):
@@ -495,13 +507,7 @@ def roofline(
         for w in mats:
             F.linear(ins[w.shape[1]], w)
 
-    with torch.inference_mode():
-        if device.type == "cuda":
-            gr = _graph(stack)
-            res["matmul_stack_ms"] = round(event_ms(gr.replay, reps=30), 4)
-            del gr
-        else:
-            res["matmul_stack_ms"] = round(event_ms(stack, reps=3), 4)
+    res["matmul_stack_ms"] = round(graphed_ms(stack, device, reps=30), 4)
     res["matmul_stack_fraction_of_copy"] = round(wbytes / res["matmul_stack_ms"] / 1e6 / res["copy_bandwidth_gbs"], 4)
     say(f"roofline: copy {res['copy_bandwidth_gbs']} GB/s, matmul-only stack {res['matmul_stack_ms']} ms")
     prompt = torch.randint(0, a.vocab_size, (prompt_len,)).tolist()
@@ -512,9 +518,7 @@ def roofline(
         torch._inductor.config.coordinate_descent_tuning = gemv
         # layers only: they are the compiled region (an eager lm_head as a reduction would materialise V×H)
         use_gemv_reductions(model.model.layers) if gemv else _plain_linears(model)
-        for m in model.modules():
-            if isinstance(m, QKVProjection):
-                m.attention_impl = "matmul" if mm_attn else "sdpa"
+        use_matmul_attention(model, mm_attn)
         ft = FastTarget(model, S, taps=taps, compile=compiled)
         if not compiled:  # undo an earlier variant's regional compilation
             for layer in model.model.layers:
@@ -592,13 +596,7 @@ def roofline(
         def f(toks=toks, slots=slots, mask=mask):
             ft.run(toks, slots, mask, slots)
 
-        with torch.inference_mode():
-            if device.type == "cuda":
-                gr = _graph(f)
-                times[T] = event_ms(gr.replay, reps=30)
-                del gr
-            else:
-                times[T] = event_ms(f, reps=5)
+        times[T] = graphed_ms(f, device, reps=30)
     res["verify_ms"] = {str(k): round(v, 4) for k, v in times.items()}
     res["verify_cost_ratio"] = {str(T): round(ms_T / times[1], 4) for T, ms_T in times.items()}
     checkpoint()
@@ -640,13 +638,7 @@ def roofline(
         o = draft.step(emb, hid, dpos, dcache, dslots, dmask)
         torch.log_softmax(draft.logits(o).float(), -1).topk(K, -1)
 
-    with torch.inference_mode():
-        if device.type == "cuda":
-            gr = _graph(dstep)
-            res["draft_step_ms"] = round(event_ms(gr.replay, reps=50), 4)
-            del gr
-        else:
-            res["draft_step_ms"] = round(event_ms(dstep, reps=5), 4)
+    res["draft_step_ms"] = round(graphed_ms(dstep, device, reps=50), 4)
     say(f"roofline draft step: {res['draft_step_ms']} ms ({left():.0f} s left)")
 
     # end-to-end replay of the acceptance lengths measured on the trained target

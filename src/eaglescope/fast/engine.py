@@ -116,11 +116,12 @@ def use_gemv_reductions(model: nn.Module) -> nn.Module:
     return model
 
 
-def use_matmul_attention(model: nn.Module) -> nn.Module:
-    """Masked attention as two products + softmax in every layer of `model` (see attend); returns `model`."""
+def use_matmul_attention(model: nn.Module, enable: bool = True) -> nn.Module:
+    """Masked attention as two products + softmax in every layer of `model` (see attend), or back to SDPA with
+    enable=False; returns `model`."""
     for m in model.modules():
         if isinstance(m, QKVProjection):
-            m.attention_impl = "matmul"
+            m.attention_impl = "matmul" if enable else "sdpa"
     return model
 
 

@@ -35,7 +35,7 @@ from eaglescope.corpus import COMPLETION_TEMPLATE, code_prefixes, stdlib_corpus,
 from eaglescope.decode.stats import SpecStats
 from eaglescope.draft import DraftConfig, Eagle3Draft
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla
-from eaglescope.fast.engine import GemvLinear, _graph, compile_layers, use_gemv_reductions, use_matmul_attention
+from eaglescope.fast.engine import _graph, compile_layers, use_gemv_reductions, use_matmul_attention
 from eaglescope.pretrain import PretrainConfig, init_weights, save_target
 from eaglescope.taps import TapContract
 from eaglescope.target.llama import LlamaArgs, LlamaModel, RopeSpec, fuse_projections
@@ -415,16 +415,6 @@ def graphed_ms(fn, device, reps: int) -> float:
     return ms
 
 
-def _plain_linears(model: torch.nn.Module) -> None:
-    """Undo use_gemv_reductions: GemvLinear → nn.Linear over the same weights."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, GemvLinear):
-                lin = torch.nn.Linear(1, 1, bias=child.bias is not None, device="meta")
-                lin.weight, lin.bias = child.weight, child.bias
-                setattr(parent, name, lin)
-
-
 def _profile_step(fn, reps: int = 3) -> str:
     """Top kernels of `fn` by GPU time (the step run without its graph, so each kernel is visible)."""
     from torch.profiler import ProfilerActivity, profile
@@ -517,7 +507,7 @@ def roofline(
         torch._dynamo.reset()
         torch._inductor.config.coordinate_descent_tuning = gemv
         # layers only: they are the compiled region (an eager lm_head as a reduction would materialise V×H)
-        use_gemv_reductions(model.model.layers) if gemv else _plain_linears(model)
+        use_gemv_reductions(model.model.layers, gemv)
         use_matmul_attention(model, mm_attn)
         ft = FastTarget(model, S, taps=taps, compile=compiled)
         if not compiled:  # undo an earlier variant's regional compilation

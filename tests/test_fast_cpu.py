@@ -174,6 +174,13 @@ def test_gemv_linear_matches_linear():
         for shape in ((1, 1, 48), (1, 48), (2, 3, 48)):
             x = torch.randn(shape)
             torch.testing.assert_close(g(x), lin(x), rtol=1e-5, atol=1e-5)
+    from eaglescope.fast.engine import use_gemv_reductions
+
+    seq = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4, bias=False))
+    use_gemv_reductions(seq)
+    assert all(isinstance(m, GemvLinear) for m in seq)
+    use_gemv_reductions(seq, enable=False)
+    assert all(type(m) is torch.nn.Linear for m in seq) and seq(torch.randn(2, 8)).shape == (2, 4)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler")

@@ -107,12 +107,17 @@ def _has_mm_out_dtype(w: torch.Tensor) -> bool:
         return False
 
 
-def use_gemv_reductions(model: nn.Module) -> nn.Module:
-    """Swap every nn.Linear of `model` for a GemvLinear sharing its weights (in place); returns `model`."""
+def use_gemv_reductions(model: nn.Module, enable: bool = True) -> nn.Module:
+    """Swap every nn.Linear of `model` for a GemvLinear sharing its weights, or back with enable=False (in place);
+    returns `model`."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if enable and type(child) is nn.Linear:
                 setattr(parent, name, GemvLinear(child))
+            elif not enable and isinstance(child, GemvLinear):
+                plain = nn.Linear(1, 1, bias=child.bias is not None, device="meta")
+                plain.weight, plain.bias = child.weight, child.bias
+                setattr(parent, name, plain)
     return model
 
 

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +7,11 @@ import torch
 
 # tests import their shared builders (models.py, …) as plain modules
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Triton kernels (the batch-invariant ones) run under Triton's interpreter on a machine without a GPU;
+# this must be set before any kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -28,7 +28,7 @@ from torch import nn
 
 from eaglescope.decode.tree import TreeBuilder
 from eaglescope.draft import Eagle3Draft
-from eaglescope.target.llama import LlamaModel, QKVProjection, fuse_projections
+from eaglescope.target.llama import LlamaModel, QKVProjection, RMSNorm, fuse_projections
 
 
 class SlotCache(nn.Module):
@@ -130,6 +130,28 @@ def use_matmul_attention(model: nn.Module, enable: bool = True) -> nn.Module:
     return model
 
 
+def use_batch_invariant(model: LlamaModel, enable: bool = True) -> LlamaModel:
+    """Run every product, norm and attention of `model` through the batch-invariant kernels (fast/invariant.py),
+    or back with enable=False (in place); returns `model`. Float32Logits keeps float32 logits."""
+    from eaglescope.fast import invariant as inv
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not enable:
+                if isinstance(child, inv._Swapped):
+                    setattr(parent, name, child.original)
+            elif type(child) in (nn.Linear, GemvLinear):
+                setattr(parent, name, inv.InvariantLinear(child))
+            elif isinstance(child, Float32Logits):
+                setattr(parent, name, inv.InvariantLinear(child, out_dtype=torch.float32))
+            elif isinstance(child, RMSNorm):
+                setattr(parent, name, inv.InvariantRMSNorm(child))
+    for m in model.modules():
+        if isinstance(m, QKVProjection):
+            m.attention_impl = "invariant" if enable else "sdpa"
+    return model
+
+
 def compile_layers(modules) -> None:
     """Regional compilation: every decoder layer has the same code, so one compiled block serves them all
     (fuses the norm/RoPE/residual kernels that dominate a batch-1 step) at a fraction of the compile time
@@ -177,14 +199,22 @@ class FastTarget:
         compile: bool = False,
         fuse: bool = False,
         float32_logits: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         """`fuse` merges q/k/v and gate/up weights in place (the model is then for inference only); `compile`
-        compiles each decoder layer (see compile_layers); `float32_logits` swaps in a Float32Logits lm_head."""
+        compiles each decoder layer (see compile_layers); `float32_logits` swaps in a Float32Logits lm_head;
+        `batch_invariant` runs the model on the batch-invariant kernels (use_batch_invariant), so a token's
+        logits are bit-identical whether it is decoded alone or verified in a tree."""
+        if batch_invariant and compile:
+            raise ValueError("batch_invariant runs the target uncompiled (inductor would re-fuse its kernels)")
         self.model = model.eval()
         if float32_logits and not isinstance(model.lm_head, Float32Logits):
             model.lm_head = Float32Logits(model.lm_head)
         if fuse:
             fuse_projections(model)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            use_batch_invariant(model)
         a = model.args
         p = model.lm_head.weight
         self.device, self.dtype = p.device, p.dtype
@@ -196,7 +226,13 @@ class FastTarget:
             compile_layers(model.model.layers)
 
     def _run_eager(self, tokens, positions, mask, slots):
-        logits, aux, _ = self.model(tokens[None], positions[None], mask[None, None], self.cache, slots, self.taps)
+        if self.batch_invariant:
+            from eaglescope.fast.invariant import KeyIndex
+
+            mask = KeyIndex.from_mask(mask)
+        else:
+            mask = mask[None, None]
+        logits, aux, _ = self.model(tokens[None], positions[None], mask, self.cache, slots, self.taps)
         return logits[0], None if aux is None else aux[0]
 
     def run(self, tokens, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -201,7 +201,13 @@ def attend(
 
     impl="matmul" (masked, decoding): two batched products and a float32 softmax instead of a fused attention
     kernel. For a handful of query rows a fused kernel is latency-bound (~14 µs per layer at 8B on an H200);
-    under torch.compile the plain form becomes a few small fused kernels."""
+    under torch.compile the plain form becomes a few small fused kernels.
+
+    impl="invariant": `mask` is a fast.invariant.KeyIndex and the batch-invariant kernel runs (see there)."""
+    if impl == "invariant":
+        from eaglescope.fast.invariant import invariant_attention
+
+        return invariant_attention(q, k, v, mask)
     B, H, T, D = q.shape
     rep = H // k.shape[1]
     if mask is None:

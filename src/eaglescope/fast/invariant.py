@@ -1,0 +1,212 @@
+"""Batch-invariant kernels: a row's result does not depend on how many other rows share the call.
+
+Why: greedy speculative decoding is exact only if the target's logits for a token are the same whether the
+token was decoded alone (vanilla: 1 row) or verified inside a tree (T rows, tree slots in the cache). cuBLAS
+and fused attention pick different kernels, tile shapes and split-K factors for M=1 and M=T, and fused
+attention groups keys into blocks by cache slot, so in bf16 the two paths round differently and near-ties
+flip (measured on an H200: 19-22% of 256-token outputs diverged). Here every kernel has one fixed tiling:
+
+- `invariant_linear`: fixed BLOCK_M x BLOCK_N tiles, the K loop always in the same BLOCK_K steps, float32
+  accumulation, no split-K, no autotuning; a row's products are the same MMA sequence whatever M is.
+- `invariant_rms_norm`: one program per row.
+- `invariant_attention`: one program per (query row, head); the keys a row may see are first compacted in
+  slot order (`KeyIndex`), so the row at position p always reduces over the same p+1 keys in the same blocks,
+  whether they sit contiguously after a 1-token step or at scattered tree slots during a verify.
+
+Elementwise work (RoPE, SiLU, residuals) is batch-invariant already. On a machine without a GPU the kernels
+run under Triton's interpreter (TRITON_INTERPRET=1), which is how the CPU tests exercise them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from eaglescope.errors import EagleScopeError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference path and the CLI work without it; these kernels do not
+    triton = None
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64  # one tiling for every call: that is the invariance
+ATTN_BLOCK = 64
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the kernels can run for tensors on `device` (a GPU, or any device under the interpreter)."""
+    if triton is None:
+        return False
+    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _require(t: torch.Tensor) -> None:
+    if not available(t.device):
+        raise EagleScopeError(
+            "batch-invariant kernels need Triton and a CUDA device (or TRITON_INTERPRET=1 to run them on the CPU)"
+        )
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["M"])
+    def _linear_kernel(x, w, b, y, M, N, K, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr):  # fmt: skip
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        ks = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + ks
+            a = tl.load(x + rows[:, None] * K + kk[None, :], mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
+            bt = tl.load(w + cols[None, :] * K + kk[:, None], mask=(cols[None, :] < N) & (kk[:, None] < K), other=0.0)
+            acc += tl.dot(a, bt, input_precision="ieee")
+        if HAS_BIAS:
+            acc += tl.load(b + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y + rows[:, None] * N + cols[None, :], acc.to(y.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
+
+    @triton.jit
+    def _rms_norm_kernel(x, w, y, H, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        xs = tl.load(x + row * H + cols, mask=cols < H, other=0.0)
+        xf = xs.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+        # the same two roundings as RMSNorm.forward: normalise in float32, cast, then scale by the weight
+        normed = (xf * rstd).to(xs.dtype).to(tl.float32)
+        wf = tl.load(w + cols, mask=cols < H, other=0.0).to(tl.float32)
+        tl.store(y + row * H + cols, (wf * normed).to(y.dtype.element_ty), mask=cols < H)
+
+    @triton.jit
+    def _attention_kernel(q, k, v, idx, cnt, o, S, n_heads, rep, scale, sq_t, sq_h, sk_h, sk_s, so_t, so_h,
+                          D: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        t, h = tl.program_id(0), tl.program_id(1)
+        g = h // rep
+        d = tl.arange(0, D)
+        qv = tl.load(q + t * sq_t + h * sq_h + d).to(tl.float32)
+        n_keys = tl.load(cnt + t)
+        m_i = tl.full((1,), float("-inf"), tl.float32)
+        l_i = tl.zeros((1,), tl.float32)
+        acc = tl.zeros((D,), tl.float32)
+        for n0 in range(0, n_keys, BLOCK):
+            offs = n0 + tl.arange(0, BLOCK)
+            valid = offs < n_keys
+            slot = tl.load(idx + t * S + offs, mask=valid, other=0)
+            kv_off = g * sk_h + slot[:, None] * sk_s + d[None, :]
+            kb = tl.load(k + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(kb * qv[None, :], axis=1) * scale
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new)
+            vb = tl.load(v + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * vb, axis=0)
+            m_i = m_new
+        tl.store(o + t * so_t + h * so_h + d, (acc / l_i).to(o.dtype.element_ty))
+
+
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias) with one fixed tiling; accumulates in float32, returns out_dtype
+    (default x's dtype)."""
+    _require(x)
+    N, K = weight.shape
+    flat = x.reshape(-1, K).contiguous()
+    M = flat.shape[0]
+    y = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+    w = weight.contiguous()
+    _linear_kernel[grid](flat, w, bias if bias is not None else w, y, M, N, K, HAS_BIAS=bias is not None,
+                         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)  # fmt: skip
+    return y.view(*x.shape[:-1], N)
+
+
+def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _require(x)
+    H = x.shape[-1]
+    flat = x.reshape(-1, H).contiguous()
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    y = torch.empty(flat.shape, device=x.device, dtype=out_dtype)
+    _rms_norm_kernel[(flat.shape[0],)](flat, weight, y, H, eps, BLOCK=triton.next_power_of_2(H))
+    return y.view(x.shape)
+
+
+@dataclass
+class KeyIndex:
+    """The keys each query row may see, compacted in slot order: slots [T, S] (valid prefix of length count[t]),
+    count [T]. Built once per forward from the boolean mask and shared by every layer."""
+
+    slots: torch.Tensor
+    count: torch.Tensor
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> KeyIndex:
+        """mask [T, S] bool (True = attend) → the attended slots first, in slot order (a stable sort of ~mask)."""
+        order = torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices
+        return cls(order.to(torch.int32).contiguous(), mask.sum(-1).to(torch.int32))
+
+
+def invariant_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: KeyIndex | torch.Tensor | None
+) -> torch.Tensor:
+    """q [1, H, T, D], k/v [1, Hkv, S, D] (the whole slot cache) → [1, H, T, D]; row t attends to the slots
+    keys.slots[t, :keys.count[t]] in that order. A boolean mask [1, 1, T, S] or None (causal) is compacted here
+    (the fast path builds the KeyIndex once per forward instead of once per layer)."""
+    _require(q)
+    B, H, T, D = q.shape
+    if not isinstance(keys, KeyIndex):
+        S = k.shape[2]
+        causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        keys = KeyIndex.from_mask(keys.reshape(T, S) if keys is not None else causal)
+    if B != 1:
+        raise ValueError("invariant_attention decodes one sequence (batch 1)")
+    if D & (D - 1):
+        raise EagleScopeError(f"batch-invariant attention needs a power-of-two head_dim, not {D}")
+    qt = q[0].transpose(0, 1)  # [T, H, D] view
+    kk, vv = k[0], v[0]
+    if kk.stride(-1) != 1 or vv.stride() != kk.stride():
+        kk, vv = kk.contiguous(), vv.contiguous()
+    if qt.stride(-1) != 1:
+        qt = qt.contiguous()
+    out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
+    S = keys.slots.shape[-1]
+    _attention_kernel[(T, H)](qt, kk, vv, keys.slots, keys.count, out, S, H, H // kk.shape[0], D**-0.5,
+                              qt.stride(0), qt.stride(1), kk.stride(0), kk.stride(1), out.stride(0), out.stride(1),
+                              D=D, BLOCK=ATTN_BLOCK)  # fmt: skip
+    return out.transpose(0, 1)[None]
+
+
+class _Swapped(nn.Module):
+    """A replacement that shares `original`'s weights and remembers it (unregistered) to swap back."""
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "original", original)
+
+
+class InvariantLinear(_Swapped):
+    """A Linear-like module (nn.Linear, GemvLinear, Float32Logits) through `invariant_linear`."""
+
+    def __init__(self, original: nn.Module, out_dtype: torch.dtype | None = None) -> None:
+        super().__init__(original)
+        self.weight, self.bias, self.out_dtype = original.weight, getattr(original, "bias", None), out_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(x, self.weight, self.bias, self.out_dtype)
+
+
+class InvariantRMSNorm(_Swapped):
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__(original)
+        self.weight, self.eps = original.weight, original.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant_rms_norm(x, self.weight, self.eps)

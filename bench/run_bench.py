@@ -35,7 +35,14 @@ from eaglescope.corpus import COMPLETION_TEMPLATE, code_prefixes, stdlib_corpus,
 from eaglescope.decode.stats import SpecStats
 from eaglescope.draft import DraftConfig, Eagle3Draft
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla
-from eaglescope.fast.engine import _graph, compile_layers, use_gemv_reductions, use_matmul_attention
+from eaglescope.fast import invariant as inv_kernels
+from eaglescope.fast.engine import (
+    _graph,
+    compile_layers,
+    use_batch_invariant,
+    use_gemv_reductions,
+    use_matmul_attention,
+)
 from eaglescope.pretrain import PretrainConfig, init_weights, save_target
 from eaglescope.taps import TapContract
 from eaglescope.target.llama import LlamaArgs, LlamaModel, RopeSpec, fuse_projections
@@ -229,6 +236,22 @@ def train_draft(target: LlamaModel, taps: TapContract, data: torch.Tensor, ttt: 
 # -- evaluation -------------------------------------------------------------------------------------
 def alpha_of(stats: SpecStats) -> list[float]:
     return [round(float(x), 4) for x in stats.alpha if x is not None and not math.isnan(float(x))]
+
+
+def eval_vanilla(ft, prompts, new):
+    """Greedy reference outputs and their speed (one graph replay per token)."""
+    van = FastVanilla(ft, new)
+    van.generate(prompts[0], 16)  # capture + warm-up
+    vr = {"tokens": 0, "seconds": 0.0, "match": len(prompts)}
+    ref = []
+    for p in prompts:
+        sync()
+        r = van.generate(p, new)
+        sync()
+        vr["tokens"] += len(r.tokens)
+        vr["seconds"] += r.seconds
+        ref.append(r.tokens)
+    return vr, ref
 
 
 def eval_fast_eagle(ft, draft, shape, prompts, new, ref):
@@ -708,11 +731,15 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every training budget")
     ap.add_argument("--n-seq", type=int, default=None, help="regenerated training sequences")
     ap.add_argument("--hf-deadline", type=float, default=None, help="seconds into the run after which HF stops")
+    ap.add_argument("--no-batch-invariant", action="store_true", help="197M rows on cuBLAS + SDPA kernels only")
+    ap.add_argument("--float32-pass", action="store_true", help="also decode the trees in float32 (exactness check)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = sizes(args.smoke)
     cfg["d_lr"] = 3e-3 if args.smoke else 8e-4
     cfg["fuse"] = not args.no_fuse
+    cfg["batch_invariant"] = not args.no_batch_invariant
+    cfg["float32_pass"] = args.float32_pass
     for k in ("t_target", "t_draft", "t_abl", "t_lm"):
         cfg[k] *= args.scale
     if args.n_seq:
@@ -818,23 +845,15 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     if cfg["fuse"]:
         for m in (draft, abl):
             fuse_projections(m)
-    # float32 logits: bf16 ties would otherwise flip between a 1-token step and a tree verify (see Float32Logits)
-    ft = FastTarget(target, S, taps=taps.layers, fuse=cfg["fuse"], float32_logits=True)
+    # float32 logits: bf16 ties would otherwise flip between a 1-token step and a tree verify (see Float32Logits);
+    # batch-invariant kernels: a token's logits are then bit-identical in a 1-token step and in a tree verify
+    invariant = cfg["batch_invariant"] and inv_kernels.available(device)
+    ft = FastTarget(target, S, taps=taps.layers, fuse=cfg["fuse"], float32_logits=True, batch_invariant=invariant)
     st["float32_logits"] = {"mixed_precision_mm": getattr(target.lm_head, "mm_out_dtype", None)}
-    van = FastVanilla(ft, new)
-    van.generate(prompts[0], 16)
-    vr = {"tokens": 0, "seconds": 0.0, "match": 0}
-    ref = []
-    for p in prompts:
-        sync()
-        r = van.generate(p, new)
-        sync()
-        vr["tokens"] += len(r.tokens)
-        vr["seconds"] += r.seconds
-        ref.append(r.tokens)
-    vr["match"] = len(prompts)
+    st["kernels"] = "batch-invariant (fast/invariant.py)" if invariant else "cuBLAS + SDPA"
+    vr, ref = eval_vanilla(ft, prompts, new)
     base_fast = vr["tokens"] / vr["seconds"]
-    say(f"eaglescope vanilla: {base_fast:.1f} tok/s")
+    say(f"eaglescope vanilla ({st['kernels']}): {base_fast:.1f} tok/s")
     runs: dict[str, dict] = {}
     chain = (cfg["chain"], 1, cfg["chain"] + 1)
     runs["eagle3 chain"] = (eval_fast_eagle(ft, draft, chain, prompts, new, ref), chain)
@@ -857,17 +876,37 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
         tps = r["tokens"] / r["seconds"]
         say(f"{k} {sh}: τ {r['stats'].accept_length:.2f}, {tps:.1f} tok/s, match {r['match']}, graph {r['graph']}")
     n = len(prompts)
-    # --- exactness: bf16 flips, and the same trees in float32 -------------------------------------
+    # --- exactness: flips against vanilla, and the default kernels for comparison -------------------------
     t0 = time.perf_counter()
-    ex = {"bf16_flips": {}}
+    ex = {"kernels": st["kernels"], "bf16_flips": {}}
     for k, (r, sh) in runs.items():
         ex["bf16_flips"][f"{k} {tuple(sh)}"] = flip_margins(target_f32, prompts, ref, r["outputs"], device)
-    fp = exactness_fp32(target_f32, draft_f32, [cfg["official"], best], prompts, new, S, taps.layers, device)
-    ex["float32"] = fp["methods"]
-    ex["float32_vanilla_equals_bf16_vanilla"] = round(sum(a == b for a, b in zip(fp["float32_vanilla"], ref)) / n, 4)
+    default_rows = []
+    if invariant:
+        # the same model on cuBLAS + SDPA: what invariance costs in speed, and what it buys in exactness
+        use_batch_invariant(target, enable=False)
+        ft_d = FastTarget(target, S, taps=taps.layers, float32_logits=True)
+        vd, ref_d = eval_vanilla(ft_d, prompts, new)
+        base_d = vd["tokens"] / vd["seconds"]
+        default_rows.append(("eaglescope vanilla, cuBLAS + SDPA kernels", vd, base_d))
+        for shape, name in ((cfg["official"], "official"), (best, "tuned")):
+            r = eval_fast_eagle(ft_d, draft, shape, prompts, new, ref_d)
+            default_rows.append((f"eagle3 tree {name} {tuple(shape)}, cuBLAS + SDPA kernels", r, base_d))
+            ex["bf16_flips"][f"cuBLAS + SDPA: eagle3 tree {name} {tuple(shape)}"] = flip_margins(
+                target_f32, prompts, ref_d, r["outputs"], device
+            )
+        ex["default_vanilla_equals_invariant_vanilla"] = round(sum(a == b for a, b in zip(ref_d, ref)) / n, 4)
+        say(f"cuBLAS + SDPA: vanilla {base_d:.1f} tok/s; " + ", ".join(
+            f"{k}: {r['tokens'] / r['seconds']:.1f} tok/s, match {r['match']}" for k, r, _ in default_rows[1:]))
+    if cfg["float32_pass"]:
+        fp = exactness_fp32(target_f32, draft_f32, [cfg["official"], best], prompts, new, S, taps.layers, device)
+        ex["float32"] = fp["methods"]
+        ex["float32_vanilla_equals_bf16_vanilla"] = round(
+            sum(a == b for a, b in zip(fp["float32_vanilla"], ref)) / n, 4
+        )
+        say(f"exactness float32: {ex['float32']}, fp32 vanilla == bf16 {ex['float32_vanilla_equals_bf16_vanilla']}")
     ex["seconds"] = round(time.perf_counter() - t0, 1)
     st["exactness"] = ex
-    say(f"exactness: float32 {ex['float32']}, fp32 vanilla == bf16 vanilla {ex['float32_vanilla_equals_bf16_vanilla']}")
     del target_f32, draft_f32
     # --- transformers -------------------------------------------------------------------------
     hf = load_hf(tgt_dir, device, dtype)
@@ -883,10 +922,13 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     base_hf = hv["tokens"] / hv["seconds"] if hv["seconds"] else None
     for k, r in hfr.items():
         say(f"transformers {k}: {r}")
-    rows = [row("eaglescope vanilla (CUDA graph)", vr, base_fast, base_hf, n)]
+    kern = ", batch-invariant kernels" if invariant else ""
+    rows = [row(f"eaglescope vanilla (CUDA graph{kern})", vr, base_fast, base_hf, n)]
     rows.append(row("transformers vanilla generate", hv, base_fast, base_hf, n))
     for k, (r, sh) in runs.items():
         rows.append(row(f"{k} {tuple(sh)}", r, base_fast, base_hf, n))
+    for name, r, base_d in default_rows:  # speedups against their own vanilla (same kernels)
+        rows.append(row(name, r, base_d, base_hf, n, "speedup vs eaglescope vanilla on the same kernels"))
     tau_note = "τ = tokens per target forward (counted by a hook; HF reports no acceptance)"
     rows.append(row("transformers assisted (draft LM)", ha, base_fast, base_hf, n, tau_note))
     rows.append(row("transformers prompt lookup (10)", hp, base_fast, base_hf, n, tau_note))

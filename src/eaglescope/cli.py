@@ -123,7 +123,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument(
         "--fast",
         action="store_true",
-        help="static-shape decoders (one CUDA graph per step or EAGLE-3 round on a GPU); greedy, native targets",
+        help="static-shape decoders (one CUDA graph per step or EAGLE-3 round on a GPU, batch-invariant kernels so "
+        "the output is vanilla greedy's exactly); greedy, native targets",
     )
     p.add_argument("--trace", default=None, help="record a trace of this run into DIR")
     p.add_argument("--trace-mode", default="full", choices=["full", "fingerprint"])

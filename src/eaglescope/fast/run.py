@@ -11,6 +11,7 @@ from eaglescope.decode.speculative import build_proposer, parse_tree_shape
 from eaglescope.decode.stats import SpecStats
 from eaglescope.decode.vanilla import GenerationResult, SamplingConfig, begin_generation
 from eaglescope.errors import EagleScopeError
+from eaglescope.fast import invariant
 from eaglescope.fast.engine import FastEagle, FastTarget, FastVanilla
 from eaglescope.target.base import Target
 from eaglescope.target.llama import NativeTarget, fuse_projections
@@ -33,10 +34,15 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
     check_fast_args(args, target, sampling)
     _, budget, stop, _ = begin_generation(target, prompt_ids, args.max_new_tokens, sampling, stop_ids)
     on_gpu = target.device.type == "cuda"
+    # on a GPU the target runs on the batch-invariant kernels, so the speculative output is vanilla's exactly
+    hd = target.model.args.head_dim
+    exact = on_gpu and invariant.available(target.device) and hd & (hd - 1) == 0
     reason = "length" if budget == args.max_new_tokens else "context"
     stats = None
     if args.draft is None:
-        ft = FastTarget(target.model, len(prompt_ids) + budget + 1, fuse=on_gpu, float32_logits=on_gpu)
+        ft = FastTarget(
+            target.model, len(prompt_ids) + budget + 1, fuse=on_gpu, float32_logits=on_gpu, batch_invariant=exact
+        )
         dec = FastVanilla(ft, budget).generate(prompt_ids, budget, stop=stop)
     else:
         if len(prompt_ids) < 2:
@@ -48,7 +54,9 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
         if on_gpu:
             fuse_projections(draft)
         size = max_len + total + depth + 1
-        ft = FastTarget(target.model, size, taps=target.taps.layers, fuse=on_gpu, float32_logits=on_gpu)
+        ft = FastTarget(
+            target.model, size, taps=target.taps.layers, fuse=on_gpu, float32_logits=on_gpu, batch_invariant=exact
+        )
         fe = FastEagle(ft, draft, depth, top_k, total, max_len=max_len)
         dec = fe.generate(prompt_ids, budget, stop=stop)
         stats = SpecStats()
@@ -58,4 +66,6 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
         reason = "eos"
     if on_gpu:
         torch.cuda.synchronize()
-    return GenerationResult(list(prompt_ids), dec.tokens, reason, dec.seconds, stats, {"fast": True})
+    return GenerationResult(
+        list(prompt_ids), dec.tokens, reason, dec.seconds, stats, {"fast": True, "batch_invariant": exact}
+    )

@@ -896,8 +896,12 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
                 target_f32, prompts, ref_d, r["outputs"], device
             )
         ex["default_vanilla_equals_invariant_vanilla"] = round(sum(a == b for a, b in zip(ref_d, ref)) / n, 4)
-        say(f"cuBLAS + SDPA: vanilla {base_d:.1f} tok/s; " + ", ".join(
-            f"{k}: {r['tokens'] / r['seconds']:.1f} tok/s, match {r['match']}" for k, r, _ in default_rows[1:]))
+        say(
+            f"cuBLAS + SDPA: vanilla {base_d:.1f} tok/s; "
+            + ", ".join(
+                f"{k}: {r['tokens'] / r['seconds']:.1f} tok/s, match {r['match']}" for k, r, _ in default_rows[1:]
+            )
+        )
     if cfg["float32_pass"]:
         fp = exactness_fp32(target_f32, draft_f32, [cfg["official"], best], prompts, new, S, taps.layers, device)
         ex["float32"] = fp["methods"]

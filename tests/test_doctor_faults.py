@@ -36,8 +36,6 @@ PROMPT = list(range(5, 15))
 TREE, CHAIN = (3, 3, 8), (3, 1, 4)
 
 
-
-
 @pytest.fixture(scope="module")
 def setups(tmp_path_factory) -> dict[str, Setup]:
     root = tmp_path_factory.mktemp("faults")

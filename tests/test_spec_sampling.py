@@ -32,8 +32,6 @@ TAPS = TapContract((0, 1), 2)
 P_PASS = 1e-4  # fixed seeds: the verdict never changes run to run; this is the false-alarm rate over seed choices
 
 
-
-
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     path = make_checkpoint("llama", tmp_path_factory.mktemp("t8"), seed=0, **SMALL)

@@ -74,8 +74,6 @@ def _olmo2(path: Path) -> Path:
     return path
 
 
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, Path]:
     out = {n: make_checkpoint(f, tmp_path_factory.mktemp(n), seed=s, **o) for n, (f, s, o) in NATIVE.items()}

@@ -20,8 +20,6 @@ TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(7)) * 0.8  # t
 DRAFT_Q = torch.softmax(torch.randn(V, V, generator=torch.Generator().manual_seed(8)) * 1.5, -1)  # q(next | last)
 
 
-
-
 # ---------------------------------------------------------------- process_logits / sample
 
 

@@ -336,7 +336,8 @@ def eval_hf_methods(target, methods: dict[str, dict], prompts, new, ref, deadlin
     target forward; a forward over exactly the prompt is a plain prefill and counts neither as a round nor
     for its one token."""
     counter = ForwardCounter(target)
-    res = {k: {"tokens": 0, "seconds": 0.0, "match": 0, "prompts": 0, "rounds": 0, "round_tokens": 0} for k in methods}
+    zero = dict.fromkeys(("tokens", "match", "match_hf_vanilla", "prompts", "rounds", "round_tokens"), 0)
+    res = {k: {**zero, "seconds": 0.0} for k in methods}
     x0 = torch.tensor([prompts[0]], device=target.device)
     for kw in methods.values():
         target.generate(x0, max_new_tokens=8, do_sample=False, **kw)  # warm-up
@@ -344,6 +345,7 @@ def eval_hf_methods(target, methods: dict[str, dict], prompts, new, ref, deadlin
         if time.perf_counter() - T0 > deadline:
             break
         x = torch.tensor([p], device=target.device)
+        outs = {}
         for name, kw in methods.items():
             counter.lengths.clear()
             sync()
@@ -359,6 +361,9 @@ def eval_hf_methods(target, methods: dict[str, dict], prompts, new, ref, deadlin
             prefill = int(bool(counter.lengths) and counter.lengths[0] == len(p))
             r["rounds"] += len(counter.lengths) - prefill
             r["round_tokens"] += len(out) - prefill
+            outs[name] = out
+        for name, out in outs.items():  # against transformers' own greedy output (same kernels)
+            res[name]["match_hf_vanilla"] += int(out == outs.get("vanilla"))
     for r in res.values():
         r["tau"] = r["round_tokens"] / r["rounds"] if r["rounds"] else None
     return res
@@ -936,6 +941,9 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     tau_note = "τ = tokens per target forward (counted by a hook; HF reports no acceptance)"
     rows.append(row("transformers assisted (draft LM)", ha, base_fast, base_hf, n, tau_note))
     rows.append(row("transformers prompt lookup (10)", hp, base_fast, base_hf, n, tau_note))
+    for r_row, r in zip(rows[-2:] + rows[1:2], (ha, hp, hv)):
+        # eaglescope's and transformers' vanilla differ at bf16 near-ties; this compares like with like
+        r_row["match_transformers_vanilla_fraction"] = round(r["match_hf_vanilla"] / max(1, r["prompts"]), 4)
     tuned = runs["eagle3 tree tuned"]
     out = {
         "rows": rows,

@@ -27,8 +27,9 @@ from run_bench import graphed_ms, lm_args, sizes, to_infer  # noqa: E402
 
 from eaglescope.fast import FastTarget  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
+from eaglescope.fast.engine import use_batch_invariant  # noqa: E402
 from eaglescope.pretrain import init_weights  # noqa: E402
-from eaglescope.target.llama import LlamaModel, RMSNorm, attend  # noqa: E402
+from eaglescope.target.llama import LlamaArgs, LlamaModel, RMSNorm, RopeSpec, attend  # noqa: E402
 
 
 def kernel_errors(device, dtype) -> dict:
@@ -128,37 +129,55 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--smoke", action="store_true", help="tiny model, float32, any device (CPU: TRITON_INTERPRET=1)")
+    ap.add_argument("--llama8b", action="store_true", help="Llama-3.1-8B dimensions instead of the 197M target")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     cfg = sizes(args.smoke)
-    V = cfg["vocab"]
-    pc = lm_args(cfg["vocab"], cfg["d"], cfg["layers"], cfg["heads"], cfg["kv"], cfg["ffn"])
-    torch.manual_seed(0)
-    base = LlamaModel(pc.args())
-    init_weights(base, pc.num_layers, 0)
-    base = to_infer(base.to(device), dtype)
+    if args.llama8b:
+        a = LlamaArgs("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 8192, RopeSpec(500000.0))
+        with torch.device("meta"):
+            base = LlamaModel(a)
+        base = base.to_empty(device=device).to(dtype)
+        base.register_buffer("inv_freq", a.rope.inv_freq(a.head_dim, a.max_position_embeddings).to(device), False)
+        with torch.no_grad():
+            for prm in base.parameters():
+                prm.normal_(0, 0.02) if prm.dim() > 1 else prm.fill_(1.0)
+        V = a.vocab_size
+    else:
+        pc = lm_args(cfg["vocab"], cfg["d"], cfg["layers"], cfg["heads"], cfg["kv"], cfg["ffn"])
+        torch.manual_seed(0)
+        base = LlamaModel(pc.args())
+        init_weights(base, pc.num_layers, 0)
+        base = to_infer(base.to(device), dtype)
+        V = cfg["vocab"]
     res = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "commit": os.environ.get("EAGLESCOPE_COMMIT", "unknown"),
         "kernels": kernel_errors(device, dtype),
+        "model": "llama-3.1-8b shape" if args.llama8b else f"bench target shape (smoke={args.smoke})",
     }
     print(json.dumps(res, indent=1), flush=True)
     P, size = (20, 96) if args.smoke else (380, 512)  # the interpreter runs the smoke model slowly
     prompt = torch.randint(0, V, (P,), generator=torch.Generator().manual_seed(2)).to(device)
     chain = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(3)).to(device)
     for name, kw in (("default", {}), ("batch_invariant", {"batch_invariant": True})):
-        ft = FastTarget(copy.deepcopy(base), size, fuse=True, float32_logits=True, **kw)
+        # the 8B model is swapped in place and back (two copies would be 32 GB)
+        model = base if args.llama8b else copy.deepcopy(base)
+        ft = FastTarget(model, size, fuse=True, float32_logits=True, **kw)
         with torch.inference_mode():
             res[name] = {"chain_in_tree": chain_in_tree(ft, prompt, chain, V)}
         res[name]["graphed_ms_by_rows"] = timings(ft, device, V)
         print(name, json.dumps(res[name]), flush=True)
+        if kw:
+            use_batch_invariant(model, enable=False)
         del ft
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"invariant-check-{res['date'].replace(':', '').replace('-', '')[:15]}.json"
+    stamp = res["date"].replace(":", "").replace("-", "")[:15]
+    path = out / f"invariant-check-{'8b-' if args.llama8b else ''}{stamp}.json"
     path.write_text(json.dumps(res, indent=2) + "\n")
     print("wrote", path)
     return 0

@@ -223,3 +223,8 @@ def test_fast_path_matches_reference_loop(capsys, target_dir, draft_dir, shape):
 def test_fast_path_refuses_what_it_cannot_do(capsys, target_dir, extra, match):
     code, out, err = run(capsys, "--target", str(target_dir), "--prompt-ids", PROMPT, "--fast", *extra)
     assert_one_line_error(code, out, err, match)
+
+
+def test_kernel_choice_needs_the_fast_path(capsys, target_dir):
+    code, out, err = run(capsys, "--target", str(target_dir), "--prompt-ids", PROMPT, "--no-batch-invariant")
+    assert_one_line_error(code, out, err, "--fast")

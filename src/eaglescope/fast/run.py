@@ -36,7 +36,8 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
     on_gpu = target.device.type == "cuda"
     # on a GPU the target runs on the batch-invariant kernels, so the speculative output is vanilla's exactly
     hd = target.model.args.head_dim
-    exact = on_gpu and invariant.available(target.device) and hd & (hd - 1) == 0
+    wanted = on_gpu and not getattr(args, "no_batch_invariant", False)
+    exact = wanted and invariant.available(target.device) and hd & (hd - 1) == 0
     reason = "length" if budget == args.max_new_tokens else "context"
     stats = None
     if args.draft is None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from run_bench import graphed_ms, lm_args, sizes, to_infer  # noqa: E402
 
+from eaglescope.decode.tree import DraftTree  # noqa: E402
 from eaglescope.fast import FastTarget  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
 from eaglescope.fast.engine import use_batch_invariant  # noqa: E402
@@ -86,13 +87,10 @@ def chain_in_tree(ft: FastTarget, prompt: torch.Tensor, chain: torch.Tensor, voc
         parents.append(0)
         depth.append(1)
         tokens.append(int(torch.randint(0, vocab, (1,), generator=gen)))
-    anc = torch.eye(N, dtype=torch.bool)
-    for i in range(1, N):
-        anc[i] |= anc[parents[i]]
     ft.prefill(prompt)
     vmask = torch.zeros(N, ft.size, dtype=torch.bool)
     vmask[:, :P] = True
-    vmask[:, P : P + N] = anc
+    vmask[:, P : P + N] = DraftTree.from_parents(tokens, parents).ancestor_mask()
     logits, _ = ft.run(
         torch.tensor(tokens, device=dev),
         P + torch.tensor(depth, device=dev),

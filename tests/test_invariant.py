@@ -17,6 +17,7 @@ from drafts import make_draft  # noqa: E402
 from models import make_checkpoint  # noqa: E402
 
 from eaglescope.decode.speculative import target_embedding  # noqa: E402
+from eaglescope.decode.tree import DraftTree  # noqa: E402
 from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
@@ -111,17 +112,13 @@ def test_verify_rows_are_bit_identical_to_one_token_steps(tiny):
         steps.append(logits[0])
     # the same chain as tree nodes 1, 3, 4, 6 among distractors (node 0 = chain[0] is the root)
     tokens = torch.tensor([chain[0], 70, chain[1], 71, 72, chain[2], 73, chain[3]])
-    parents = [-1, 0, 0, 1, 2, 2, 5, 5]
-    depth = [0, 1, 1, 2, 2, 2, 3, 3]
-    N = len(parents)
-    anc = torch.eye(N, dtype=torch.bool)
-    for i in range(1, N):
-        anc[i] |= anc[parents[i]]
+    tree = DraftTree.from_parents(tokens, [-1, 0, 0, 1, 2, 2, 5, 5])
+    N = tree.num_nodes
     ft.prefill(prompt)
     vmask = torch.zeros(N, ft.size, dtype=torch.bool)
     vmask[:, :P] = True
-    vmask[:, P : P + N] = anc
-    logits, _ = ft.run(tokens, P + torch.tensor(depth), vmask, P + torch.arange(N))
+    vmask[:, P : P + N] = tree.ancestor_mask()
+    logits, _ = ft.run(tokens, P + tree.depths, vmask, P + torch.arange(N))
     for j, node in enumerate([0, 2, 5, 7]):
         assert torch.equal(logits[node], steps[j]), f"chain token {j} (tree node {node})"
 

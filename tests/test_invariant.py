@@ -41,6 +41,20 @@ def test_linear_matches_torch_and_rows_are_invariant(m, n, k, bias, seed):
     assert torch.equal(inv.invariant_linear(x[row : row + 1], w, b)[0], y[row])
 
 
+@pytest.mark.parametrize("n, k, bias", [(70, 1100, True), (40, 700, False)])
+def test_sliced_reduction_matches_torch_and_rows_are_invariant(n, k, bias):
+    """Products long enough in K to be cut into slices (k_slices > 1): the fixed-order total is the reference
+    product, and a row alone gets the bits it gets among 80 rows (two row tiles)."""
+    assert inv.k_slices(n, k) > 1
+    g = torch.Generator().manual_seed(n)
+    x, w = torch.randn(80, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    y = inv.invariant_linear(x, w, b)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=2e-4)
+    for row in (0, 77):
+        assert torch.equal(inv.invariant_linear(x[row : row + 1], w, b)[0], y[row])
+
+
 def test_rms_norm_matches_module():
     torch.manual_seed(0)
     norm = RMSNorm(96, 1e-6)

@@ -7,7 +7,8 @@ attention groups keys into blocks by cache slot, so in bf16 the two paths round 
 flip (measured on an H200: 19-22% of 256-token outputs diverged). Here every kernel has one fixed tiling:
 
 - `invariant_linear`: fixed BLOCK_M x BLOCK_N tiles, the K loop always in the same BLOCK_K steps, float32
-  accumulation, no split-K, no autotuning; a row's products are the same MMA sequence whatever M is.
+  accumulation, a split-K factor chosen from the weight's shape alone (slices summed in a fixed order), no
+  autotuning; a row's products are the same MMA sequence whatever M is.
 - `invariant_rms_norm`: one program per row.
 - `invariant_attention`: one program per (query row, head); the keys a row may see are first compacted in
   slot order (`KeyIndex`), so the row at position p always reduces over the same p+1 keys in the same blocks,
@@ -34,6 +35,7 @@ except ImportError:  # the reference path and the CLI work without it; these ker
     triton = None
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64  # one tiling for every call: that is the invariance
+SLICE_PROGRAMS = 256  # programs a product's K-slicing aims at (see k_slices)
 ATTN_BLOCK = 64
 
 
@@ -54,22 +56,39 @@ def _require(t: torch.Tensor) -> None:
 if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
-    def _linear_kernel(x, w, b, y, M, N, K, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr):  # fmt: skip
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        rows = pid_m * BM + tl.arange(0, BM)
+    def _linear_kernel(x, w, b, y, part, M, N, K, K_SLICE, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+        pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)  # rows * N passes 2**31 for a long prompt's logits
         cols = pid_n * BN + tl.arange(0, BN)
         ks = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        k_lo = pid_s * K_SLICE
+        k_hi = tl.minimum(k_lo + K_SLICE, K)
+        for k0 in range(k_lo, k_hi, BK):
             kk = k0 + ks
-            a = tl.load(x + rows[:, None] * K + kk[None, :], mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
-            bt = tl.load(w + cols[None, :] * K + kk[:, None], mask=(cols[None, :] < N) & (kk[:, None] < K), other=0.0)
+            in_k = kk < k_hi
+            a = tl.load(x + rows[:, None] * K + kk[None, :], mask=(rows[:, None] < M) & in_k[None, :], other=0.0)
+            bt = tl.load(w + cols[None, :] * K + kk[:, None], mask=(cols[None, :] < N) & in_k[:, None], other=0.0)
             acc += tl.dot(a, bt, input_precision="ieee")
+        out_mask = (rows[:, None] < M) & (cols[None, :] < N)
+        if PARTIAL:  # this K-slice's float32 sums; _sum_slices_kernel adds the slices in a fixed order
+            tl.store(part + pid_s.to(tl.int64) * M * N + rows[:, None] * N + cols[None, :], acc, mask=out_mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(y + rows[:, None] * N + cols[None, :], acc.to(y.dtype.element_ty), mask=out_mask)
+
+    @triton.jit(do_not_specialize=["numel"])
+    def _sum_slices_kernel(part, b, y, numel, N, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < numel
+        acc = tl.load(part + offs, mask=ok, other=0.0)
+        for s in tl.static_range(1, SLICES):
+            acc += tl.load(part + s * numel + offs, mask=ok, other=0.0)
         if HAS_BIAS:
-            acc += tl.load(b + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y + rows[:, None] * N + cols[None, :], acc.to(y.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
+            acc += tl.load(b + offs % N, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y + offs, acc.to(y.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _rms_norm_kernel(x, w, y, H, eps, BLOCK: tl.constexpr):
@@ -112,6 +131,18 @@ if triton is not None:
         tl.store(o + t * so_t + h * so_h + d, (acc / l_i).to(o.dtype.element_ty))
 
 
+def k_slices(N: int, K: int) -> int:
+    """Into how many K-slices a product's reduction is cut: a function of the weight's shape only, never of the
+    row count, so a row's slice sums and their fixed-order total are the same in every call.
+
+    Why cut at all: with one program per 64 output columns, a one-row product with few columns and a long
+    reduction (the 8B down product: 64 programs x 224 K-steps) leaves most SMs idle and each program
+    latency-bound; slices give ~SLICE_PROGRAMS programs, each at least 4 K-steps long."""
+    steps = triton.cdiv(K, BLOCK_K)
+    want = triton.cdiv(SLICE_PROGRAMS, triton.cdiv(N, BLOCK_N))
+    return max(1, min(want, steps // 4))
+
+
 def invariant_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -122,10 +153,18 @@ def invariant_linear(
     flat = x.reshape(-1, K).contiguous()
     M = flat.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
     w = weight.contiguous()
-    _linear_kernel[grid](flat, w, bias if bias is not None else w, y, M, N, K, HAS_BIAS=bias is not None,
+    b = bias if bias is not None else w
+    slices = k_slices(N, K)
+    k_slice = triton.cdiv(triton.cdiv(K, BLOCK_K), slices) * BLOCK_K
+    slices = triton.cdiv(K, k_slice)  # rounding k_slice up to whole steps may leave a slice empty: drop it
+    part = torch.empty(slices, M, N, device=x.device, dtype=torch.float32) if slices > 1 else y
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), slices)
+    _linear_kernel[grid](flat, w, b, y, part, M, N, K, k_slice, HAS_BIAS=bias is not None, PARTIAL=slices > 1,
                          BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)  # fmt: skip
+    if slices > 1:
+        _sum_slices_kernel[(triton.cdiv(M * N, 1024),)](part, b, y, M * N, N, SLICES=slices,
+                                                        HAS_BIAS=bias is not None, BLOCK=1024)  # fmt: skip
     return y.view(*x.shape[:-1], N)
 
 

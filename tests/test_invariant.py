@@ -49,10 +49,11 @@ def test_sliced_reduction_matches_torch_and_rows_are_invariant(n, k, bias):
     g = torch.Generator().manual_seed(n)
     x, w = torch.randn(80, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    y = inv.invariant_linear(x, w, b)
+    slices = inv.k_slices(n, k)
+    y = inv.invariant_linear(x, w, b, slices=slices)
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=2e-4)
     for row in (0, 77):
-        assert torch.equal(inv.invariant_linear(x[row : row + 1], w, b)[0], y[row])
+        assert torch.equal(inv.invariant_linear(x[row : row + 1], w, b, slices=slices)[0], y[row])
 
 
 def test_rms_norm_matches_module():

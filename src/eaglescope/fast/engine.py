@@ -130,9 +130,10 @@ def use_matmul_attention(model: nn.Module, enable: bool = True) -> nn.Module:
     return model
 
 
-def use_batch_invariant(model: LlamaModel, enable: bool = True) -> LlamaModel:
+def use_batch_invariant(model: LlamaModel, enable: bool = True, sliced: bool = False) -> LlamaModel:
     """Run every product, norm and attention of `model` through the batch-invariant kernels (fast/invariant.py),
-    or back with enable=False (in place); returns `model`. Float32Logits keeps float32 logits."""
+    or back with enable=False (in place); returns `model`. Float32Logits keeps float32 logits. `sliced`: products
+    with K-sliced reductions (bench/NOTES.md v9; not yet the default: not yet timed on a GPU)."""
     from eaglescope.fast import invariant as inv
 
     for parent in list(model.modules()):
@@ -141,9 +142,9 @@ def use_batch_invariant(model: LlamaModel, enable: bool = True) -> LlamaModel:
                 if isinstance(child, inv._Swapped):
                     setattr(parent, name, child.original)
             elif type(child) in (nn.Linear, GemvLinear):
-                setattr(parent, name, inv.InvariantLinear(child))
+                setattr(parent, name, inv.InvariantLinear(child, sliced=sliced))
             elif isinstance(child, Float32Logits):
-                setattr(parent, name, inv.InvariantLinear(child, out_dtype=torch.float32))
+                setattr(parent, name, inv.InvariantLinear(child, out_dtype=torch.float32, sliced=sliced))
             elif isinstance(child, RMSNorm):
                 setattr(parent, name, inv.InvariantRMSNorm(child))
     for m in model.modules():

@@ -144,10 +144,15 @@ def k_slices(N: int, K: int) -> int:
 
 
 def invariant_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    slices: int = 1,
 ) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T (+ bias) with one fixed tiling; accumulates in float32, returns out_dtype
-    (default x's dtype)."""
+    (default x's dtype). `slices` cuts the reduction into that many K-slices (see k_slices); it must not depend
+    on the row count, or the invariance is lost."""
     _require(x)
     N, K = weight.shape
     flat = x.reshape(-1, K).contiguous()
@@ -155,7 +160,6 @@ def invariant_linear(
     y = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     w = weight.contiguous()
     b = bias if bias is not None else w
-    slices = k_slices(N, K)
     k_slice = triton.cdiv(triton.cdiv(K, BLOCK_K), slices) * BLOCK_K
     slices = triton.cdiv(K, k_slice)  # rounding k_slice up to whole steps may leave a slice empty: drop it
     part = torch.empty(slices, M, N, device=x.device, dtype=torch.float32) if slices > 1 else y
@@ -232,14 +236,16 @@ class _Swapped(nn.Module):
 
 
 class InvariantLinear(_Swapped):
-    """A Linear-like module (nn.Linear, GemvLinear, Float32Logits) through `invariant_linear`."""
+    """A Linear-like module (nn.Linear, GemvLinear, Float32Logits) through `invariant_linear`; `sliced` cuts
+    long reductions into K-slices (k_slices: fixed per weight shape)."""
 
-    def __init__(self, original: nn.Module, out_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, original: nn.Module, out_dtype: torch.dtype | None = None, sliced: bool = False) -> None:
         super().__init__(original)
         self.weight, self.bias, self.out_dtype = original.weight, getattr(original, "bias", None), out_dtype
+        self.slices = k_slices(*self.weight.shape) if sliced else 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return invariant_linear(x, self.weight, self.bias, self.out_dtype)
+        return invariant_linear(x, self.weight, self.bias, self.out_dtype, self.slices)
 
 
 class InvariantRMSNorm(_Swapped):

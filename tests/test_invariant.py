@@ -165,10 +165,12 @@ def test_swap_back_restores_the_modules(tiny):
     assert model.model.layers[0].self_attn.attention_impl == "sdpa"
 
 
-def test_swapped_model_still_runs_the_reference_path(tiny):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_swapped_model_still_runs_the_reference_path(tmp_path, family):
     """A model on the invariant kernels also serves NativeTarget's masked forward and the causal training-time
-    forward (mask None) with the same logits."""
-    tgt = tiny[0]
+    forward (mask None) with the same logits (q/k/v bias: qwen2; q/k norms and head_dim 32: qwen3)."""
+    ckpt = make_checkpoint(family, tmp_path / family, seed=2, num_hidden_layers=2)
+    tgt = load_target(ckpt, device="cpu", dtype=torch.float32)
     ids = torch.tensor([[3, 17, 5, 40, 22, 9]])
     pos = torch.arange(6)[None]
     ref, _, _ = tgt.model(ids, pos, None)

@@ -852,7 +852,7 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
             fuse_projections(m)
     # float32 logits: bf16 ties would otherwise flip between a 1-token step and a tree verify (see Float32Logits);
     # batch-invariant kernels: a token's logits are then bit-identical in a 1-token step and in a tree verify
-    invariant = cfg["batch_invariant"] and inv_kernels.available(device)
+    invariant = cfg["batch_invariant"] and inv_kernels.supports(target.args.head_dim, device)
     ft = FastTarget(target, S, taps=taps.layers, fuse=cfg["fuse"], float32_logits=True, batch_invariant=invariant)
     st["float32_logits"] = {"mixed_precision_mm": getattr(target.lm_head, "mm_out_dtype", None)}
     st["kernels"] = "batch-invariant (fast/invariant.py)" if invariant else "cuBLAS + SDPA"

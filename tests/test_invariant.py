@@ -56,6 +56,11 @@ def test_sliced_reduction_matches_torch_and_rows_are_invariant(n, k, bias):
         assert torch.equal(inv.invariant_linear(x[row : row + 1], w, b, slices=slices)[0], y[row])
 
 
+def test_supports_needs_a_power_of_two_head_dim():
+    assert inv.supports(64, "cpu") and inv.supports(128, "cpu")
+    assert not inv.supports(80, "cpu")
+
+
 def test_rms_norm_matches_module():
     torch.manual_seed(0)
     norm = RMSNorm(96, 1e-6)

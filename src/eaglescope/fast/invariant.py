@@ -46,6 +46,11 @@ def available(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def supports(head_dim: int, device: torch.device | str) -> bool:
+    """Whether a target with this head_dim can run on these kernels here (the attention block is a power of two)."""
+    return available(device) and head_dim & (head_dim - 1) == 0
+
+
 def _require(t: torch.Tensor) -> None:
     if not available(t.device):
         raise EagleScopeError(

@@ -35,9 +35,8 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
     _, budget, stop, _ = begin_generation(target, prompt_ids, args.max_new_tokens, sampling, stop_ids)
     on_gpu = target.device.type == "cuda"
     # on a GPU the target runs on the batch-invariant kernels, so the speculative output is vanilla's exactly
-    hd = target.model.args.head_dim
     wanted = on_gpu and not getattr(args, "no_batch_invariant", False)
-    exact = wanted and invariant.available(target.device) and hd & (hd - 1) == 0
+    exact = wanted and invariant.supports(target.model.args.head_dim, target.device)
     reason = "length" if budget == args.max_new_tokens else "context"
     stats = None
     if args.draft is None:

@@ -43,6 +43,7 @@ from eaglescope.fast.engine import (
     use_gemv_reductions,
     use_matmul_attention,
 )
+from eaglescope.fast.fused_decode import fused_decode_supported
 from eaglescope.pretrain import PretrainConfig, init_weights, save_target
 from eaglescope.taps import TapContract
 from eaglescope.target.llama import LlamaArgs, LlamaModel, RopeSpec, fuse_projections
@@ -411,6 +412,27 @@ def load_hf(path: Path, device, dtype):
 
 
 # -- 8B roofline --------------------------------------------------------------------------------------
+LLAMA_8B_DIMS = dict(vocab=128256, d=4096, ffn=14336, layers=32, heads=32, kv=8, hd=128)
+SMOKE_DIMS = dict(vocab=512, d=64, ffn=128, layers=8, heads=4, kv=2, hd=16)
+
+
+def random_target(dims: dict, device, dtype) -> LlamaModel:
+    """A Llama of `dims` (Llama-3.1 RoPE) with random weights, q/k/v and gate/up fused, built without a float32
+    copy (8B in float32 would be 32 GB)."""
+    a = LlamaArgs(
+        "llama", dims["vocab"], dims["d"], dims["ffn"], dims["layers"], dims["heads"], dims["kv"], dims["hd"], 1e-5,
+        8192, RopeSpec(500000.0),
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaModel(a)
+    model = model.to_empty(device=device).to(dtype)
+    model.register_buffer("inv_freq", a.rope.inv_freq(a.head_dim, a.max_position_embeddings).to(device), False)
+    with torch.no_grad():
+        for p in model.parameters():  # random, never zeros: zeros can run faster than real data
+            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    return fuse_projections(model)
+
+
 def event_ms(fn, reps: int = 20) -> float:
     if not torch.cuda.is_available():
         t = []
@@ -489,26 +511,13 @@ def roofline(
     t_start = time.perf_counter()
     left = lambda: budget_s - (time.perf_counter() - t_start)  # noqa: E731
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if smoke:
-        dims = dict(vocab=512, d=64, ffn=128, layers=8, heads=4, kv=2, hd=16)
-    else:  # Llama-3.1-8B
-        dims = dict(vocab=128256, d=4096, ffn=14336, layers=32, heads=32, kv=8, hd=128)
+    dims = SMOKE_DIMS if smoke else LLAMA_8B_DIMS
+    model = random_target(dims, device, dtype)
+    a = model.args
     # filled in place and checkpointed after each stage, so a crash or time-out keeps what was measured
     res = {} if res is None else res
     res.update({"shape": dims, "dtype": str(dtype), "fused_projections": True})
     res["copy_bandwidth_gbs"] = copy_bandwidth_gbs((1 << 30) if not smoke else (1 << 20), device, dtype)
-    a = LlamaArgs(
-        "llama", dims["vocab"], dims["d"], dims["ffn"], dims["layers"], dims["heads"], dims["kv"], dims["hd"], 1e-5,
-        8192, RopeSpec(500000.0),
-    )  # fmt: skip
-    with torch.device("meta"):
-        model = LlamaModel(a)
-    model = model.to_empty(device=device).to(dtype)
-    model.register_buffer("inv_freq", a.rope.inv_freq(a.head_dim, a.max_position_embeddings).to(device), False)
-    with torch.no_grad():
-        for p in model.parameters():  # random, never zeros: zeros can run faster than real data
-            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    fuse_projections(model)
     taps = TapContract.default(a.num_layers).layers
     prompt_len, ctx_new = 64, 256
     base_ctx = prompt_len + 128
@@ -530,14 +539,16 @@ def roofline(
     say(f"roofline: copy {res['copy_bandwidth_gbs']} GB/s, matmul-only stack {res['matmul_stack_ms']} ms")
     prompt = torch.randint(0, a.vocab_size, (prompt_len,)).tolist()
 
-    def decode_variant(name: str, compiled: bool, gemv: bool, mm_attn: bool) -> tuple[dict, FastTarget, FastVanilla]:
+    def decode_variant(
+        name: str, compiled: bool, gemv: bool, mm_attn: bool, fused: bool
+    ) -> tuple[dict, FastTarget, FastVanilla]:
         t_c = time.perf_counter()
         torch._dynamo.reset()
         torch._inductor.config.coordinate_descent_tuning = gemv
         # layers only: they are the compiled region (an eager lm_head as a reduction would materialise V×H)
         use_gemv_reductions(model.model.layers, gemv)
         use_matmul_attention(model, mm_attn)
-        ft = FastTarget(model, S, taps=taps, compile=compiled)
+        ft = FastTarget(model, S, taps=taps, compile=compiled, fused_decode=fused)
         if not compiled:  # undo an earlier variant's regional compilation
             for layer in model.model.layers:
                 layer._compiled_call_impl = None
@@ -559,27 +570,32 @@ def roofline(
         say(f"roofline decode: {v}")
         return v, ft, van
 
-    variants = [("eager", "fused, eager, CUDA graph", False, False, False)]
+    variants = [("eager", "fused, eager, CUDA graph", False, False, False, False)]
     if compile_target:
         variants += [
-            ("compiled", "fused, compiled layers, CUDA graph", True, False, False),
-            ("reductions", "fused, compiled layers, products as reductions, CUDA graph", True, True, False),
+            ("compiled", "fused, compiled layers, CUDA graph", True, False, False, False),
+            ("reductions", "fused, compiled layers, products as reductions, CUDA graph", True, True, False, False),
             (
                 "attention",
                 "fused, compiled layers, products as reductions, attention as products, CUDA graph",
                 True,
                 True,
                 True,
+                False,
             ),
         ]
+    if fused_decode_supported(model, device) is None:
+        # one-token steps on fast/fused_decode.py's kernels; verifies on compiled layers (attention as products)
+        variants.append(("fused_kernels", "one-token steps in five kernels per layer, CUDA graph", compile_target,
+                         False, True, True))  # fmt: skip
     variants = [v[1:] for v in variants if v[0] in variant_names]
     measured, best, last = [], None, None
-    for name, compiled, gemv, mm_attn in variants:
+    for name, compiled, gemv, mm_attn, fused in variants:
         if measured and left() < 200:
             say(f"roofline: skipping variant {name!r} ({left():.0f} s left)")
             continue
         try:
-            v, ft, van = decode_variant(name, compiled, gemv, mm_attn)
+            v, ft, van = decode_variant(name, compiled, gemv, mm_attn, fused)
             last = (name, ft, van)
         except Exception as e:  # report it and go on with the variants that work
             v = {"variant": name, "error": f"{type(e).__name__}: {e}"[:500]}
@@ -588,13 +604,13 @@ def roofline(
         res["decode_variants"] = measured
         checkpoint()
         if "step_ms" in v and (best is None or v["step_ms"] < best[0]["step_ms"]):
-            best = (v, compiled, gemv, mm_attn)
+            best = (v, compiled, gemv, mm_attn, fused)
     res["decode_variants"] = measured
-    bv, compiled, gemv, mm_attn = best
+    bv, compiled, gemv, mm_attn, fused = best
     if last is not None and last[0] == bv["variant"]:
         ft, van = last[1], last[2]
     else:  # rebuild the fastest variant (its numbers stay the ones measured above)
-        _, ft, van = decode_variant(bv["variant"], compiled, gemv, mm_attn)
+        _, ft, van = decode_variant(bv["variant"], compiled, gemv, mm_attn, fused)
     res["decode_variant"] = bv["variant"]
     res["compiled"] = compiled
     res["decode_step_ms"] = bv["step_ms"]
@@ -731,7 +747,9 @@ def main() -> int:
     ap.add_argument("--replay-from", default=None, help="results JSON whose per-round acceptance to replay at 8B")
     ap.add_argument("--compile", action="store_true", help="torch.compile the 8B target step")
     ap.add_argument("--time-limit", type=float, default=590.0, help="seconds the whole run may take")
-    ap.add_argument("--variants", default="eager,compiled,reductions,attention", help="8B decode variants to measure")
+    ap.add_argument(
+        "--variants", default="eager,compiled,reductions,attention,fused_kernels", help="8B decode variants to measure"
+    )
     ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate matmuls")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every training budget")
     ap.add_argument("--n-seq", type=int, default=None, help="regenerated training sequences")

@@ -201,13 +201,17 @@ class FastTarget:
         fuse: bool = False,
         float32_logits: bool = False,
         batch_invariant: bool = False,
+        fused_decode: bool = False,
     ) -> None:
         """`fuse` merges q/k/v and gate/up weights in place (the model is then for inference only); `compile`
         compiles each decoder layer (see compile_layers); `float32_logits` swaps in a Float32Logits lm_head;
         `batch_invariant` runs the model on the batch-invariant kernels (use_batch_invariant), so a token's
-        logits are bit-identical whether it is decoded alone or verified in a tree."""
+        logits are bit-identical whether it is decoded alone or verified in a tree; `fused_decode` runs one-token
+        steps through fast/fused_decode.py (five kernels per layer; needs `fuse`), longer ones on the modules."""
         if batch_invariant and compile:
             raise ValueError("batch_invariant runs the target uncompiled (inductor would re-fuse its kernels)")
+        if batch_invariant and fused_decode:
+            raise ValueError("fused_decode has its own reduction order: a verify would not reproduce its steps bitwise")
         self.model = model.eval()
         if float32_logits and not isinstance(model.lm_head, Float32Logits):
             model.lm_head = Float32Logits(model.lm_head)
@@ -225,6 +229,11 @@ class FastTarget:
         self._run = self._run_eager
         if compile:
             compile_layers(model.model.layers)
+        self.fused = None
+        if fused_decode:
+            from eaglescope.fast.fused_decode import FusedDecode
+
+            self.fused = FusedDecode(model, self.cache, self.taps)
 
     def _run_eager(self, tokens, positions, mask, slots):
         if self.batch_invariant:
@@ -238,6 +247,8 @@ class FastTarget:
 
     def run(self, tokens, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens/positions/slots [T], mask [T, size] bool → logits [T, V], aux [T, nH] | None."""
+        if self.fused is not None and tokens.shape[0] == 1:
+            return self.fused(tokens, positions, mask[0], slots)
         return self._run(tokens, positions, mask, slots)
 
     @torch.inference_mode()

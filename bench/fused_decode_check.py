@@ -1,0 +1,181 @@
+"""The fused one-token decode kernels (fast/fused_decode.py) at Llama-3.1-8B dimensions, random bf16 weights.
+
+    PYTHONPATH=src python3 bench/fused_decode_check.py --out DIR [--smoke]
+
+1. For each kernel (qkv, o, gate_up, down over all 32 layers; lm_head) times every (BLOCK_N, BLOCK_K, warps) of
+   a small grid as one CUDA graph and reports its bandwidth against the copy bandwidth of the same run.
+2. With the fastest blocks: the whole step (graph) against the matmul-only stack of the same weights, the copy
+   bandwidth, and the compiled-layers step (products as reductions, attention as products: NOTES.md v8).
+3. The fused step's logits and cache writes against the model's own modules for the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run_bench import LLAMA_8B_DIMS, SMOKE_DIMS, copy_bandwidth_gbs, graphed_ms, random_target  # noqa: E402
+
+from eaglescope.fast import FastTarget, FastVanilla  # noqa: E402
+from eaglescope.fast.engine import compile_layers, use_gemv_reductions, use_matmul_attention  # noqa: E402
+from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode  # noqa: E402
+
+
+def grid(smoke: bool) -> list[tuple[int, int, int]]:
+    if smoke:
+        return [(2, 32, 1), (4, 64, 2)]
+    return list(itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8)))
+
+
+def sweep(fd: FusedDecode, device, ctx: int, smoke: bool, copy_gbs: float) -> dict:
+    """Every candidate block shape of every kernel, timed over all layers as one graph → {kernel: [rows]}."""
+    m, a = fd.model, fd.args
+    L = a.num_layers
+    cos, sin = (t.reshape(-1).contiguous() for t in m.rope_for(torch.tensor([[ctx]], device=device)))
+    slot = torch.tensor([ctx], device=device)
+    mask = (torch.arange(fd.cache.size, device=device) <= ctx).view(torch.uint8)
+    logits = torch.empty(1, a.vocab_size, device=device, dtype=torch.float32)
+    layers = m.model.layers
+    nbytes = {
+        "qkv": sum(x.self_attn.qkv_proj.weight.nbytes for x in layers),
+        "o": sum(x.self_attn.o_proj.weight.nbytes for x in layers),
+        "gate_up": sum(x.mlp.gate_up_proj.weight.nbytes for x in layers),
+        "down": sum(x.mlp.down_proj.weight.nbytes for x in layers),
+        "lm_head": m.lm_head.weight.nbytes,
+    }
+    run = {
+        "qkv": lambda: [fd.qkv(i, cos, sin, slot) for i in range(L)],
+        "o": lambda: [fd.o(i) for i in range(L)],
+        "gate_up": lambda: [fd.gate_up(i) for i in range(L)],
+        "down": lambda: [fd.down(i) for i in range(L)],
+        "lm_head": lambda: fd.lm_head(logits),
+    }
+    out: dict = {}
+    for name, fn in run.items():
+        rows = []
+        for blocks in grid(smoke):
+            if name == "qkv" and (a.head_dim // 2) % blocks[0]:
+                continue
+            fd.blocks[name] = blocks
+            try:
+                with torch.inference_mode():
+                    ms = graphed_ms(fn, device, reps=10)
+            except Exception as e:  # a shape that does not compile (registers, shared memory): skip it
+                rows.append({"blocks": blocks, "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            gbs = nbytes[name] / ms / 1e6
+            rows.append(
+                {"blocks": blocks, "ms": round(ms, 4), "gbs": round(gbs, 1), "of_copy": round(gbs / copy_gbs, 4)}
+            )
+        good = [r for r in rows if "ms" in r]
+        best = min(good, key=lambda r: r["ms"])
+        fd.blocks[name] = tuple(best["blocks"])
+        out[name] = {"best": best, "bytes": nbytes[name], "all": rows}
+        print(name, json.dumps(best), flush=True)
+    with torch.inference_mode():
+        out["attend_all_layers_ms"] = round(graphed_ms(lambda: [fd.attend(i, mask) for i in range(L)], device, 10), 4)
+    return out
+
+
+def step_ms(ft: FastTarget, prompt: list[int], ctx: int) -> float:
+    van = FastVanilla(ft, 64)
+    van.generate(prompt, 16)  # captures the graph
+    van.pos.fill_(ctx)
+    van.i.fill_(1)
+    return graphed_ms(van._step, ft.device, reps=50)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, float32 (CPU: TRITON_INTERPRET=1)")
+    ap.add_argument("--no-compiled", action="store_true", help="skip the compiled-layers comparison")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    torch.manual_seed(0)
+    model = random_target(SMOKE_DIMS if args.smoke else LLAMA_8B_DIMS, device, dtype)
+    a = model.args
+    res: dict = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "commit": os.environ.get("EAGLESCOPE_COMMIT", "unknown"),
+        "shape": SMOKE_DIMS if args.smoke else LLAMA_8B_DIMS,
+        "default_blocks": DEFAULT_BLOCKS,
+    }
+    res["copy_bandwidth_gbs"] = copy_bandwidth_gbs((1 << 20) if args.smoke else (1 << 30), device, dtype)
+    wbytes = sum(p.nbytes for n, p in model.named_parameters() if "embed_tokens" not in n)
+    res["weight_bytes"] = wbytes
+    mats = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    ins = {w.shape[1]: torch.randn(1, w.shape[1], device=device, dtype=dtype) for w in mats}
+    res["matmul_stack_ms"] = round(graphed_ms(lambda: [F.linear(ins[w.shape[1]], w) for w in mats], device, 30), 4)
+    print(json.dumps(res), flush=True)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = res["date"].replace(":", "").replace("-", "")[:15]
+    path = out / f"fused-decode-check-{stamp}.json"
+    save = lambda: path.write_text(json.dumps(res, indent=2) + "\n")  # noqa: E731  (after each stage)
+
+    P, ctx, S = (8, 12, 40) if args.smoke else (64, 192, 480)
+    prompt = torch.randint(0, a.vocab_size, (P,), generator=torch.Generator().manual_seed(1)).tolist()
+    ft = FastTarget(model, S, fused_decode=True, float32_logits=True)
+    ft.prefill(torch.tensor(prompt, device=device))
+    res["sweep"] = sweep(ft.fused, device, ctx, args.smoke, res["copy_bandwidth_gbs"])
+    res["best_blocks"] = dict(ft.fused.blocks)
+    save()
+
+    # the whole step with the best blocks
+    ms = step_ms(ft, prompt, ctx)
+    gbs = wbytes / ms / 1e6
+    res["fused_step"] = {"ms": round(ms, 4), "gbs": round(gbs, 1), "of_copy": round(gbs / res["copy_bandwidth_gbs"], 4)}
+    res["matmul_stack_of_copy"] = round(wbytes / res["matmul_stack_ms"] / 1e6 / res["copy_bandwidth_gbs"], 4)
+    print("fused step", json.dumps(res["fused_step"]), flush=True)
+
+    # the same step on the modules: logits and the cache entries it writes
+    with torch.inference_mode():
+        tok, pos = torch.tensor([7], device=device), torch.tensor([ctx], device=device)
+        mask = (torch.arange(S, device=device) <= ctx)[None, :]
+        fused_logits, _ = ft.run(tok, pos, mask, pos)
+        kf, vf = ft.cache.k[:, :, :, ctx].clone(), ft.cache.v[:, :, :, ctx].clone()
+        ref_logits, _ = ft._run_eager(tok, pos, mask, pos)
+        kr, vr = ft.cache.k[:, :, :, ctx], ft.cache.v[:, :, :, ctx]
+        res["vs_modules"] = {
+            "max_abs_logit_diff": float((fused_logits - ref_logits).abs().max()),
+            "logit_scale": float(ref_logits.abs().max()),
+            "argmax_same": int(fused_logits.argmax()) == int(ref_logits.argmax()),
+            "max_abs_k_diff": float((kf - kr).abs().max()),
+            "max_abs_v_diff": float((vf - vr).abs().max()),
+        }
+    print("vs modules", json.dumps(res["vs_modules"]), flush=True)
+    save()
+
+    if not args.no_compiled and device.type == "cuda":  # NOTES.md v8's best, measured in the same run
+        torch._inductor.config.coordinate_descent_tuning = True
+        use_gemv_reductions(model.model.layers)
+        use_matmul_attention(model)
+        ft2 = FastTarget(model, S)
+        compile_layers(model.model.layers)
+        ms2 = step_ms(ft2, prompt, ctx)
+        gbs2 = wbytes / ms2 / 1e6
+        res["compiled_step"] = {"ms": round(ms2, 4), "gbs": round(gbs2, 1),
+                                "of_copy": round(gbs2 / res["copy_bandwidth_gbs"], 4)}  # fmt: skip
+        print("compiled step", json.dumps(res["compiled_step"]), flush=True)
+
+    save()
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

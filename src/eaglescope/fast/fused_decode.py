@@ -1,0 +1,291 @@
+"""One-token decode of a native Llama-family target in five Triton kernels per layer.
+
+Why: at 8B a batch-1 step reads 15 GB of weights. The products alone, back to back, run at ~87% of copy
+bandwidth on an H200, but the ten-odd small kernels per layer around them (norms, RoPE, cache writes,
+attention, SiLU, residual adds) cost ~1 ms per token even compiled (bench/NOTES.md v4-v8). Here each
+product carries its neighbours, so a layer is five launches:
+
+- qkv:     RMSNorm as the prologue; bias, RoPE and the K/V cache write in the epilogue. A program owns
+           matching rows of both halves of a head, so the rotation needs no second pass.
+- attend:  one program per query head over the cache slots its mask row allows (float32 online softmax).
+- o:       the residual add in the epilogue (the residual stream is updated in place).
+- gate/up: RMSNorm prologue; SiLU(gate) * up in the epilogue (a program owns matching gate and up rows).
+- down:    the residual add in the epilogue.
+
+The final norm rides in the lm_head's prologue. Every product program owns BLOCK_N output rows and streams
+their weights once in a fixed-order K loop with float32 accumulation; the roundings match the modules' (a
+product's output is rounded to the model dtype before the next op uses it). Only one-token steps: a verify
+(T > 1) stays on the model's modules. Not for q/k-normed (Qwen3) targets. On a machine without a GPU the
+kernels run under Triton's interpreter, which is how the CPU tests exercise them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eaglescope.fast.invariant import available, triton
+from eaglescope.target.llama import LlamaModel
+
+if triton is not None:
+    import triton.language as tl
+
+# (BLOCK_N output rows per program, BLOCK_K, num_warps) per product; bench/fused_decode_check.py sweeps them
+DEFAULT_BLOCKS = {
+    "qkv": (8, 512, 4),
+    "o": (8, 512, 4),
+    "gate_up": (8, 512, 4),
+    "down": (8, 512, 4),
+    "lm_head": (16, 512, 4),
+}
+ATTN_BLOCK = 64
+
+
+def fused_decode_supported(model: nn.Module, device: torch.device | str) -> str | None:
+    """None if FusedDecode can run `model` on `device`, else why not (one line)."""
+    if not isinstance(model, LlamaModel):
+        return "fused decode runs eaglescope's native LlamaModel only"
+    if not available(device):
+        return "fused decode needs Triton and a CUDA device (or TRITON_INTERPRET=1)"
+    a = model.args
+    if a.qk_norm:
+        return "fused decode does not support q/k norms (Qwen3): the rotation would need the whole head"
+    if a.head_dim & (a.head_dim - 1) or a.head_dim < 2:
+        return f"fused decode needs a power-of-two head_dim, not {a.head_dim}"
+    if a.rope.rope_type == "dynamic":
+        return "fused decode does not support dynamic RoPE (its frequencies depend on the sequence length)"
+    layer = model.model.layers[0]
+    if layer.self_attn.qkv_proj is None or layer.mlp.gate_up_proj is None:
+        return "fused decode needs fused q/k/v and gate/up projections (fuse_projections)"
+    return None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rstd(x, K: tl.constexpr, eps, BK: tl.constexpr):
+        ss = tl.zeros((BK,), tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            xf = tl.load(x + kk, mask=kk < K, other=0.0).to(tl.float32)
+            ss += xf * xf
+        return 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+
+    @triton.jit
+    def _dot_rows(x, nw, w, rows, ok, rstd, K: tl.constexpr, NORM: tl.constexpr, R: tl.constexpr,
+                  BK: tl.constexpr):  # fmt: skip
+        """sum_k W[rows, k] * in[k] for R rows (int64 `rows`), in = RMSNorm(x) when NORM (rstd given)."""
+        acc = tl.zeros((R, BK), tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            in_k = kk < K
+            xs = tl.load(x + kk, mask=in_k, other=0.0)
+            if NORM:  # the module's two roundings: normalise in float32, cast, then scale by the weight
+                normed = (xs.to(tl.float32) * rstd).to(xs.dtype).to(tl.float32)
+                xs = (tl.load(nw + kk, mask=in_k, other=0.0).to(tl.float32) * normed).to(xs.dtype)
+            wt = tl.load(w + rows[:, None] * K + kk[None, :], mask=ok[:, None] & in_k[None, :], other=0.0)
+            acc += wt.to(tl.float32) * xs.to(tl.float32)[None, :]
+        return tl.sum(acc, 1)
+
+    @triton.jit
+    def _paired_rows(first, partner, BN: tl.constexpr):
+        """Rows first+i and partner+i interleaved ([2*BN], int64), so the two results come apart with tl.split."""
+        i = tl.arange(0, 2 * BN)
+        return (tl.where(i % 2 == 0, first, partner) + i // 2).to(tl.int64)
+
+    @triton.jit
+    def _gemv_kernel(x, nw, w, b, y, N, eps, K: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     RESIDUAL: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+        """y[rows] = W[rows] @ in (+ bias) (+ y[rows] when RESIDUAL: the residual stream, updated in place)."""
+        rows = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+        ok = rows < N
+        rstd = 1.0
+        if NORM:
+            rstd = _rstd(x, K, eps, BK)
+        acc = _dot_rows(x, nw, w, rows, ok, rstd, K, NORM, BN, BK)
+        if HAS_BIAS:
+            acc += tl.load(b + rows, mask=ok, other=0.0).to(tl.float32)
+        if RESIDUAL:  # as `x + proj(...)`: the product is rounded to the model dtype, then added
+            acc = acc.to(y.dtype.element_ty).to(tl.float32) + tl.load(y + rows, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y + rows, acc.to(y.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _qkv_rope_kernel(x, nw, w, b, cos, sin, q, kc, vc, slot, n_heads, n_kv, S, eps, K: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+        """Program (head, chunk): rows j and j + D/2 of one q, k or v head; RoPE (not for v), then q → q[head],
+        k/v → their cache at `slot`."""
+        HALF: tl.constexpr = D // 2
+        pid = tl.program_id(0)
+        head = pid // (HALF // BN)
+        j0 = (pid % (HALF // BN)) * BN
+        j = j0 + tl.arange(0, BN)
+        rows = _paired_rows(head * D + j0, head * D + HALF + j0, BN)
+        ok = rows >= 0  # BN divides D/2: every row exists
+        rstd = _rstd(x, K, eps, BK)
+        acc = _dot_rows(x, nw, w, rows, ok, rstd, K, True, 2 * BN, BK)
+        if HAS_BIAS:
+            acc += tl.load(b + rows).to(tl.float32)
+        lo, hi = tl.split(tl.reshape(acc.to(q.dtype.element_ty).to(tl.float32), (BN, 2)))
+        if head < n_heads + n_kv:  # q and k heads rotate: x * cos + rotate_half(x) * sin
+            c_lo, c_hi = tl.load(cos + j).to(tl.float32), tl.load(cos + HALF + j).to(tl.float32)
+            s_lo, s_hi = tl.load(sin + j).to(tl.float32), tl.load(sin + HALF + j).to(tl.float32)
+            lo, hi = lo * c_lo - hi * s_lo, hi * c_hi + lo * s_hi
+        if head < n_heads:
+            dst = q + head * D
+        elif head < n_heads + n_kv:
+            dst = kc + ((head - n_heads) * S + tl.load(slot)) * D
+        else:
+            dst = vc + ((head - n_heads - n_kv) * S + tl.load(slot)) * D
+        tl.store(dst + j, lo.to(q.dtype.element_ty))
+        tl.store(dst + HALF + j, hi.to(q.dtype.element_ty))
+
+    @triton.jit
+    def _attend_kernel(q, kc, vc, mask, y, S, rep, scale, D: tl.constexpr, BLOCK: tl.constexpr):
+        """Program h: query head h against the cache slots its mask row allows; blocks with no allowed slot
+        are skipped, so a long cache costs only its used part."""
+        h = tl.program_id(0)
+        g = h // rep
+        d = tl.arange(0, D)
+        qv = tl.load(q + h * D + d).to(tl.float32)
+        m_i = tl.full((1,), float("-inf"), tl.float32)
+        l_i = tl.zeros((1,), tl.float32)
+        acc = tl.zeros((D,), tl.float32)
+        for n0 in range(0, S, BLOCK):
+            offs = n0 + tl.arange(0, BLOCK)
+            valid = (tl.load(mask + offs, mask=offs < S, other=0) != 0) & (offs < S)
+            if tl.max(valid.to(tl.int32), 0) > 0:
+                kv_off = (g * S + offs[:, None]).to(tl.int64) * D + d[None, :]
+                kb = tl.load(kc + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+                s = tl.where(valid, tl.sum(kb * qv[None, :], axis=1) * scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=0))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new)
+                vb = tl.load(vc + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+                l_i = l_i * alpha + tl.sum(p, axis=0)
+                acc = acc * alpha + tl.sum(p[:, None] * vb, axis=0)
+                m_i = m_new
+        tl.store(y + h * D + d, (acc / l_i).to(y.dtype.element_ty))
+
+    @triton.jit
+    def _gate_up_kernel(x, nw, w, b, act, F, eps, K: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr):  # fmt: skip
+        """Rows j of gate and F + j of up (the fused [2F, K] weight) → act[j] = SiLU(gate) * up."""
+        j0 = tl.program_id(0) * BN
+        j = j0 + tl.arange(0, BN)
+        rows = _paired_rows(j0, F + j0, BN)
+        ok = (j0 + tl.arange(0, 2 * BN) // 2) < F
+        rstd = _rstd(x, K, eps, BK)
+        acc = _dot_rows(x, nw, w, rows, ok, rstd, K, True, 2 * BN, BK)
+        if HAS_BIAS:
+            acc += tl.load(b + rows, mask=ok, other=0.0).to(tl.float32)
+        gate, up = tl.split(tl.reshape(acc.to(act.dtype.element_ty).to(tl.float32), (BN, 2)))
+        silu = (gate / (1.0 + tl.exp(-gate))).to(act.dtype.element_ty).to(tl.float32)
+        tl.store(act + j, (silu * up).to(act.dtype.element_ty), mask=j < F)
+
+
+def fused_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    norm: nn.Module | None = None,
+    out: torch.Tensor | None = None,
+    residual: bool = False,
+    blocks: tuple[int, int, int] = DEFAULT_BLOCKS["o"],
+) -> torch.Tensor:
+    """One row: out = weight @ in (+ bias), in = norm(x) when a norm (an RMSNorm: weight, eps) is given; with
+    `residual`, out += that in place (out is then the residual stream and must be given). Returns out [1, N]."""
+    N, K = weight.shape
+    if out is None:
+        if residual:
+            raise ValueError("residual=True adds into `out`: pass the residual stream")
+        out = torch.empty(1, N, device=x.device, dtype=x.dtype)
+    bn, bk, warps = blocks
+    nw, eps = (norm.weight, norm.eps) if norm is not None else (weight, 0.0)
+    _gemv_kernel[(triton.cdiv(N, bn),)](x, nw, weight, bias if bias is not None else weight, out, N, eps, K=K,
+                                        NORM=norm is not None, HAS_BIAS=bias is not None, RESIDUAL=residual,
+                                        BN=bn, BK=bk, num_warps=warps)  # fmt: skip
+    return out
+
+
+class FusedDecode:
+    """One-token steps of `model` on `cache` (a fast.SlotCache) through the kernels above.
+
+    Call with token, position, slot [1] (device tensors, so the step can be graph-captured) and the mask row
+    [S] bool → logits [1, V] (the lm_head's dtype: float32 for Float32Logits), aux [1, n_taps*H] | None."""
+
+    def __init__(self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None) -> None:
+        why = fused_decode_supported(model, model.lm_head.weight.device)
+        if why:
+            raise ValueError(why)
+        a = model.args
+        self.model, self.cache, self.taps, self.args = model, cache, tuple(taps), a
+        self.blocks = {**DEFAULT_BLOCKS, **(blocks or {})}
+        if (a.head_dim // 2) % self.blocks["qkv"][0]:
+            self.blocks["qkv"] = (min(self.blocks["qkv"][0], a.head_dim // 2),) + self.blocks["qkv"][1:]
+        w = model.lm_head.weight
+        dev, dt = w.device, model.model.embed_tokens.weight.dtype
+        self.h = torch.zeros(1, a.hidden_size, device=dev, dtype=dt)  # the residual stream
+        self.q = torch.zeros(a.num_heads * a.head_dim, device=dev, dtype=dt)
+        self.attn = torch.zeros(a.num_heads * a.head_dim, device=dev, dtype=dt)
+        self.act = torch.zeros(a.intermediate_size, device=dev, dtype=dt)
+        self.logits_dtype = torch.float32 if type(model.lm_head).__name__ == "Float32Logits" else w.dtype
+
+    # one launch each, so bench/fused_decode_check.py can time every product over all layers on its own
+    def qkv(self, i: int, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor) -> None:
+        a, layer = self.args, self.model.model.layers[i]
+        norm, qkv = layer.input_layernorm, layer.self_attn.qkv_proj
+        bn, bk, warps = self.blocks["qkv"]
+        D = a.head_dim
+        _qkv_rope_kernel[((a.num_heads + 2 * a.num_kv_heads) * (D // 2 // bn),)](
+            self.h, norm.weight, qkv.weight, qkv.bias if qkv.bias is not None else qkv.weight, cos, sin, self.q,
+            self.cache.k[i], self.cache.v[i], slot, a.num_heads, a.num_kv_heads, self.cache.size, norm.eps,
+            K=a.hidden_size, HAS_BIAS=qkv.bias is not None, D=D, BN=bn, BK=bk, num_warps=warps,
+        )  # fmt: skip
+
+    def attend(self, i: int, mask: torch.Tensor) -> None:
+        a = self.args
+        _attend_kernel[(a.num_heads,)](self.q, self.cache.k[i], self.cache.v[i], mask, self.attn, self.cache.size,
+                                       a.num_heads // a.num_kv_heads, a.head_dim**-0.5, D=a.head_dim,
+                                       BLOCK=ATTN_BLOCK)  # fmt: skip
+
+    def o(self, i: int) -> None:
+        o = self.model.model.layers[i].self_attn.o_proj
+        fused_linear(self.attn, o.weight, o.bias, out=self.h, residual=True, blocks=self.blocks["o"])
+
+    def gate_up(self, i: int) -> None:
+        layer = self.model.model.layers[i]
+        norm, gu, F = layer.post_attention_layernorm, layer.mlp.gate_up_proj, self.args.intermediate_size
+        bn, bk, warps = self.blocks["gate_up"]
+        _gate_up_kernel[(triton.cdiv(F, bn),)](
+            self.h, norm.weight, gu.weight, gu.bias if gu.bias is not None else gu.weight, self.act, F, norm.eps,
+            K=self.args.hidden_size, HAS_BIAS=gu.bias is not None, BN=bn, BK=bk, num_warps=warps,
+        )  # fmt: skip
+
+    def down(self, i: int) -> None:
+        down = self.model.model.layers[i].mlp.down_proj
+        fused_linear(self.act, down.weight, down.bias, out=self.h, residual=True, blocks=self.blocks["down"])
+
+    def lm_head(self, logits: torch.Tensor) -> None:
+        m = self.model
+        fused_linear(self.h, m.lm_head.weight, None, norm=m.model.norm, out=logits, blocks=self.blocks["lm_head"])
+
+    @torch.inference_mode()
+    def __call__(self, token, position, mask, slot) -> tuple[torch.Tensor, torch.Tensor | None]:
+        m = self.model
+        torch.index_select(m.model.embed_tokens.weight, 0, token, out=self.h)
+        cos, sin = m.rope_for(position[None])
+        cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
+        mask = mask.reshape(-1).view(torch.uint8)
+        captured = []
+        for i in range(len(m.model.layers)):
+            if i in self.taps:
+                captured.append(self.h.clone())
+            self.qkv(i, cos, sin, slot)
+            self.attend(i, mask)
+            self.o(i)
+            self.gate_up(i)
+            self.down(i)
+        logits = torch.empty(1, self.args.vocab_size, device=self.h.device, dtype=self.logits_dtype)
+        self.lm_head(logits)
+        aux = torch.cat(captured, dim=-1) if captured else None
+        return logits, aux

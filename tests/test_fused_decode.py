@@ -1,0 +1,103 @@
+"""Fused one-token decode kernels (fast/fused_decode.py), run on the CPU under Triton's interpreter in float32:
+each kernel and the whole step against the model's own modules, and greedy decoding through them against the
+reference decoder."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+from models import make_checkpoint  # noqa: E402
+
+from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
+from eaglescope.fast import FastTarget, FastVanilla  # noqa: E402
+from eaglescope.fast import invariant as inv  # noqa: E402
+from eaglescope.fast.fused_decode import FusedDecode, fused_decode_supported, fused_linear  # noqa: E402
+from eaglescope.target import load_target  # noqa: E402
+from eaglescope.target.llama import RMSNorm, fuse_projections  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not inv.available("cpu"), reason="needs TRITON_INTERPRET=1 on a CPU-only machine")
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 140),
+    k=st.integers(1, 150),
+    bn=st.sampled_from([1, 2, 4, 8]),
+    bk=st.sampled_from([16, 64]),
+    norm=st.booleans(),
+    bias=st.booleans(),
+    residual=st.booleans(),
+    seed=st.integers(0, 99),
+)
+def test_fused_linear_matches_modules(n, k, bn, bk, norm, bias, residual, seed):
+    """Partial row and K tiles included: out = [res +] W @ [RMSNorm](x) [+ b]."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    rms = RMSNorm(k, 1e-5)
+    rms.weight.data = torch.randn(k, generator=g)
+    res = torch.randn(1, n, generator=g)
+    want = torch.nn.functional.linear(rms(x) if norm else x, w, b) + (res if residual else 0)
+    out = res.clone() if residual else None
+    got = fused_linear(x, w, b, norm=rms if norm else None, out=out, residual=residual, blocks=(bn, bk, 1))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+def target(request, tmp_path_factory):
+    ckpt = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=5, num_hidden_layers=3)
+    return load_target(ckpt, device="cpu", dtype=torch.float32)
+
+
+def test_step_matches_the_modules(target):
+    """A step at a slot away from its position, with a mask that skips slots (a tree-like row): the same logits,
+    taps and cache writes as the model's modules. Small blocks so every kernel has several programs and a
+    partial tile (vocab 96 over 64-row blocks)."""
+    model = fuse_projections(copy.deepcopy(target.model))
+    ft = FastTarget(model, size=40, taps=(0, 2), float32_logits=True)
+    ft.prefill(torch.tensor([3, 17, 5, 40, 22, 9, 61]))
+    blocks = {"qkv": (2, 16, 1), "o": (4, 32, 1), "gate_up": (8, 16, 1), "down": (2, 64, 1), "lm_head": (64, 32, 2)}
+    fd = FusedDecode(model, ft.cache, taps=(0, 2), blocks=blocks)
+    mask = torch.zeros(1, 40, dtype=torch.bool)
+    mask[0, :7] = True
+    mask[0, [9, 12]] = True  # earlier tree nodes on this row's path
+    slot, pos, tok = torch.tensor([12]), torch.tensor([9]), torch.tensor([33])
+    ft.cache.k[:, :, :, 9].normal_()  # keys of those nodes
+    ft.cache.v[:, :, :, 9].normal_()
+    before = (ft.cache.k.clone(), ft.cache.v.clone())
+    want, want_aux = ft._run_eager(tok, pos, mask, slot)
+    want_cache = (ft.cache.k.clone(), ft.cache.v.clone())
+    ft.cache.k.copy_(before[0])
+    ft.cache.v.copy_(before[1])
+    got, aux = fd(tok, pos, mask[0], slot)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux, want_aux, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ft.cache.k, want_cache[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ft.cache.v, want_cache[1], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(want_cache[0], before[0])  # the step did write a key
+
+
+def test_greedy_decoding_through_the_kernels_is_vanilla_greedy(target):
+    prompt, n = [3, 17, 5, 40, 22, 9], 8
+    ref = generate_vanilla(target, prompt, n, stop_ids=[]).token_ids
+    ft = FastTarget(copy.deepcopy(target.model), size=32, fuse=True, fused_decode=True)
+    assert ft.fused is not None
+    assert FastVanilla(ft, n).generate(prompt).tokens == ref
+
+
+def test_unsupported_targets_are_refused_with_the_reason(tmp_path):
+    qwen3 = load_target(make_checkpoint("qwen3", tmp_path / "q3", num_hidden_layers=2), device="cpu")
+    assert "q/k norms" in fused_decode_supported(fuse_projections(qwen3.model), "cpu")
+    llama = load_target(make_checkpoint("llama", tmp_path / "l", num_hidden_layers=2), device="cpu")
+    unfused = copy.deepcopy(llama.model)
+    with pytest.raises(ValueError, match="fuse_projections"):
+        FastTarget(unfused, size=16, fused_decode=True)
+    with pytest.raises(ValueError, match="reduction order"):
+        FastTarget(copy.deepcopy(llama.model), size=16, fuse=True, fused_decode=True, batch_invariant=True)

@@ -56,20 +56,21 @@ def target(request, tmp_path_factory):
 
 
 def test_step_matches_the_modules(target):
-    """A step at a slot away from its position, with a mask that skips slots (a tree-like row): the same logits,
-    taps and cache writes as the model's modules. Small blocks so every kernel has several programs and a
-    partial tile (vocab 96 over 64-row blocks)."""
+    """A step at a slot away from its position, with a mask that skips slots (a tree-like row) spread over three
+    attention splits of 64 slots: the same logits, taps and cache writes as the model's modules. Small blocks so
+    every kernel has several programs and a partial tile (vocab 96 over 64-row blocks)."""
     model = fuse_projections(copy.deepcopy(target.model))
-    ft = FastTarget(model, size=40, taps=(0, 2), float32_logits=True)
+    ft = FastTarget(model, size=150, taps=(0, 2), float32_logits=True)
     ft.prefill(torch.tensor([3, 17, 5, 40, 22, 9, 61]))
     blocks = {"qkv": (2, 16, 1), "o": (4, 32, 1), "gate_up": (8, 16, 1), "down": (2, 64, 1), "lm_head": (64, 32, 2)}
     fd = FusedDecode(model, ft.cache, taps=(0, 2), blocks=blocks)
-    mask = torch.zeros(1, 40, dtype=torch.bool)
+    assert fd.attn_splits == 3
+    mask = torch.zeros(1, 150, dtype=torch.bool)
     mask[0, :7] = True
-    mask[0, [9, 12]] = True  # earlier tree nodes on this row's path
-    slot, pos, tok = torch.tensor([12]), torch.tensor([9]), torch.tensor([33])
-    ft.cache.k[:, :, :, 9].normal_()  # keys of those nodes
-    ft.cache.v[:, :, :, 9].normal_()
+    mask[0, [70, 131]] = True  # an earlier tree node on this row's path, and the row's own slot
+    slot, pos, tok = torch.tensor([131]), torch.tensor([8]), torch.tensor([33])
+    ft.cache.k[:, :, :, 60:80].normal_()  # that node's keys, and masked-out neighbours
+    ft.cache.v[:, :, :, 60:80].normal_()
     before = (ft.cache.k.clone(), ft.cache.v.clone())
     want, want_aux = ft._run_eager(tok, pos, mask, slot)
     want_cache = (ft.cache.k.clone(), ft.cache.v.clone())

@@ -130,10 +130,10 @@ def use_matmul_attention(model: nn.Module, enable: bool = True) -> nn.Module:
     return model
 
 
-def use_batch_invariant(model: LlamaModel, enable: bool = True, sliced: bool = False) -> LlamaModel:
+def use_batch_invariant(model: LlamaModel, enable: bool = True, sliced: bool = True) -> LlamaModel:
     """Run every product, norm and attention of `model` through the batch-invariant kernels (fast/invariant.py),
-    or back with enable=False (in place); returns `model`. Float32Logits keeps float32 logits. `sliced`: products
-    with K-sliced reductions (bench/NOTES.md v9; not yet the default: not yet timed on a GPU)."""
+    or back with enable=False (in place); returns `model`. Float32Logits keeps float32 logits. `sliced`: large
+    products with K-sliced reductions (invariant.k_slices; bench/NOTES.md v9)."""
     from eaglescope.fast import invariant as inv
 
     for parent in list(model.modules()):

@@ -7,7 +7,8 @@ product carries its neighbours, so a layer is five launches:
 
 - qkv:     RMSNorm as the prologue; bias, RoPE and the K/V cache write in the epilogue. A program owns
            matching rows of both halves of a head, so the rotation needs no second pass.
-- attend:  one program per query head over the cache slots its mask row allows (float32 online softmax).
+- attend:  one program per (query head, block of cache slots) over the slots its mask row allows; the last
+           block of a head to finish combines the float32 partial softmax sums.
 - o:       the residual add in the epilogue (the residual stream is updated in place).
 - gate/up: RMSNorm prologue; SiLU(gate) * up in the epilogue (a program owns matching gate and up rows).
 - down:    the residual add in the epilogue.
@@ -31,12 +32,12 @@ if triton is not None:
     import triton.language as tl
 
 # (BLOCK_N output rows per program, BLOCK_K, num_warps) per product; bench/fused_decode_check.py sweeps them
-DEFAULT_BLOCKS = {
-    "qkv": (8, 512, 4),
-    "o": (8, 512, 4),
-    "gate_up": (8, 512, 4),
-    "down": (8, 512, 4),
-    "lm_head": (16, 512, 4),
+DEFAULT_BLOCKS = {  # the fastest of the sweep at 8B on an H200 (bench/results/fused-decode-check-*.json)
+    "qkv": (4, 512, 4),
+    "o": (8, 512, 8),
+    "gate_up": (4, 512, 4),
+    "down": (4, 512, 8),
+    "lm_head": (4, 1024, 8),
 }
 ATTN_BLOCK = 64
 
@@ -140,31 +141,39 @@ if triton is not None:
         tl.store(dst + HALF + j, hi.to(q.dtype.element_ty))
 
     @triton.jit
-    def _attend_kernel(q, kc, vc, mask, y, S, rep, scale, D: tl.constexpr, BLOCK: tl.constexpr):
-        """Program h: query head h against the cache slots its mask row allows; blocks with no allowed slot
-        are skipped, so a long cache costs only its used part."""
-        h = tl.program_id(0)
-        g = h // rep
+    def _attend_kernel(q, kc, vc, mask, y, part_m, part_l, part_acc, count, S, NS, rep, scale, D: tl.constexpr,
+                       KB: tl.constexpr, NS_P2: tl.constexpr):  # fmt: skip
+        """Program (h, split): query head h against the KB cache slots of its split that the mask row allows
+        (masked loads fetch nothing, so unused slots cost nothing); float32 partial softmax sums go to part_*.
+        The last split of a head to finish combines them (a counter per head): one launch, and no program walks
+        the whole cache in sequence (one program per head was latency-bound: 14 µs per layer at 8B)."""
+        h, sp = tl.program_id(0), tl.program_id(1)
         d = tl.arange(0, D)
+        offs = sp * KB + tl.arange(0, KB)
+        valid = (tl.load(mask + offs, mask=offs < S, other=0) != 0) & (offs < S)
         qv = tl.load(q + h * D + d).to(tl.float32)
-        m_i = tl.full((1,), float("-inf"), tl.float32)
-        l_i = tl.zeros((1,), tl.float32)
-        acc = tl.zeros((D,), tl.float32)
-        for n0 in range(0, S, BLOCK):
-            offs = n0 + tl.arange(0, BLOCK)
-            valid = (tl.load(mask + offs, mask=offs < S, other=0) != 0) & (offs < S)
-            if tl.max(valid.to(tl.int32), 0) > 0:
-                kv_off = (g * S + offs[:, None]).to(tl.int64) * D + d[None, :]
-                kb = tl.load(kc + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
-                s = tl.where(valid, tl.sum(kb * qv[None, :], axis=1) * scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=0))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s - m_new)
-                vb = tl.load(vc + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
-                l_i = l_i * alpha + tl.sum(p, axis=0)
-                acc = acc * alpha + tl.sum(p[:, None] * vb, axis=0)
-                m_i = m_new
-        tl.store(y + h * D + d, (acc / l_i).to(y.dtype.element_ty))
+        kv_off = ((h // rep) * S + offs[:, None]).to(tl.int64) * D + d[None, :]
+        kb = tl.load(kc + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+        s = tl.where(valid, tl.sum(kb * qv[None, :], axis=1) * scale, float("-inf"))
+        m = tl.max(s, axis=0)
+        p = tl.where(valid, tl.exp(s - m), 0.0)
+        vb = tl.load(vc + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+        part = h * NS + sp
+        tl.store(part_m + part, m)
+        tl.store(part_l + part, tl.sum(p, axis=0))
+        tl.store(part_acc + part * D + d, tl.sum(p[:, None] * vb, axis=0))
+        # acq_rel: the other splits' partials are visible to whichever program sees the last count
+        if tl.atomic_add(count + h, 1) == NS - 1:
+            ss = tl.arange(0, NS_P2)
+            ok = ss < NS
+            ms = tl.load(part_m + h * NS + ss, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            wgt = tl.where(ok, tl.exp(ms - tl.max(ms, axis=0)), 0.0)
+            ls = tl.load(part_l + h * NS + ss, mask=ok, other=0.0, cache_modifier=".cg")
+            accs = tl.load(part_acc + (h * NS + ss)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
+            out = tl.sum(wgt[:, None] * accs, axis=0) / tl.sum(wgt * ls, axis=0)
+            tl.store(y + h * D + d, out.to(y.dtype.element_ty))
+            tl.store(count + h, 0)  # ready for the next layer
 
     @triton.jit
     def _gate_up_kernel(x, nw, w, b, act, F, eps, K: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
@@ -228,6 +237,15 @@ class FusedDecode:
         self.q = torch.zeros(a.num_heads * a.head_dim, device=dev, dtype=dt)
         self.attn = torch.zeros(a.num_heads * a.head_dim, device=dev, dtype=dt)
         self.act = torch.zeros(a.intermediate_size, device=dev, dtype=dt)
+        # attention splits: KB slots each, at most 64 splits per head
+        S = cache.size
+        self.attn_keys = max(ATTN_BLOCK, triton.next_power_of_2(triton.cdiv(S, 64)))
+        self.attn_splits = triton.cdiv(S, self.attn_keys)
+        f32 = dict(device=dev, dtype=torch.float32)
+        self.part_m = torch.zeros(a.num_heads, self.attn_splits, **f32)
+        self.part_l = torch.zeros(a.num_heads, self.attn_splits, **f32)
+        self.part_acc = torch.zeros(a.num_heads, self.attn_splits, a.head_dim, **f32)
+        self.count = torch.zeros(a.num_heads, device=dev, dtype=torch.int32)
         self.logits_dtype = torch.float32 if type(model.lm_head).__name__ == "Float32Logits" else w.dtype
 
     # one launch each, so bench/fused_decode_check.py can time every product over all layers on its own
@@ -244,9 +262,11 @@ class FusedDecode:
 
     def attend(self, i: int, mask: torch.Tensor) -> None:
         a = self.args
-        _attend_kernel[(a.num_heads,)](self.q, self.cache.k[i], self.cache.v[i], mask, self.attn, self.cache.size,
-                                       a.num_heads // a.num_kv_heads, a.head_dim**-0.5, D=a.head_dim,
-                                       BLOCK=ATTN_BLOCK)  # fmt: skip
+        NS = self.attn_splits
+        _attend_kernel[(a.num_heads, NS)](self.q, self.cache.k[i], self.cache.v[i], mask, self.attn, self.part_m,
+                                          self.part_l, self.part_acc, self.count, self.cache.size, NS,
+                                          a.num_heads // a.num_kv_heads, a.head_dim**-0.5, D=a.head_dim,
+                                          KB=self.attn_keys, NS_P2=triton.next_power_of_2(NS))  # fmt: skip
 
     def o(self, i: int) -> None:
         o = self.model.model.layers[i].self_attn.o_proj

@@ -23,17 +23,29 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run_bench import LLAMA_8B_DIMS, SMOKE_DIMS, copy_bandwidth_gbs, graphed_ms, random_target  # noqa: E402
+from run_bench import (  # noqa: E402
+    LLAMA_8B_DIMS,
+    SMOKE_DIMS,
+    copy_bandwidth_gbs,
+    graphed_ms,
+    random_target,
+    verify_ms,
+)
 
 from eaglescope.fast import FastTarget, FastVanilla  # noqa: E402
-from eaglescope.fast.engine import compile_layers, use_gemv_reductions, use_matmul_attention  # noqa: E402
+from eaglescope.fast.engine import (  # noqa: E402
+    compile_layers,
+    set_attention,
+    use_gemv_reductions,
+    use_matmul_attention,
+)
 from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode  # noqa: E402
 
 
 def grid(smoke: bool) -> list[tuple[int, int, int]]:
     if smoke:
         return [(2, 32, 1), (4, 64, 2)]
-    return list(itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8)))
+    return list(itertools.product((2, 4, 8), (512, 1024), (4, 8)))
 
 
 def sweep(fd: FusedDecode, device, ctx: int, smoke: bool, copy_gbs: float) -> dict:
@@ -42,7 +54,7 @@ def sweep(fd: FusedDecode, device, ctx: int, smoke: bool, copy_gbs: float) -> di
     L = a.num_layers
     cos, sin = (t.reshape(-1).contiguous() for t in m.rope_for(torch.tensor([[ctx]], device=device)))
     slot = torch.tensor([ctx], device=device)
-    mask = (torch.arange(fd.cache.size, device=device) <= ctx).view(torch.uint8)
+    mask = (torch.arange(fd.cache.size, device=device) <= ctx)[None].view(torch.uint8)
     logits = torch.empty(1, a.vocab_size, device=device, dtype=torch.float32)
     layers = m.model.layers
     nbytes = {
@@ -148,7 +160,9 @@ def main() -> int:
         mask = (torch.arange(S, device=device) <= ctx)[None, :]
         fused_logits, _ = ft.run(tok, pos, mask, pos)
         kf, vf = ft.cache.k[:, :, :, ctx].clone(), ft.cache.v[:, :, :, ctx].clone()
+        set_attention(model, "sdpa")  # the reference: the modules as they are
         ref_logits, _ = ft._run_eager(tok, pos, mask, pos)
+        set_attention(model, "fused")
         kr, vr = ft.cache.k[:, :, :, ctx], ft.cache.v[:, :, :, ctx]
         res["vs_modules"] = {
             "max_abs_logit_diff": float((fused_logits - ref_logits).abs().max()),
@@ -160,8 +174,18 @@ def main() -> int:
     print("vs modules", json.dumps(res["vs_modules"]), flush=True)
     save()
 
+    # verify costs: one token on the fused kernels, T tokens on the modules (compiled layers, fused attention)
+    if device.type == "cuda":
+        compile_layers(model.model.layers)
+    v = verify_ms(ft, ctx, a.vocab_size, sizes=(1, 8, 16, 32, 64, 128) if not args.smoke else (1, 4))
+    res["fused_verify_ms"] = {str(t): round(x, 4) for t, x in v.items()}
+    res["fused_verify_cost_ratio"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
+    print("fused verify", json.dumps(res["fused_verify_cost_ratio"]), json.dumps(res["fused_verify_ms"]), flush=True)
+    save()
+
     if not args.no_compiled and device.type == "cuda":  # NOTES.md v8's best, measured in the same run
         torch._inductor.config.coordinate_descent_tuning = True
+        torch._dynamo.reset()
         use_gemv_reductions(model.model.layers)
         use_matmul_attention(model)
         ft2 = FastTarget(model, S)
@@ -171,6 +195,9 @@ def main() -> int:
         res["compiled_step"] = {"ms": round(ms2, 4), "gbs": round(gbs2, 1),
                                 "of_copy": round(gbs2 / res["copy_bandwidth_gbs"], 4)}  # fmt: skip
         print("compiled step", json.dumps(res["compiled_step"]), flush=True)
+        v = verify_ms(ft2, ctx, a.vocab_size, sizes=(1, 64))
+        res["compiled_verify_ms"] = {str(t): round(x, 4) for t, x in v.items()}
+        print("compiled verify", json.dumps(res["compiled_verify_ms"]), flush=True)
 
     save()
     print("wrote", path)

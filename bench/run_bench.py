@@ -492,6 +492,21 @@ def copy_bandwidth_gbs(n: int, device, dtype) -> float:
     return round(2 * src.numel() * src.element_size() / ms / 1e6, 1)
 
 
+def verify_ms(ft: FastTarget, ctx: int, vocab: int, sizes=(1, 8, 16, 32, 64, 128)) -> dict[int, float]:
+    """ms of one target forward over T chain tokens after `ctx` cached ones, each T captured as its own graph."""
+    times, dev, S = {}, ft.device, ft.size
+    for T in sizes:
+        toks = torch.randint(0, vocab, (T,), device=dev)
+        slots = ctx + torch.arange(T, device=dev)
+        mask = torch.arange(S, device=dev)[None, :] <= slots[:, None]
+
+        def f(toks=toks, slots=slots, mask=mask):
+            ft.run(toks, slots, mask, slots)
+
+        times[T] = graphed_ms(f, dev, reps=30)
+    return times
+
+
 def roofline(
     smoke: bool,
     replay: dict | None,
@@ -621,16 +636,7 @@ def roofline(
     res["decode_tokens_per_second_end_to_end"] = round(ctx_new / r.seconds, 2)
 
     # verify cost: T tokens (a chain) at the same context, each shape captured in its own graph
-    times = {}
-    for T in (1, 8, 16, 32, 64, 128):
-        toks = torch.randint(0, a.vocab_size, (T,), device=device)
-        slots = base_ctx + torch.arange(T, device=device)
-        mask = torch.arange(S, device=device)[None, :] <= slots[:, None]
-
-        def f(toks=toks, slots=slots, mask=mask):
-            ft.run(toks, slots, mask, slots)
-
-        times[T] = graphed_ms(f, device, reps=30)
+    times = verify_ms(ft, base_ctx, a.vocab_size)
     res["verify_ms"] = {str(k): round(v, 4) for k, v in times.items()}
     res["verify_cost_ratio"] = {str(T): round(ms_T / times[1], 4) for T, ms_T in times.items()}
     checkpoint()

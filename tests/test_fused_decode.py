@@ -12,14 +12,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
+from drafts import make_draft  # noqa: E402
 from models import make_checkpoint  # noqa: E402
 
+from eaglescope.decode.speculative import target_embedding  # noqa: E402
 from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
-from eaglescope.fast import FastTarget, FastVanilla  # noqa: E402
+from eaglescope.fast import FastEagle, FastTarget, FastVanilla  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
-from eaglescope.fast.fused_decode import FusedDecode, fused_decode_supported, fused_linear  # noqa: E402
+from eaglescope.fast.fused_decode import (  # noqa: E402
+    FusedDecode,
+    attention_scratch,
+    attention_splits,
+    fused_attention,
+    fused_decode_supported,
+    fused_linear,
+)
+from eaglescope.taps import TapContract  # noqa: E402
 from eaglescope.target import load_target  # noqa: E402
-from eaglescope.target.llama import RMSNorm, fuse_projections  # noqa: E402
+from eaglescope.target.llama import RMSNorm, attend, fuse_projections  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not inv.available("cpu"), reason="needs TRITON_INTERPRET=1 on a CPU-only machine")
 
@@ -47,6 +57,26 @@ def test_fused_linear_matches_modules(n, k, bn, bk, norm, bias, residual, seed):
     out = res.clone() if residual else None
     got = fused_linear(x, w, b, norm=rms if norm else None, out=out, residual=residual, blocks=(bn, bk, 1))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@settings(max_examples=20, deadline=None)
+@given(T=st.integers(1, 9), S=st.integers(1, 300), rep=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
+def test_attention_matches_masked_reference(T, S, rep, seed):
+    """Rows over up to five 64-slot splits, each split's partial sums combined by whichever program ends last."""
+    g = torch.Generator().manual_seed(seed)
+    hkv, D = 2, 16
+    q = torch.randn(1, hkv * rep, T, D, generator=g)
+    k, v = torch.randn(1, hkv, S, D, generator=g), torch.randn(1, hkv, S, D, generator=g)
+    mask = torch.rand(T, S, generator=g) < 0.3
+    mask[torch.arange(T), torch.randint(0, S, (T,), generator=g)] = True  # every row sees at least one slot
+    want = attend(q, k, v, mask[None, None])
+    torch.testing.assert_close(attend(q, k, v, mask[None, None], impl="fused"), want, rtol=1e-5, atol=1e-5)
+    scratch = attention_scratch(T, hkv * rep, D, S, "cpu")
+    for _ in range(2):  # one scratch serves every call: its counters come back zeroed
+        got = fused_attention(q[0].transpose(0, 1), k[0], v[0], mask, scratch=scratch)
+        torch.testing.assert_close(got.transpose(0, 1)[None], want, rtol=1e-5, atol=1e-5)
+    assert not scratch[3].any()
+    assert attention_splits(S)[1] == -(-S // 64)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
@@ -102,3 +132,21 @@ def test_unsupported_targets_are_refused_with_the_reason(tmp_path):
         FastTarget(unfused, size=16, fused_decode=True)
     with pytest.raises(ValueError, match="reduction order"):
         FastTarget(copy.deepcopy(llama.model), size=16, fuse=True, fused_decode=True, batch_invariant=True)
+
+
+def test_speculative_decoding_on_the_fused_target_is_vanilla_greedy(tmp_path):
+    """FastEagle on a fused-decode target: verifies run the modules with the fused attention kernel, the
+    prefill too; the tokens are vanilla greedy's."""
+    ckpt = make_checkpoint("llama", tmp_path, seed=7, num_hidden_layers=7)  # the fewest the default taps allow
+    tgt = load_target(ckpt, device="cpu", dtype=torch.float32)
+    tgt.set_taps(TapContract.default(tgt.num_layers))
+    draft, _ = make_draft(ckpt, taps=tgt.taps, seed=14, scale=1.0)  # a seed whose random draft gets hits
+    draft.load_target_embedding(target_embedding(tgt))
+    ft = FastTarget(copy.deepcopy(tgt.model), size=64, taps=tgt.taps.layers, fuse=True, fused_decode=True)
+    assert ft.model.model.layers[0].self_attn.attention_impl == "fused"
+    prompt, n = [3, 17, 5, 40, 22, 9, 11], 12
+    ref = generate_vanilla(tgt, prompt, n, stop_ids=[]).token_ids
+    assert FastVanilla(ft, n).generate(prompt).tokens == ref
+    fast = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 2).generate(prompt, n)
+    assert fast.tokens == ref
+    assert sum(fast.accepted) > 0

@@ -121,13 +121,19 @@ def use_gemv_reductions(model: nn.Module, enable: bool = True) -> nn.Module:
     return model
 
 
+def set_attention(model: nn.Module, impl: str) -> nn.Module:
+    """Every attention of `model` through attend(..., impl): "sdpa", "matmul", "invariant" or "fused" (see
+    there); returns `model`."""
+    for m in model.modules():
+        if isinstance(m, QKVProjection):
+            m.attention_impl = impl
+    return model
+
+
 def use_matmul_attention(model: nn.Module, enable: bool = True) -> nn.Module:
     """Masked attention as two products + softmax in every layer of `model` (see attend), or back to SDPA with
     enable=False; returns `model`."""
-    for m in model.modules():
-        if isinstance(m, QKVProjection):
-            m.attention_impl = "matmul" if enable else "sdpa"
-    return model
+    return set_attention(model, "matmul" if enable else "sdpa")
 
 
 def use_batch_invariant(model: LlamaModel, enable: bool = True, sliced: bool = True) -> LlamaModel:
@@ -147,10 +153,7 @@ def use_batch_invariant(model: LlamaModel, enable: bool = True, sliced: bool = T
                 setattr(parent, name, inv.InvariantLinear(child, out_dtype=torch.float32, sliced=sliced))
             elif isinstance(child, RMSNorm):
                 setattr(parent, name, inv.InvariantRMSNorm(child))
-    for m in model.modules():
-        if isinstance(m, QKVProjection):
-            m.attention_impl = "invariant" if enable else "sdpa"
-    return model
+    return set_attention(model, "invariant" if enable else "sdpa")
 
 
 def compile_layers(modules) -> None:
@@ -207,7 +210,8 @@ class FastTarget:
         compiles each decoder layer (see compile_layers); `float32_logits` swaps in a Float32Logits lm_head;
         `batch_invariant` runs the model on the batch-invariant kernels (use_batch_invariant), so a token's
         logits are bit-identical whether it is decoded alone or verified in a tree; `fused_decode` runs one-token
-        steps through fast/fused_decode.py (five kernels per layer; needs `fuse`), longer ones on the modules."""
+        steps through fast/fused_decode.py (five kernels per layer; needs `fuse`), longer ones on the modules with
+        that file's attention kernel."""
         if batch_invariant and compile:
             raise ValueError("batch_invariant runs the target uncompiled (inductor would re-fuse its kernels)")
         if batch_invariant and fused_decode:
@@ -234,6 +238,7 @@ class FastTarget:
             from eaglescope.fast.fused_decode import FusedDecode
 
             self.fused = FusedDecode(model, self.cache, self.taps)
+            set_attention(model, "fused")  # longer steps: the same attention kernel, over T rows
 
     def _run_eager(self, tokens, positions, mask, slots):
         if self.batch_invariant:

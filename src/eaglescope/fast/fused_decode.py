@@ -141,39 +141,40 @@ if triton is not None:
         tl.store(dst + HALF + j, hi.to(q.dtype.element_ty))
 
     @triton.jit
-    def _attend_kernel(q, kc, vc, mask, y, part_m, part_l, part_acc, count, S, NS, rep, scale, D: tl.constexpr,
-                       KB: tl.constexpr, NS_P2: tl.constexpr):  # fmt: skip
-        """Program (h, split): query head h against the KB cache slots of its split that the mask row allows
-        (masked loads fetch nothing, so unused slots cost nothing); float32 partial softmax sums go to part_*.
-        The last split of a head to finish combines them (a counter per head): one launch, and no program walks
-        the whole cache in sequence (one program per head was latency-bound: 14 µs per layer at 8B)."""
-        h, sp = tl.program_id(0), tl.program_id(1)
+    def _attend_kernel(q, kc, vc, mask, y, part_m, part_l, part_acc, count, S, NS, H, rep, scale, sq_t, sq_h,
+                       sm_t, sy_t, sy_h, D: tl.constexpr, KB: tl.constexpr, NS_P2: tl.constexpr):  # fmt: skip
+        """Program (h, split, t): query row t, head h, against the KB cache slots of its split that the row's
+        mask allows (masked loads fetch nothing, so unused slots cost nothing); float32 partial softmax sums go to
+        part_*. The last split of a (row, head) to finish combines them (a counter each, reset after use): one
+        launch, and no program walks the whole cache in sequence (one program per head was latency-bound:
+        14 µs per layer at 8B)."""
+        h, sp, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         d = tl.arange(0, D)
         offs = sp * KB + tl.arange(0, KB)
-        valid = (tl.load(mask + offs, mask=offs < S, other=0) != 0) & (offs < S)
-        qv = tl.load(q + h * D + d).to(tl.float32)
+        valid = (tl.load(mask + t * sm_t + offs, mask=offs < S, other=0) != 0) & (offs < S)
+        qv = tl.load(q + t * sq_t + h * sq_h + d).to(tl.float32)
         kv_off = ((h // rep) * S + offs[:, None]).to(tl.int64) * D + d[None, :]
         kb = tl.load(kc + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
         s = tl.where(valid, tl.sum(kb * qv[None, :], axis=1) * scale, float("-inf"))
         m = tl.max(s, axis=0)
         p = tl.where(valid, tl.exp(s - m), 0.0)
         vb = tl.load(vc + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        part = h * NS + sp
-        tl.store(part_m + part, m)
-        tl.store(part_l + part, tl.sum(p, axis=0))
-        tl.store(part_acc + part * D + d, tl.sum(p[:, None] * vb, axis=0))
+        row = t * H + h
+        tl.store(part_m + row * NS + sp, m)
+        tl.store(part_l + row * NS + sp, tl.sum(p, axis=0))
+        tl.store(part_acc + (row * NS + sp) * D + d, tl.sum(p[:, None] * vb, axis=0))
         # acq_rel: the other splits' partials are visible to whichever program sees the last count
-        if tl.atomic_add(count + h, 1) == NS - 1:
+        if tl.atomic_add(count + row, 1) == NS - 1:
             ss = tl.arange(0, NS_P2)
             ok = ss < NS
-            ms = tl.load(part_m + h * NS + ss, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            ms = tl.load(part_m + row * NS + ss, mask=ok, other=float("-inf"), cache_modifier=".cg")
             wgt = tl.where(ok, tl.exp(ms - tl.max(ms, axis=0)), 0.0)
-            ls = tl.load(part_l + h * NS + ss, mask=ok, other=0.0, cache_modifier=".cg")
-            accs = tl.load(part_acc + (h * NS + ss)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0,
+            ls = tl.load(part_l + row * NS + ss, mask=ok, other=0.0, cache_modifier=".cg")
+            accs = tl.load(part_acc + (row * NS + ss)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0,
                            cache_modifier=".cg")  # fmt: skip
             out = tl.sum(wgt[:, None] * accs, axis=0) / tl.sum(wgt * ls, axis=0)
-            tl.store(y + h * D + d, out.to(y.dtype.element_ty))
-            tl.store(count + h, 0)  # ready for the next layer
+            tl.store(y + t * sy_t + h * sy_h + d, out.to(y.dtype.element_ty))
+            tl.store(count + row, 0)  # ready for the next call
 
     @triton.jit
     def _gate_up_kernel(x, nw, w, b, act, F, eps, K: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
@@ -216,6 +217,40 @@ def fused_linear(
     return out
 
 
+def attention_splits(S: int) -> tuple[int, int]:
+    """(slots per split, splits) for a cache of S slots: 64-slot blocks, at most 64 splits per head."""
+    keys = max(ATTN_BLOCK, triton.next_power_of_2(triton.cdiv(S, 64)))
+    return keys, triton.cdiv(S, keys)
+
+
+def fused_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | None = None,
+    scratch: tuple[torch.Tensor, ...] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """q [T, H, D] (any strides with unit last), k/v [Hkv, S, D] (one layer of a slot cache), mask [T, S] bool
+    (True = attend; every row must allow at least one slot) → out [T, H, D]. `scratch` = (part_m, part_l,
+    part_acc, count) from attention_scratch, reusable across calls (the counters come back zeroed)."""
+    T, H, D = q.shape
+    Hkv, S, _ = k.shape
+    keys, NS = attention_splits(S)
+    if out is None:
+        out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
+    part_m, part_l, part_acc, count = scratch if scratch is not None else attention_scratch(T, H, D, S, q.device)
+    mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    k, v = k.contiguous(), v.contiguous()  # views of one layer of the cache: no copy
+    _attend_kernel[(H, NS, T)](q, k, v, mask, out, part_m, part_l, part_acc, count, S, NS, H, H // Hkv, D**-0.5,
+                               q.stride(0), q.stride(1), mask.stride(0), out.stride(0), out.stride(1), D=D, KB=keys,
+                               NS_P2=triton.next_power_of_2(NS))  # fmt: skip
+    return out
+
+
+def attention_scratch(T: int, H: int, D: int, S: int, device) -> tuple[torch.Tensor, ...]:
+    NS = attention_splits(S)[1]
+    f32 = dict(device=device, dtype=torch.float32)
+    count = torch.zeros(T * H, device=device, dtype=torch.int32)
+    return torch.empty(T * H * NS, **f32), torch.empty(T * H * NS, **f32), torch.empty(T * H * NS * D, **f32), count
+
+
 class FusedDecode:
     """One-token steps of `model` on `cache` (a fast.SlotCache) through the kernels above.
 
@@ -237,15 +272,8 @@ class FusedDecode:
         self.q = torch.zeros(a.num_heads * a.head_dim, device=dev, dtype=dt)
         self.attn = torch.zeros(a.num_heads * a.head_dim, device=dev, dtype=dt)
         self.act = torch.zeros(a.intermediate_size, device=dev, dtype=dt)
-        # attention splits: KB slots each, at most 64 splits per head
-        S = cache.size
-        self.attn_keys = max(ATTN_BLOCK, triton.next_power_of_2(triton.cdiv(S, 64)))
-        self.attn_splits = triton.cdiv(S, self.attn_keys)
-        f32 = dict(device=dev, dtype=torch.float32)
-        self.part_m = torch.zeros(a.num_heads, self.attn_splits, **f32)
-        self.part_l = torch.zeros(a.num_heads, self.attn_splits, **f32)
-        self.part_acc = torch.zeros(a.num_heads, self.attn_splits, a.head_dim, **f32)
-        self.count = torch.zeros(a.num_heads, device=dev, dtype=torch.int32)
+        self.attn_splits = attention_splits(cache.size)[1]
+        self.scratch = attention_scratch(1, a.num_heads, a.head_dim, cache.size, dev)
         self.logits_dtype = torch.float32 if type(model.lm_head).__name__ == "Float32Logits" else w.dtype
 
     # one launch each, so bench/fused_decode_check.py can time every product over all layers on its own
@@ -262,11 +290,8 @@ class FusedDecode:
 
     def attend(self, i: int, mask: torch.Tensor) -> None:
         a = self.args
-        NS = self.attn_splits
-        _attend_kernel[(a.num_heads, NS)](self.q, self.cache.k[i], self.cache.v[i], mask, self.attn, self.part_m,
-                                          self.part_l, self.part_acc, self.count, self.cache.size, NS,
-                                          a.num_heads // a.num_kv_heads, a.head_dim**-0.5, D=a.head_dim,
-                                          KB=self.attn_keys, NS_P2=triton.next_power_of_2(NS))  # fmt: skip
+        q, out = self.q.view(1, a.num_heads, a.head_dim), self.attn.view(1, a.num_heads, a.head_dim)
+        fused_attention(q, self.cache.k[i, 0], self.cache.v[i, 0], mask, out, self.scratch)
 
     def o(self, i: int) -> None:
         o = self.model.model.layers[i].self_attn.o_proj
@@ -295,7 +320,7 @@ class FusedDecode:
         torch.index_select(m.model.embed_tokens.weight, 0, token, out=self.h)
         cos, sin = m.rope_for(position[None])
         cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
-        mask = mask.reshape(-1).view(torch.uint8)
+        mask = mask.reshape(1, -1).view(torch.uint8)
         captured = []
         for i in range(len(m.model.layers)):
             if i in self.taps:

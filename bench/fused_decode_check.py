@@ -54,7 +54,7 @@ def sweep(fd: FusedDecode, device, ctx: int, smoke: bool, copy_gbs: float) -> di
     L = a.num_layers
     cos, sin = (t.reshape(-1).contiguous() for t in m.rope_for(torch.tensor([[ctx]], device=device)))
     slot = torch.tensor([ctx], device=device)
-    mask = (torch.arange(fd.cache.size, device=device) <= ctx)[None].view(torch.uint8)
+    mask = (torch.arange(fd.cache.size, device=device) <= ctx)[None]
     logits = torch.empty(1, a.vocab_size, device=device, dtype=torch.float32)
     layers = m.model.layers
     nbytes = {

@@ -236,8 +236,9 @@ def fused_attention(
     if out is None:
         out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     part_m, part_l, part_acc, count = scratch if scratch is not None else attention_scratch(T, H, D, S, q.device)
-    mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    k, v = k.contiguous(), v.contiguous()  # views of one layer of the cache: no copy
+    # a bool mask goes in as it is: Triton loads torch.bool as bytes (a uint8 view is not traceable by inductor)
+    # one layer of the cache is contiguous already; q is a few KB: canonical strides keep the compiled call simple
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     _attend_kernel[(H, NS, T)](q, k, v, mask, out, part_m, part_l, part_acc, count, S, NS, H, H // Hkv, D**-0.5,
                                q.stride(0), q.stride(1), mask.stride(0), out.stride(0), out.stride(1), D=D, KB=keys,
                                NS_P2=triton.next_power_of_2(NS))  # fmt: skip
@@ -320,7 +321,7 @@ class FusedDecode:
         torch.index_select(m.model.embed_tokens.weight, 0, token, out=self.h)
         cos, sin = m.rope_for(position[None])
         cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
-        mask = mask.reshape(1, -1).view(torch.uint8)
+        mask = mask.reshape(1, -1)
         captured = []
         for i in range(len(m.model.layers)):
             if i in self.taps:

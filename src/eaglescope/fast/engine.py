@@ -210,8 +210,7 @@ class FastTarget:
         compiles each decoder layer (see compile_layers); `float32_logits` swaps in a Float32Logits lm_head;
         `batch_invariant` runs the model on the batch-invariant kernels (use_batch_invariant), so a token's
         logits are bit-identical whether it is decoded alone or verified in a tree; `fused_decode` runs one-token
-        steps through fast/fused_decode.py (five kernels per layer; needs `fuse`), longer ones on the modules with
-        that file's attention kernel."""
+        steps through fast/fused_decode.py (five kernels per layer; needs `fuse`), longer ones on the modules."""
         if batch_invariant and compile:
             raise ValueError("batch_invariant runs the target uncompiled (inductor would re-fuse its kernels)")
         if batch_invariant and fused_decode:
@@ -238,7 +237,6 @@ class FastTarget:
             from eaglescope.fast.fused_decode import FusedDecode
 
             self.fused = FusedDecode(model, self.cache, self.taps)
-            set_attention(model, "fused")  # longer steps: the same attention kernel, over T rows
 
     def _run_eager(self, tokens, positions, mask, slots):
         if self.batch_invariant:

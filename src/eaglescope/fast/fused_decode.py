@@ -64,13 +64,21 @@ def fused_decode_supported(model: nn.Module, device: torch.device | str) -> str 
 if triton is not None:
 
     @triton.jit
-    def _rstd(x, K: tl.constexpr, eps, BK: tl.constexpr):
-        ss = tl.zeros((BK,), tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
+    def _rstd(x, K: tl.constexpr, eps, BK: tl.constexpr, KP2: tl.constexpr):
+        """1/RMS of x[:K] in float32. Rows up to 16k wide are read in one load: every program computes this
+        before its first weight load, so a loop of dependent L2 round trips here would idle the whole launch."""
+        if KP2 <= 16384:  # KP2: K rounded up to a power of two
+            kk = tl.arange(0, KP2)
             xf = tl.load(x + kk, mask=kk < K, other=0.0).to(tl.float32)
-            ss += xf * xf
-        return 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+            ss = tl.sum(xf * xf, 0)
+        else:
+            acc = tl.zeros((BK,), tl.float32)
+            for k0 in range(0, K, BK):
+                kk = k0 + tl.arange(0, BK)
+                xf = tl.load(x + kk, mask=kk < K, other=0.0).to(tl.float32)
+                acc += xf * xf
+            ss = tl.sum(acc, 0)
+        return 1.0 / tl.sqrt(ss / K + eps)
 
     @triton.jit
     def _dot_rows(x, nw, w, rows, ok, rstd, K: tl.constexpr, NORM: tl.constexpr, R: tl.constexpr,
@@ -96,13 +104,13 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x, nw, w, b, y, N, eps, K: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     RESIDUAL: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+                     RESIDUAL: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KP2: tl.constexpr):  # fmt: skip
         """y[rows] = W[rows] @ in (+ bias) (+ y[rows] when RESIDUAL: the residual stream, updated in place)."""
         rows = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
         ok = rows < N
         rstd = 1.0
         if NORM:
-            rstd = _rstd(x, K, eps, BK)
+            rstd = _rstd(x, K, eps, BK, KP2)
         acc = _dot_rows(x, nw, w, rows, ok, rstd, K, NORM, BN, BK)
         if HAS_BIAS:
             acc += tl.load(b + rows, mask=ok, other=0.0).to(tl.float32)
@@ -112,7 +120,8 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_kernel(x, nw, w, b, cos, sin, q, kc, vc, slot, n_heads, n_kv, S, eps, K: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+                         HAS_BIAS: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         KP2: tl.constexpr):  # fmt: skip
         """Program (head, chunk): rows j and j + D/2 of one q, k or v head; RoPE (not for v), then q → q[head],
         k/v → their cache at `slot`."""
         HALF: tl.constexpr = D // 2
@@ -122,7 +131,7 @@ if triton is not None:
         j = j0 + tl.arange(0, BN)
         rows = _paired_rows(head * D + j0, head * D + HALF + j0, BN)
         ok = rows >= 0  # BN divides D/2: every row exists
-        rstd = _rstd(x, K, eps, BK)
+        rstd = _rstd(x, K, eps, BK, KP2)
         acc = _dot_rows(x, nw, w, rows, ok, rstd, K, True, 2 * BN, BK)
         if HAS_BIAS:
             acc += tl.load(b + rows).to(tl.float32)
@@ -178,13 +187,13 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(x, nw, w, b, act, F, eps, K: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr):  # fmt: skip
+                        BK: tl.constexpr, KP2: tl.constexpr):  # fmt: skip
         """Rows j of gate and F + j of up (the fused [2F, K] weight) → act[j] = SiLU(gate) * up."""
         j0 = tl.program_id(0) * BN
         j = j0 + tl.arange(0, BN)
         rows = _paired_rows(j0, F + j0, BN)
         ok = (j0 + tl.arange(0, 2 * BN) // 2) < F
-        rstd = _rstd(x, K, eps, BK)
+        rstd = _rstd(x, K, eps, BK, KP2)
         acc = _dot_rows(x, nw, w, rows, ok, rstd, K, True, 2 * BN, BK)
         if HAS_BIAS:
             acc += tl.load(b + rows, mask=ok, other=0.0).to(tl.float32)
@@ -213,7 +222,7 @@ def fused_linear(
     nw, eps = (norm.weight, norm.eps) if norm is not None else (weight, 0.0)
     _gemv_kernel[(triton.cdiv(N, bn),)](x, nw, weight, bias if bias is not None else weight, out, N, eps, K=K,
                                         NORM=norm is not None, HAS_BIAS=bias is not None, RESIDUAL=residual,
-                                        BN=bn, BK=bk, num_warps=warps)  # fmt: skip
+                                        BN=bn, BK=bk, KP2=triton.next_power_of_2(K), num_warps=warps)  # fmt: skip
     return out
 
 
@@ -286,7 +295,8 @@ class FusedDecode:
         _qkv_rope_kernel[((a.num_heads + 2 * a.num_kv_heads) * (D // 2 // bn),)](
             self.h, norm.weight, qkv.weight, qkv.bias if qkv.bias is not None else qkv.weight, cos, sin, self.q,
             self.cache.k[i], self.cache.v[i], slot, a.num_heads, a.num_kv_heads, self.cache.size, norm.eps,
-            K=a.hidden_size, HAS_BIAS=qkv.bias is not None, D=D, BN=bn, BK=bk, num_warps=warps,
+            K=a.hidden_size, HAS_BIAS=qkv.bias is not None, D=D, BN=bn, BK=bk,
+            KP2=triton.next_power_of_2(a.hidden_size), num_warps=warps,
         )  # fmt: skip
 
     def attend(self, i: int, mask: torch.Tensor) -> None:
@@ -304,7 +314,8 @@ class FusedDecode:
         bn, bk, warps = self.blocks["gate_up"]
         _gate_up_kernel[(triton.cdiv(F, bn),)](
             self.h, norm.weight, gu.weight, gu.bias if gu.bias is not None else gu.weight, self.act, F, norm.eps,
-            K=self.args.hidden_size, HAS_BIAS=gu.bias is not None, BN=bn, BK=bk, num_warps=warps,
+            K=self.args.hidden_size, HAS_BIAS=gu.bias is not None, BN=bn, BK=bk,
+            KP2=triton.next_power_of_2(self.args.hidden_size), num_warps=warps,
         )  # fmt: skip
 
     def down(self, i: int) -> None:

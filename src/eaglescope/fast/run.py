@@ -13,6 +13,7 @@ from eaglescope.decode.vanilla import GenerationResult, SamplingConfig, begin_ge
 from eaglescope.errors import EagleScopeError
 from eaglescope.fast import invariant
 from eaglescope.fast.engine import FastEagle, FastTarget, FastVanilla
+from eaglescope.fast.fused_decode import fused_decode_supported
 from eaglescope.target.base import Target
 from eaglescope.target.llama import NativeTarget, fuse_projections
 
@@ -37,11 +38,20 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
     # on a GPU the target runs on the batch-invariant kernels, so the speculative output is vanilla's exactly
     wanted = on_gpu and not getattr(args, "no_batch_invariant", False)
     exact = wanted and invariant.supports(target.model.args.head_dim, target.device)
+    if on_gpu:
+        fuse_projections(target.model)
+    # otherwise one-token steps on the fused decode kernels where the target allows (not Qwen3's q/k norms)
+    fused = on_gpu and not exact and fused_decode_supported(target.model, target.device) is None
     reason = "length" if budget == args.max_new_tokens else "context"
     stats = None
     if args.draft is None:
         ft = FastTarget(
-            target.model, len(prompt_ids) + budget + 1, fuse=on_gpu, float32_logits=on_gpu, batch_invariant=exact
+            target.model,
+            len(prompt_ids) + budget + 1,
+            fuse=on_gpu,
+            float32_logits=on_gpu,
+            batch_invariant=exact,
+            fused_decode=fused,
         )
         dec = FastVanilla(ft, budget).generate(prompt_ids, budget, stop=stop)
     else:
@@ -55,7 +65,13 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
             fuse_projections(draft)
         size = max_len + total + depth + 1
         ft = FastTarget(
-            target.model, size, taps=target.taps.layers, fuse=on_gpu, float32_logits=on_gpu, batch_invariant=exact
+            target.model,
+            size,
+            taps=target.taps.layers,
+            fuse=on_gpu,
+            float32_logits=on_gpu,
+            batch_invariant=exact,
+            fused_decode=fused,
         )
         fe = FastEagle(ft, draft, depth, top_k, total, max_len=max_len)
         dec = fe.generate(prompt_ids, budget, stop=stop)
@@ -67,5 +83,10 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
     if on_gpu:
         torch.cuda.synchronize()
     return GenerationResult(
-        list(prompt_ids), dec.tokens, reason, dec.seconds, stats, {"fast": True, "batch_invariant": exact}
+        list(prompt_ids),
+        dec.tokens,
+        reason,
+        dec.seconds,
+        stats,
+        {"fast": True, "batch_invariant": exact, "fused_decode": fused},
     )

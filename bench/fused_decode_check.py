@@ -110,6 +110,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--smoke", action="store_true", help="tiny model, float32 (CPU: TRITON_INTERPRET=1)")
     ap.add_argument("--no-compiled", action="store_true", help="skip the compiled-layers comparison")
+    ap.add_argument("--no-sweep", action="store_true", help="the default blocks only")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -142,9 +143,10 @@ def main() -> int:
     prompt = torch.randint(0, a.vocab_size, (P,), generator=torch.Generator().manual_seed(1)).tolist()
     ft = FastTarget(model, S, fused_decode=True, float32_logits=True)
     ft.prefill(torch.tensor(prompt, device=device))
-    res["sweep"] = sweep(ft.fused, device, ctx, args.smoke, res["copy_bandwidth_gbs"])
-    res["best_blocks"] = dict(ft.fused.blocks)
-    save()
+    if not args.no_sweep:
+        res["sweep"] = sweep(ft.fused, device, ctx, args.smoke, res["copy_bandwidth_gbs"])
+        res["best_blocks"] = dict(ft.fused.blocks)
+        save()
 
     # the whole step with the best blocks
     ms = step_ms(ft, prompt, ctx)
@@ -161,7 +163,6 @@ def main() -> int:
         kf, vf = ft.cache.k[:, :, :, ctx].clone(), ft.cache.v[:, :, :, ctx].clone()
         set_attention(model, "sdpa")  # the reference: the modules as they are
         ref_logits, _ = ft._run_eager(tok, pos, mask, pos)
-        set_attention(model, "fused")
         kr, vr = ft.cache.k[:, :, :, ctx], ft.cache.v[:, :, :, ctx]
         res["vs_modules"] = {
             "max_abs_logit_diff": float((fused_logits - ref_logits).abs().max()),
@@ -173,16 +174,20 @@ def main() -> int:
     print("vs modules", json.dumps(res["vs_modules"]), flush=True)
     save()
 
-    # verify costs: one token on the fused kernels, T tokens on the modules (compiled layers, attention as products;
-    # the fused attention kernel over T rows re-reads K/V per row: 11.3 ms for 64 rows, fused-decode-check-*T1311*)
-    use_matmul_attention(model)
-    if device.type == "cuda":
-        compile_layers(model.model.layers)
-    v = verify_ms(ft, ctx, a.vocab_size, sizes=(1, 8, 16, 32, 64, 128) if not args.smoke else (1, 4))
-    res["fused_verify_ms"] = {str(t): round(x, 4) for t, x in v.items()}
-    res["fused_verify_cost_ratio"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
-    print("fused verify", json.dumps(res["fused_verify_cost_ratio"]), json.dumps(res["fused_verify_ms"]), flush=True)
-    save()
+    # verify costs: one token on the fused kernels, T tokens on the modules (compiled layers), with attention as
+    # products and with the fused attention kernel
+    sizes = (1, 8, 16, 24, 32, 64, 128) if not args.smoke else (1, 4)
+    for impl in ("matmul", "fused"):
+        torch._dynamo.reset()
+        set_attention(model, impl)
+        if device.type == "cuda":
+            compile_layers(model.model.layers)
+        v = verify_ms(ft, ctx, a.vocab_size, sizes=sizes)
+        res[f"verify_ms_{impl}_attention"] = {str(t): round(x, 4) for t, x in v.items()}
+        res[f"verify_cost_ratio_{impl}_attention"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
+        print(f"verify, {impl} attention", json.dumps(res[f"verify_cost_ratio_{impl}_attention"]),
+              json.dumps(res[f"verify_ms_{impl}_attention"]), flush=True)  # fmt: skip
+        save()
 
     if not args.no_compiled and device.type == "cuda":  # NOTES.md v8's best, measured in the same run
         torch._inductor.config.coordinate_descent_tuning = True

@@ -60,9 +60,10 @@ def test_fused_linear_matches_modules(n, k, bn, bk, norm, bias, residual, seed):
 
 
 @settings(max_examples=20, deadline=None)
-@given(T=st.integers(1, 9), S=st.integers(1, 300), rep=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
+@given(T=st.integers(1, 20), S=st.integers(1, 300), rep=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
 def test_attention_matches_masked_reference(T, S, rep, seed):
-    """Rows over up to five 64-slot splits, each split's partial sums combined by whichever program ends last."""
+    """Rows over up to five 64-slot splits, each split's partial sums combined by whichever program ends last; one
+    row per program for T = 1, blocks of up to 64 (row, head) pairs of a kv group on tensor cores above."""
     g = torch.Generator().manual_seed(seed)
     hkv, D = 2, 16
     q = torch.randn(1, hkv * rep, T, D, generator=g)

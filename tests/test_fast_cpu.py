@@ -233,3 +233,21 @@ def test_matmul_attention_equals_sdpa(T, heads, extra, seed):
     mask = torch.rand(1, 1, T, S, generator=g) < 0.6
     mask[..., 0] = True
     torch.testing.assert_close(attend(q, k, v, mask, "matmul"), attend(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    vocab=st.sampled_from([300, 1024, 16384, 128256, 977]),
+    levels=st.integers(2, 6),
+    seed=st.integers(0, 999),
+)
+def test_argmax_rows_is_torch_argmax_ties_included(rows, vocab, levels, seed):
+    """Few distinct values, so maxima repeat within and across chunks: the first one wins, as in torch.argmax."""
+    from eaglescope.fast.engine import argmax_rows
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, vocab), generator=g).float()
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    y = torch.randn(rows, vocab, generator=g).to(torch.bfloat16)
+    assert torch.equal(argmax_rows(y), y.argmax(-1))

@@ -189,6 +189,18 @@ def main() -> int:
               json.dumps(res[f"verify_ms_{impl}_attention"]), flush=True)  # fmt: skip
         save()
 
+    # verifies on the fused verify kernels (fast/fused_verify.py): T-row tensor-core products, same layout
+    torch._dynamo.reset()
+    ft3 = FastTarget(model, S, fused_decode=True, fused_verify=True, float32_logits=True)
+    ft3.prefill(torch.tensor(prompt, device=device))
+    v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
+    res["verify_ms_fused_verify"] = {str(t): round(x, 4) for t, x in v.items()}
+    res["verify_cost_ratio_fused_verify"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
+    print("verify, fused verify kernels", json.dumps(res["verify_cost_ratio_fused_verify"]),
+          json.dumps(res["verify_ms_fused_verify"]), flush=True)  # fmt: skip
+    save()
+    del ft3
+
     if not args.no_compiled and device.type == "cuda":  # NOTES.md v8's best, measured in the same run
         torch._inductor.config.coordinate_descent_tuning = True
         torch._dynamo.reset()

@@ -555,7 +555,7 @@ def roofline(
     prompt = torch.randint(0, a.vocab_size, (prompt_len,)).tolist()
 
     def decode_variant(
-        name: str, compiled: bool, gemv: bool, mm_attn: bool, fused: bool
+        name: str, compiled: bool, gemv: bool, mm_attn: bool, fused: bool | str
     ) -> tuple[dict, FastTarget, FastVanilla]:
         t_c = time.perf_counter()
         torch._dynamo.reset()
@@ -563,7 +563,7 @@ def roofline(
         # layers only: they are the compiled region (an eager lm_head as a reduction would materialise V×H)
         use_gemv_reductions(model.model.layers, gemv)
         use_matmul_attention(model, mm_attn)
-        ft = FastTarget(model, S, taps=taps, compile=compiled, fused_decode=fused)
+        ft = FastTarget(model, S, taps=taps, compile=compiled, fused_decode=bool(fused), fused_verify=fused == "verify")
         if not compiled:  # undo an earlier variant's regional compilation
             for layer in model.model.layers:
                 layer._compiled_call_impl = None
@@ -603,6 +603,9 @@ def roofline(
         # one-token steps on fast/fused_decode.py's kernels; verifies on compiled layers (attention as products)
         variants.append(("fused_kernels", "one-token steps in five kernels per layer, CUDA graph", compile_target,
                          False, True, True))  # fmt: skip
+        # and verifies of 2..64 tokens in the same layout on tensor cores (fast/fused_verify.py)
+        variants.append(("fused_verify", "one-token steps and verifies on the fused kernels, CUDA graph",
+                         compile_target, False, True, "verify"))  # fmt: skip
     # in the order asked for: when time runs short, the later ones are skipped
     variants = sorted((v for v in variants if v[0] in variant_names), key=lambda v: variant_names.index(v[0]))
     variants = [v[1:] for v in variants]

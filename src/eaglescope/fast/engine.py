@@ -218,15 +218,17 @@ class FastTarget:
         float32_logits: bool = False,
         batch_invariant: bool = False,
         fused_decode: bool = False,
+        fused_verify: bool = False,
     ) -> None:
         """`fuse` merges q/k/v and gate/up weights in place (the model is then for inference only); `compile`
         compiles each decoder layer (see compile_layers); `float32_logits` swaps in a Float32Logits lm_head;
         `batch_invariant` runs the model on the batch-invariant kernels (use_batch_invariant), so a token's
         logits are bit-identical whether it is decoded alone or verified in a tree; `fused_decode` runs one-token
-        steps through fast/fused_decode.py (five kernels per layer; needs `fuse`), longer ones on the modules."""
+        steps through fast/fused_decode.py (five kernels per layer; needs `fuse`), longer ones on the modules;
+        `fused_verify` runs 2..64-token steps in the same layout on tensor cores (fast/fused_verify.py; untimed)."""
         if batch_invariant and compile:
             raise ValueError("batch_invariant runs the target uncompiled (inductor would re-fuse its kernels)")
-        if batch_invariant and fused_decode:
+        if batch_invariant and (fused_decode or fused_verify):
             raise ValueError("fused_decode has its own reduction order: a verify would not reproduce its steps bitwise")
         self.model = model.eval()
         if float32_logits and not isinstance(model.lm_head, Float32Logits):
@@ -250,6 +252,11 @@ class FastTarget:
             from eaglescope.fast.fused_decode import FusedDecode
 
             self.fused = FusedDecode(model, self.cache, self.taps)
+        self.fused_rows = None
+        if fused_verify:
+            from eaglescope.fast.fused_verify import FusedVerify
+
+            self.fused_rows = FusedVerify(model, self.cache, self.taps)
 
     def _run_eager(self, tokens, positions, mask, slots):
         if self.batch_invariant:
@@ -265,6 +272,8 @@ class FastTarget:
         """tokens/positions/slots [T], mask [T, size] bool → logits [T, V], aux [T, nH] | None."""
         if self.fused is not None and tokens.shape[0] == 1:
             return self.fused(tokens, positions, mask[0], slots)
+        if self.fused_rows is not None and self.fused_rows.supports_rows(tokens.shape[0]):
+            return self.fused_rows(tokens, positions, mask, slots)
         return self._run(tokens, positions, mask, slots)
 
     @torch.inference_mode()

@@ -1,0 +1,78 @@
+"""Fused verify kernels (fast/fused_verify.py), under Triton's interpreter in float32: a T-token step against the
+model's own modules (logits, taps, cache writes, split-K products), and speculative decoding through them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from drafts import make_draft  # noqa: E402
+from models import make_checkpoint  # noqa: E402
+
+from eaglescope.decode.speculative import target_embedding  # noqa: E402
+from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
+from eaglescope.fast import FastEagle, FastTarget, FastVanilla  # noqa: E402
+from eaglescope.fast import invariant as inv  # noqa: E402
+from eaglescope.fast.fused_verify import MAX_ROWS, FusedVerify  # noqa: E402
+from eaglescope.taps import TapContract  # noqa: E402
+from eaglescope.target import load_target  # noqa: E402
+from eaglescope.target.llama import fuse_projections  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not inv.available("cpu"), reason="needs TRITON_INTERPRET=1 on a CPU-only machine")
+
+WIDE_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)  # head_dim 32: tensor-core tiles need D/2 >= 16
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_verify_step_matches_the_modules(family, tmp_path):
+    """Five tree rows at scattered slots with their own ancestor masks, over three attention splits; the down product
+    split in two K-slices (combined by the last one): the modules' logits, taps and cache writes."""
+    ckpt = make_checkpoint(family, tmp_path, seed=3, num_hidden_layers=3, **WIDE_HEADS)
+    model = fuse_projections(copy.deepcopy(load_target(ckpt, device="cpu", dtype=torch.float32).model))
+    ft = FastTarget(model, size=150, taps=(0, 2), float32_logits=True)
+    fv = FusedVerify(model, ft.cache, taps=(0, 2), blocks={"down": (16, 16, 1), "o": (16, 16, 1)})
+    P, T = 6, 5
+    ft.prefill(torch.arange(3, 3 + P))
+    slots, pos = torch.tensor([P, P + 1, 70, 71, 131]), torch.tensor([P, P + 1, P + 1, P + 2, P + 3])
+    mask = torch.zeros(T, 150, dtype=torch.bool)
+    mask[:, :P] = True
+    mask[torch.arange(T), slots] = True
+    mask[1, P] = mask[3, 70] = True
+    mask[4, [P, P + 1]] = True
+    toks = torch.tensor([11, 60, 2, 33, 8])
+    before = (ft.cache.k.clone(), ft.cache.v.clone())
+    want, want_aux = ft._run_eager(toks, pos, mask, slots)
+    want_cache = (ft.cache.k.clone(), ft.cache.v.clone())
+    ft.cache.k.copy_(before[0])
+    ft.cache.v.copy_(before[1])
+    got, aux = fv(toks, pos, mask, slots)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(aux, want_aux, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ft.cache.k, want_cache[0], rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ft.cache.v, want_cache[1], rtol=1e-5, atol=2e-5)
+    assert not fv.count.any()  # split-K counters back to zero for the next call
+    assert not FusedVerify.supports_rows(1) and not FusedVerify.supports_rows(MAX_ROWS + 1)
+
+
+def test_speculative_decoding_through_fused_steps_and_verifies_is_vanilla_greedy(tmp_path):
+    ckpt = make_checkpoint("llama", tmp_path, seed=7, num_hidden_layers=7, **WIDE_HEADS)
+    tgt = load_target(ckpt, device="cpu", dtype=torch.float32)
+    tgt.set_taps(TapContract.default(tgt.num_layers))
+    draft, _ = make_draft(ckpt, taps=tgt.taps, seed=14, scale=1.0)
+    draft.load_target_embedding(target_embedding(tgt))
+    ft = FastTarget(copy.deepcopy(tgt.model), 64, taps=tgt.taps.layers, fuse=True, fused_decode=True, fused_verify=True)
+    prompt, n = [3, 17, 5, 40, 22, 9, 11], 12
+    ref = generate_vanilla(tgt, prompt, n, stop_ids=[]).token_ids
+    assert FastVanilla(ft, n).generate(prompt).tokens == ref
+    fast = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 2).generate(prompt, n)
+    assert fast.tokens == ref
+    assert sum(fast.accepted) > 0
+
+
+def test_narrow_heads_are_refused(tmp_path):
+    model = load_target(make_checkpoint("llama", tmp_path, num_hidden_layers=2), device="cpu").model  # head_dim 16
+    with pytest.raises(ValueError, match="head_dim >= 32"):
+        FastTarget(model, size=16, fuse=True, fused_verify=True)

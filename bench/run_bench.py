@@ -323,6 +323,13 @@ class ForwardCounter:
         self.lengths: list[int] = []
         model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
+    @classmethod
+    def on(cls, model) -> ForwardCounter:
+        """The model's counter, registered once (a second hook would count every forward twice)."""
+        if getattr(model, "_forward_counter", None) is None:
+            model._forward_counter = cls(model)
+        return model._forward_counter
+
     def _hook(self, module, args, kwargs) -> None:
         x = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
         if x is None:
@@ -330,24 +337,38 @@ class ForwardCounter:
         self.lengths.append(int(x.shape[1]) if x is not None else 0)
 
 
-def eval_hf_methods(target, methods: dict[str, dict], prompts, new, ref, deadline) -> dict[str, dict]:
+ASSISTANT_STATE = ("num_assistant_tokens", "assistant_confidence_threshold")
+
+
+def eval_hf_methods(target, methods: dict[str, dict], prompts, new, ref, deadline, warmup=True) -> dict[str, dict]:
     """Every transformers method on each prompt in turn, so a deadline cuts all of them at the same prompt.
 
     τ for HF's speculative modes = tokens per target forward (HF does not report acceptance): a round is one
     target forward; a forward over exactly the prompt is a plain prefill and counts neither as a round nor
     for its one token."""
-    counter = ForwardCounter(target)
+    counter = ForwardCounter.on(target)
     zero = dict.fromkeys(("tokens", "match", "match_hf_vanilla", "prompts", "rounds", "round_tokens"), 0)
     res = {k: {**zero, "seconds": 0.0} for k in methods}
-    x0 = torch.tensor([prompts[0]], device=target.device)
+    # transformers' assisted generation carries its draft-length schedule (and confidence threshold) from one call
+    # to the next in the assistant's generation_config; reset before every call, so each prompt runs as the first
+    # call of a fresh process would, whatever ran before it (timed here or in a coverage worker)
+    fresh = {}
     for kw in methods.values():
-        target.generate(x0, max_new_tokens=8, do_sample=False, **kw)  # warm-up
+        if "assistant_model" in kw:
+            gc = kw["assistant_model"].generation_config
+            fresh[id(gc)] = (gc, {k: getattr(gc, k, None) for k in ASSISTANT_STATE})
+    x0 = torch.tensor([prompts[0]], device=target.device)
+    for kw in methods.values() if warmup else ():
+        target.generate(x0, max_new_tokens=8, do_sample=False, **kw)
     for i, p in enumerate(prompts):
         if time.perf_counter() - T0 > deadline:
             break
         x = torch.tensor([p], device=target.device)
         outs = {}
         for name, kw in methods.items():
+            for gc, state in fresh.values():
+                for k, v in state.items():
+                    setattr(gc, k, v)
             counter.lengths.clear()
             sync()
             t0 = time.perf_counter()
@@ -370,21 +391,100 @@ def eval_hf_methods(target, methods: dict[str, dict], prompts, new, ref, deadlin
     return res
 
 
+def hf_methods_for(hf_lm) -> dict[str, dict]:
+    return {"vanilla": {}, "assisted": {"assistant_model": hf_lm}, "lookup": {"prompt_lookup_num_tokens": 10}}
+
+
+def hf_worker(spec_path: str) -> int:
+    """`--hf-worker SPEC`: the transformers methods on a slice of the prompts, aggregates to spec["out"]."""
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)  # many workers share the host's cores; transformers' host work is single-threaded
+    device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
+    hf, hf_lm = load_hf(Path(spec["target"]), device, dtype), load_hf(Path(spec["draft_lm"]), device, dtype)
+    methods, out = hf_methods_for(hf_lm), Path(spec["out"])
+    total: dict = {}
+    for i, (p, r) in enumerate(zip(spec["prompts"], spec["ref"])):
+        if time.perf_counter() - T0 > spec["deadline"]:
+            break
+        res = eval_hf_methods(hf, methods, [p], spec["new"], [r], float("inf"), warmup=i == 0)
+        for name, rr in res.items():
+            t = total.setdefault(name, dict.fromkeys(COVERAGE_KEYS, 0))
+            for k in COVERAGE_KEYS:
+                t[k] += rr[k]
+        # after every prompt, so a worker stopped at the budget still counts what it finished
+        write_json(out, total)
+    return 0
+
+
+COVERAGE_KEYS = ("match", "match_hf_vanilla", "prompts", "rounds", "round_tokens")
+
+
+def hf_coverage(tgt_dir, lm_dir, prompts, ref, new, workers: int, budget: float, device, dtype, work: Path) -> dict:
+    """τ and matches of the transformers methods on `prompts`, in `workers` processes sharing the GPU.
+
+    Why: transformers' eager generate is host-bound (~22-40 s per prompt for its three methods on the H200
+    machine's host), so one process covers 2-3 prompts in the 10-minute run. Outputs and forward counts do not
+    depend on timing, so they can come from processes running side by side; tokens/s never comes from here (the
+    processes slow each other), only from the in-process timed prompts. Workers still running after `budget`
+    seconds are stopped; the prompts they finished count."""
+    chunks = [list(range(j, len(prompts), workers)) for j in range(min(workers, len(prompts)))]
+    procs, outs = [], []
+    for j, idx in enumerate(chunks):
+        out = work / f"hf-worker-{j}.json"
+        out.unlink(missing_ok=True)
+        spec = {
+            "device": str(device), "dtype": str(dtype).removeprefix("torch."), "target": str(tgt_dir),
+            "draft_lm": str(lm_dir), "prompts": [prompts[i] for i in idx], "ref": [ref[i] for i in idx],
+            "new": new, "deadline": budget - 45, "out": str(out),
+        }  # fmt: skip
+        spec_path = work / f"hf-worker-{j}.spec.json"
+        spec_path.write_text(json.dumps(spec))
+        log = open(work / f"hf-worker-{j}.log", "w")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--hf-worker", str(spec_path)]
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+        outs.append(out)
+    t_end = time.perf_counter() + budget
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, t_end - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    total = {k: dict.fromkeys(COVERAGE_KEYS, 0) for k in ("vanilla", "assisted", "lookup")}
+    finished = sum(p.returncode == 0 for p in procs)
+    for out in outs:
+        if out.exists():
+            for name, r in json.loads(out.read_text()).items():
+                for k in COVERAGE_KEYS:
+                    total[name][k] += r[k]
+    total["workers"] = {"started": len(procs), "finished": finished}
+    return total
+
+
+def merge_coverage(timed: dict, cov: dict) -> None:
+    """Add the workers' prompts to the timed results' τ and match counts (tokens/s stays the timed prompts')."""
+    for name, r in timed.items():
+        r["timed_prompts"] = r["prompts"]
+        for k in COVERAGE_KEYS:
+            r[k] += cov[name][k]
+        r["tau"] = r["round_tokens"] / r["rounds"] if r["rounds"] else None
+
+
 def row(method, r, base_fast, base_hf, n_prompts, note=""):
-    tps = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
+    tps = r["tokens"] / r["seconds"] if r["seconds"] else None  # None: no prompt was timed
     st = r.get("stats")
     tau = st.accept_length if st is not None else r.get("tau")
-    sp = tps / base_fast if base_fast else None
+    sp = tps / base_fast if (base_fast and tps is not None) else None
     return {
         "method": method,
         "accept_length": None if tau is None else round(float(tau), 4),
         "alpha": alpha_of(st) if st is not None else None,
-        "tokens_per_second": round(tps, 2),
+        "tokens_per_second": None if tps is None else round(tps, 2),
         "speedup_vs_vanilla": None if sp is None else round(sp, 4),
-        "speedup_vs_transformers": round(tps / base_hf, 4) if base_hf else None,
+        "speedup_vs_transformers": round(tps / base_hf, 4) if (base_hf and tps is not None) else None,
         "eta": round(sp / tau, 4) if (sp is not None and tau) else None,
         "match_vanilla_fraction": round(r["match"] / max(1, r.get("prompts", n_prompts)), 4),
         "prompts": r.get("prompts", n_prompts),
+        "timed_prompts": r.get("timed_prompts", r.get("prompts", n_prompts)),
         "note": note,
     }
 
@@ -736,9 +836,11 @@ def fmt_table(rows: list[dict]) -> str:
         al = "-" if not r["alpha"] else " ".join(f"{x:.2f}" for x in r["alpha"])
         f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
         lines.append(
-            f"| {r['method']} | {f(r['accept_length'])} | {al} | {r['tokens_per_second']:.1f} | "
+            f"| {r['method']} | {f(r['accept_length'])} | {al} | {f(r['tokens_per_second'], 1)} | "
             f"{f(r['speedup_vs_vanilla'])}x | {f(r['speedup_vs_transformers'])}x | {f(r['eta'])} | "
-            f"{r['match_vanilla_fraction']:.2f} ({r['prompts']}) |"
+            f"{r['match_vanilla_fraction']:.2f} ({r['prompts']}"
+            + (f"; {r['timed_prompts']} timed" if r.get("timed_prompts", r["prompts"]) != r["prompts"] else "")
+            + ") |"
         )
     return "\n".join(lines)
 
@@ -767,9 +869,17 @@ def main() -> int:
     ap.add_argument("--hf-deadline", type=float, default=None, help="seconds into the run after which HF stops")
     ap.add_argument("--no-batch-invariant", action="store_true", help="197M rows on cuBLAS + SDPA kernels only")
     ap.add_argument("--float32-pass", action="store_true", help="also decode the trees in float32 (exactness check)")
+    ap.add_argument("--hf-workers", type=int, default=0, help="processes that add the untimed transformers prompts")
+    ap.add_argument("--hf-coverage-s", type=float, default=120.0, help="seconds those workers may take")
+    ap.add_argument("--no-vendor-rows", action="store_true", help="skip the cuBLAS + SDPA comparison rows")
+    ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.hf_worker:
+        return hf_worker(args.hf_worker)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = sizes(args.smoke)
+    cfg["hf_workers"], cfg["hf_coverage_s"] = args.hf_workers, args.hf_coverage_s
+    cfg["vendor_rows"] = not args.no_vendor_rows
     cfg["d_lr"] = 3e-3 if args.smoke else 8e-4
     cfg["fuse"] = not args.no_fuse
     cfg["batch_invariant"] = not args.no_batch_invariant
@@ -916,7 +1026,7 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     for k, (r, sh) in runs.items():
         ex["bf16_flips"][f"{k} {tuple(sh)}"] = flip_margins(target_f32, prompts, ref, r["outputs"], device)
     default_rows = []
-    if invariant:
+    if invariant and cfg["vendor_rows"]:
         # the same model on cuBLAS + SDPA: what invariance costs in speed, and what it buys in exactness
         use_batch_invariant(target, enable=False)
         ft_d = FastTarget(target, S, taps=taps.layers, float32_logits=True)
@@ -949,12 +1059,15 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     # --- transformers -------------------------------------------------------------------------
     hf = load_hf(tgt_dir, device, dtype)
     hf_lm = load_hf(lm_dir, device, dtype)
-    hf_methods = {
-        "vanilla": {},
-        "assisted": {"assistant_model": hf_lm},
-        "lookup": {"prompt_lookup_num_tokens": 10},
-    }
-    hfr = eval_hf_methods(hf, hf_methods, prompts, new, ref, cfg["hf_deadline"])
+    hfr = eval_hf_methods(hf, hf_methods_for(hf_lm), prompts, new, ref, cfg["hf_deadline"])
+    timed = hfr["vanilla"]["prompts"]
+    if cfg["hf_workers"] and timed < n:
+        del hf, hf_lm  # the workers load their own copies
+        cov = hf_coverage(tgt_dir, lm_dir, prompts[timed:], ref[timed:], new, cfg["hf_workers"], cfg["hf_coverage_s"],
+                          device, dtype, work)  # fmt: skip
+        st["transformers_coverage"] = cov.pop("workers")
+        merge_coverage(hfr, cov)
+        say(f"transformers coverage: {st['transformers_coverage']}, prompts now {hfr['vanilla']['prompts']}")
     hv, ha, hp = hfr["vanilla"], hfr["assisted"], hfr["lookup"]
     hv["tau"] = None  # one token per forward by construction
     base_hf = hv["tokens"] / hv["seconds"] if hv["seconds"] else None

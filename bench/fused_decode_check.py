@@ -191,15 +191,33 @@ def main() -> int:
 
     # verifies on the fused verify kernels (fast/fused_verify.py): T-row tensor-core products, same layout
     torch._dynamo.reset()
-    ft3 = FastTarget(model, S, fused_decode=True, fused_verify=True, float32_logits=True)
-    ft3.prefill(torch.tensor(prompt, device=device))
-    v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
-    res["verify_ms_fused_verify"] = {str(t): round(x, 4) for t, x in v.items()}
-    res["verify_cost_ratio_fused_verify"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
-    print("verify, fused verify kernels", json.dumps(res["verify_cost_ratio_fused_verify"]),
-          json.dumps(res["verify_ms_fused_verify"]), flush=True)  # fmt: skip
-    save()
-    del ft3
+    try:
+        ft3 = FastTarget(model, S, fused_decode=True, fused_verify=True, float32_logits=True)
+    except ValueError as e:  # the smoke model's heads are too narrow for the tensor-core tiles
+        res["fused_verify"] = f"not run: {e}"
+    else:
+        ft3.prefill(torch.tensor(prompt, device=device))
+        with torch.inference_mode():  # the verify kernels against the modules, 24 chain tokens
+            T = min(24, S - ctx - 1)
+            toks = torch.randint(0, a.vocab_size, (T,), device=device)
+            slots = ctx + torch.arange(T, device=device)
+            tmask = torch.arange(S, device=device)[None, :] <= slots[:, None]
+            got, _ = ft3.run(toks, slots, tmask, slots)
+            set_attention(model, "matmul")
+            want, _ = ft3._run_eager(toks, slots, tmask, slots)
+            res["fused_verify_vs_modules"] = {
+                "max_abs_logit_diff": float((got - want).abs().max()),
+                "argmax_same_rows": int((got.argmax(-1) == want.argmax(-1)).sum()),
+                "rows": T,
+            }
+        v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
+        res["verify_ms_fused_verify"] = {str(t): round(x, 4) for t, x in v.items()}
+        res["verify_cost_ratio_fused_verify"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
+        print("verify, fused verify kernels", json.dumps(res["fused_verify_vs_modules"]),
+              json.dumps(res["verify_cost_ratio_fused_verify"]), json.dumps(res["verify_ms_fused_verify"]),
+              flush=True)  # fmt: skip
+        save()
+        del ft3
 
     if not args.no_compiled and device.type == "cuda":  # NOTES.md v8's best, measured in the same run
         torch._inductor.config.coordinate_descent_tuning = True

@@ -513,7 +513,7 @@ def load_hf(path: Path, device, dtype):
 
 # -- 8B roofline --------------------------------------------------------------------------------------
 LLAMA_8B_DIMS = dict(vocab=128256, d=4096, ffn=14336, layers=32, heads=32, kv=8, hd=128)
-SMOKE_DIMS = dict(vocab=512, d=64, ffn=128, layers=8, heads=4, kv=2, hd=16)
+SMOKE_DIMS = dict(vocab=512, d=64, ffn=128, layers=8, heads=2, kv=1, hd=32)  # hd 32: the tensor-core tiles
 
 
 def random_target(dims: dict, device, dtype) -> LlamaModel:

@@ -58,10 +58,12 @@ def test_verify_step_matches_the_modules(family, tmp_path):
 
 
 def test_speculative_decoding_through_fused_steps_and_verifies_is_vanilla_greedy(tmp_path):
+    """One target serving both decoders: one-token steps on the fused decode kernels, verifies on the fused verify
+    kernels; both give vanilla greedy's tokens."""
     ckpt = make_checkpoint("llama", tmp_path, seed=7, num_hidden_layers=7, **WIDE_HEADS)
     tgt = load_target(ckpt, device="cpu", dtype=torch.float32)
     tgt.set_taps(TapContract.default(tgt.num_layers))
-    draft, _ = make_draft(ckpt, taps=tgt.taps, seed=14, scale=1.0)
+    draft, _ = make_draft(ckpt, taps=tgt.taps, seed=14, scale=1.0)  # a seed whose random draft gets hits
     draft.load_target_embedding(target_embedding(tgt))
     ft = FastTarget(copy.deepcopy(tgt.model), 64, taps=tgt.taps.layers, fuse=True, fused_decode=True, fused_verify=True)
     prompt, n = [3, 17, 5, 40, 22, 9, 11], 12

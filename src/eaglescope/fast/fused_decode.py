@@ -173,6 +173,7 @@ if triton is not None:
         tl.store(part_l + row * NS + sp, tl.sum(p, axis=0))
         tl.store(part_acc + (row * NS + sp) * D + d, tl.sum(p[:, None] * vb, axis=0))
         # acq_rel: the other splits' partials are visible to whichever program sees the last count
+        tl.debug_barrier()  # every warp's partial stores land before the counter says so
         if tl.atomic_add(count + row, 1) == NS - 1:
             ss = tl.arange(0, NS_P2)
             ok = ss < NS
@@ -214,6 +215,7 @@ if triton is not None:
         acc = tl.dot(p.to(vb.dtype), vb, input_precision="ieee")
         tl.store(part_acc + (row * NS + sp)[:, None] * D + d[None, :], acc, mask=ok_i[:, None])
         counter = count + g * tl.cdiv(T * rep, BR) + rb
+        tl.debug_barrier()  # every warp's partial stores land before the counter says so
         if tl.atomic_add(counter, 1) == NS - 1:
             top = tl.full((BR,), float("-inf"), tl.float32)
             for j in range(0, NS):
@@ -297,7 +299,9 @@ def fused_attention(
     part_m, part_l, part_acc, count = scratch if scratch is not None else attention_scratch(T, H, D, S, q.device)
     # a bool mask goes in as it is: Triton loads torch.bool as bytes (a uint8 view is not traceable by inductor)
     # one layer of the cache is contiguous already; q is a few KB: canonical strides keep the compiled call simple
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v, mask = q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous()
+    if out.stride(-1) != 1:
+        raise ValueError("fused_attention writes rows of unit stride: pass a contiguous `out`")
     rep = H // Hkv
     if T == 1 or D < 16:  # one row: a program per head; tensor cores need 16 rows and 16-wide heads
         _attend_kernel[(H, NS, T)](q, k, v, mask, out, part_m, part_l, part_acc, count, S, NS, H, rep, D**-0.5,

@@ -83,6 +83,7 @@ if triton is not None:
         last = True
         if SPLITS > 1:
             tl.store(part + (pid_s * BM + t[:, None]) * N + cols[None, :], acc, mask=ok)
+            tl.debug_barrier()  # every warp's partial stores land before the counter says so
             last = tl.atomic_add(count + pid_n, 1) == SPLITS - 1
         if last:
             if SPLITS > 1:

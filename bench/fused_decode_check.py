@@ -97,6 +97,32 @@ def sweep(fd: FusedDecode, device, ctx: int, smoke: bool, copy_gbs: float) -> di
     return out
 
 
+def sweep_verify(ft: FastTarget, ctx: int, vocab: int, smoke: bool) -> dict:
+    """Coordinate descent over the fused verify kernels' blocks: each kernel's candidates timed through the whole
+    64-token verify (graph), the best kept before the next kernel is tried."""
+    fv = ft.fused_rows
+    grid_v = [(16, 64, 4), (32, 64, 4), (64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8)]
+    T = 4 if smoke else 64
+    out: dict = {}
+    for name in ("qkv", "o", "gate_up", "down", "lm_head"):
+        rows = []
+        for blocks in grid_v[:2] if smoke else grid_v:
+            if name == "qkv" and (ft.model.args.head_dim // 2) % blocks[0]:
+                continue
+            fv.blocks[name] = blocks
+            try:
+                ms = verify_ms(ft, ctx, vocab, sizes=(T,))[T]
+            except Exception as e:  # a shape that does not compile (registers, shared memory): skip it
+                rows.append({"blocks": blocks, "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            rows.append({"blocks": blocks, "verify_ms": round(ms, 4)})
+        best = min((r for r in rows if "verify_ms" in r), key=lambda r: r["verify_ms"])
+        fv.blocks[name] = tuple(best["blocks"])
+        out[name] = {"best": best, "all": rows}
+        print("verify sweep", name, json.dumps(best), flush=True)
+    return out
+
+
 def step_ms(ft: FastTarget, prompt: list[int], ctx: int) -> float:
     van = FastVanilla(ft, 64)
     van.generate(prompt, 16)  # captures the graph
@@ -111,6 +137,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model, float32 (CPU: TRITON_INTERPRET=1)")
     ap.add_argument("--no-compiled", action="store_true", help="skip the compiled-layers comparison")
     ap.add_argument("--no-sweep", action="store_true", help="the default blocks only")
+    ap.add_argument("--sweep-verify", action="store_true", help="also sweep the fused verify kernels' blocks")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -210,6 +237,10 @@ def main() -> int:
                 "argmax_same_rows": int((got.argmax(-1) == want.argmax(-1)).sum()),
                 "rows": T,
             }
+        if args.sweep_verify:
+            res["verify_sweep"] = sweep_verify(ft3, ctx, a.vocab_size, args.smoke)
+            res["verify_best_blocks"] = dict(ft3.fused_rows.blocks)
+            save()
         v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
         res["verify_ms_fused_verify"] = {str(t): round(x, 4) for t, x in v.items()}
         res["verify_cost_ratio_fused_verify"] = {str(t): round(x / v[1], 4) for t, x in v.items()}

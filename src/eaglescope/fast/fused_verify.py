@@ -215,8 +215,10 @@ class FusedVerify:
         k_slice = triton.cdiv(triton.cdiv(K, bk), splits) * bk
         splits = triton.cdiv(K, k_slice)
         BM = max(16, triton.next_power_of_2(T))
-        if splits > 1 and (splits * BM * N > self.part.numel() or tiles > self.count.numel()):
-            raise ValueError(f"{name}: split-K scratch too small for {splits} x {BM} x {N}")
+        if splits > 1 and splits * BM * N > self.part.numel():  # blocks changed since __init__ (a sweep)
+            self.part = torch.zeros(splits * BM * N, device=x.device, dtype=torch.float32)
+        if splits > 1 and tiles > self.count.numel():
+            self.count = torch.zeros(tiles, device=x.device, dtype=torch.int32)
         nw, eps = (norm.weight, norm.eps) if norm is not None else (weight, 0.0)
         _rows_linear_kernel[(tiles, splits)](x, nw, weight, bias if bias is not None else weight, y, self.part,
                                              self.count, T, N, eps, K=K, K_SLICE=k_slice, SPLITS=splits,

@@ -7,6 +7,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 from drafts import make_draft  # noqa: E402
@@ -19,11 +21,47 @@ from eaglescope.fast import invariant as inv  # noqa: E402
 from eaglescope.fast.fused_verify import MAX_ROWS, FusedVerify  # noqa: E402
 from eaglescope.taps import TapContract  # noqa: E402
 from eaglescope.target import load_target  # noqa: E402
-from eaglescope.target.llama import fuse_projections  # noqa: E402
+from eaglescope.target.llama import RMSNorm, fuse_projections  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not inv.available("cpu"), reason="needs TRITON_INTERPRET=1 on a CPU-only machine")
 
 WIDE_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)  # head_dim 32: tensor-core tiles need D/2 >= 16
+
+
+@pytest.fixture(scope="module")
+def tiny_verify(tmp_path_factory):
+    ckpt = make_checkpoint("llama", tmp_path_factory.mktemp("fv"), num_hidden_layers=2, **WIDE_HEADS)
+    model = fuse_projections(load_target(ckpt, device="cpu", dtype=torch.float32).model)
+    return FusedVerify(model, FastTarget(model, size=16).cache)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    T=st.integers(2, 20),
+    n=st.integers(1, 150),
+    k=st.integers(16, 300),
+    bn=st.sampled_from([16, 32]),
+    bk=st.sampled_from([16, 32]),
+    norm=st.booleans(),
+    bias=st.booleans(),
+    residual=st.booleans(),
+    seed=st.integers(0, 99),
+)
+def test_row_products_match_the_modules(tiny_verify, T, n, k, bn, bk, norm, bias, residual, seed):
+    """Partial row, column and K tiles; without a norm the reduction is split over K (up to 4 slices here) and the
+    last slice of each column tile adds them: out = [res +] W @ [RMSNorm](x) [+ b]."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(T, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    rms = RMSNorm(k, 1e-5)
+    rms.weight.data = torch.randn(k, generator=g)
+    res = torch.randn(T, n, generator=g)
+    want = torch.nn.functional.linear(rms(x) if norm else x, w, b) + (res if residual else 0)
+    y = res.clone() if residual else torch.zeros(T, n)
+    tiny_verify.blocks["o"] = (bn, bk, 1)
+    tiny_verify._linear("o", x, w, b, y, T, norm=rms if norm else None, residual=residual)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=2e-4)
+    assert not tiny_verify.count.any()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -42,6 +42,13 @@ DEFAULT_BLOCKS = {  # the fastest of the sweep at 8B on an H200 (bench/results/f
 ATTN_BLOCK = 64
 
 
+def logits_dtype(model: LlamaModel) -> torch.dtype:
+    """What the model's lm_head returns: float32 for a Float32Logits head, else the weights' dtype."""
+    from eaglescope.fast.engine import Float32Logits  # engine imports this module lazily: no cycle
+
+    return torch.float32 if isinstance(model.lm_head, Float32Logits) else model.lm_head.weight.dtype
+
+
 def fused_decode_supported(model: nn.Module, device: torch.device | str) -> str | None:
     """None if FusedDecode can run `model` on `device`, else why not (one line)."""
     if not isinstance(model, LlamaModel):
@@ -346,7 +353,7 @@ class FusedDecode:
         self.act = torch.zeros(a.intermediate_size, device=dev, dtype=dt)
         self.attn_splits = attention_splits(cache.size)[1]
         self.scratch = attention_scratch(1, a.num_heads, a.head_dim, cache.size, dev)
-        self.logits_dtype = torch.float32 if type(model.lm_head).__name__ == "Float32Logits" else w.dtype
+        self.logits_dtype = logits_dtype(model)
 
     # one launch each, so bench/fused_decode_check.py can time every product over all layers on its own
     def qkv(self, i: int, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor) -> None:

@@ -22,7 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from eaglescope.fast.fused_decode import attention_scratch, fused_attention, fused_decode_supported, triton
+from eaglescope.fast.fused_decode import (
+    attention_scratch,
+    fused_attention,
+    fused_decode_supported,
+    logits_dtype,
+    triton,
+)
 from eaglescope.target.llama import LlamaModel
 
 if triton is not None:
@@ -201,7 +207,7 @@ class FusedVerify:
             need, tiles_max = max(need, _splits(tiles, K, bk) * R * H), max(tiles_max, tiles)
         self.part = torch.zeros(need, device=dev, dtype=torch.float32)
         self.count = torch.zeros(tiles_max, device=dev, dtype=torch.int32)
-        self.logits_dtype = torch.float32 if type(model.lm_head).__name__ == "Float32Logits" else w.dtype
+        self.logits_dtype = logits_dtype(model)
 
     @staticmethod
     def supports_rows(T: int) -> bool:

@@ -101,7 +101,18 @@ def sweep_verify(ft: FastTarget, ctx: int, vocab: int, smoke: bool) -> dict:
     """Coordinate descent over the fused verify kernels' blocks: each kernel's candidates timed through the whole
     64-token verify (graph), the best kept before the next kernel is tried."""
     fv = ft.fused_rows
-    grid_v = [(16, 64, 4), (32, 64, 4), (64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8)]
+    grid_v = [
+        (16, 64, 4, 3),
+        (32, 64, 4, 3),
+        (64, 64, 4, 3),
+        (32, 128, 4, 3),
+        (64, 128, 8, 3),
+        (128, 64, 8, 3),
+        (32, 64, 4, 5),
+        (64, 64, 4, 5),
+        (32, 128, 4, 4),
+        (64, 128, 4, 4),
+    ]
     T = 4 if smoke else 64
     out: dict = {}
     for name in ("qkv", "o", "gate_up", "down", "lm_head"):

@@ -58,7 +58,7 @@ def test_row_products_match_the_modules(tiny_verify, T, n, k, bn, bk, norm, bias
     res = torch.randn(T, n, generator=g)
     want = torch.nn.functional.linear(rms(x) if norm else x, w, b) + (res if residual else 0)
     y = res.clone() if residual else torch.zeros(T, n)
-    tiny_verify.blocks["o"] = (bn, bk, 1)
+    tiny_verify.blocks["o"] = (bn, bk, 1, 2)
     tiny_verify._linear("o", x, w, b, y, T, norm=rms if norm else None, residual=residual)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=2e-4)
     assert not tiny_verify.count.any()
@@ -71,7 +71,7 @@ def test_verify_step_matches_the_modules(family, tmp_path):
     ckpt = make_checkpoint(family, tmp_path, seed=3, num_hidden_layers=3, **WIDE_HEADS)
     model = fuse_projections(copy.deepcopy(load_target(ckpt, device="cpu", dtype=torch.float32).model))
     ft = FastTarget(model, size=150, taps=(0, 2), float32_logits=True)
-    fv = FusedVerify(model, ft.cache, taps=(0, 2), blocks={"down": (16, 16, 1), "o": (16, 16, 1)})
+    fv = FusedVerify(model, ft.cache, taps=(0, 2), blocks={"down": (16, 16, 1, 2), "o": (16, 16, 1, 2)})
     P, T = 6, 5
     ft.prefill(torch.arange(3, 3 + P))
     slots, pos = torch.tensor([P, P + 1, 70, 71, 131]), torch.tensor([P, P + 1, P + 1, P + 2, P + 3])

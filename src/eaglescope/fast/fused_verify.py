@@ -35,14 +35,14 @@ if triton is not None:
     import triton.language as tl
 
 MAX_ROWS = 64
-# (BLOCK_N, BLOCK_K, num_warps); untimed guesses: wide column tiles so each program's re-read of the T input rows
-# from L2 stays below its weight traffic
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); untimed guesses: wide column tiles so each program's re-read of the T
+# input rows from L2 stays below its weight traffic; deeper pipelines because every tile is a fresh weight stream
 ROW_BLOCKS = {
-    "qkv": (16, 64, 4),
-    "o": (64, 64, 4),
-    "gate_up": (32, 64, 4),
-    "down": (64, 64, 4),
-    "lm_head": (128, 64, 8),
+    "qkv": (16, 64, 4, 3),
+    "o": (64, 64, 4, 3),
+    "gate_up": (32, 64, 4, 3),
+    "down": (64, 64, 4, 3),
+    "lm_head": (128, 64, 8, 3),
 }
 SPLIT_PROGRAMS = 256
 
@@ -202,7 +202,7 @@ class FusedVerify:
         self.scratch = attention_scratch(R, a.num_heads, a.head_dim, cache.size, dev)
         need, tiles_max = 1, 1  # split-K scratch of the o and down products (the only split ones)
         for name, K in (("o", nq), ("down", a.intermediate_size)):
-            bn, bk, _ = self.blocks[name]
+            bn, bk = self.blocks[name][:2]
             tiles = triton.cdiv(H, bn)
             need, tiles_max = max(need, _splits(tiles, K, bk) * R * H), max(tiles_max, tiles)
         self.part = torch.zeros(need, device=dev, dtype=torch.float32)
@@ -214,7 +214,7 @@ class FusedVerify:
         return 2 <= T <= MAX_ROWS
 
     def _linear(self, name: str, x, weight, bias, y, T: int, norm=None, residual: bool = False) -> None:
-        bn, bk, warps = self.blocks[name]
+        bn, bk, warps, stages = self.blocks[name]
         N, K = weight.shape
         tiles = triton.cdiv(N, bn)
         splits = 1 if norm is not None else _splits(tiles, K, bk)
@@ -229,7 +229,8 @@ class FusedVerify:
         _rows_linear_kernel[(tiles, splits)](x, nw, weight, bias if bias is not None else weight, y, self.part,
                                              self.count, T, N, eps, K=K, K_SLICE=k_slice, SPLITS=splits,
                                              NORM=norm is not None, HAS_BIAS=bias is not None, RESIDUAL=residual,
-                                             BM=BM, BN=bn, BK=bk, num_warps=warps)  # fmt: skip
+                                             BM=BM, BN=bn, BK=bk, num_warps=warps,
+                                             num_stages=stages)  # fmt: skip
 
     @torch.inference_mode()
     def __call__(self, tokens, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -247,21 +248,21 @@ class FusedVerify:
             if i in self.taps:
                 captured.append(h.clone())
             norm, qkv = layer.input_layernorm, layer.self_attn.qkv_proj
-            bn, bk, warps = self.blocks["qkv"]
+            bn, bk, warps, stages = self.blocks["qkv"]
             _rows_qkv_kernel[((a.num_heads + 2 * a.num_kv_heads) * (D // 2 // bn),)](
                 h, norm.weight, qkv.weight, qkv.bias if qkv.bias is not None else qkv.weight, cos, sin, self.q,
                 self.cache.k[i], self.cache.v[i], slots, T, a.num_heads, a.num_kv_heads, S, norm.eps, K=a.hidden_size,
-                HAS_BIAS=qkv.bias is not None, D=D, BM=BM, BN=bn, BK=bk, num_warps=warps,
+                HAS_BIAS=qkv.bias is not None, D=D, BM=BM, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
             )  # fmt: skip
             fused_attention(self.q[:T].view(T, a.num_heads, D), self.cache.k[i, 0], self.cache.v[i, 0], mask,
                             self.attn[:T].view(T, a.num_heads, D), self.scratch)  # fmt: skip
             o = layer.self_attn.o_proj
             self._linear("o", self.attn, o.weight, o.bias, h, T, residual=True)
             norm, gu, F = layer.post_attention_layernorm, layer.mlp.gate_up_proj, a.intermediate_size
-            bn, bk, warps = self.blocks["gate_up"]
+            bn, bk, warps, stages = self.blocks["gate_up"]
             _rows_gate_up_kernel[(triton.cdiv(F, bn),)](
                 h, norm.weight, gu.weight, gu.bias if gu.bias is not None else gu.weight, self.act, T, F, norm.eps,
-                K=a.hidden_size, HAS_BIAS=gu.bias is not None, BM=BM, BN=bn, BK=bk, num_warps=warps,
+                K=a.hidden_size, HAS_BIAS=gu.bias is not None, BM=BM, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
             )  # fmt: skip
             down = layer.mlp.down_proj
             self._linear("down", self.act, down.weight, down.bias, h, T, residual=True)

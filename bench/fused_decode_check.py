@@ -101,26 +101,16 @@ def sweep_verify(ft: FastTarget, ctx: int, vocab: int, smoke: bool) -> dict:
     """Coordinate descent over the fused verify kernels' blocks: each kernel's candidates timed through the whole
     64-token verify (graph), the best kept before the next kernel is tried."""
     fv = ft.fused_rows
-    grid_v = [
-        (16, 64, 4, 3),
-        (32, 64, 4, 3),
-        (64, 64, 4, 3),
-        (32, 128, 4, 3),
-        (64, 128, 8, 3),
-        (128, 64, 8, 3),
-        (32, 64, 4, 5),
-        (64, 64, 4, 5),
-        (32, 128, 4, 4),
-        (64, 128, 4, 4),
-    ]
+    grid_v = [(32, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 8, 5),
+              (128, 128, 8, 3), (32, 128, 4, 4)]  # fmt: skip
     T = 4 if smoke else 64
     out: dict = {}
     for name in ("qkv", "o", "gate_up", "down", "lm_head"):
-        rows = []
-        for blocks in grid_v[:2] if smoke else grid_v:
+        rows, start = [], fv.blocks[name]
+        for blocks in [start] + [b for b in (grid_v[:1] if smoke else grid_v) if b != start]:
             if name == "qkv" and (ft.model.args.head_dim // 2) % blocks[0]:
                 continue
-            fv.blocks[name] = blocks
+            fv.set_blocks(name, blocks)
             try:
                 ms = verify_ms(ft, ctx, vocab, sizes=(T,))[T]
             except Exception as e:  # a shape that does not compile (registers, shared memory): skip it
@@ -128,9 +118,50 @@ def sweep_verify(ft: FastTarget, ctx: int, vocab: int, smoke: bool) -> dict:
                 continue
             rows.append({"blocks": blocks, "verify_ms": round(ms, 4)})
         best = min((r for r in rows if "verify_ms" in r), key=lambda r: r["verify_ms"])
-        fv.blocks[name] = tuple(best["blocks"])
+        fv.set_blocks(name, best["blocks"])
         out[name] = {"best": best, "all": rows}
         print("verify sweep", name, json.dumps(best), flush=True)
+    return out
+
+
+def verify_products(fv, device, copy_gbs: float, T: int) -> dict:
+    """Each fused verify product alone at T rows (one graph of 32 launches, as per step) against cuBLAS's product of
+    the same shape: ms per launch and weight bytes / time as a fraction of copy."""
+    a = fv.args
+    D, H, ffn, L = a.head_dim, a.hidden_size, a.intermediate_size, len(fv.model.model.layers)
+    layer = fv.model.model.layers[0]
+    nqkv = (a.num_heads + 2 * a.num_kv_heads) * D
+    rows = torch.arange(T, device=device)
+    cos, sin = torch.ones(T, D, device=device, dtype=fv.h.dtype), torch.zeros(T, D, device=device, dtype=fv.h.dtype)
+    x_h, x_f = torch.randn(T, H, device=device, dtype=fv.h.dtype), torch.randn(T, ffn, device=device, dtype=fv.h.dtype)
+    y_h = torch.zeros(T, H, device=device, dtype=fv.h.dtype)
+    logits = torch.zeros(T, a.vocab_size, device=device, dtype=torch.float32)
+    rope = dict(cos=cos, sin=sin, kc=fv.cache.k[0], vc=fv.cache.v[0], slots=rows)
+    cases = {
+        "qkv": (layer.self_attn.qkv_proj.weight, x_h, lambda: fv._product("qkv", x_h, layer.self_attn.qkv_proj.weight,
+                                                                          None, fv.q, T, nqkv, **rope)),
+        "o": (layer.self_attn.o_proj.weight, x_h, lambda: fv._product("o", x_h, layer.self_attn.o_proj.weight, None,
+                                                                      y_h, T, H)),
+        "gate_up": (layer.mlp.gate_up_proj.weight, x_h, lambda: fv._product("gate_up", x_h,
+                                                                            layer.mlp.gate_up_proj.weight, None,
+                                                                            fv.act, T, ffn)),
+        "down": (layer.mlp.down_proj.weight, x_f, lambda: fv._product("down", x_f, layer.mlp.down_proj.weight, None,
+                                                                      y_h, T, H)),
+        "lm_head": (fv.model.lm_head.weight, x_h, lambda: fv._product("lm_head", x_h, fv.model.lm_head.weight, None,
+                                                                      logits, T, a.vocab_size)),
+    }  # fmt: skip
+    out = {}
+    for name, (w, x, run) in cases.items():
+        reps = 1 if name == "lm_head" else L
+        ms = graphed_ms(lambda run=run, reps=reps: [run() for _ in range(reps)], device, 20) / reps
+        ref = graphed_ms(lambda w=w, x=x, reps=reps: [F.linear(x, w) for _ in range(reps)], device, 20) / reps
+        of = lambda t, w=w: round(w.nbytes / t / 1e6 / copy_gbs, 4)  # noqa: E731
+        out[name] = {"fused_ms": round(ms, 4), "cublas_ms": round(ref, 4), "fused_of_copy": of(ms),
+                     "cublas_of_copy": of(ref), "blocks": fv.blocks[name]}  # fmt: skip
+        print("verify product", name, json.dumps(out[name]), flush=True)
+    with torch.inference_mode():
+        norm = layer.input_layernorm
+        out["rmsnorm_ms"] = round(graphed_ms(lambda: [fv._norm(norm, x_h, T) for _ in range(L)], device, 20) / L, 4)
     return out
 
 
@@ -215,7 +246,7 @@ def main() -> int:
     # verify costs: one token on the fused kernels, T tokens on the modules (compiled layers), with attention as
     # products and with the fused attention kernel
     sizes = (1, 8, 16, 24, 32, 64, 128) if not args.smoke else (1, 4)
-    for impl in ("matmul", "fused"):
+    for impl in ("matmul",) if args.no_compiled else ("matmul", "fused"):
         torch._dynamo.reset()
         set_attention(model, impl)
         if device.type == "cuda":
@@ -248,14 +279,30 @@ def main() -> int:
                 "argmax_same_rows": int((got.argmax(-1) == want.argmax(-1)).sum()),
                 "rows": T,
             }
+        fv = ft3.fused_rows
+        res["verify_products"] = verify_products(fv, device, res["copy_bandwidth_gbs"], 4 if args.smoke else 64)
+        save()
         if args.sweep_verify:
             res["verify_sweep"] = sweep_verify(ft3, ctx, a.vocab_size, args.smoke)
-            res["verify_best_blocks"] = dict(ft3.fused_rows.blocks)
+            res["verify_best_blocks"] = dict(fv.blocks)
+            res["verify_products_best"] = verify_products(
+                fv, device, res["copy_bandwidth_gbs"], 4 if args.smoke else 64
+            )
             save()
-        v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
+        best = None
+        for attention in ("fused", "matmul"):  # the attention inside the fused verify: the grouped kernel or products
+            fv.attention = attention
+            v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
+            res[f"verify_ms_fused_verify_{attention}_attention"] = {str(t): round(x, 4) for t, x in v.items()}
+            print(f"verify, fused verify kernels, {attention} attention",
+                  json.dumps({t: round(x / v[1], 4) for t, x in v.items()}), json.dumps(v), flush=True)  # fmt: skip
+            if best is None or v[sizes[-2]] < best[1][sizes[-2]]:
+                best = (attention, v)
+        attention, v = best
+        res["verify_attention"] = attention
         res["verify_ms_fused_verify"] = {str(t): round(x, 4) for t, x in v.items()}
         res["verify_cost_ratio_fused_verify"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
-        print("verify, fused verify kernels", json.dumps(res["fused_verify_vs_modules"]),
+        print("verify, fused verify kernels", json.dumps(res["fused_verify_vs_modules"]), attention,
               json.dumps(res["verify_cost_ratio_fused_verify"]), json.dumps(res["verify_ms_fused_verify"]),
               flush=True)  # fmt: skip
         save()

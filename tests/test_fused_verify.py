@@ -42,36 +42,51 @@ def tiny_verify(tmp_path_factory):
     k=st.integers(16, 300),
     bn=st.sampled_from([16, 32]),
     bk=st.sampled_from([16, 32]),
-    norm=st.booleans(),
     bias=st.booleans(),
-    residual=st.booleans(),
+    name=st.sampled_from(["o", "lm_head", "gate_up"]),
     seed=st.integers(0, 99),
 )
-def test_row_products_match_the_modules(tiny_verify, T, n, k, bn, bk, norm, bias, residual, seed):
-    """Partial row, column and K tiles; without a norm the reduction is split over K (up to 4 slices here) and the
-    last slice of each column tile adds them: out = [res +] W @ [RMSNorm](x) [+ b]."""
+def test_row_products_match_the_modules(tiny_verify, T, n, k, bn, bk, bias, name, seed):
+    """Partial row, column and K tiles, the reduction split over K (up to 4 slices here) and added by the last slice
+    of each column tile, then each epilogue: o (residual) y = res + x @ W.T + b; lm_head (plain) y = x @ W.T;
+    gate_up y = SiLU(x @ Wg.T + bg) * (x @ Wu.T + bu)."""
     g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(T, k, generator=g), torch.randn(n, k, generator=g)
-    b = torch.randn(n, generator=g) if bias else None
-    rms = RMSNorm(k, 1e-5)
-    rms.weight.data = torch.randn(k, generator=g)
+    rows = 2 * n if name == "gate_up" else n
+    x, w = torch.randn(T, k, generator=g), torch.randn(rows, k, generator=g)
+    b = torch.randn(rows, generator=g) if bias and name != "lm_head" else None
     res = torch.randn(T, n, generator=g)
-    want = torch.nn.functional.linear(rms(x) if norm else x, w, b) + (res if residual else 0)
-    y = res.clone() if residual else torch.zeros(T, n)
-    tiny_verify.blocks["o"] = (bn, bk, 1, 2)
-    tiny_verify._linear("o", x, w, b, y, T, norm=rms if norm else None, residual=residual)
+    prod = torch.nn.functional.linear(x, w, b)
+    if name == "gate_up":
+        want = torch.nn.functional.silu(prod[:, :n]) * prod[:, n:]
+    else:
+        want = res + prod if name == "o" else prod
+    y = res.clone()
+    tiny_verify.set_blocks(name, (bn, bk, 1, 2))
+    tiles, splits, _ = tiny_verify._geometry(name, n, k)
+    tiny_verify._product(name, x, w, b, y, T, n)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=2e-4)
     assert not tiny_verify.count.any()
+    assert splits > 1 or k < 4 * bk * 2 or tiles * 2 > 264  # the split path is exercised
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_verify_step_matches_the_modules(family, tmp_path):
-    """Five tree rows at scattered slots with their own ancestor masks, over three attention splits; the down product
-    split in two K-slices (combined by the last one): the modules' logits, taps and cache writes."""
+def test_rmsnorm_rows_match_the_module(tiny_verify):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, tiny_verify.args.hidden_size, generator=g) * 3
+    rms = RMSNorm(x.shape[1], 1e-6)
+    rms.weight.data = torch.randn(x.shape[1], generator=g)
+    torch.testing.assert_close(tiny_verify._norm(rms, x, 7)[:7], rms(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("family,attention", [("llama", "fused"), ("qwen2", "fused"), ("llama", "matmul")])
+def test_verify_step_matches_the_modules(family, attention, tmp_path):
+    """Five tree rows at scattered slots with their own ancestor masks, over three attention splits (or as products);
+    the products split over K (combined by the last slice): the modules' logits, taps and cache writes."""
     ckpt = make_checkpoint(family, tmp_path, seed=3, num_hidden_layers=3, **WIDE_HEADS)
     model = fuse_projections(copy.deepcopy(load_target(ckpt, device="cpu", dtype=torch.float32).model))
     ft = FastTarget(model, size=150, taps=(0, 2), float32_logits=True)
-    fv = FusedVerify(model, ft.cache, taps=(0, 2), blocks={"down": (16, 16, 1, 2), "o": (16, 16, 1, 2)})
+    fv = FusedVerify(
+        model, ft.cache, taps=(0, 2), blocks={"down": (16, 16, 1, 2), "o": (16, 16, 1, 2)}, attention=attention
+    )
     P, T = 6, 5
     ft.prefill(torch.arange(3, 3 + P))
     slots, pos = torch.tensor([P, P + 1, 70, 71, 131]), torch.tensor([P, P + 1, P + 1, P + 2, P + 3])

@@ -5,17 +5,15 @@ compiled layers takes 5.7-5.9 ms (1.36-1.40x): ~1 ms of it is the small kernels 
 same overhead the fused step removed (bench/NOTES.md v10). Here the products run as tl.dot tiles of all T rows
 against BLOCK_N weight rows, carrying the same neighbours:
 
-- qkv:     the RMSNorm folded in (the tile multiplies x by the norm weight, sums x^2 on the way, and scales the
-           product rows by 1/RMS at the end), bias, RoPE per row and the cache write at each row's slot;
-- attend:  fast.fused_decode.fused_attention (K/V blocks loaded once per kv group);
-- o, down: split-K (the weights are only 4096 rows), the last slice of a column tile to finish adds the slices in
-           a fixed order and does the residual add;
-- gate/up: norm folded, SiLU(gate) * up;
-- lm_head: norm folded.
-
-The folded norm rounds differently from the modules (x * weight in the model dtype, then the float32 product
-scaled), which is fine for the vendor-kernel class of paths this serves, not for the batch-invariant one.
-Written and CPU-tested (Triton's interpreter), not yet timed on a GPU: see bench/NOTES.md v13.
+- every product is one kernel: tensor-core tiles with no K mask (the loads stay vectorised), cut over K when it
+  has few column tiles, the last slice of a column tile to finish adding the slices in order (a counter per tile);
+- qkv:     bias, RoPE per row and the cache write at each row's slot in the epilogue;
+- attend:  fast.fused_decode.fused_attention (K/V blocks loaded once per kv group), or two products and a softmax;
+- o, down: the residual add in the epilogue;
+- gate/up: SiLU(gate) * up in the epilogue;
+- RMSNorm: one small kernel per norm, with the module's roundings. v13 folded it into the products (x * norm weight
+  per tile), which took the input tiles through registers and stalled the pipeline: 6.7 ms for 64 tokens, slower
+  than the compiled modules (bench/NOTES.md v13-v14).
 """
 
 from __future__ import annotations
@@ -29,143 +27,136 @@ from eaglescope.fast.fused_decode import (
     logits_dtype,
     triton,
 )
-from eaglescope.target.llama import LlamaModel
+from eaglescope.target.llama import LlamaModel, attend
 
 if triton is not None:
     import triton.language as tl
 
 MAX_ROWS = 64
-# (BLOCK_N, BLOCK_K, num_warps, num_stages); untimed guesses: wide column tiles so each program's re-read of the T
-# input rows from L2 stays below its weight traffic; deeper pipelines because every tile is a fresh weight stream
+# (BLOCK_N, BLOCK_K, num_warps, num_stages), from the 64-token sweep at 8B (fused-decode-check-20261129T143607.json
+# for v13's kernels); BLOCK_N counts row pairs for qkv (j, j + D/2) and gate_up (j, F + j)
 ROW_BLOCKS = {
-    "qkv": (16, 64, 4, 3),
-    "o": (64, 64, 4, 3),
-    "gate_up": (32, 64, 4, 3),
-    "down": (64, 64, 4, 3),
+    "qkv": (32, 64, 4, 4),
+    "o": (64, 128, 8, 3),
+    "gate_up": (64, 64, 4, 4),
+    "down": (64, 64, 4, 4),
     "lm_head": (128, 64, 8, 3),
 }
-SPLIT_PROGRAMS = 256
+# ~2 waves of 132 SMs: products with few column tiles (all but lm_head at 8B) are cut over K to get there
+SPLIT_PROGRAMS = 264
+# each product's epilogue (the kernel's MODE)
+EPILOGUE = {"qkv": "qkv", "o": "residual", "gate_up": "gate_up", "down": "residual", "lm_head": "plain"}
 
 if triton is not None:
 
     @triton.jit
-    def _rows_tiles(x, nw, w, t, ok_t, rows_a, rows_b, ok_n, k_lo, k_hi, K: tl.constexpr, NORM: tl.constexpr,
-                    PAIR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-        """in[t, k_lo:k_hi] @ W[rows_a].T (and W[rows_b].T when PAIR) on tensor cores, in = x * norm weight when
-        NORM; also the sum of x^2 of each row over the same range (for the folded RMSNorm)."""
-        acc_a = tl.zeros((BM, BN), tl.float32)
-        acc_b = tl.zeros((BM, BN), tl.float32)
-        ss = tl.zeros((BM,), tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
-            kk = k0 + tl.arange(0, BK)
-            in_k = kk < k_hi
-            xs = tl.load(x + t[:, None] * K + kk[None, :], mask=ok_t[:, None] & in_k[None, :], other=0.0)
-            if NORM:
-                xf = xs.to(tl.float32)
-                ss += tl.sum(xf * xf, axis=1)
-                xs = (xf * tl.load(nw + kk, mask=in_k, other=0.0).to(tl.float32)[None, :]).to(xs.dtype)
-            wa = tl.load(w + rows_a[:, None] * K + kk[None, :], mask=ok_n[:, None] & in_k[None, :], other=0.0)
-            acc_a += tl.dot(xs, tl.trans(wa), input_precision="ieee")
-            if PAIR:
-                wb = tl.load(w + rows_b[:, None] * K + kk[None, :], mask=ok_n[:, None] & in_k[None, :], other=0.0)
-                acc_b += tl.dot(xs, tl.trans(wb), input_precision="ieee")
-        return acc_a, acc_b, ss
+    def _rows_rmsnorm_kernel(x, nw, y, eps, K: tl.constexpr, KP2: tl.constexpr):
+        """y[t] = RMSNorm(x[t]) with the module's two roundings; one program per row."""
+        t = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, KP2)
+        ok = k < K
+        xs = tl.load(x + t * K + k, mask=ok, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, 0) / K + eps)
+        normed = (xs * rstd).to(y.dtype.element_ty).to(tl.float32)
+        w = tl.load(nw + k, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y + t * K + k, (w * normed).to(y.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rows_linear_kernel(x, nw, w, b, y, part, count, T, N, eps, K: tl.constexpr, K_SLICE: tl.constexpr,
-                            SPLITS: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            RESIDUAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-        """y[t, cols] (+)= in[t] @ W[cols].T (+ bias); K cut into SPLITS slices (not with NORM), whose float32
-        partials the last slice of a column tile to finish adds in slice order (a counter per tile)."""
+    def _rows_gemm_kernel(x, w, b, y, cos, sin, kc, vc, slots, part, count, T, N, n_heads, n_kv, S,
+                          K: tl.constexpr, K_SLICE: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr,
+                          PAIR: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, D: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+        """x[:T] @ W[cols].T on tensor cores, K cut into SPLITS slices whose float32 partials the last slice of a
+        column tile to finish adds in slice order (a counter per tile), then the MODE's epilogue:
+        "plain" y = . (+ b); "residual" y += .; "gate_up" (cols j and N + j, PAIR) y = SiLU(gate) * up;
+        "qkv" (rows j and j + D/2 of a head, PAIR) RoPE on q/k heads, q → y[t, head], k/v → the cache at slots[t]."""
+        HALF: tl.constexpr = D // 2
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         t = tl.arange(0, BM)
         ok_t = t < T
-        cols = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-        ok_n = cols < N
+        if MODE == "qkv":
+            head = pid_n // (HALF // BN)
+            j = (pid_n % (HALF // BN)) * BN + tl.arange(0, BN)
+            rows_a = (head * D + j).to(tl.int64)
+            rows_b = rows_a + HALF
+            ok_n = j >= 0
+        else:
+            j = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+            rows_a, rows_b = j, j + N
+            ok_n = j < N
         k_lo = pid_s * K_SLICE
-        acc, _, ss = _rows_tiles(x, nw, w, t, ok_t, cols, cols, ok_n, k_lo, tl.minimum(k_lo + K_SLICE, K), K, NORM,
-                                 False, BM, BN, BK)  # fmt: skip
+        k_hi = tl.minimum(k_lo + K_SLICE, K)
+        acc_a = tl.zeros((BM, BN), tl.float32)
+        acc_b = tl.zeros((BM, BN), tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            kk = k0 + tl.arange(0, BK)
+            if EVEN_K:  # BK divides K and K_SLICE: no K mask, so the loads stay vectorised
+                xs = tl.load(x + t[:, None] * K + kk[None, :], mask=ok_t[:, None], other=0.0)
+                wa = tl.load(w + rows_a[:, None] * K + kk[None, :], mask=ok_n[:, None], other=0.0)
+            else:
+                in_k = kk < k_hi
+                xs = tl.load(x + t[:, None] * K + kk[None, :], mask=ok_t[:, None] & in_k[None, :], other=0.0)
+                wa = tl.load(w + rows_a[:, None] * K + kk[None, :], mask=ok_n[:, None] & in_k[None, :], other=0.0)
+            acc_a += tl.dot(xs, tl.trans(wa))
+            if PAIR:
+                if EVEN_K:
+                    wb = tl.load(w + rows_b[:, None] * K + kk[None, :], mask=ok_n[:, None], other=0.0)
+                else:
+                    wb = tl.load(w + rows_b[:, None] * K + kk[None, :], mask=ok_n[:, None] & in_k[None, :],
+                                 other=0.0)  # fmt: skip
+                acc_b += tl.dot(xs, tl.trans(wb))
         ok = ok_t[:, None] & ok_n[None, :]
         last = True
         if SPLITS > 1:
-            tl.store(part + (pid_s * BM + t[:, None]) * N + cols[None, :], acc, mask=ok)
+            tile = part + (pid_n * SPLITS * 2) * (BM * BN) + t[:, None] * BN + tl.arange(0, BN)[None, :]
+            tl.store(tile + (pid_s * 2) * (BM * BN), acc_a)
+            if PAIR:
+                tl.store(tile + (pid_s * 2 + 1) * (BM * BN), acc_b)
             tl.debug_barrier()  # every warp's partial stores land before the counter says so
             last = tl.atomic_add(count + pid_n, 1) == SPLITS - 1
         if last:
             if SPLITS > 1:
-                acc = tl.zeros((BM, BN), tl.float32)
-                for j in range(0, SPLITS):
-                    acc += tl.load(part + (j * BM + t[:, None]) * N + cols[None, :], mask=ok, other=0.0,
-                                   cache_modifier=".cg")  # fmt: skip
+                acc_a = tl.zeros((BM, BN), tl.float32)
+                acc_b = tl.zeros((BM, BN), tl.float32)
+                for s in range(0, SPLITS):
+                    acc_a += tl.load(tile + (s * 2) * (BM * BN), cache_modifier=".cg")
+                    if PAIR:
+                        acc_b += tl.load(tile + (s * 2 + 1) * (BM * BN), cache_modifier=".cg")
                 tl.store(count + pid_n, 0)
-            if NORM:
-                acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
             if HAS_BIAS:
-                acc += tl.load(b + cols, mask=ok_n, other=0.0).to(tl.float32)[None, :]
-            out = y + t[:, None] * N + cols[None, :]
-            if RESIDUAL:
-                acc = acc.to(y.dtype.element_ty).to(tl.float32) + tl.load(out, mask=ok, other=0.0).to(tl.float32)
-            tl.store(out, acc.to(y.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _rows_qkv_kernel(x, nw, w, b, cos, sin, q, kc, vc, slots, T, n_heads, n_kv, S, eps, K: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr):  # fmt: skip
-        """Program (head, chunk): rows j and j + D/2 of a q, k or v head for all T rows; RoPE at each row's
-        position (not for v), then q → q[t, head], k/v → the cache at slots[t]."""
-        HALF: tl.constexpr = D // 2
-        pid = tl.program_id(0)
-        head = pid // (HALF // BN)
-        j = (pid % (HALF // BN)) * BN + tl.arange(0, BN)
-        t = tl.arange(0, BM)
-        ok_t = t < T
-        rows = (head * D + j).to(tl.int64)
-        lo, hi, ss = _rows_tiles(x, nw, w, t, ok_t, rows, rows + HALF, rows >= 0, 0, K, K, True, True, BM, BN, BK)
-        rstd = (1.0 / tl.sqrt(ss / K + eps))[:, None]
-        lo, hi = lo * rstd, hi * rstd
-        if HAS_BIAS:
-            lo += tl.load(b + rows).to(tl.float32)[None, :]
-            hi += tl.load(b + rows + HALF).to(tl.float32)[None, :]
-        lo = lo.to(q.dtype.element_ty).to(tl.float32)
-        hi = hi.to(q.dtype.element_ty).to(tl.float32)
-        ok = ok_t[:, None] & (j[None, :] >= 0)
-        if head < n_heads + n_kv:  # q and k heads rotate: x * cos + rotate_half(x) * sin
-            at = t[:, None] * D + j[None, :]
-            c_lo = tl.load(cos + at, mask=ok, other=0.0).to(tl.float32)
-            c_hi = tl.load(cos + at + HALF, mask=ok, other=0.0).to(tl.float32)
-            s_lo = tl.load(sin + at, mask=ok, other=0.0).to(tl.float32)
-            s_hi = tl.load(sin + at + HALF, mask=ok, other=0.0).to(tl.float32)
-            lo, hi = lo * c_lo - hi * s_lo, hi * c_hi + lo * s_hi
-        if head < n_heads:
-            dst = q + t[:, None] * (n_heads * D) + head * D + j[None, :]
-        else:
-            slot = tl.load(slots + t, mask=ok_t, other=0).to(tl.int64)
-            if head < n_heads + n_kv:
-                dst = kc + ((head - n_heads) * S + slot[:, None]) * D + j[None, :]
-            else:
-                dst = vc + ((head - n_heads - n_kv) * S + slot[:, None]) * D + j[None, :]
-        tl.store(dst, lo.to(q.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, hi.to(q.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _rows_gate_up_kernel(x, nw, w, b, act, T, F, eps, K: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
-                             BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-        """Columns j of gate and F + j of up for all T rows → act[t, j] = SiLU(gate) * up."""
-        j = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
-        ok_n = j < F
-        t = tl.arange(0, BM)
-        ok_t = t < T
-        gate, up, ss = _rows_tiles(x, nw, w, t, ok_t, j, j + F, ok_n, 0, K, K, True, True, BM, BN, BK)
-        rstd = (1.0 / tl.sqrt(ss / K + eps))[:, None]
-        gate, up = gate * rstd, up * rstd
-        if HAS_BIAS:
-            gate += tl.load(b + j, mask=ok_n, other=0.0).to(tl.float32)[None, :]
-            up += tl.load(b + F + j, mask=ok_n, other=0.0).to(tl.float32)[None, :]
-        gate = gate.to(act.dtype.element_ty).to(tl.float32)
-        up = up.to(act.dtype.element_ty).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(act.dtype.element_ty).to(tl.float32)
-        tl.store(act + t[:, None] * F + j[None, :], (silu * up).to(act.dtype.element_ty),
-                 mask=ok_t[:, None] & ok_n[None, :])  # fmt: skip
+                acc_a += tl.load(b + rows_a, mask=ok_n, other=0.0).to(tl.float32)[None, :]
+                if PAIR:
+                    acc_b += tl.load(b + rows_b, mask=ok_n, other=0.0).to(tl.float32)[None, :]
+            acc_a = acc_a.to(y.dtype.element_ty).to(tl.float32)  # the module's product, in the model dtype
+            if MODE == "plain":
+                tl.store(y + t[:, None] * N + j[None, :], acc_a.to(y.dtype.element_ty), mask=ok)
+            if MODE == "residual":  # as `x + proj(...)`
+                out = y + t[:, None] * N + j[None, :]
+                tl.store(out, (acc_a + tl.load(out, mask=ok, other=0.0).to(tl.float32)).to(y.dtype.element_ty),
+                         mask=ok)  # fmt: skip
+            if MODE == "gate_up":
+                up = acc_b.to(y.dtype.element_ty).to(tl.float32)
+                silu = (acc_a / (1.0 + tl.exp(-acc_a))).to(y.dtype.element_ty).to(tl.float32)
+                tl.store(y + t[:, None] * N + j[None, :], (silu * up).to(y.dtype.element_ty), mask=ok)
+            if MODE == "qkv":
+                lo, hi = acc_a, acc_b.to(y.dtype.element_ty).to(tl.float32)
+                if head < n_heads + n_kv:  # q and k heads rotate: x * cos + rotate_half(x) * sin
+                    at = t[:, None] * D + j[None, :]
+                    c_lo = tl.load(cos + at, mask=ok, other=0.0).to(tl.float32)
+                    c_hi = tl.load(cos + at + HALF, mask=ok, other=0.0).to(tl.float32)
+                    s_lo = tl.load(sin + at, mask=ok, other=0.0).to(tl.float32)
+                    s_hi = tl.load(sin + at + HALF, mask=ok, other=0.0).to(tl.float32)
+                    lo, hi = lo * c_lo - hi * s_lo, hi * c_hi + lo * s_hi
+                if head < n_heads:
+                    dst = y + t[:, None] * (n_heads * D) + head * D + j[None, :]
+                else:
+                    slot = tl.load(slots + t, mask=ok_t, other=0).to(tl.int64)
+                    if head < n_heads + n_kv:
+                        dst = kc + ((head - n_heads) * S + slot[:, None]) * D + j[None, :]
+                    else:
+                        dst = vc + ((head - n_heads - n_kv) * S + slot[:, None]) * D + j[None, :]
+                tl.store(dst, lo.to(y.dtype.element_ty), mask=ok)
+                tl.store(dst + HALF, hi.to(y.dtype.element_ty), mask=ok)
 
 
 def _splits(n_tiles: int, K: int, bk: int) -> int:
@@ -177,14 +168,18 @@ class FusedVerify:
     """T-token steps (2 <= T <= MAX_ROWS) of `model` on `cache` (a fast.SlotCache) through the kernels above.
 
     Call with tokens, positions, slots [T] and mask [T, S] bool → logits [T, V] (the lm_head's dtype), aux
-    [T, n_taps*H] | None; the same contract as FastTarget.run."""
+    [T, n_taps*H] | None; the same contract as FastTarget.run. attention="matmul" runs the attention as two
+    products and a float32 softmax (compiled on a GPU) instead of fast.fused_decode's grouped kernel."""
 
-    def __init__(self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None) -> None:
+    def __init__(self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None,
+                 attention: str = "fused") -> None:  # fmt: skip
         why = fused_decode_supported(model, model.lm_head.weight.device)
         if why:
             raise ValueError(why.replace("fused decode", "fused verify"))
         if model.args.head_dim < 32:  # tensor-core tiles: half a head is at least 16 columns
             raise ValueError(f"fused verify needs head_dim >= 32, not {model.args.head_dim}")
+        if attention not in ("fused", "matmul"):
+            raise ValueError(f"attention is 'fused' or 'matmul', not {attention!r}")
         a = model.args
         self.model, self.cache, self.taps, self.args = model, cache, tuple(taps), a
         self.blocks = {**ROW_BLOCKS, **(blocks or {})}
@@ -196,77 +191,124 @@ class FusedVerify:
         dev, dt = w.device, model.model.embed_tokens.weight.dtype
         R, H, nq = MAX_ROWS, a.hidden_size, a.num_heads * a.head_dim
         self.h = torch.zeros(R, H, device=dev, dtype=dt)
+        self.normed = torch.zeros(R, H, device=dev, dtype=dt)
         self.q = torch.zeros(R, nq, device=dev, dtype=dt)
         self.attn = torch.zeros(R, nq, device=dev, dtype=dt)
         self.act = torch.zeros(R, a.intermediate_size, device=dev, dtype=dt)
         self.scratch = attention_scratch(R, a.num_heads, a.head_dim, cache.size, dev)
-        need, tiles_max = 1, 1  # split-K scratch of the o and down products (the only split ones)
-        for name, K in (("o", nq), ("down", a.intermediate_size)):
-            bn, bk = self.blocks[name][:2]
-            tiles = triton.cdiv(H, bn)
-            need, tiles_max = max(need, _splits(tiles, K, bk) * R * H), max(tiles_max, tiles)
-        self.part = torch.zeros(need, device=dev, dtype=torch.float32)
-        self.count = torch.zeros(tiles_max, device=dev, dtype=torch.int32)
+        self.part = torch.zeros(1, device=dev, dtype=torch.float32)  # split-K partials
+        self.count = torch.zeros(1, device=dev, dtype=torch.int32)  # a finish counter per column tile
+        self._reserve()
         self.logits_dtype = logits_dtype(model)
+        self.attention = attention
+        self._attend = None
 
     @staticmethod
     def supports_rows(T: int) -> bool:
         return 2 <= T <= MAX_ROWS
 
-    def _linear(self, name: str, x, weight, bias, y, T: int, norm=None, residual: bool = False) -> None:
+    def _geometry(self, name: str, N: int, K: int) -> tuple[int, int, int]:
+        """(column tiles, K-slices, K per slice) of a product with N output columns (pairs for gate_up and qkv)."""
+        bn, bk = self.blocks[name][:2]
+        D = self.args.head_dim
+        tiles = N // D * (D // 2 // bn) if name == "qkv" else triton.cdiv(N, bn)
+        k_slice = triton.cdiv(triton.cdiv(K, bk), _splits(tiles, K, bk)) * bk
+        return tiles, triton.cdiv(K, k_slice), k_slice
+
+    def _reserve(self) -> None:
+        """Split-K scratch for the current blocks at MAX_ROWS rows: allocated outside any graph capture."""
+        a = self.args
+        D, H, F = a.head_dim, a.hidden_size, a.intermediate_size
+        shapes = {"qkv": ((a.num_heads + 2 * a.num_kv_heads) * D, H), "o": (H, a.num_heads * D), "gate_up": (F, H),
+                  "down": (H, F), "lm_head": (a.vocab_size, H)}  # fmt: skip
+        need, tiles_max = 1, 1
+        for name, (N, K) in shapes.items():
+            tiles, splits, _ = self._geometry(name, N, K)
+            if splits > 1:
+                need = max(need, tiles * splits * 2 * MAX_ROWS * self.blocks[name][0])
+            tiles_max = max(tiles_max, tiles)
+        dev = self.h.device
+        if need > self.part.numel():
+            self.part = torch.zeros(need, device=dev, dtype=torch.float32)
+        if tiles_max > self.count.numel():
+            self.count = torch.zeros(tiles_max, device=dev, dtype=torch.int32)
+
+    def set_blocks(self, name: str, blocks: tuple[int, int, int, int]) -> None:
+        self.blocks[name] = tuple(blocks)
+        self._reserve()
+
+    def _product(self, name: str, x, weight, bias, y, T: int, N: int, **rope) -> None:
+        """y (per the product's EPILOGUE) from x[:T] @ weight.T; N output columns (pairs for gate_up and qkv)."""
         bn, bk, warps, stages = self.blocks[name]
-        N, K = weight.shape
-        tiles = triton.cdiv(N, bn)
-        splits = 1 if norm is not None else _splits(tiles, K, bk)
-        k_slice = triton.cdiv(triton.cdiv(K, bk), splits) * bk
-        splits = triton.cdiv(K, k_slice)
+        K, D = weight.shape[1], self.args.head_dim
+        tiles, splits, k_slice = self._geometry(name, N, K)
+        mode = EPILOGUE[name]
         BM = max(16, triton.next_power_of_2(T))
-        if splits > 1 and splits * BM * N > self.part.numel():  # blocks changed since __init__ (a sweep)
-            self.part = torch.zeros(splits * BM * N, device=x.device, dtype=torch.float32)
-        if splits > 1 and tiles > self.count.numel():
-            self.count = torch.zeros(tiles, device=x.device, dtype=torch.int32)
-        nw, eps = (norm.weight, norm.eps) if norm is not None else (weight, 0.0)
-        _rows_linear_kernel[(tiles, splits)](x, nw, weight, bias if bias is not None else weight, y, self.part,
-                                             self.count, T, N, eps, K=K, K_SLICE=k_slice, SPLITS=splits,
-                                             NORM=norm is not None, HAS_BIAS=bias is not None, RESIDUAL=residual,
-                                             BM=BM, BN=bn, BK=bk, num_warps=warps,
-                                             num_stages=stages)  # fmt: skip
+        need = tiles * splits * 2 * BM * bn if splits > 1 else 0
+        if need > self.part.numel() or tiles > self.count.numel():  # a shape _reserve did not size (tests)
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("fused verify: split-K scratch too small inside a graph capture (set_blocks)")
+            self.part = torch.zeros(max(need, self.part.numel()), device=x.device, dtype=torch.float32)
+            self.count = torch.zeros(max(tiles, self.count.numel()), device=x.device, dtype=torch.int32)
+        a, c = self.args, self.cache
+        _rows_gemm_kernel[(tiles, splits)](
+            x, weight, bias if bias is not None else weight, y, rope.get("cos", x), rope.get("sin", x),
+            rope.get("kc", x), rope.get("vc", x), rope.get("slots", x), self.part, self.count, T, N, a.num_heads,
+            a.num_kv_heads, c.size, K=K, K_SLICE=k_slice, SPLITS=splits, MODE=mode, PAIR=mode in ("qkv", "gate_up"),
+            HAS_BIAS=bias is not None, EVEN_K=K % bk == 0, D=D, BM=BM, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+
+    def _norm(self, norm, x, T: int) -> torch.Tensor:
+        K = x.shape[1]
+        _rows_rmsnorm_kernel[(T,)](x, norm.weight, self.normed, norm.eps, K=K, KP2=triton.next_power_of_2(K))
+        return self.normed
+
+    def _attention(self, i: int, mask, T: int) -> None:
+        a, D = self.args, self.args.head_dim
+        q, out = self.q[:T].view(T, a.num_heads, D), self.attn[:T].view(T, a.num_heads, D)
+        if self.attention == "fused":
+            fused_attention(q, self.cache.k[i, 0], self.cache.v[i, 0], mask, out, self.scratch)
+            return
+        if self._attend is None:  # compiled, the mask and softmax become one kernel between the two products
+            cpu = q.device.type == "cpu"
+            self._attend = _attend_products if cpu else torch.compile(_attend_products, dynamic=False)
+        out.copy_(self._attend(q, self.cache.k[i, 0], self.cache.v[i, 0], mask))
 
     @torch.inference_mode()
     def __call__(self, tokens, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
         m, a = self.model, self.args
-        T, D, S = tokens.shape[0], a.head_dim, self.cache.size
+        T, D = tokens.shape[0], a.head_dim
         if not self.supports_rows(T):
             raise ValueError(f"FusedVerify runs 2..{MAX_ROWS} tokens, not {T}")
-        BM = max(16, triton.next_power_of_2(T))
         h = self.h[:T]
         torch.index_select(m.model.embed_tokens.weight, 0, tokens, out=h)
         cos, sin = m.rope_for(positions[None])
         cos, sin = cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
+        H, F, nq = a.hidden_size, a.intermediate_size, a.num_heads * D
         captured = []
         for i, layer in enumerate(m.model.layers):
             if i in self.taps:
                 captured.append(h.clone())
-            norm, qkv = layer.input_layernorm, layer.self_attn.qkv_proj
-            bn, bk, warps, stages = self.blocks["qkv"]
-            _rows_qkv_kernel[((a.num_heads + 2 * a.num_kv_heads) * (D // 2 // bn),)](
-                h, norm.weight, qkv.weight, qkv.bias if qkv.bias is not None else qkv.weight, cos, sin, self.q,
-                self.cache.k[i], self.cache.v[i], slots, T, a.num_heads, a.num_kv_heads, S, norm.eps, K=a.hidden_size,
-                HAS_BIAS=qkv.bias is not None, D=D, BM=BM, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
-            )  # fmt: skip
-            fused_attention(self.q[:T].view(T, a.num_heads, D), self.cache.k[i, 0], self.cache.v[i, 0], mask,
-                            self.attn[:T].view(T, a.num_heads, D), self.scratch)  # fmt: skip
+            qkv = layer.self_attn.qkv_proj
+            self._product("qkv", self._norm(layer.input_layernorm, h, T), qkv.weight, qkv.bias, self.q, T,
+                          nq + 2 * a.num_kv_heads * D, cos=cos, sin=sin, kc=self.cache.k[i], vc=self.cache.v[i],
+                          slots=slots)  # fmt: skip
+            self._attention(i, mask, T)
             o = layer.self_attn.o_proj
-            self._linear("o", self.attn, o.weight, o.bias, h, T, residual=True)
-            norm, gu, F = layer.post_attention_layernorm, layer.mlp.gate_up_proj, a.intermediate_size
-            bn, bk, warps, stages = self.blocks["gate_up"]
-            _rows_gate_up_kernel[(triton.cdiv(F, bn),)](
-                h, norm.weight, gu.weight, gu.bias if gu.bias is not None else gu.weight, self.act, T, F, norm.eps,
-                K=a.hidden_size, HAS_BIAS=gu.bias is not None, BM=BM, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
-            )  # fmt: skip
+            self._product("o", self.attn, o.weight, o.bias, h, T, H)
+            gu = layer.mlp.gate_up_proj
+            self._product("gate_up", self._norm(layer.post_attention_layernorm, h, T), gu.weight, gu.bias,
+                          self.act, T, F)  # fmt: skip
             down = layer.mlp.down_proj
-            self._linear("down", self.act, down.weight, down.bias, h, T, residual=True)
+            self._product("down", self.act, down.weight, down.bias, h, T, H)
         logits = torch.empty(T, a.vocab_size, device=h.device, dtype=self.logits_dtype)
-        self._linear("lm_head", h, m.lm_head.weight, None, logits, T, norm=m.model.norm)
+        self._product("lm_head", self._norm(m.model.norm, h, T), m.lm_head.weight, None, logits, T,
+                      a.vocab_size)  # fmt: skip
         aux = torch.cat(captured, dim=-1) if captured else None
         return logits, aux
+
+
+def _attend_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D] over the slot cache k/v [Hkv, S, D] with mask [T, S], as two products and a float32 softmax."""
+    y = attend(q.transpose(0, 1)[None], k[None], v[None], mask[None, None], impl="matmul")
+    return y[0].transpose(0, 1)

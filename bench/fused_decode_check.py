@@ -39,6 +39,7 @@ from eaglescope.fast.engine import (  # noqa: E402
     use_matmul_attention,
 )
 from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode  # noqa: E402
+from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS  # noqa: E402
 
 
 def grid(smoke: bool) -> list[tuple[int, int, int]]:
@@ -290,14 +291,17 @@ def main() -> int:
             )
             save()
         best = None
-        for attention in ("fused", "matmul"):  # the attention inside the fused verify: the grouped kernel or products
-            fv.attention = attention
-            v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
-            res[f"verify_ms_fused_verify_{attention}_attention"] = {str(t): round(x, 4) for t, x in v.items()}
-            print(f"verify, fused verify kernels, {attention} attention",
-                  json.dumps({t: round(x / v[1], 4) for t, x in v.items()}), json.dumps(v), flush=True)  # fmt: skip
-            if best is None or v[sizes[-2]] < best[1][sizes[-2]]:
-                best = (attention, v)
+        for cublas in (CUBLAS_PRODUCTS, tuple(p for p in CUBLAS_PRODUCTS if p != "qkv"), ()):
+            for attention in ("fused", "matmul"):  # attention: the grouped kernel or two products and a softmax
+                fv.attention, fv.cublas = attention, cublas
+                v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
+                key = f"{attention}_attention_cublas_{'_'.join(cublas) or 'none'}"
+                res[f"verify_ms_fused_verify_{key}"] = {str(t): round(x, 4) for t, x in v.items()}
+                print(f"verify, fused verify kernels, {key}", json.dumps({t: round(x / v[1], 4) for t, x in v.items()}),
+                      json.dumps(v), flush=True)  # fmt: skip
+                if best is None or v[sizes[-2]] < best[1][sizes[-2]]:
+                    best = ((attention, cublas), v)
+                save()
         attention, v = best
         res["verify_attention"] = attention
         res["verify_ms_fused_verify"] = {str(t): round(x, 4) for t, x in v.items()}

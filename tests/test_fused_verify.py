@@ -18,7 +18,7 @@ from eaglescope.decode.speculative import target_embedding  # noqa: E402
 from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
-from eaglescope.fast.fused_verify import MAX_ROWS, FusedVerify  # noqa: E402
+from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, MAX_ROWS, FusedVerify  # noqa: E402
 from eaglescope.taps import TapContract  # noqa: E402
 from eaglescope.target import load_target  # noqa: E402
 from eaglescope.target.llama import RMSNorm, fuse_projections  # noqa: E402
@@ -77,15 +77,24 @@ def test_rmsnorm_rows_match_the_module(tiny_verify):
     torch.testing.assert_close(tiny_verify._norm(rms, x, 7)[:7], rms(x), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("family,attention", [("llama", "fused"), ("qwen2", "fused"), ("llama", "matmul")])
-def test_verify_step_matches_the_modules(family, attention, tmp_path):
+@pytest.mark.parametrize(
+    "family,attention,cublas",
+    [("llama", "fused", ()), ("qwen2", "fused", ()), ("qwen2", "fused", CUBLAS_PRODUCTS), ("llama", "matmul", ("o",))],
+)
+def test_verify_step_matches_the_modules(family, attention, cublas, tmp_path):
     """Five tree rows at scattered slots with their own ancestor masks, over three attention splits (or as products);
-    the products split over K (combined by the last slice): the modules' logits, taps and cache writes."""
+    the products on the Triton kernel split over K (combined by the last slice), or on cuBLAS with the RoPE / SiLU
+    kernels (qwen2: biases): the modules' logits, taps and cache writes."""
     ckpt = make_checkpoint(family, tmp_path, seed=3, num_hidden_layers=3, **WIDE_HEADS)
     model = fuse_projections(copy.deepcopy(load_target(ckpt, device="cpu", dtype=torch.float32).model))
     ft = FastTarget(model, size=150, taps=(0, 2), float32_logits=True)
     fv = FusedVerify(
-        model, ft.cache, taps=(0, 2), blocks={"down": (16, 16, 1, 2), "o": (16, 16, 1, 2)}, attention=attention
+        model,
+        ft.cache,
+        taps=(0, 2),
+        blocks={"down": (16, 16, 1, 2), "o": (16, 16, 1, 2)},
+        attention=attention,
+        cublas=cublas,
     )
     P, T = 6, 5
     ft.prefill(torch.arange(3, 3 + P))

@@ -33,17 +33,21 @@ if triton is not None:
     import triton.language as tl
 
 MAX_ROWS = 64
-# (BLOCK_N, BLOCK_K, num_warps, num_stages), from the 64-token sweep at 8B (fused-decode-check-20261129T143607.json
-# for v13's kernels); BLOCK_N counts row pairs for qkv (j, j + D/2) and gate_up (j, F + j)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages), from the 64-token sweep at 8B (fused-decode-check-20261129T144905.json);
+# BLOCK_N counts row pairs for qkv (j, j + D/2) and gate_up (j, F + j)
 ROW_BLOCKS = {
     "qkv": (32, 64, 4, 4),
-    "o": (64, 128, 8, 3),
-    "gate_up": (64, 64, 4, 4),
+    "o": (32, 64, 4, 4),
+    "gate_up": (32, 128, 4, 4),
     "down": (64, 64, 4, 4),
-    "lm_head": (128, 64, 8, 3),
+    "lm_head": (64, 128, 4, 3),
 }
 # ~2 waves of 132 SMs: products with few column tiles (all but lm_head at 8B) are cut over K to get there
 SPLIT_PROGRAMS = 264
+# products left to cuBLAS (its product, then a small kernel for RoPE / SiLU, the residual as addmm's beta = 1):
+# alone at 64 rows it streams the layer weights at 75-94% of copy against 56-80% for _rows_gemm_kernel, which
+# wins only on the lm_head (fused-decode-check-20261129T144905.json, NOTES.md v14)
+CUBLAS_PRODUCTS = ("qkv", "o", "gate_up", "down")
 # each product's epilogue (the kernel's MODE)
 EPILOGUE = {"qkv": "qkv", "o": "residual", "gate_up": "gate_up", "down": "residual", "lm_head": "plain"}
 
@@ -60,6 +64,40 @@ if triton is not None:
         normed = (xs * rstd).to(y.dtype.element_ty).to(tl.float32)
         w = tl.load(nw + k, mask=ok, other=0.0).to(tl.float32)
         tl.store(y + t * K + k, (w * normed).to(y.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _rows_rope_cache_kernel(qkv, cos, sin, q, kc, vc, slots, n_heads, n_kv, S, D: tl.constexpr):
+        """Program (row t, head) of a q/k/v product already in qkv [T, heads*D]: RoPE at the row's position (not
+        for v), then q → q[t, head], k/v → the cache at slots[t]."""
+        HALF: tl.constexpr = D // 2
+        t, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        n_all = n_heads + 2 * n_kv
+        j = tl.arange(0, HALF)
+        src = qkv + (t * n_all + head) * D + j
+        lo, hi = tl.load(src).to(tl.float32), tl.load(src + HALF).to(tl.float32)
+        if head < n_heads + n_kv:  # q and k heads rotate: x * cos + rotate_half(x) * sin
+            c_lo, c_hi = tl.load(cos + t * D + j).to(tl.float32), tl.load(cos + t * D + HALF + j).to(tl.float32)
+            s_lo, s_hi = tl.load(sin + t * D + j).to(tl.float32), tl.load(sin + t * D + HALF + j).to(tl.float32)
+            lo, hi = lo * c_lo - hi * s_lo, hi * c_hi + lo * s_hi
+        if head < n_heads:
+            dst = q + (t * n_heads + head) * D + j
+        elif head < n_heads + n_kv:
+            dst = kc + ((head - n_heads) * S + tl.load(slots + t).to(tl.int64)) * D + j
+        else:
+            dst = vc + ((head - n_heads - n_kv) * S + tl.load(slots + t).to(tl.int64)) * D + j
+        tl.store(dst, lo.to(q.dtype.element_ty))
+        tl.store(dst + HALF, hi.to(q.dtype.element_ty))
+
+    @triton.jit
+    def _rows_silu_mul_kernel(gate_up, act, F, BLOCK: tl.constexpr):
+        """act[t, j] = SiLU(gate_up[t, j]) * gate_up[t, F + j], with the module's rounding of SiLU."""
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = j < F
+        gate = tl.load(gate_up + t * 2 * F + j, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(gate_up + t * 2 * F + F + j, mask=ok, other=0.0).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(act.dtype.element_ty).to(tl.float32)
+        tl.store(act + t * F + j, (silu * up).to(act.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _rows_gemm_kernel(x, w, b, y, cos, sin, kc, vc, slots, part, count, T, N, n_heads, n_kv, S,
@@ -172,12 +210,14 @@ class FusedVerify:
     products and a float32 softmax (compiled on a GPU) instead of fast.fused_decode's grouped kernel."""
 
     def __init__(self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None,
-                 attention: str = "fused") -> None:  # fmt: skip
+                 attention: str = "fused", cublas: tuple[str, ...] = CUBLAS_PRODUCTS) -> None:  # fmt: skip
         why = fused_decode_supported(model, model.lm_head.weight.device)
         if why:
             raise ValueError(why.replace("fused decode", "fused verify"))
         if model.args.head_dim < 32:  # tensor-core tiles: half a head is at least 16 columns
             raise ValueError(f"fused verify needs head_dim >= 32, not {model.args.head_dim}")
+        if set(cublas) - set(CUBLAS_PRODUCTS):
+            raise ValueError(f"cuBLAS serves the products {CUBLAS_PRODUCTS}, not {tuple(set(cublas))}")
         if attention not in ("fused", "matmul"):
             raise ValueError(f"attention is 'fused' or 'matmul', not {attention!r}")
         a = model.args
@@ -195,6 +235,10 @@ class FusedVerify:
         self.q = torch.zeros(R, nq, device=dev, dtype=dt)
         self.attn = torch.zeros(R, nq, device=dev, dtype=dt)
         self.act = torch.zeros(R, a.intermediate_size, device=dev, dtype=dt)
+        self.cublas = tuple(cublas)
+        n_qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+        self.qkv_out = torch.zeros(R, n_qkv, device=dev, dtype=dt)  # cuBLAS's products before their epilogue kernels
+        self.gate_up_out = torch.zeros(R, 2 * a.intermediate_size, device=dev, dtype=dt)
         self.scratch = attention_scratch(R, a.num_heads, a.head_dim, cache.size, dev)
         self.part = torch.zeros(1, device=dev, dtype=torch.float32)  # split-K partials
         self.count = torch.zeros(1, device=dev, dtype=torch.int32)  # a finish counter per column tile
@@ -289,23 +333,49 @@ class FusedVerify:
         for i, layer in enumerate(m.model.layers):
             if i in self.taps:
                 captured.append(h.clone())
-            qkv = layer.self_attn.qkv_proj
-            self._product("qkv", self._norm(layer.input_layernorm, h, T), qkv.weight, qkv.bias, self.q, T,
-                          nq + 2 * a.num_kv_heads * D, cos=cos, sin=sin, kc=self.cache.k[i], vc=self.cache.v[i],
-                          slots=slots)  # fmt: skip
+            qkv, x = layer.self_attn.qkv_proj, self._norm(layer.input_layernorm, h, T)
+            kc, vc = self.cache.k[i], self.cache.v[i]
+            if "qkv" in self.cublas:
+                out = _mm(x[:T], qkv.weight, qkv.bias, self.qkv_out[:T])
+                heads = a.num_heads + 2 * a.num_kv_heads
+                _rows_rope_cache_kernel[(T, heads)](out, cos, sin, self.q, kc, vc, slots, a.num_heads,
+                                                    a.num_kv_heads, self.cache.size, D=D)  # fmt: skip
+            else:
+                self._product("qkv", x, qkv.weight, qkv.bias, self.q, T, nq + 2 * a.num_kv_heads * D, cos=cos,
+                              sin=sin, kc=kc, vc=vc, slots=slots)  # fmt: skip
             self._attention(i, mask, T)
             o = layer.self_attn.o_proj
-            self._product("o", self.attn, o.weight, o.bias, h, T, H)
-            gu = layer.mlp.gate_up_proj
-            self._product("gate_up", self._norm(layer.post_attention_layernorm, h, T), gu.weight, gu.bias,
-                          self.act, T, F)  # fmt: skip
+            if "o" in self.cublas:
+                _mm_residual(self.attn[:T], o.weight, o.bias, h)
+            else:
+                self._product("o", self.attn, o.weight, o.bias, h, T, H)
+            gu, x = layer.mlp.gate_up_proj, self._norm(layer.post_attention_layernorm, h, T)
+            if "gate_up" in self.cublas:
+                out = _mm(x[:T], gu.weight, gu.bias, self.gate_up_out[:T])
+                _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](out, self.act, F, BLOCK=1024)
+            else:
+                self._product("gate_up", x, gu.weight, gu.bias, self.act, T, F)
             down = layer.mlp.down_proj
-            self._product("down", self.act, down.weight, down.bias, h, T, H)
+            if "down" in self.cublas:
+                _mm_residual(self.act[:T], down.weight, down.bias, h)
+            else:
+                self._product("down", self.act, down.weight, down.bias, h, T, H)
         logits = torch.empty(T, a.vocab_size, device=h.device, dtype=self.logits_dtype)
         self._product("lm_head", self._norm(m.model.norm, h, T), m.lm_head.weight, None, logits, T,
                       a.vocab_size)  # fmt: skip
         aux = torch.cat(captured, dim=-1) if captured else None
         return logits, aux
+
+
+def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
+
+
+def _mm_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor) -> None:
+    """h += x @ weight.T (+ bias): the residual add as the product's beta = 1, no kernel of its own."""
+    h.addmm_(x, weight.t())
+    if bias is not None:
+        h.add_(bias)
 
 
 def _attend_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

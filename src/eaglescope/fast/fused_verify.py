@@ -48,6 +48,9 @@ SPLIT_PROGRAMS = 264
 # alone at 64 rows it streams the layer weights at 75-94% of copy against 56-80% for _rows_gemm_kernel, which
 # wins only on the lm_head (fused-decode-check-20261129T144905.json, NOTES.md v14)
 CUBLAS_PRODUCTS = ("qkv", "o", "gate_up", "down")
+# attention="auto": the grouped kernel up to this many rows, two products and a softmax above (8B, 480 slots:
+# 5.00 vs 5.07 ms at 24 rows, 5.07 vs 5.12 at 32, 5.42 vs 5.32 at 64; fused-decode-check-20261129T145654.json)
+FUSED_ATTENTION_ROWS = 32
 # each product's epilogue (the kernel's MODE)
 EPILOGUE = {"qkv": "qkv", "o": "residual", "gate_up": "gate_up", "down": "residual", "lm_head": "plain"}
 
@@ -207,10 +210,11 @@ class FusedVerify:
 
     Call with tokens, positions, slots [T] and mask [T, S] bool → logits [T, V] (the lm_head's dtype), aux
     [T, n_taps*H] | None; the same contract as FastTarget.run. attention="matmul" runs the attention as two
-    products and a float32 softmax (compiled on a GPU) instead of fast.fused_decode's grouped kernel."""
+    products and a float32 softmax (compiled on a GPU) instead of fast.fused_decode's grouped kernel; "auto" picks
+    by row count. `cublas` names the layer products left to cuBLAS (the rest run on _rows_gemm_kernel)."""
 
     def __init__(self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None,
-                 attention: str = "fused", cublas: tuple[str, ...] = CUBLAS_PRODUCTS) -> None:  # fmt: skip
+                 attention: str = "auto", cublas: tuple[str, ...] = CUBLAS_PRODUCTS) -> None:  # fmt: skip
         why = fused_decode_supported(model, model.lm_head.weight.device)
         if why:
             raise ValueError(why.replace("fused decode", "fused verify"))
@@ -218,8 +222,8 @@ class FusedVerify:
             raise ValueError(f"fused verify needs head_dim >= 32, not {model.args.head_dim}")
         if set(cublas) - set(CUBLAS_PRODUCTS):
             raise ValueError(f"cuBLAS serves the products {CUBLAS_PRODUCTS}, not {tuple(set(cublas))}")
-        if attention not in ("fused", "matmul"):
-            raise ValueError(f"attention is 'fused' or 'matmul', not {attention!r}")
+        if attention not in ("auto", "fused", "matmul"):
+            raise ValueError(f"attention is 'auto', 'fused' or 'matmul', not {attention!r}")
         a = model.args
         self.model, self.cache, self.taps, self.args = model, cache, tuple(taps), a
         self.blocks = {**ROW_BLOCKS, **(blocks or {})}
@@ -310,7 +314,7 @@ class FusedVerify:
     def _attention(self, i: int, mask, T: int) -> None:
         a, D = self.args, self.args.head_dim
         q, out = self.q[:T].view(T, a.num_heads, D), self.attn[:T].view(T, a.num_heads, D)
-        if self.attention == "fused":
+        if self.attention == "fused" or (self.attention == "auto" and T <= FUSED_ATTENTION_ROWS):
             fused_attention(q, self.cache.k[i, 0], self.cache.v[i, 0], mask, out, self.scratch)
             return
         if self._attend is None:  # compiled, the mask and softmax become one kernel between the two products

@@ -164,6 +164,25 @@ def test_fast_eagle_with_fused_weights_equals_vanilla(tmp_path, attention):
     assert sum(fast.accepted) > 0  # a random draft still gets some tokens accepted on this tiny vocabulary
 
 
+def test_fast_eagle_rounds_queued_ahead_of_the_read_change_nothing(tmp_path):
+    """The next round is queued before this one's report is read. A stop in the middle leaves one round run past
+    it: the output still ends at the stop, and the next call on the same decoder is vanilla greedy again; with
+    room for one more round everywhere (large max_len) or almost nowhere (tight), the tokens are the same."""
+    tgt, draft = _setup(tmp_path, seed=5)
+    prompt, n = [3, 17, 5, 40, 22, 9, 11], 30
+    ref = generate_vanilla(tgt, prompt, n, stop_ids=[]).token_ids
+    ft = FastTarget(tgt.model, size=len(prompt) + n + 80, taps=tgt.taps.layers)
+    loose = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 30)
+    stop = ref[9]
+    cut = loose.generate(prompt, n, stop={stop})
+    assert cut.tokens == ref[: ref.index(stop) + 1]
+    assert loose.generate(prompt, n).tokens == ref
+    tight = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n)
+    assert tight.generate(prompt, n).tokens == ref
+    with pytest.raises(ValueError, match="exceed max_len"):
+        tight.generate(prompt, n + 1)
+
+
 def test_gemv_linear_matches_linear():
     from eaglescope.fast.engine import GemvLinear
 

@@ -379,7 +379,8 @@ def _first_stop(tokens: list[int], stop: set[int]) -> int | None:
 
 
 class FastEagle:
-    """EAGLE-3 greedy speculative decoding, one (graph-captured) function per round, one host read per round.
+    """EAGLE-3 greedy speculative decoding, one (graph-captured) function per round, one host read per round,
+    overlapped with the next round.
 
     Reuses `TreeBuilder` (on-device EAGLE-2 expansion and rerank) and `Eagle3Draft.step`; the acceptance is
     `accept_greedy`. `replay` (a list of accepted lengths) forces the acceptance instead of checking tokens:
@@ -417,6 +418,9 @@ class FastEagle:
         self.pend_aux = z(self.Pmax, nH, dt=target.dtype)
         self.pend_tok = z(self.Pmax)
         self.report = z(self.Pmax + 1)  # [n_emitted, emitted tokens (padded)]
+        self._reports = torch.zeros(2, self.Pmax + 1, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if dev.type == "cuda" else []
+        self.max_len = max_len
         self.t_slots = torch.arange(target.size, device=dev)
         self.d_slots = torch.arange(self.dsize, device=dev)
         self.replay = replay
@@ -540,6 +544,8 @@ class FastEagle:
         """Greedy speculative tokens; with `stop`, ends after the first stop token (checked at each round's read)."""
         if len(prompt) < 2:
             raise ValueError("the prompt needs at least 2 tokens")
+        if len(prompt) + max_new > self.max_len:
+            raise ValueError(f"prompt {len(prompt)} + {max_new} new tokens exceed max_len {self.max_len}")
         if self.use_graph and self.graph is None:
             self._start(prompt)
             try:
@@ -562,21 +568,43 @@ class FastEagle:
         t0 = time.perf_counter()
         out = [self._start(prompt)]
         accepted: list[int] = []
-        r = 0
-        while len(out) < max_new and not (stop and out[0] in stop):
+        launched = read = 0
+
+        def launch() -> None:
+            nonlocal launched
             if self.replay:
-                self.force.fill_(replay[r % len(replay)])
+                self.force.fill_(replay[launched % len(replay)])
             if self.graph is not None:
                 self.graph.replay()
             else:
                 self._round()
-            rep = self.report.tolist()  # the one host read of the round
+            # the report goes to its own host slot: the next round, launched before this one is read, rewrites it
+            self._reports[launched % 2].copy_(self.report, non_blocking=True)
+            if self._events:
+                self._events[launched % 2].record()
+            launched += 1
+
+        if len(out) < max_new and not (stop and out[0] in stop):
+            launch()
+        while read < launched:
+            # The next round depends only on device state, so it is queued before this one's report is read:
+            # the GPU never waits for the host's read. Only when this round cannot finish the output (it emits
+            # >= 1 token) and the cache holds one more round whatever this one accepts (<= Pmax positions).
+            if len(out) + 1 < max_new and len(prompt) + len(out) + 2 * self.Pmax <= self.max_len:
+                launch()
+            if self._events:
+                self._events[read % 2].synchronize()
+            rep = self._reports[read % 2].tolist()  # the one host read of the round
+            read += 1
             n = rep[0]
             out += rep[1 : 1 + n]
             accepted.append(n - 1)
-            r += 1
-            if stop and _first_stop(rep[1 : 1 + n], stop) is not None:
+            if len(out) >= max_new or (stop and _first_stop(rep[1 : 1 + n], stop) is not None):
                 break
+            if read == launched:
+                launch()
+        if self._events and read < launched:  # a round queued past the end still costs its time
+            self._events[(launched - 1) % 2].synchronize()
         out = out[:max_new]
         if stop and (cut := _first_stop(out, stop)) is not None:
             out = out[: cut + 1]

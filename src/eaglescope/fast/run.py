@@ -72,6 +72,8 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
             float32_logits=on_gpu,
             batch_invariant=exact,
             fused_decode=fused,
+            # verifies in the same layout (tensor-core tiles need head_dim >= 32)
+            fused_verify=fused and target.model.args.head_dim >= 32,
         )
         fe = FastEagle(ft, draft, depth, top_k, total, max_len=max_len)
         dec = fe.generate(prompt_ids, budget, stop=stop)

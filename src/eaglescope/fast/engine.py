@@ -427,11 +427,13 @@ class FastEagle:
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
         self.graph = None
         self._draft_fn, self._accept_fn = self._draft_tree, self._accept
+        self.compiled = False  # whether the draft side and acceptance run compiled (False after a fallback)
         if compile:
             # the tree builder is a few hundred tiny ops per round (topk, cats, scatters): compiled with the
             # draft layer it becomes a few dozen kernels; static shapes per tree budget, so one compile each
             self._draft_fn = torch.compile(self._draft_tree, dynamic=False)
             self._accept_fn = torch.compile(self._accept, dynamic=False)
+            self.compiled = True
 
     # -- one round -------------------------------------------------------------------------------
     def _logprobs(self, h: torch.Tensor) -> torch.Tensor:
@@ -552,19 +554,19 @@ class FastEagle:
                 self.graph = _graph(self._round)
             except Exception as e:  # keep the run going without the failing piece, and say so
                 torch.cuda.synchronize()
-                if self._draft_fn is not self._draft_tree:
+                if self.compiled:
                     print(f"FastEagle: compiled round failed ({type(e).__name__}: {e}); uncompiled", flush=True)
-                    self._draft_fn, self._accept_fn = self._draft_tree, self._accept
+                    self._draft_fn, self._accept_fn, self.compiled = self._draft_tree, self._accept, False
                     return self.generate(prompt, max_new, replay, stop)
                 print(f"FastEagle: CUDA graph capture failed ({e}); running rounds eagerly", flush=True)
                 self.use_graph = False
-        elif not self.use_graph and self.graph is None and self._draft_fn is not self._draft_tree:
+        elif not self.use_graph and self.graph is None and self.compiled:
             self._start(prompt)
             try:
                 self._round()
             except Exception as e:
                 print(f"FastEagle: compiled round failed ({type(e).__name__}: {e}); uncompiled", flush=True)
-                self._draft_fn, self._accept_fn = self._draft_tree, self._accept
+                self._draft_fn, self._accept_fn, self.compiled = self._draft_tree, self._accept, False
         t0 = time.perf_counter()
         out = [self._start(prompt)]
         accepted: list[int] = []

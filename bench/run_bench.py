@@ -791,7 +791,8 @@ def roofline(
         pr = replay["per_round"][: (400 if not smoke else 40)]
         t_c = time.perf_counter()
         checkpoint()
-        compile_round = compiled and left() > 110  # compiling the round takes a minute or two
+        # compiling the 8B round took 36 s (bench-all-20261129T150034.json) and its replay ~6 s more
+        compile_round = compiled and left() > 80
         if compiled and not compile_round:  # the round then runs eager kernels in its graph: a slower round, lower η
             say(f"roofline replay: {left():.0f} s left, too few to compile the round; it runs uncompiled")
         fe = FastEagle(ft, draft, *shape, max_len=prompt_len + ctx_new + 2, replay=True, compile=compile_round)

@@ -1,19 +1,20 @@
-"""Verify steps (2..64 tokens) of a native Llama-family target in the fused-decode layout, on tensor cores.
+"""Verify steps (2..64 tokens) of a native Llama-family target in the fused-decode layout.
 
 Why: at 8B a one-token step on the fused kernels (fast/fused_decode.py) takes 4.2 ms, but a 64-token verify on
-compiled layers takes 5.7-5.9 ms (1.36-1.40x): ~1 ms of it is the small kernels around cuBLAS's products, the
-same overhead the fused step removed (bench/NOTES.md v10). Here the products run as tl.dot tiles of all T rows
-against BLOCK_N weight rows, carrying the same neighbours:
+compiled layers takes 5.6-5.9 ms (1.34-1.40x): ~1.4 ms of it is the small kernels around cuBLAS's products. Here
+each layer is, by default (bench/NOTES.md v15):
 
-- every product is one kernel: tensor-core tiles with no K mask (the loads stay vectorised), cut over K when it
-  has few column tiles, the last slice of a column tile to finish adding the slices in order (a counter per tile);
-- qkv:     bias, RoPE per row and the cache write at each row's slot in the epilogue;
-- attend:  fast.fused_decode.fused_attention (K/V blocks loaded once per kv group), or two products and a softmax;
-- o, down: the residual add in the epilogue;
-- gate/up: SiLU(gate) * up in the epilogue;
-- RMSNorm: one small kernel per norm, with the module's roundings. v13 folded it into the products (x * norm weight
-  per tile), which took the input tiles through registers and stalled the pipeline: 6.7 ms for 64 tokens, slower
-  than the compiled modules (bench/NOTES.md v13-v14).
+- RMSNorm: one row kernel with the module's roundings (2 µs at 64 rows);
+- q/k/v:   cuBLAS, then one row kernel for RoPE and the K/V cache write at each row's slot;
+- attend:  fast.fused_decode.fused_attention (K/V blocks loaded once per kv group) up to 32 rows, two products and
+           a softmax (compiled) above;
+- o, down: cuBLAS with the residual add as addmm's beta = 1 (no kernel of its own);
+- gate/up: cuBLAS, then one SiLU·up kernel;
+
+and the lm_head is _rows_gemm_kernel: tensor-core tiles with no K mask, cut over K when the product has few column
+tiles (the last slice of a column tile to finish adds the slices in order), with the product's epilogue. The same
+kernel can run every layer product too (cublas=()): alone at 64 rows it streams the weights at 56-80% of copy
+against cuBLAS's 75-92%, but the lm_head at 92% against 85% (v14). 8B: 5.32 ms at 64 tokens (1.27x), 5.00 at 24.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from eaglescope.decode.speculative import target_embedding  # noqa: E402
 from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
-from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, MAX_ROWS, FusedVerify  # noqa: E402
+from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, MAX_ROWS, FusedVerify, _attend_products  # noqa: E402
 from eaglescope.taps import TapContract  # noqa: E402
 from eaglescope.target import load_target  # noqa: E402
 from eaglescope.target.llama import RMSNorm, fuse_projections  # noqa: E402
@@ -96,6 +96,12 @@ def test_verify_step_matches_the_modules(family, attention, cublas, tmp_path):
         attention=attention,
         cublas=cublas,
     )
+    if attention == "matmul":  # a compiled attention that fails gives way to the plain ops
+
+        def failing(*args):
+            raise RuntimeError("inductor failed")
+
+        fv._attend = failing
     P, T = 6, 5
     ft.prefill(torch.arange(3, 3 + P))
     slots, pos = torch.tensor([P, P + 1, 70, 71, 131]), torch.tensor([P, P + 1, P + 1, P + 2, P + 3])
@@ -116,6 +122,7 @@ def test_verify_step_matches_the_modules(family, attention, cublas, tmp_path):
     torch.testing.assert_close(ft.cache.k, want_cache[0], rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(ft.cache.v, want_cache[1], rtol=1e-5, atol=2e-5)
     assert not fv.count.any()  # split-K counters back to zero for the next call
+    assert attention != "matmul" or fv._attend is _attend_products
     assert not FusedVerify.supports_rows(1) and not FusedVerify.supports_rows(MAX_ROWS + 1)
 
 

@@ -4,17 +4,19 @@ Why: at 8B a one-token step on the fused kernels (fast/fused_decode.py) takes 4.
 compiled layers takes 5.6-5.9 ms (1.34-1.40x): ~1.4 ms of it is the small kernels around cuBLAS's products. Here
 each layer is, by default (bench/NOTES.md v15):
 
-- RMSNorm: one row kernel with the module's roundings (2 µs at 64 rows);
+- RMSNorm: one row kernel, rounding where the module rounds (2 µs at 64 rows);
 - q/k/v:   cuBLAS, then one row kernel for RoPE and the K/V cache write at each row's slot;
 - attend:  fast.fused_decode.fused_attention (K/V blocks loaded once per kv group) up to 32 rows, two products and
            a softmax (compiled) above;
-- o, down: cuBLAS with the residual add as addmm's beta = 1 (no kernel of its own);
+- o, down: cuBLAS with the residual add as addmm's beta = 1 (no kernel of its own; it rounds h + x @ W.T once,
+           where the modules round the product and then the sum: 1-ulp differences on ~30% of bf16 elements);
 - gate/up: cuBLAS, then one SiLU·up kernel;
 
 and the lm_head is _rows_gemm_kernel: tensor-core tiles with no K mask, cut over K when the product has few column
 tiles (the last slice of a column tile to finish adds the slices in order), with the product's epilogue. The same
-kernel can run every layer product too (cublas=()): alone at 64 rows it streams the weights at 56-80% of copy
-against cuBLAS's 75-92%, but the lm_head at 92% against 85% (v14). 8B: 5.32 ms at 64 tokens (1.27x), 5.00 at 24.
+kernel can run every layer product too (cublas=(); its residual epilogue rounds as the modules do): alone at 64
+rows it streams the weights at 56-80% of copy against cuBLAS's 75-92%, but the lm_head at 92% against 85% (v14).
+8B: 5.32 ms at 64 tokens (1.27x), 5.00 at 24.
 """
 
 from __future__ import annotations
@@ -139,14 +141,14 @@ if triton is not None:
                 in_k = kk < k_hi
                 xs = tl.load(x + t[:, None] * K + kk[None, :], mask=ok_t[:, None] & in_k[None, :], other=0.0)
                 wa = tl.load(w + rows_a[:, None] * K + kk[None, :], mask=ok_n[:, None] & in_k[None, :], other=0.0)
-            acc_a += tl.dot(xs, tl.trans(wa))
+            acc_a += tl.dot(xs, tl.trans(wa), input_precision="ieee")  # float32 weights: no TF32
             if PAIR:
                 if EVEN_K:
                     wb = tl.load(w + rows_b[:, None] * K + kk[None, :], mask=ok_n[:, None], other=0.0)
                 else:
                     wb = tl.load(w + rows_b[:, None] * K + kk[None, :], mask=ok_n[:, None] & in_k[None, :],
                                  other=0.0)  # fmt: skip
-                acc_b += tl.dot(xs, tl.trans(wb))
+                acc_b += tl.dot(xs, tl.trans(wb), input_precision="ieee")
         ok = ok_t[:, None] & ok_n[None, :]
         last = True
         if SPLITS > 1:
@@ -318,10 +320,18 @@ class FusedVerify:
         if self.attention == "fused" or (self.attention == "auto" and T <= FUSED_ATTENTION_ROWS):
             fused_attention(q, self.cache.k[i, 0], self.cache.v[i, 0], mask, out, self.scratch)
             return
+        k, v = self.cache.k[i, 0], self.cache.v[i, 0]
         if self._attend is None:  # compiled, the mask and softmax become one kernel between the two products
             cpu = q.device.type == "cpu"
             self._attend = _attend_products if cpu else torch.compile(_attend_products, dynamic=False)
-        out.copy_(self._attend(q, self.cache.k[i, 0], self.cache.v[i, 0], mask))
+        try:
+            out.copy_(self._attend(q, k, v, mask))
+        except Exception as e:  # inductor failing here must not take the decoder down: the plain ops do the same
+            if self._attend is _attend_products:
+                raise
+            print(f"FusedVerify: compiled attention failed ({type(e).__name__}: {e}); uncompiled", flush=True)
+            self._attend = _attend_products
+            out.copy_(_attend_products(q, k, v, mask))
 
     @torch.inference_mode()
     def __call__(self, tokens, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:

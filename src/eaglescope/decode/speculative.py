@@ -357,13 +357,13 @@ def generate_speculative(
             _record_target(rec, target, out)
             rec.record(T.VERIFY_ACCEPTED, torch.tensor(res.accepted, dtype=torch.long))
             rec.record(T.VERIFY_BONUS, torch.tensor([res.bonus]))
-        emitted = res.tokens
+        # the budget first: a stop token past it was never emitted, so the reason stays "length"/"context"
+        emitted = res.tokens[: budget - len(generated)]
         for i, tok in enumerate(emitted):
             if tok in stop:
                 emitted = emitted[: i + 1]
                 reason = "eos"
                 break
-        emitted = emitted[: budget - len(generated)]
         generated += emitted
         tokens += emitted
         if reason == "eos" or len(generated) >= budget:

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -395,18 +396,41 @@ def hf_methods_for(hf_lm) -> dict[str, dict]:
     return {"vanilla": {}, "assisted": {"assistant_model": hf_lm}, "lookup": {"prompt_lookup_num_tokens": 10}}
 
 
+def claim_prompt(claims: Path, n: int) -> int | None:
+    """The lowest prompt index no worker has claimed yet (claimed by creating its file: atomic), or None."""
+    for i in range(n):
+        try:
+            os.close(os.open(claims / f"{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return i
+        except FileExistsError:
+            continue
+    return None
+
+
 def hf_worker(spec_path: str) -> int:
-    """`--hf-worker SPEC`: the transformers methods on a slice of the prompts, aggregates to spec["out"]."""
+    """`--hf-worker SPEC`: the transformers methods on prompts claimed one at a time from a shared list (a worker
+    that finishes early takes more), aggregates to spec["out"]. A prompt is claimed only while the worker's slowest
+    prompt so far still fits before spec["end"] (wall clock, shared with the parent; the first prompt: before
+    spec["first_by"])."""
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)  # many workers share the host's cores; transformers' host work is single-threaded
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
     hf, hf_lm = load_hf(Path(spec["target"]), device, dtype), load_hf(Path(spec["draft_lm"]), device, dtype)
-    methods, out = hf_methods_for(hf_lm), Path(spec["out"])
+    methods, out, claims = hf_methods_for(hf_lm), Path(spec["out"]), Path(spec["claims"])
     total: dict = {}
-    for i, (p, r) in enumerate(zip(spec["prompts"], spec["ref"])):
-        if time.perf_counter() - T0 > spec["deadline"]:
+    slowest = 0.0
+    while True:
+        now = time.time()
+        last_start = spec["end"] - slowest - 5 if slowest else spec["first_by"]
+        if now > last_start:
             break
-        res = eval_hf_methods(hf, methods, [p], spec["new"], [r], float("inf"), warmup=i == 0)
+        i = claim_prompt(claims, len(spec["prompts"]))
+        if i is None:
+            break
+        t_p = time.perf_counter()
+        res = eval_hf_methods(hf, methods, [spec["prompts"][i]], spec["new"], [spec["ref"][i]], float("inf"),
+                              warmup=not slowest)  # fmt: skip
+        slowest = max(slowest, time.perf_counter() - t_p)
         for name, rr in res.items():
             t = total.setdefault(name, dict.fromkeys(COVERAGE_KEYS, 0))
             for k in COVERAGE_KEYS:
@@ -425,17 +449,20 @@ def hf_coverage(tgt_dir, lm_dir, prompts, ref, new, workers: int, budget: float,
     Why: transformers' eager generate is host-bound (~22-40 s per prompt for its three methods on the H200
     machine's host), so one process covers 2-3 prompts in the 10-minute run. Outputs and forward counts do not
     depend on timing, so they can come from processes running side by side; tokens/s never comes from here (the
-    processes slow each other), only from the in-process timed prompts. Workers still running after `budget`
-    seconds are stopped; the prompts they finished count."""
-    chunks = [list(range(j, len(prompts), workers)) for j in range(min(workers, len(prompts)))]
+    processes slow each other), only from the in-process timed prompts. Each worker claims the next prompt when
+    it is free (no fixed shares: the slow prompts do not leave fast workers idle). Workers still running after
+    `budget` seconds are stopped; the prompts they finished count."""
+    claims = work / "hf-claims"
+    shutil.rmtree(claims, ignore_errors=True)
+    claims.mkdir(parents=True)
     procs, outs = [], []
-    for j, idx in enumerate(chunks):
+    for j in range(min(workers, len(prompts))):
         out = work / f"hf-worker-{j}.json"
         out.unlink(missing_ok=True)
         spec = {
             "device": str(device), "dtype": str(dtype).removeprefix("torch."), "target": str(tgt_dir),
-            "draft_lm": str(lm_dir), "prompts": [prompts[i] for i in idx], "ref": [ref[i] for i in idx],
-            "new": new, "deadline": budget - 45, "out": str(out),
+            "draft_lm": str(lm_dir), "prompts": prompts, "ref": ref, "claims": str(claims),
+            "new": new, "first_by": time.time() + budget - 45, "end": time.time() + budget, "out": str(out),
         }  # fmt: skip
         spec_path = work / f"hf-worker-{j}.spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -784,6 +811,11 @@ def roofline(
         torch.log_softmax(draft.logits(o).float(), -1).topk(K, -1)
 
     res["draft_step_ms"] = round(graphed_ms(dstep, device, reps=50), 4)
+    if device.type == "cuda" and left() > 150:  # where the step's time goes (~0.2 ms would be its weights at 85%)
+        try:
+            res["draft_step_profile"] = _profile_step(dstep)
+        except Exception as e:
+            res["draft_step_profile"] = f"profiler failed: {type(e).__name__}: {e}"
     say(f"roofline draft step: {res['draft_step_ms']} ms ({left():.0f} s left)")
 
     # end-to-end replay of the acceptance lengths measured on the trained target
@@ -939,8 +971,10 @@ def main() -> int:
             )
         except Exception as e:  # keep what the run already measured, and say what broke
             result["roofline"]["error"] = repr(e)[:2000]
-        say(json.dumps({k: v for k, v in result["roofline"].items() if k != "decode_profile"}))
-        print(result["roofline"].get("decode_profile", ""), flush=True)
+        profiles = ("decode_profile", "draft_step_profile")
+        say(json.dumps({k: v for k, v in result["roofline"].items() if k not in profiles}))
+        for k in profiles:
+            print(result["roofline"].get(k, ""), flush=True)
     result["seconds"] = round(time.perf_counter() - T0, 1)
     write_json(result_path, result)
     say(f"wrote {result_path}")

@@ -49,3 +49,15 @@ def make_checkpoint(family: str, out: Path, seed: int = 0, **overrides) -> Path:
 
 def load_hf(path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+def attention_case(T: int, S: int, rep: int, seed: int, density: float):
+    """Random grouped-query attention inputs over a slot cache: q [1, 2*rep, T, 16], k/v [1, 2, S, 16], and a
+    mask [T, S] keeping each slot with probability `density` (every row keeps at least one)."""
+    g = torch.Generator().manual_seed(seed)
+    hkv, D = 2, 16
+    q = torch.randn(1, hkv * rep, T, D, generator=g)
+    k, v = torch.randn(1, hkv, S, D, generator=g), torch.randn(1, hkv, S, D, generator=g)
+    mask = torch.rand(T, S, generator=g) < density
+    mask[torch.arange(T), torch.randint(0, S, (T,), generator=g)] = True
+    return q, k, v, mask

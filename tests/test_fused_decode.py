@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
-from models import make_checkpoint  # noqa: E402
+from models import attention_case, make_checkpoint  # noqa: E402
 
 from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
 from eaglescope.fast import FastTarget, FastVanilla  # noqa: E402
@@ -61,15 +61,10 @@ def test_fused_linear_matches_modules(n, k, bn, bk, norm, bias, residual, seed):
 def test_attention_matches_masked_reference(T, S, rep, seed):
     """Rows over up to five 64-slot splits, each split's partial sums combined by whichever program ends last; one
     row per program for T = 1, blocks of up to 64 (row, head) pairs of a kv group on tensor cores above."""
-    g = torch.Generator().manual_seed(seed)
-    hkv, D = 2, 16
-    q = torch.randn(1, hkv * rep, T, D, generator=g)
-    k, v = torch.randn(1, hkv, S, D, generator=g), torch.randn(1, hkv, S, D, generator=g)
-    mask = torch.rand(T, S, generator=g) < 0.3
-    mask[torch.arange(T), torch.randint(0, S, (T,), generator=g)] = True  # every row sees at least one slot
+    q, k, v, mask = attention_case(T, S, rep, seed, density=0.3)
     want = attend(q, k, v, mask[None, None])
     torch.testing.assert_close(attend(q, k, v, mask[None, None], impl="fused"), want, rtol=1e-5, atol=1e-5)
-    scratch = attention_scratch(T, hkv * rep, D, S, "cpu")
+    scratch = attention_scratch(T, q.shape[1], q.shape[3], S, "cpu")
     for _ in range(2):  # one scratch serves every call: its counters come back zeroed
         got = fused_attention(q[0].transpose(0, 1), k[0], v[0], mask, scratch=scratch)
         torch.testing.assert_close(got.transpose(0, 1)[None], want, rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 from drafts import make_draft  # noqa: E402
-from models import make_checkpoint  # noqa: E402
+from models import attention_case, make_checkpoint  # noqa: E402
 
 from eaglescope.decode.speculative import target_embedding  # noqa: E402
 from eaglescope.decode.tree import DraftTree  # noqa: E402
@@ -76,12 +76,7 @@ def test_rms_norm_matches_module():
 @settings(max_examples=20, deadline=None)
 @given(T=st.integers(1, 9), S=st.integers(1, 150), rep=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
 def test_attention_matches_masked_sdpa(T, S, rep, seed):
-    g = torch.Generator().manual_seed(seed)
-    hkv, D = 2, 16
-    q = torch.randn(1, hkv * rep, T, D, generator=g)
-    k, v = torch.randn(1, hkv, S, D, generator=g), torch.randn(1, hkv, S, D, generator=g)
-    mask = torch.rand(T, S, generator=g) < 0.4
-    mask[torch.arange(T), torch.randint(0, S, (T,), generator=g)] = True  # every row sees at least one key
+    q, k, v, mask = attention_case(T, S, rep, seed, density=0.4)
     out = inv.invariant_attention(q, k, v, inv.KeyIndex.from_mask(mask))
     torch.testing.assert_close(out, attend(q, k, v, mask[None, None]), rtol=1e-5, atol=1e-5)
 

@@ -203,6 +203,16 @@ if triton is not None:
                 tl.store(dst + HALF, hi.to(y.dtype.element_ty), mask=ok)
 
 
+def fused_verify_supported(model: LlamaModel, device) -> str | None:
+    """None if FusedVerify can run `model` on `device`, else why not."""
+    why = fused_decode_supported(model, device)
+    if why:
+        return why.replace("fused decode", "fused verify")
+    if model.args.head_dim < 32:  # tensor-core tiles: half a head is at least 16 columns
+        return f"fused verify needs head_dim >= 32, not {model.args.head_dim}"
+    return None
+
+
 def _splits(n_tiles: int, K: int, bk: int) -> int:
     """K-slices for a product with few column tiles: ~SPLIT_PROGRAMS programs, each at least 4 BLOCK_K steps."""
     return max(1, min(triton.cdiv(SPLIT_PROGRAMS, n_tiles), K // (4 * bk)))
@@ -218,11 +228,9 @@ class FusedVerify:
 
     def __init__(self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None,
                  attention: str = "auto", cublas: tuple[str, ...] = CUBLAS_PRODUCTS) -> None:  # fmt: skip
-        why = fused_decode_supported(model, model.lm_head.weight.device)
+        why = fused_verify_supported(model, model.lm_head.weight.device)
         if why:
-            raise ValueError(why.replace("fused decode", "fused verify"))
-        if model.args.head_dim < 32:  # tensor-core tiles: half a head is at least 16 columns
-            raise ValueError(f"fused verify needs head_dim >= 32, not {model.args.head_dim}")
+            raise ValueError(why)
         if set(cublas) - set(CUBLAS_PRODUCTS):
             raise ValueError(f"cuBLAS serves the products {CUBLAS_PRODUCTS}, not {tuple(set(cublas))}")
         if attention not in ("auto", "fused", "matmul"):

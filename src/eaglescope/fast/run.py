@@ -14,6 +14,7 @@ from eaglescope.errors import EagleScopeError
 from eaglescope.fast import invariant
 from eaglescope.fast.engine import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast.fused_decode import fused_decode_supported
+from eaglescope.fast.fused_verify import fused_verify_supported
 from eaglescope.target.base import Target
 from eaglescope.target.llama import NativeTarget, fuse_projections
 
@@ -72,8 +73,7 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
             float32_logits=on_gpu,
             batch_invariant=exact,
             fused_decode=fused,
-            # verifies in the same layout (tensor-core tiles need head_dim >= 32)
-            fused_verify=fused and target.model.args.head_dim >= 32,
+            fused_verify=fused and fused_verify_supported(target.model, target.device) is None,
         )
         fe = FastEagle(ft, draft, depth, top_k, total, max_len=max_len)
         dec = fe.generate(prompt_ids, budget, stop=stop)

@@ -169,46 +169,61 @@ def verify_products(fv, device, copy_gbs: float, T: int) -> dict:
 
 
 def pdl_check(ft: FastTarget, prompt: list[int], ctx: int, wbytes: int, copy_gbs: float, smoke: bool) -> dict:
-    """Programmatic dependent launch off and on. For each: the step with the default blocks, then each product's K
-    blocks loaded ahead of the wait swept over the whole step (coordinate descent), and the greedy tokens of a run
-    through the step's graph: the same blocks are the same arithmetic, so on/off must give identical tokens (a
-    race would not)."""
+    """Programmatic dependent launch: the step with it off and on (same blocks: the same arithmetic, so the tokens of
+    a greedy run through the step's graph must be identical, and any race would show), then, with it on, each
+    product's K blocks loaded ahead of the wait swept over the whole step (coordinate descent)."""
     fd = ft.fused
+    on = pdl_supported(ft.device)  # else (the interpreter) only the prefetch sweep runs, without the overlap
     of = lambda ms: round(wbytes / ms / 1e6 / copy_gbs, 4)  # noqa: E731
-    defaults = {k: tuple(v[:3]) for k, v in fd.blocks.items()}
     out: dict = {}
-    for pdl in (False, True) if pdl_supported(ft.device) else (False,):  # the interpreter has no grids to overlap
-        fd.pdl, fd.blocks = pdl, dict(defaults)
+    tokens = {}
+    for pdl in (False, True) if on else (False,):
+        fd.pdl = pdl
         ms = step_ms(ft, prompt, ctx)
-        r: dict = {"default_blocks": {"ms": round(ms, 4), "of_copy": of(ms)}, "prefetch_sweep": {}}
-        r["greedy_tokens_default_blocks"] = FastVanilla(ft, 64).generate(prompt, greedy_tokens(ft, prompt)).tokens
-        for name in ("gate_up", "down", "qkv", "o", "lm_head"):
-            rows = []
-            for pre in (1, 2, 4) if smoke else (1, 2, 4, 8):
-                fd.blocks[name] = defaults[name] + (pre,)
-                try:
-                    rows.append({"pre": pre, "ms": round(step_ms(ft, prompt, ctx), 4)})
-                except Exception as e:  # registers: a wide prefetch may not compile
-                    rows.append({"pre": pre, "error": f"{type(e).__name__}: {e}"[-300:]})
-            best = min((x for x in rows if "ms" in x), key=lambda x: x["ms"])
-            fd.blocks[name] = defaults[name] + (best["pre"],)
-            r["prefetch_sweep"][name] = rows
-            print(f"pdl {pdl} prefetch sweep", name, json.dumps(rows), flush=True)
-        r["best_blocks"] = dict(fd.blocks)
-        ms = step_ms(ft, prompt, ctx)
-        r["best"] = {"ms": round(ms, 4), "of_copy": of(ms)}
-        print(f"pdl {pdl}", json.dumps({k: r[k] for k in ("default_blocks", "best", "best_blocks")}), flush=True)
-        out[f"pdl_{str(pdl).lower()}"] = r
-    if "pdl_true" in out:
-        a, b = out["pdl_false"], out["pdl_true"]
-        out["greedy_tokens_identical"] = a.pop("greedy_tokens_default_blocks") == b.pop("greedy_tokens_default_blocks")
-        print("pdl greedy tokens identical on/off:", out["greedy_tokens_identical"], flush=True)
+        tokens[pdl] = FastVanilla(ft, 64).generate(prompt, greedy_tokens(ft, prompt)).tokens
+        out[f"step_pdl_{pdl}".lower()] = {"ms": round(ms, 4), "of_copy": of(ms)}
+        print("pdl", pdl, json.dumps(out[f"step_pdl_{pdl}".lower()]), flush=True)
+    out["greedy_tokens_identical"] = tokens[False] == tokens[on]
+    fd.pdl = on
+    sweep = {}
+    for name in ("gate_up", "down", "qkv", "o", "lm_head"):
+        base = tuple(fd.blocks[name][:3])
+        rows = []
+        for pre in (1, 2, 4) if smoke else (1, 2, 4, 8):
+            fd.blocks[name] = base + (pre,)
+            try:
+                ms = step_ms(ft, prompt, ctx)
+            except Exception as e:  # registers: a wide prefetch may not compile
+                rows.append({"pre": pre, "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            rows.append({"pre": pre, "ms": round(ms, 4)})
+        best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+        fd.blocks[name] = base + (best["pre"],)
+        sweep[name] = rows
+        print("pdl prefetch sweep", name, json.dumps(rows), flush=True)
+    out["prefetch_sweep"] = sweep
+    out["best_blocks"] = dict(fd.blocks)
+    ms = step_ms(ft, prompt, ctx)
+    out["step_pdl_best"] = {"ms": round(ms, 4), "of_copy": of(ms)}
     fd.pdl = False
+    ms = step_ms(ft, prompt, ctx)
+    out["step_best_blocks_without_pdl"] = {"ms": round(ms, 4), "of_copy": of(ms)}
+    fd.pdl = on
+    best_tokens = FastVanilla(ft, 64).generate(prompt, greedy_tokens(ft, prompt)).tokens
+    out["greedy_tokens_pdl_on_off_identical_best_blocks"] = best_tokens == _tokens_without_pdl(ft, prompt)
+    print("pdl", json.dumps({k: v for k, v in out.items() if k != "prefetch_sweep"}), flush=True)
     return out
 
 
 def greedy_tokens(ft: FastTarget, prompt: list[int]) -> int:
     return min(48, ft.size - len(prompt) - 1)
+
+
+def _tokens_without_pdl(ft: FastTarget, prompt: list[int]) -> list[int]:
+    on, ft.fused.pdl = ft.fused.pdl, False
+    tokens = FastVanilla(ft, 64).generate(prompt, greedy_tokens(ft, prompt)).tokens
+    ft.fused.pdl = on
+    return tokens
 
 
 def step_ms(ft: FastTarget, prompt: list[int], ctx: int) -> float:

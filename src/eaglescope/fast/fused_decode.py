@@ -137,8 +137,8 @@ if triton is not None:
                   BK: tl.constexpr, P: tl.constexpr):  # fmt: skip
         """sum_k W[rows, k] * in[k] for R rows (int64 `rows`), in = RMSNorm(x) when NORM (rstd given); wt0 holds
         columns [0, P) (P a multiple of BK, loaded by _weights_then_wait), the loop streams the rest."""
-        kp = tl.arange(0, P)
-        part = wt0.to(tl.float32) * _input_block(x, nw, kp, kp < K, rstd, NORM)[None, :]
+        kk = tl.arange(0, P)
+        part = wt0.to(tl.float32) * _input_block(x, nw, kk, kk < K, rstd, NORM)[None, :]
         acc = tl.sum(tl.reshape(part, (R, P // BK, BK)), 1)  # lane j of acc sums columns j, j + BK, ...
         for k0 in range(P, K, BK):
             kk = k0 + tl.arange(0, BK)

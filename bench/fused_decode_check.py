@@ -38,7 +38,7 @@ from eaglescope.fast.engine import (  # noqa: E402
     use_gemv_reductions,
     use_matmul_attention,
 )
-from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode, pdl_supported  # noqa: E402
+from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode  # noqa: E402
 from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS  # noqa: E402
 
 
@@ -168,64 +168,6 @@ def verify_products(fv, device, copy_gbs: float, T: int) -> dict:
     return out
 
 
-def pdl_check(ft: FastTarget, prompt: list[int], ctx: int, wbytes: int, copy_gbs: float, smoke: bool) -> dict:
-    """Programmatic dependent launch: the step with it off and on (same blocks: the same arithmetic, so the tokens of
-    a greedy run through the step's graph must be identical, and any race would show), then, with it on, each
-    product's K blocks loaded ahead of the wait swept over the whole step (coordinate descent)."""
-    fd = ft.fused
-    on = pdl_supported(ft.device)  # else (the interpreter) only the prefetch sweep runs, without the overlap
-    of = lambda ms: round(wbytes / ms / 1e6 / copy_gbs, 4)  # noqa: E731
-    out: dict = {}
-    tokens = {}
-    for pdl in (False, True) if on else (False,):
-        fd.pdl = pdl
-        ms = step_ms(ft, prompt, ctx)
-        tokens[pdl] = FastVanilla(ft, 64).generate(prompt, greedy_tokens(ft, prompt)).tokens
-        out[f"step_pdl_{pdl}".lower()] = {"ms": round(ms, 4), "of_copy": of(ms)}
-        print("pdl", pdl, json.dumps(out[f"step_pdl_{pdl}".lower()]), flush=True)
-    out["greedy_tokens_identical"] = tokens[False] == tokens[on]
-    fd.pdl = on
-    sweep = {}
-    for name in ("gate_up", "down", "qkv", "o", "lm_head"):
-        base = tuple(fd.blocks[name][:3])
-        rows = []
-        for pre in (1, 2, 4) if smoke else (1, 2, 4, 8):
-            fd.blocks[name] = base + (pre,)
-            try:
-                ms = step_ms(ft, prompt, ctx)
-            except Exception as e:  # registers: a wide prefetch may not compile
-                rows.append({"pre": pre, "error": f"{type(e).__name__}: {e}"[:200]})
-                continue
-            rows.append({"pre": pre, "ms": round(ms, 4)})
-        best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"])
-        fd.blocks[name] = base + (best["pre"],)
-        sweep[name] = rows
-        print("pdl prefetch sweep", name, json.dumps(rows), flush=True)
-    out["prefetch_sweep"] = sweep
-    out["best_blocks"] = dict(fd.blocks)
-    ms = step_ms(ft, prompt, ctx)
-    out["step_pdl_best"] = {"ms": round(ms, 4), "of_copy": of(ms)}
-    fd.pdl = False
-    ms = step_ms(ft, prompt, ctx)
-    out["step_best_blocks_without_pdl"] = {"ms": round(ms, 4), "of_copy": of(ms)}
-    fd.pdl = on
-    best_tokens = FastVanilla(ft, 64).generate(prompt, greedy_tokens(ft, prompt)).tokens
-    out["greedy_tokens_pdl_on_off_identical_best_blocks"] = best_tokens == _tokens_without_pdl(ft, prompt)
-    print("pdl", json.dumps({k: v for k, v in out.items() if k != "prefetch_sweep"}), flush=True)
-    return out
-
-
-def greedy_tokens(ft: FastTarget, prompt: list[int]) -> int:
-    return min(48, ft.size - len(prompt) - 1)
-
-
-def _tokens_without_pdl(ft: FastTarget, prompt: list[int]) -> list[int]:
-    on, ft.fused.pdl = ft.fused.pdl, False
-    tokens = FastVanilla(ft, 64).generate(prompt, greedy_tokens(ft, prompt)).tokens
-    ft.fused.pdl = on
-    return tokens
-
-
 def step_ms(ft: FastTarget, prompt: list[int], ctx: int) -> float:
     van = FastVanilla(ft, 64)
     van.generate(prompt, 16)  # captures the graph
@@ -241,7 +183,6 @@ def main() -> int:
     ap.add_argument("--no-compiled", action="store_true", help="skip the compiled-layers comparison")
     ap.add_argument("--no-sweep", action="store_true", help="the default blocks only")
     ap.add_argument("--sweep-verify", action="store_true", help="also sweep the fused verify kernels' blocks")
-    ap.add_argument("--pdl", action="store_true", help="only the decode step: programmatic dependent launch off/on")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -304,11 +245,6 @@ def main() -> int:
         }
     print("vs modules", json.dumps(res["vs_modules"]), flush=True)
     save()
-    if args.pdl:
-        res["pdl"] = pdl_check(ft, prompt, ctx, wbytes, res["copy_bandwidth_gbs"], args.smoke)
-        save()
-        print("wrote", path)
-        return 0
 
     # verify costs: one token on the fused kernels, T tokens on the modules (compiled layers), with attention as
     # products and with the fused attention kernel

@@ -37,15 +37,13 @@ pytestmark = pytest.mark.skipif(not inv.available("cpu"), reason="needs TRITON_I
     k=st.integers(1, 150),
     bn=st.sampled_from([1, 2, 4, 8]),
     bk=st.sampled_from([16, 64]),
-    pre=st.sampled_from([1, 2, 4]),
     norm=st.booleans(),
     bias=st.booleans(),
     residual=st.booleans(),
     seed=st.integers(0, 99),
 )
-def test_fused_linear_matches_modules(n, k, bn, bk, pre, norm, bias, residual, seed):
-    """Partial row and K tiles included, and `pre` K tiles loaded ahead of the loop (clamped to the row's width):
-    out = [res +] W @ [RMSNorm](x) [+ b]."""
+def test_fused_linear_matches_modules(n, k, bn, bk, norm, bias, residual, seed):
+    """Partial row and K tiles included: out = [res +] W @ [RMSNorm](x) [+ b]."""
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
@@ -54,7 +52,7 @@ def test_fused_linear_matches_modules(n, k, bn, bk, pre, norm, bias, residual, s
     res = torch.randn(1, n, generator=g)
     want = torch.nn.functional.linear(rms(x) if norm else x, w, b) + (res if residual else 0)
     out = res.clone() if residual else None
-    got = fused_linear(x, w, b, norm=rms if norm else None, out=out, residual=residual, blocks=(bn, bk, 1, pre))
+    got = fused_linear(x, w, b, norm=rms if norm else None, out=out, residual=residual, blocks=(bn, bk, 1))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
@@ -87,14 +85,7 @@ def test_step_matches_the_modules(target):
     model = fuse_projections(copy.deepcopy(target.model))
     ft = FastTarget(model, size=150, taps=(0, 2), float32_logits=True)
     ft.prefill(torch.tensor([3, 17, 5, 40, 22, 9, 61]))
-    # (rows, K block, warps[, K blocks loaded ahead of the loop])
-    blocks = {
-        "qkv": (2, 16, 1, 2),
-        "o": (4, 32, 1),
-        "gate_up": (8, 16, 1, 4),
-        "down": (2, 64, 1),
-        "lm_head": (64, 32, 2),
-    }
+    blocks = {"qkv": (2, 16, 1), "o": (4, 32, 1), "gate_up": (8, 16, 1), "down": (2, 64, 1), "lm_head": (64, 32, 2)}
     fd = FusedDecode(model, ft.cache, taps=(0, 2), blocks=blocks)
     assert fd.attn_splits == 3
     mask = torch.zeros(1, 150, dtype=torch.bool)

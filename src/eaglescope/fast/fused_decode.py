@@ -22,8 +22,6 @@ kernels run under Triton's interpreter, which is how the CPU tests exercise them
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -33,13 +31,7 @@ from eaglescope.target.llama import LlamaModel
 if triton is not None:
     import triton.language as tl
 
-    try:  # grid dependency control (Hopper+): Triton >= 3.4
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    except ImportError:
-        gdc_launch_dependents = gdc_wait = None
-
-# (BLOCK_N output rows per program, BLOCK_K, num_warps[, K blocks loaded before the wait for the previous kernel])
-# per product; bench/fused_decode_check.py sweeps them
+# (BLOCK_N output rows per program, BLOCK_K, num_warps) per product; bench/fused_decode_check.py sweeps them
 DEFAULT_BLOCKS = {  # the fastest of the sweep at 8B on an H200 (bench/results/fused-decode-check-*.json)
     "qkv": (4, 512, 4),
     "o": (8, 512, 8),
@@ -55,19 +47,6 @@ def logits_dtype(model: LlamaModel) -> torch.dtype:
     from eaglescope.fast.engine import Float32Logits  # engine imports this module lazily: no cycle
 
     return torch.float32 if isinstance(model.lm_head, Float32Logits) else model.lm_head.weight.dtype
-
-
-def pdl_supported(device: torch.device | str) -> bool:
-    """Whether the decode kernels can be launched with programmatic dependent launch here: a Hopper-or-later GPU,
-    a Triton with grid dependency control, and not the interpreter (which has no grids to overlap)."""
-    device = torch.device(device)
-    return (
-        triton is not None
-        and gdc_wait is not None
-        and device.type == "cuda"
-        and os.environ.get("TRITON_INTERPRET") != "1"
-        and torch.cuda.get_device_capability(device) >= (9, 0)
-    )
 
 
 def fused_decode_supported(model: nn.Module, device: torch.device | str) -> str | None:
@@ -109,42 +88,19 @@ if triton is not None:
         return 1.0 / tl.sqrt(ss / K + eps)
 
     @triton.jit
-    def _input_block(x, nw, kk, in_k, rstd, NORM: tl.constexpr):
-        """in[kk] in float32, in = RMSNorm(x) when NORM, with the module's two roundings: normalise in float32,
-        cast, then scale by the weight and cast again."""
-        xs = tl.load(x + kk, mask=in_k, other=0.0)
-        if NORM:
-            normed = (xs.to(tl.float32) * rstd).to(xs.dtype).to(tl.float32)
-            xs = (tl.load(nw + kk, mask=in_k, other=0.0).to(tl.float32) * normed).to(xs.dtype)
-        return xs.to(tl.float32)
-
-    @triton.jit
-    def _weights_then_wait(w, rows, ok, K: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr):
-        """The program's first P weight columns, then (under programmatic dependent launch) the wait for the
-        previous kernel. Weights never depend on that kernel, so their load overlaps its tail: the next launch
-        may start as soon as every program here has started, and its programs stream weights while this one's
-        last wave drains (a decode step has ~165 such boundaries)."""
-        if PDL:
-            gdc_launch_dependents()
-        kk = tl.arange(0, P)
-        wt = tl.load(w + rows[:, None] * K + kk[None, :], mask=ok[:, None] & (kk < K)[None, :], other=0.0)
-        if PDL:
-            gdc_wait()
-        return wt
-
-    @triton.jit
-    def _dot_rows(x, nw, w, wt0, rows, ok, rstd, K: tl.constexpr, NORM: tl.constexpr, R: tl.constexpr,
-                  BK: tl.constexpr, P: tl.constexpr):  # fmt: skip
-        """sum_k W[rows, k] * in[k] for R rows (int64 `rows`), in = RMSNorm(x) when NORM (rstd given); wt0 holds
-        columns [0, P) (P a multiple of BK, loaded by _weights_then_wait), the loop streams the rest."""
-        kk = tl.arange(0, P)
-        part = wt0.to(tl.float32) * _input_block(x, nw, kk, kk < K, rstd, NORM)[None, :]
-        acc = tl.sum(tl.reshape(part, (R, P // BK, BK)), 1)  # lane j of acc sums columns j, j + BK, ...
-        for k0 in range(P, K, BK):
+    def _dot_rows(x, nw, w, rows, ok, rstd, K: tl.constexpr, NORM: tl.constexpr, R: tl.constexpr,
+                  BK: tl.constexpr):  # fmt: skip
+        """sum_k W[rows, k] * in[k] for R rows (int64 `rows`), in = RMSNorm(x) when NORM (rstd given)."""
+        acc = tl.zeros((R, BK), tl.float32)
+        for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             in_k = kk < K
+            xs = tl.load(x + kk, mask=in_k, other=0.0)
+            if NORM:  # the module's two roundings: normalise in float32, cast, then scale by the weight
+                normed = (xs.to(tl.float32) * rstd).to(xs.dtype).to(tl.float32)
+                xs = (tl.load(nw + kk, mask=in_k, other=0.0).to(tl.float32) * normed).to(xs.dtype)
             wt = tl.load(w + rows[:, None] * K + kk[None, :], mask=ok[:, None] & in_k[None, :], other=0.0)
-            acc += wt.to(tl.float32) * _input_block(x, nw, kk, in_k, rstd, NORM)[None, :]
+            acc += wt.to(tl.float32) * xs.to(tl.float32)[None, :]
         return tl.sum(acc, 1)
 
     @triton.jit
@@ -155,16 +111,14 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x, nw, w, b, y, N, eps, K: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     RESIDUAL: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KP2: tl.constexpr, P: tl.constexpr,
-                     PDL: tl.constexpr):  # fmt: skip
+                     RESIDUAL: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KP2: tl.constexpr):  # fmt: skip
         """y[rows] = W[rows] @ in (+ bias) (+ y[rows] when RESIDUAL: the residual stream, updated in place)."""
         rows = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
         ok = rows < N
-        wt0 = _weights_then_wait(w, rows, ok, K, P, PDL)
         rstd = 1.0
         if NORM:
             rstd = _rstd(x, K, eps, BK, KP2)
-        acc = _dot_rows(x, nw, w, wt0, rows, ok, rstd, K, NORM, BN, BK, P)
+        acc = _dot_rows(x, nw, w, rows, ok, rstd, K, NORM, BN, BK)
         if HAS_BIAS:
             acc += tl.load(b + rows, mask=ok, other=0.0).to(tl.float32)
         if RESIDUAL:  # as `x + proj(...)`: the product is rounded to the model dtype, then added
@@ -174,7 +128,7 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_kernel(x, nw, w, b, cos, sin, q, kc, vc, slot, n_heads, n_kv, S, eps, K: tl.constexpr,
                          HAS_BIAS: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         KP2: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                         KP2: tl.constexpr):  # fmt: skip
         """Program (head, chunk): rows j and j + D/2 of one q, k or v head; RoPE (not for v), then q → q[head],
         k/v → their cache at `slot`."""
         HALF: tl.constexpr = D // 2
@@ -184,9 +138,8 @@ if triton is not None:
         j = j0 + tl.arange(0, BN)
         rows = _paired_rows(head * D + j0, head * D + HALF + j0, BN)
         ok = rows >= 0  # BN divides D/2: every row exists
-        wt0 = _weights_then_wait(w, rows, ok, K, P, PDL)
         rstd = _rstd(x, K, eps, BK, KP2)
-        acc = _dot_rows(x, nw, w, wt0, rows, ok, rstd, K, True, 2 * BN, BK, P)
+        acc = _dot_rows(x, nw, w, rows, ok, rstd, K, True, 2 * BN, BK)
         if HAS_BIAS:
             acc += tl.load(b + rows).to(tl.float32)
         lo, hi = tl.split(tl.reshape(acc.to(q.dtype.element_ty).to(tl.float32), (BN, 2)))
@@ -205,17 +158,13 @@ if triton is not None:
 
     @triton.jit
     def _attend_kernel(q, kc, vc, mask, y, part_m, part_l, part_acc, count, S, NS, H, rep, scale, sq_t, sq_h,
-                       sm_t, sy_t, sy_h, D: tl.constexpr, KB: tl.constexpr, NS_P2: tl.constexpr,
-                       PDL: tl.constexpr = False):  # fmt: skip
+                       sm_t, sy_t, sy_h, D: tl.constexpr, KB: tl.constexpr, NS_P2: tl.constexpr):  # fmt: skip
         """Program (h, split, t): query row t, head h, against the KB cache slots of its split that the row's
         mask allows (masked loads fetch nothing, so unused slots cost nothing); float32 partial softmax sums go to
         part_*. The last split of a (row, head) to finish combines them (a counter each, reset after use): one
         launch, and no program walks the whole cache in sequence (one program per head was latency-bound:
         14 µs per layer at 8B)."""
         h, sp, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if PDL:  # nothing here is independent of the q/k/v kernel before it, but the o product after it is
-            gdc_launch_dependents()
-            gdc_wait()
         d = tl.arange(0, D)
         offs = sp * KB + tl.arange(0, KB)
         valid = (tl.load(mask + t * sm_t + offs, mask=offs < S, other=0) != 0) & (offs < S)
@@ -297,33 +246,19 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(x, nw, w, b, act, F, eps, K: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, KP2: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                        BK: tl.constexpr, KP2: tl.constexpr):  # fmt: skip
         """Rows j of gate and F + j of up (the fused [2F, K] weight) → act[j] = SiLU(gate) * up."""
         j0 = tl.program_id(0) * BN
         j = j0 + tl.arange(0, BN)
         rows = _paired_rows(j0, F + j0, BN)
         ok = (j0 + tl.arange(0, 2 * BN) // 2) < F
-        wt0 = _weights_then_wait(w, rows, ok, K, P, PDL)
         rstd = _rstd(x, K, eps, BK, KP2)
-        acc = _dot_rows(x, nw, w, wt0, rows, ok, rstd, K, True, 2 * BN, BK, P)
+        acc = _dot_rows(x, nw, w, rows, ok, rstd, K, True, 2 * BN, BK)
         if HAS_BIAS:
             acc += tl.load(b + rows, mask=ok, other=0.0).to(tl.float32)
         gate, up = tl.split(tl.reshape(acc.to(act.dtype.element_ty).to(tl.float32), (BN, 2)))
         silu = (gate / (1.0 + tl.exp(-gate))).to(act.dtype.element_ty).to(tl.float32)
         tl.store(act + j, (silu * up).to(act.dtype.element_ty), mask=j < F)
-
-
-def _launch(blocks: tuple[int, ...], K: int, pdl: bool) -> tuple[int, int, dict]:
-    """(BN, BK, launch options) of a product's blocks: P (columns loaded before the wait) is BK times the fourth
-    entry, a power of two no wider than the row needs."""
-    bn, bk, warps = blocks[:3]
-    pre = blocks[3] if len(blocks) > 3 else 1
-    while pre > 1 and (pre & (pre - 1) or bk * pre > max(bk, K)):
-        pre -= 1
-    opts = dict(BN=bn, BK=bk, P=bk * pre, KP2=triton.next_power_of_2(K), PDL=pdl, num_warps=warps)
-    if pdl:
-        opts["launch_pdl"] = True
-    return bn, bk, opts
 
 
 def fused_linear(
@@ -333,22 +268,20 @@ def fused_linear(
     norm: nn.Module | None = None,
     out: torch.Tensor | None = None,
     residual: bool = False,
-    blocks: tuple[int, ...] = DEFAULT_BLOCKS["o"],
-    pdl: bool = False,
+    blocks: tuple[int, int, int] = DEFAULT_BLOCKS["o"],
 ) -> torch.Tensor:
     """One row: out = weight @ in (+ bias), in = norm(x) when a norm (an RMSNorm: weight, eps) is given; with
-    `residual`, out += that in place (out is then the residual stream and must be given). Returns out [1, N].
-    `pdl`: launch with programmatic dependent launch (see pdl_supported)."""
+    `residual`, out += that in place (out is then the residual stream and must be given). Returns out [1, N]."""
     N, K = weight.shape
     if out is None:
         if residual:
             raise ValueError("residual=True adds into `out`: pass the residual stream")
         out = torch.empty(1, N, device=x.device, dtype=x.dtype)
-    bn, _, opts = _launch(blocks, K, pdl)
+    bn, bk, warps = blocks
     nw, eps = (norm.weight, norm.eps) if norm is not None else (weight, 0.0)
     _gemv_kernel[(triton.cdiv(N, bn),)](x, nw, weight, bias if bias is not None else weight, out, N, eps, K=K,
                                         NORM=norm is not None, HAS_BIAS=bias is not None, RESIDUAL=residual,
-                                        **opts)  # fmt: skip
+                                        BN=bn, BK=bk, KP2=triton.next_power_of_2(K), num_warps=warps)  # fmt: skip
     return out
 
 
@@ -360,7 +293,7 @@ def attention_splits(S: int) -> tuple[int, int]:
 
 def fused_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | None = None,
-    scratch: tuple[torch.Tensor, ...] | None = None, pdl: bool = False,
+    scratch: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """q [T, H, D] (any strides with unit last), k/v [Hkv, S, D] (one layer of a slot cache), mask [T, S] bool
     (True = attend; every row must allow at least one slot) → out [T, H, D]. `scratch` = (part_m, part_l,
@@ -380,8 +313,7 @@ def fused_attention(
     if T == 1 or D < 16:  # one row: a program per head; tensor cores need 16 rows and 16-wide heads
         _attend_kernel[(H, NS, T)](q, k, v, mask, out, part_m, part_l, part_acc, count, S, NS, H, rep, D**-0.5,
                                    q.stride(0), q.stride(1), mask.stride(0), out.stride(0), out.stride(1), D=D,
-                                   KB=keys, NS_P2=triton.next_power_of_2(NS), PDL=pdl,
-                                   **({"launch_pdl": True} if pdl else {}))  # fmt: skip
+                                   KB=keys, NS_P2=triton.next_power_of_2(NS))  # fmt: skip
     else:
         BR = min(64, max(16, triton.next_power_of_2(T * rep)))
         _attend_rows_kernel[(Hkv, NS, triton.cdiv(T * rep, BR))](
@@ -404,16 +336,12 @@ class FusedDecode:
     Call with token, position, slot [1] (device tensors, so the step can be graph-captured) and the mask row
     [S] bool → logits [1, V] (the lm_head's dtype: float32 for Float32Logits), aux [1, n_taps*H] | None."""
 
-    def __init__(
-        self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None, pdl: bool | None = None
-    ) -> None:
+    def __init__(self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None) -> None:
         why = fused_decode_supported(model, model.lm_head.weight.device)
         if why:
             raise ValueError(why)
         a = model.args
         self.model, self.cache, self.taps, self.args = model, cache, tuple(taps), a
-        # programmatic dependent launch: each kernel's weight stream starts under the previous kernel's tail
-        self.pdl = pdl_supported(model.lm_head.weight.device) if pdl is None else pdl
         self.blocks = {**DEFAULT_BLOCKS, **(blocks or {})}
         if (a.head_dim // 2) % self.blocks["qkv"][0]:
             self.blocks["qkv"] = (min(self.blocks["qkv"][0], a.head_dim // 2),) + self.blocks["qkv"][1:]
@@ -431,43 +359,41 @@ class FusedDecode:
     def qkv(self, i: int, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor) -> None:
         a, layer = self.args, self.model.model.layers[i]
         norm, qkv = layer.input_layernorm, layer.self_attn.qkv_proj
-        bn, _, opts = _launch(self.blocks["qkv"], a.hidden_size, self.pdl)
+        bn, bk, warps = self.blocks["qkv"]
         D = a.head_dim
         _qkv_rope_kernel[((a.num_heads + 2 * a.num_kv_heads) * (D // 2 // bn),)](
             self.h, norm.weight, qkv.weight, qkv.bias if qkv.bias is not None else qkv.weight, cos, sin, self.q,
             self.cache.k[i], self.cache.v[i], slot, a.num_heads, a.num_kv_heads, self.cache.size, norm.eps,
-            K=a.hidden_size, HAS_BIAS=qkv.bias is not None, D=D, **opts,
+            K=a.hidden_size, HAS_BIAS=qkv.bias is not None, D=D, BN=bn, BK=bk,
+            KP2=triton.next_power_of_2(a.hidden_size), num_warps=warps,
         )  # fmt: skip
 
     def attend(self, i: int, mask: torch.Tensor) -> None:
         a = self.args
         q, out = self.q.view(1, a.num_heads, a.head_dim), self.attn.view(1, a.num_heads, a.head_dim)
-        fused_attention(q, self.cache.k[i, 0], self.cache.v[i, 0], mask, out, self.scratch, pdl=self.pdl)
+        fused_attention(q, self.cache.k[i, 0], self.cache.v[i, 0], mask, out, self.scratch)
 
     def o(self, i: int) -> None:
         o = self.model.model.layers[i].self_attn.o_proj
-        fused_linear(self.attn, o.weight, o.bias, out=self.h, residual=True, blocks=self.blocks["o"], pdl=self.pdl)
+        fused_linear(self.attn, o.weight, o.bias, out=self.h, residual=True, blocks=self.blocks["o"])
 
     def gate_up(self, i: int) -> None:
         layer = self.model.model.layers[i]
         norm, gu, F = layer.post_attention_layernorm, layer.mlp.gate_up_proj, self.args.intermediate_size
-        bn, _, opts = _launch(self.blocks["gate_up"], self.args.hidden_size, self.pdl)
+        bn, bk, warps = self.blocks["gate_up"]
         _gate_up_kernel[(triton.cdiv(F, bn),)](
             self.h, norm.weight, gu.weight, gu.bias if gu.bias is not None else gu.weight, self.act, F, norm.eps,
-            K=self.args.hidden_size, HAS_BIAS=gu.bias is not None, **opts,
+            K=self.args.hidden_size, HAS_BIAS=gu.bias is not None, BN=bn, BK=bk,
+            KP2=triton.next_power_of_2(self.args.hidden_size), num_warps=warps,
         )  # fmt: skip
 
     def down(self, i: int) -> None:
         down = self.model.model.layers[i].mlp.down_proj
-        fused_linear(
-            self.act, down.weight, down.bias, out=self.h, residual=True, blocks=self.blocks["down"], pdl=self.pdl
-        )
+        fused_linear(self.act, down.weight, down.bias, out=self.h, residual=True, blocks=self.blocks["down"])
 
     def lm_head(self, logits: torch.Tensor) -> None:
         m = self.model
-        fused_linear(
-            self.h, m.lm_head.weight, None, norm=m.model.norm, out=logits, blocks=self.blocks["lm_head"], pdl=self.pdl
-        )
+        fused_linear(self.h, m.lm_head.weight, None, norm=m.model.norm, out=logits, blocks=self.blocks["lm_head"])
 
     @torch.inference_mode()
     def __call__(self, token, position, mask, slot) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -69,14 +70,14 @@ def sizes(smoke: bool) -> dict:
             vocab=512, d=32, layers=8, heads=4, kv=2, ffn=96, seq=64, batch=8, lr=3e-3,
             t_target=10, t_draft=8, t_abl=4, t_lm=4, lm_d=32, lm_layers=2, lm_heads=2, lm_ffn=96,
             n_seq=32, prefix=24, cont=24, regen_batch=32, d_batch=8, prompts=4, new=32, tune_prompts=2,
-            text_mb=2, tok_mb=1, hf_deadline=3000,
+            text_mb=2, tok_mb=1,
             trees=[(4, 2, 8), (3, 3, 8)], chain=4, official=(7, 10, 60),
         )  # fmt: skip
     return dict(
         vocab=16384, d=1024, layers=16, heads=16, kv=4, ffn=2816, seq=512, batch=32, lr=1.5e-3,
         t_target=135, t_draft=70, t_abl=45, t_lm=70, lm_d=512, lm_layers=4, lm_heads=8, lm_ffn=1408,
         n_seq=6144, prefix=64, cont=192, regen_batch=1024, d_batch=32, prompts=32, new=256, tune_prompts=6,
-        text_mb=160, tok_mb=24, hf_deadline=470,
+        text_mb=160, tok_mb=24,
         trees=[(6, 4, 24), (8, 4, 32), (8, 8, 48), (10, 6, 64)], chain=6, official=(7, 10, 60),
     )  # fmt: skip
 
@@ -338,66 +339,73 @@ class ForwardCounter:
         self.lengths.append(int(x.shape[1]) if x is not None else 0)
 
 
+HF_METHODS = ("vanilla", "assisted", "lookup")
 ASSISTANT_STATE = ("num_assistant_tokens", "assistant_confidence_threshold")
+COVERAGE_KEYS = ("match", "match_hf_vanilla", "prompts", "rounds", "round_tokens")
+TIMED_KEYS = (*COVERAGE_KEYS, "tokens", "seconds")
+MERGE_S = 15.0  # of --time-limit, kept after the transformers' end for stopping workers, merging and writing
+GRACE_S = 5.0  # a worker still running this long after the end is killed (its finished prompts count)
+FIRST_PROMPT_S = 45.0  # a process's first prompt starts only with this much left (no slowest prompt to go by)
+POLL_S = 0.1
 
 
-def eval_hf_methods(target, methods: dict[str, dict], prompts, new, ref, deadline, warmup=True) -> dict[str, dict]:
-    """Every transformers method on each prompt in turn, so a deadline cuts all of them at the same prompt.
+class HFModels:
+    """transformers' target and draft LM in one process, and the assistant's draft-length state as loaded.
+
+    transformers' assisted generation carries its draft-length schedule (and confidence threshold) from one call to
+    the next in the assistant's generation_config; `reset` restores the state as loaded, so each prompt runs as the
+    first call of a fresh process would, whatever ran before it in this process."""
+
+    def __init__(self, job: dict, device: torch.device) -> None:
+        dtype = getattr(torch, job["dtype"])
+        self.target = load_hf(Path(job["target"]), device, dtype)
+        self.draft_lm = load_hf(Path(job["draft_lm"]), device, dtype)
+        kwargs = ({}, {"assistant_model": self.draft_lm}, {"prompt_lookup_num_tokens": 10})
+        self.methods = dict(zip(HF_METHODS, kwargs))
+        gc = self.draft_lm.generation_config
+        self.fresh = {k: getattr(gc, k, None) for k in ASSISTANT_STATE}
+
+    def to(self, device: torch.device) -> None:
+        self.target.to(device)
+        self.draft_lm.to(device)
+
+    def reset(self) -> None:
+        for k, v in self.fresh.items():
+            setattr(self.draft_lm.generation_config, k, v)
+
+
+def eval_hf_methods(hfm: HFModels, prompt: list[int], new: int, ref: list[int], warmup: bool) -> dict[str, dict]:
+    """Every transformers method on one prompt: tokens, seconds, matches and target forwards per method.
 
     τ for HF's speculative modes = tokens per target forward (HF does not report acceptance): a round is one
     target forward; a forward over exactly the prompt is a plain prefill and counts neither as a round nor
     for its one token."""
+    target = hfm.target
     counter = ForwardCounter.on(target)
-    zero = dict.fromkeys(("tokens", "match", "match_hf_vanilla", "prompts", "rounds", "round_tokens"), 0)
-    res = {k: {**zero, "seconds": 0.0} for k in methods}
-    # transformers' assisted generation carries its draft-length schedule (and confidence threshold) from one call
-    # to the next in the assistant's generation_config; reset before every call, so each prompt runs as the first
-    # call of a fresh process would, whatever ran before it (timed here or in a coverage worker)
-    fresh = {}
-    for kw in methods.values():
-        if "assistant_model" in kw:
-            gc = kw["assistant_model"].generation_config
-            fresh[id(gc)] = (gc, {k: getattr(gc, k, None) for k in ASSISTANT_STATE})
-    x0 = torch.tensor([prompts[0]], device=target.device)
-    for kw in methods.values() if warmup else ():
-        target.generate(x0, max_new_tokens=8, do_sample=False, **kw)
-    for i, p in enumerate(prompts):
-        if time.perf_counter() - T0 > deadline:
-            break
-        x = torch.tensor([p], device=target.device)
-        outs = {}
-        for name, kw in methods.items():
-            for gc, state in fresh.values():
-                for k, v in state.items():
-                    setattr(gc, k, v)
-            counter.lengths.clear()
-            sync()
-            t0 = time.perf_counter()
-            y = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False, **kw)
-            sync()
-            r = res[name]
-            r["seconds"] += time.perf_counter() - t0
-            out = y[0, len(p) :].tolist()
-            r["tokens"] += len(out)
-            r["match"] += int(out == ref[i])
-            r["prompts"] += 1
-            prefill = int(bool(counter.lengths) and counter.lengths[0] == len(p))
-            r["rounds"] += len(counter.lengths) - prefill
-            r["round_tokens"] += len(out) - prefill
-            outs[name] = out
-        for name, out in outs.items():  # against transformers' own greedy output (same kernels)
-            res[name]["match_hf_vanilla"] += int(out == outs.get("vanilla"))
-    for r in res.values():
-        r["tau"] = r["round_tokens"] / r["rounds"] if r["rounds"] else None
+    x = torch.tensor([prompt], device=target.device)
+    for kw in hfm.methods.values() if warmup else ():
+        target.generate(x, max_new_tokens=8, do_sample=False, **kw)
+    res, outs = {}, {}
+    for name, kw in hfm.methods.items():
+        hfm.reset()
+        counter.lengths.clear()
+        sync()
+        t0 = time.perf_counter()
+        y = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False, **kw)
+        sync()
+        seconds = time.perf_counter() - t0
+        out = y[0, len(prompt) :].tolist()
+        prefill = int(bool(counter.lengths) and counter.lengths[0] == len(prompt))
+        res[name] = {"tokens": len(out), "seconds": seconds, "match": int(out == ref), "prompts": 1,
+                     "rounds": len(counter.lengths) - prefill, "round_tokens": len(out) - prefill}  # fmt: skip
+        outs[name] = out
+    for name, out in outs.items():  # against transformers' own greedy output (same kernels)
+        res[name]["match_hf_vanilla"] = int(out == outs["vanilla"])
     return res
 
 
-def hf_methods_for(hf_lm) -> dict[str, dict]:
-    return {"vanilla": {}, "assisted": {"assistant_model": hf_lm}, "lookup": {"prompt_lookup_num_tokens": 10}}
-
-
 def claim_prompt(claims: Path, n: int) -> int | None:
-    """The lowest prompt index no worker has claimed yet (claimed by creating its file: atomic), or None."""
+    """The lowest prompt index no process has claimed yet (claimed by creating its file: atomic), or None."""
     for i in range(n):
         try:
             os.close(os.open(claims / f"{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -407,93 +415,168 @@ def claim_prompt(claims: Path, n: int) -> int | None:
     return None
 
 
-def hf_worker(spec_path: str) -> int:
-    """`--hf-worker SPEC`: the transformers methods on prompts claimed one at a time from a shared list (a worker
-    that finishes early takes more), aggregates to spec["out"]. A prompt is claimed only while the worker's slowest
-    prompt so far still fits before spec["end"] (wall clock, shared with the parent; the first prompt: before
-    spec["first_by"])."""
-    spec = json.loads(Path(spec_path).read_text())
-    torch.set_num_threads(1)  # many workers share the host's cores; transformers' host work is single-threaded
-    device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
-    hf, hf_lm = load_hf(Path(spec["target"]), device, dtype), load_hf(Path(spec["draft_lm"]), device, dtype)
-    methods, out, claims = hf_methods_for(hf_lm), Path(spec["out"]), Path(spec["claims"])
-    total: dict = {}
-    slowest = 0.0
-    while True:
-        now = time.time()
-        last_start = spec["end"] - slowest - 5 if slowest else spec["first_by"]
-        if now > last_start:
-            break
-        i = claim_prompt(claims, len(spec["prompts"]))
+def fits(end: float, slowest: float) -> bool:
+    """Whether another prompt may start: the slowest one so far (before the first, FIRST_PROMPT_S) ends by `end`."""
+    return time.time() + (slowest + 5 if slowest else FIRST_PROMPT_S) <= end
+
+
+def add_counts(total: dict, res: dict, keys: tuple[str, ...]) -> None:
+    for name, r in res.items():
+        t = total.setdefault(name, dict.fromkeys(keys, 0))
+        for k in keys:
+            t[k] += r[k]
+
+
+def load_models(job: dict, device: torch.device) -> tuple[HFModels, dict]:
+    """The models, and this process's counts (JSON: what a worker reports), which start with the load's seconds."""
+    t0 = time.perf_counter()
+    hfm = HFModels(job, device)
+    return hfm, {"load_seconds": round(time.perf_counter() - t0, 1), "slowest": 0.0, "timed": {}, "coverage": {}}
+
+
+def run_prompts(hfm: HFModels, job: dict, claims: Path, end: float, state: dict, save, timed: int = 0) -> None:
+    """Claims prompts one at a time (a free process takes the next, so slow prompts leave no process idle) and runs
+    every method on each, while the slowest prompt so far still fits before `end` (wall clock, shared between
+    processes). Counts go to state["coverage"]; with `timed` > 0, at most that many prompts, whose tokens and
+    seconds go to state["timed"] too."""
+    for _ in range(timed or len(job["prompts"])):
+        if not fits(end, state["slowest"]):
+            return
+        i = claim_prompt(claims, len(job["prompts"]))
         if i is None:
-            break
-        t_p = time.perf_counter()
-        res = eval_hf_methods(hf, methods, [spec["prompts"][i]], spec["new"], [spec["ref"][i]], float("inf"),
-                              warmup=not slowest)  # fmt: skip
-        slowest = max(slowest, time.perf_counter() - t_p)
-        for name, rr in res.items():
-            t = total.setdefault(name, dict.fromkeys(COVERAGE_KEYS, 0))
-            for k in COVERAGE_KEYS:
-                t[k] += rr[k]
-        # after every prompt, so a worker stopped at the budget still counts what it finished
-        write_json(out, total)
+            return
+        t0 = time.perf_counter()
+        res = eval_hf_methods(hfm, job["prompts"][i], job["new"], job["ref"][i], warmup=not state["slowest"])
+        state["slowest"] = max(state["slowest"], time.perf_counter() - t0)
+        add_counts(state["coverage"], res, COVERAGE_KEYS)
+        if timed:
+            add_counts(state["timed"], res, TIMED_KEYS)
+        save()  # after every prompt, so a process stopped at the end still counts what it finished
+
+
+def wait_for(path: Path, parent: int, until: float = math.inf) -> bool:
+    """Polls for `path`, another process's signal; False once the parent is gone or `until` (wall clock) passed."""
+    while not path.exists():
+        if os.getppid() != parent or time.time() > until:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def hf_worker(spec_path: str) -> int:
+    """`--hf-worker SPEC`: loads transformers and both models on the CPU, then waits for spec["go"] without touching
+    the GPU (the 8B section is being timed meanwhile). The worker with spec["timed"] > 0 then times that many
+    prompts alone on the GPU and signals spec["timed_done"]; the others wait for that signal before their first
+    GPU work. Then all claim the remaining prompts (run_prompts); counts go to spec["out"] after every prompt."""
+    spec = json.loads(Path(spec_path).read_text())
+    os.nice(10)  # the loads overlap the 8B section: its host work comes first
+    torch.set_num_threads(1)  # many workers share the host's cores; transformers' host work is single-threaded
+    hfm, state = load_models(spec["job"], torch.device("cpu"))
+    out, go, timed_done = Path(spec["out"]), Path(spec["go"]), Path(spec["timed_done"])
+    save = lambda: write_json(out, state)  # noqa: E731
+    save()
+    if not wait_for(go, spec["parent"]):
+        return 1
+    end, device, claims = json.loads(go.read_text())["end"], torch.device(spec["device"]), Path(spec["claims"])
+    if spec["timed"]:
+        try:
+            hfm.to(device)
+            run_prompts(hfm, spec["job"], claims, end, state, save, timed=spec["timed"])
+        finally:
+            timed_done.touch()  # also when timing failed: the others wait for it
+    elif wait_for(timed_done, spec["parent"], end):
+        hfm.to(device)
+    else:
+        return 0  # the end came first (or the parent is gone): nothing left to cover
+    run_prompts(hfm, spec["job"], claims, end, state, save)
     return 0
 
 
-COVERAGE_KEYS = ("match", "match_hf_vanilla", "prompts", "rounds", "round_tokens")
+def fresh_dir(d: Path) -> Path:
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    return d
 
 
-def hf_coverage(tgt_dir, lm_dir, prompts, ref, new, workers: int, budget: float, device, dtype, work: Path) -> dict:
-    """τ and matches of the transformers methods on `prompts`, in `workers` processes sharing the GPU.
+class HFWorkers:
+    """The transformers rows' worker processes (hf_worker), started before the 8B section so that their imports
+    and model loads (~40 s) overlap it; worker 0 times the first `timed` prompts alone, then all cover the rest."""
 
-    Why: transformers' eager generate is host-bound (~22-40 s per prompt for its three methods on the H200
-    machine's host), so one process covers 2-3 prompts in the 10-minute run. Outputs and forward counts do not
-    depend on timing, so they can come from processes running side by side; tokens/s never comes from here (the
-    processes slow each other), only from the in-process timed prompts. Each worker claims the next prompt when
-    it is free (no fixed shares: the slow prompts do not leave fast workers idle). Workers still running after
-    `budget` seconds are stopped; the prompts they finished count."""
-    claims = work / "hf-claims"
-    shutil.rmtree(claims, ignore_errors=True)
-    claims.mkdir(parents=True)
-    procs, outs = [], []
-    for j in range(min(workers, len(prompts))):
-        out = work / f"hf-worker-{j}.json"
-        out.unlink(missing_ok=True)
-        spec = {
-            "device": str(device), "dtype": str(dtype).removeprefix("torch."), "target": str(tgt_dir),
-            "draft_lm": str(lm_dir), "prompts": prompts, "ref": ref, "claims": str(claims),
-            "new": new, "first_by": time.time() + budget - 45, "end": time.time() + budget, "out": str(out),
+    def __init__(self, job: dict, n: int, timed: int, device: torch.device, work: Path) -> None:
+        d = fresh_dir(work / "hf")
+        claims = fresh_dir(d / "claims")
+        self.go, self.timed_done = d / "go.json", d / "timed-done"
+        if not timed:  # --hf-timed 0: no tokens/s, nothing for the coverage workers to wait for
+            self.timed_done.touch()
+        self.outs = [d / f"worker-{j}.json" for j in range(min(n, len(job["prompts"])))]
+        self.procs: list[subprocess.Popen] = []
+        for j, out in enumerate(self.outs):
+            spec = {
+                "job": job,
+                "device": str(device),
+                "timed": 0 if j else timed,
+                "claims": str(claims),
+                "out": str(out),
+                "go": str(self.go),
+                "timed_done": str(self.timed_done),
+                "parent": os.getpid(),
+            }
+            spec_path = d / f"worker-{j}.spec.json"
+            write_json(spec_path, spec)
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--hf-worker", str(spec_path)]
+            with open(d / f"worker-{j}.log", "w") as log:
+                self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+        say(f"transformers: {len(self.procs)} worker processes loading on the CPU (logs in {d})")
+
+    def run(self, end: float) -> tuple[list[dict], dict]:
+        """Lets them go and waits until all are done or `end` + GRACE_S has passed (the rest are killed): their
+        counts, and the stage record."""
+        write_json(self.go, {"end": end})
+        while any(p.poll() is None for p in self.procs) and time.time() < end + GRACE_S:
+            if self.procs[0].poll() is not None:
+                self.timed_done.touch()  # a timed worker that died must not hold the others back
+            time.sleep(POLL_S)
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        states = [json.loads(o.read_text()) if o.exists() else None for o in self.outs]
+        stage = {
+            "workers": {"started": len(self.procs), "finished": sum(p.returncode == 0 for p in self.procs),
+                        "returncodes": [p.returncode for p in self.procs]},
+            "per_worker": [s and process_record(s) for s in states],
         }  # fmt: skip
-        spec_path = work / f"hf-worker-{j}.spec.json"
-        spec_path.write_text(json.dumps(spec))
-        log = open(work / f"hf-worker-{j}.log", "w")
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--hf-worker", str(spec_path)]
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
-        outs.append(out)
-    t_end = time.perf_counter() + budget
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(1.0, t_end - time.perf_counter()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    total = {k: dict.fromkeys(COVERAGE_KEYS, 0) for k in ("vanilla", "assisted", "lookup")}
-    finished = sum(p.returncode == 0 for p in procs)
-    for out in outs:
-        if out.exists():
-            for name, r in json.loads(out.read_text()).items():
-                for k in COVERAGE_KEYS:
-                    total[name][k] += r[k]
-    total["workers"] = {"started": len(procs), "finished": finished}
-    return total
+        return [s for s in states if s], stage
 
 
-def merge_coverage(timed: dict, cov: dict) -> None:
-    """Add the workers' prompts to the timed results' τ and match counts (tokens/s stays the timed prompts')."""
-    for name, r in timed.items():
-        r["timed_prompts"] = r["prompts"]
-        for k in COVERAGE_KEYS:
-            r[k] += cov[name][k]
-        r["tau"] = r["round_tokens"] / r["rounds"] if r["rounds"] else None
+def hf_in_process(job: dict, device: torch.device, work: Path, end: float) -> tuple[list[dict], dict]:
+    """Without workers (--hf-workers 0): every prompt in this process, all of them timed, until `end`."""
+    hfm, state = load_models(job, device)
+    claims = fresh_dir(work / "hf" / "claims")
+    run_prompts(hfm, job, claims, end, state, lambda: None, timed=len(job["prompts"]))
+    return [state], {"workers": {"started": 0, "finished": 0}, "per_worker": [process_record(state)]}
+
+
+def process_record(state: dict) -> dict:
+    """What one process did, for the stage record (the work folder with the workers' files stays on the machine)."""
+    return {"load_seconds": state["load_seconds"], "prompts": state["coverage"].get("vanilla", {}).get("prompts", 0),
+            "slowest_prompt_seconds": round(state["slowest"], 1)}  # fmt: skip
+
+
+def merge_hf(states: list[dict]) -> dict[str, dict]:
+    """Per method: tokens/s from the timed prompts only (processes sharing one GPU slow each other), τ and matches
+    over every covered prompt (outputs and forward counts do not depend on timing); a timed prompt counts once."""
+    hfr = {}
+    for name in HF_METHODS:
+        cov = [s["coverage"].get(name, {}) for s in states]
+        timed = [s["timed"].get(name, {}) for s in states]
+        r = {k: sum(c.get(k, 0) for c in cov) for k in COVERAGE_KEYS}
+        r["tokens"], r["seconds"] = (sum(t.get(k, 0) for t in timed) for k in ("tokens", "seconds"))
+        r["timed_prompts"] = sum(t.get("prompts", 0) for t in timed)
+        # vanilla: one token per forward by construction
+        r["tau"] = r["round_tokens"] / r["rounds"] if r["rounds"] and name != "vanilla" else None
+        hfr[name] = r
+    return hfr
 
 
 def row(method, r, base_fast, base_hf, n_prompts, note=""):
@@ -514,6 +597,39 @@ def row(method, r, base_fast, base_hf, n_prompts, note=""):
         "timed_prompts": r.get("timed_prompts", r.get("prompts", n_prompts)),
         "note": note,
     }
+
+
+@dataclass
+class EagleResults:
+    """The eaglescope measurements behind the table, kept for the transformers step that comes after the 8B section."""
+
+    vanilla: dict
+    base: float  # eaglescope vanilla tokens/s
+    runs: dict[str, tuple[dict, tuple]]  # method: (results, tree shape)
+    vendor: list[tuple[str, dict, float]]  # the cuBLAS + SDPA rows: (method, results, their own vanilla tokens/s)
+    kern: str
+    n: int
+
+
+def table_rows(ev: EagleResults, hfr: dict[str, dict] | None) -> list[dict]:
+    """The table's rows; without transformers' results (None) the eaglescope rows alone, with no "vs transformers"."""
+    hv = hfr["vanilla"] if hfr else None
+    base_hf = hv["tokens"] / hv["seconds"] if hv and hv["seconds"] else None
+    hf: dict[str, list[dict]] = {k: [] for k in HF_METHODS}
+    tau_note = "τ = tokens per target forward (counted by a hook; HF reports no acceptance)"
+    names = {"vanilla": ("transformers vanilla generate", ""),
+             "assisted": ("transformers assisted (draft LM)", tau_note),
+             "lookup": ("transformers prompt lookup (10)", tau_note)}  # fmt: skip
+    for key, r in (hfr or {}).items():
+        # eaglescope's and transformers' vanilla differ at bf16 near-ties; this compares like with like
+        like = {"match_transformers_vanilla_fraction": round(r["match_hf_vanilla"] / max(1, r["prompts"]), 4)}
+        name, note = names[key]
+        hf[key] = [row(name, r, ev.base, base_hf, ev.n, note) | like]
+    rows = [row(f"eaglescope vanilla (CUDA graph{ev.kern})", ev.vanilla, ev.base, base_hf, ev.n), *hf["vanilla"]]
+    rows += [row(f"{k} {tuple(sh)}", r, ev.base, base_hf, ev.n) for k, (r, sh) in ev.runs.items()]
+    same = "speedup vs eaglescope vanilla on the same kernels"
+    rows += [row(name, r, base_d, base_hf, ev.n, same) for name, r, base_d in ev.vendor]
+    return rows + hf["assisted"] + hf["lookup"]
 
 
 def to_infer(m, dtype):
@@ -901,11 +1017,11 @@ def main() -> int:
     ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate matmuls")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every training budget")
     ap.add_argument("--n-seq", type=int, default=None, help="regenerated training sequences")
-    ap.add_argument("--hf-deadline", type=float, default=None, help="seconds into the run after which HF stops")
     ap.add_argument("--no-batch-invariant", action="store_true", help="197M rows on cuBLAS + SDPA kernels only")
     ap.add_argument("--float32-pass", action="store_true", help="also decode the trees in float32 (exactness check)")
-    ap.add_argument("--hf-workers", type=int, default=0, help="processes that add the untimed transformers prompts")
-    ap.add_argument("--hf-coverage-s", type=float, default=120.0, help="seconds those workers may take")
+    ap.add_argument("--hf-workers", type=int, default=0, help="processes for the transformers rows (0: this one)")
+    ap.add_argument("--hf-timed", type=int, default=1, help="prompts the first worker times alone on the GPU")
+    ap.add_argument("--hf-reserve-s", type=float, default=150.0, help="seconds the 8B section leaves to transformers")
     ap.add_argument("--no-vendor-rows", action="store_true", help="skip the cuBLAS + SDPA comparison rows")
     ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -913,7 +1029,7 @@ def main() -> int:
         return hf_worker(args.hf_worker)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = sizes(args.smoke)
-    cfg["hf_workers"], cfg["hf_coverage_s"] = args.hf_workers, args.hf_coverage_s
+    cfg["hf_workers"], cfg["hf_timed"], cfg["hf_reserve_s"] = args.hf_workers, args.hf_timed, args.hf_reserve_s
     cfg["vendor_rows"] = not args.no_vendor_rows
     cfg["d_lr"] = 3e-3 if args.smoke else 8e-4
     cfg["fuse"] = not args.no_fuse
@@ -923,8 +1039,6 @@ def main() -> int:
         cfg[k] *= args.scale
     if args.n_seq:
         cfg["n_seq"] = args.n_seq
-    if args.hf_deadline:
-        cfg["hf_deadline"] = args.hf_deadline
     out_dir, work = Path(args.out), Path(args.work)
     out_dir.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
@@ -950,9 +1064,16 @@ def main() -> int:
     result_path = out_dir / f"bench-{'smoke-' if args.smoke else ''}{args.part}-{stamp}.json"
     result: dict = {**meta, "config": cfg, "rows": [], "roofline": None, "stages": {}}
     torch.backends.cuda.matmul.allow_tf32 = True
+    # the transformers rows end by the limit, less the time to stop their workers and write the results
+    end = time.time() + args.time_limit - MERGE_S - (time.perf_counter() - T0)
     if args.part in ("all", "train"):
-        result.update(run_train_eval(cfg, work, device, result, result_path))
+        ev, job = run_train_eval(cfg, work, device, result, result_path)
+        # started now, so their imports and loads overlap the 8B section (they wait for go before any GPU work)
+        workers = HFWorkers(job, cfg["hf_workers"], cfg["hf_timed"], device, work) if cfg["hf_workers"] else None
+        if args.part == "train":
+            run_transformers(ev, job, workers, end, device, work, result, result_path)
     if args.part in ("all", "roofline"):
+        reserve = cfg["hf_reserve_s"] if args.part == "all" else 0.0
         replay = result.get("replay")
         if args.replay_from:
             replay = json.loads(Path(args.replay_from).read_text()).get("replay")
@@ -964,7 +1085,7 @@ def main() -> int:
                 replay,
                 device,
                 args.compile,
-                budget_s=args.time_limit - (time.perf_counter() - T0),
+                budget_s=args.time_limit - reserve - (time.perf_counter() - T0),
                 res=result["roofline"],
                 checkpoint=lambda: write_json(result_path, result),
                 variant_names=tuple(args.variants.split(",")),
@@ -975,13 +1096,17 @@ def main() -> int:
         say(json.dumps({k: v for k, v in result["roofline"].items() if k not in profiles}))
         for k in profiles:
             print(result["roofline"].get(k, ""), flush=True)
+    if args.part == "all":
+        run_transformers(ev, job, workers, end, device, work, result, result_path)
     result["seconds"] = round(time.perf_counter() - T0, 1)
     write_json(result_path, result)
     say(f"wrote {result_path}")
     return 0
 
 
-def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Path) -> dict:
+def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Path) -> tuple[EagleResults, dict]:
+    """Corpus → training → every eaglescope method on the held-out prompts → exactness; the rows so far go into
+    `result`. Returns the eaglescope results and the transformers job (HF checkpoints, prompts, vanilla outputs)."""
     st = result["stages"]
     corpus, tok, train_ids = build_corpus(cfg, work, device)
     st["corpus"] = {
@@ -1093,46 +1218,47 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     ex["seconds"] = round(time.perf_counter() - t0, 1)
     st["exactness"] = ex
     del target_f32, draft_f32
-    # --- transformers -------------------------------------------------------------------------
-    hf = load_hf(tgt_dir, device, dtype)
-    hf_lm = load_hf(lm_dir, device, dtype)
-    hfr = eval_hf_methods(hf, hf_methods_for(hf_lm), prompts, new, ref, cfg["hf_deadline"])
-    timed = hfr["vanilla"]["prompts"]
-    if cfg["hf_workers"] and timed < n:
-        del hf, hf_lm  # the workers load their own copies
-        cov = hf_coverage(tgt_dir, lm_dir, prompts[timed:], ref[timed:], new, cfg["hf_workers"], cfg["hf_coverage_s"],
-                          device, dtype, work)  # fmt: skip
-        st["transformers_coverage"] = cov.pop("workers")
-        merge_coverage(hfr, cov)
-        say(f"transformers coverage: {st['transformers_coverage']}, prompts now {hfr['vanilla']['prompts']}")
-    hv, ha, hp = hfr["vanilla"], hfr["assisted"], hfr["lookup"]
-    hv["tau"] = None  # one token per forward by construction
-    base_hf = hv["tokens"] / hv["seconds"] if hv["seconds"] else None
+    kern = ", batch-invariant kernels" if invariant else ""
+    ev = EagleResults(vr, base_fast, runs, default_rows, kern, n)
+    tuned = runs["eagle3 tree tuned"]
+    result["rows"] = table_rows(ev, None)  # written now, so a crash later keeps them; rebuilt with transformers'
+    result["replay"] = {"shape": list(tuned[1]), "per_round": tuned[0]["per_round"]}
+    result["prompts"] = {"count": n, "prefix_tokens": cfg["prefix"], "new_tokens": new, "greedy": True}
+    write_json(result_path, result)
+    job = {"target": str(tgt_dir), "draft_lm": str(lm_dir), "dtype": str(dtype).removeprefix("torch."),
+           "prompts": prompts, "ref": ref, "new": new}  # fmt: skip
+    return ev, job
+
+
+def run_transformers(
+    ev: EagleResults,
+    job: dict,
+    workers: HFWorkers | None,
+    end: float,
+    device,
+    work: Path,
+    result: dict,
+    result_path: Path,
+) -> None:
+    """The transformers rows until `end` (wall clock): in the worker processes, or in this one without them; then
+    the table, every row with its speedup against transformers' vanilla generate."""
+    say(f"transformers: go, {end - time.time():.0f} s to the end")
+    t0 = time.perf_counter()
+    states, stage = workers.run(end) if workers else hf_in_process(job, device, work, end)
+    hfr = merge_hf(states)
+    stage |= {
+        "go_to_done_seconds": round(time.perf_counter() - t0, 1),
+        "prompts": {k: r["prompts"] for k, r in hfr.items()},
+        "timed_prompts": hfr["vanilla"]["timed_prompts"],
+        "timed_seconds": {k: round(r["seconds"], 2) for k, r in hfr.items()},
+    }
+    result["stages"]["transformers"] = stage
+    say(f"transformers: {json.dumps(stage)}")
     for k, r in hfr.items():
         say(f"transformers {k}: {r}")
-    kern = ", batch-invariant kernels" if invariant else ""
-    rows = [row(f"eaglescope vanilla (CUDA graph{kern})", vr, base_fast, base_hf, n)]
-    rows.append(row("transformers vanilla generate", hv, base_fast, base_hf, n))
-    for k, (r, sh) in runs.items():
-        rows.append(row(f"{k} {tuple(sh)}", r, base_fast, base_hf, n))
-    for name, r, base_d in default_rows:  # speedups against their own vanilla (same kernels)
-        rows.append(row(name, r, base_d, base_hf, n, "speedup vs eaglescope vanilla on the same kernels"))
-    tau_note = "τ = tokens per target forward (counted by a hook; HF reports no acceptance)"
-    rows.append(row("transformers assisted (draft LM)", ha, base_fast, base_hf, n, tau_note))
-    rows.append(row("transformers prompt lookup (10)", hp, base_fast, base_hf, n, tau_note))
-    for r_row, r in zip(rows[-2:] + rows[1:2], (ha, hp, hv)):
-        # eaglescope's and transformers' vanilla differ at bf16 near-ties; this compares like with like
-        r_row["match_transformers_vanilla_fraction"] = round(r["match_hf_vanilla"] / max(1, r["prompts"]), 4)
-    tuned = runs["eagle3 tree tuned"]
-    out = {
-        "rows": rows,
-        "replay": {"shape": list(tuned[1]), "per_round": tuned[0]["per_round"]},
-        "prompts": {"count": n, "prefix_tokens": cfg["prefix"], "new_tokens": new, "greedy": True},
-    }
-    print(fmt_table(rows), flush=True)
-    result.update(out)
+    result["rows"] = table_rows(ev, hfr)
+    print(fmt_table(result["rows"]), flush=True)
     write_json(result_path, result)
-    return out
 
 
 if __name__ == "__main__":

@@ -15,15 +15,14 @@ import json
 import os
 import platform
 import pstats
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+sys.path.insert(0, str(Path(__file__).parent))
+from run_bench import sync  # noqa: E402
 
 
 def model(vocab: int, d: int, layers: int, heads: int, kv: int, ffn: int, device, dtype):

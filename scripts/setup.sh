@@ -9,8 +9,15 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# Every version the suite runs on is pinned there (a fresh clone installs the same set next month);
+# EAGLESCOPE_CONSTRAINTS=none installs from pyproject's ranges instead.
+CONSTRAINTS="${EAGLESCOPE_CONSTRAINTS:-scripts/constraints.txt}"
+pin=()
+if [ "$CONSTRAINTS" != none ]; then
+    pin=(-c "$CONSTRAINTS")
+fi
 if ! python -c "import torch" >/dev/null 2>&1; then
     # Override with e.g. EAGLESCOPE_TORCH="torch --index-url <your CPU wheel index>" elsewhere.
-    python -m pip install -q ${EAGLESCOPE_TORCH:-torch==2.13.0}
+    python -m pip install -q "${pin[@]}" ${EAGLESCOPE_TORCH:-torch==2.13.0}
 fi
-python -m pip install -q -e ".[test]"
+python -m pip install -q "${pin[@]}" -e ".[test]"

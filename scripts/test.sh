@@ -3,7 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh
-ruff check src tests
+ruff check src tests bench
+ruff format --check src tests bench
 set +e
 python -m pytest -q -p no:cacheprovider "$@"
 rc=$?

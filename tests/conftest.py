@@ -4,6 +4,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import Phase, settings
+
+# Property tests are reproducible: the same examples on every run and machine (derandomize), no example
+# database left behind, and a failure prints the example and the blob to replay it. HYPOTHESIS_PROFILE=explore
+# searches with fresh randomness instead (then add any failure it finds as an @example).
+settings.register_profile(
+    "ci", derandomize=True, database=None, print_blob=True, phases=[Phase.explicit, Phase.generate, Phase.shrink]
+)
+settings.register_profile("explore", derandomize=False, database=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # tests import their shared builders (models.py, …) as plain modules
 sys.path.insert(0, str(Path(__file__).parent))

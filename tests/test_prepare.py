@@ -15,6 +15,7 @@ from eaglescope.data.shards import PreparedData
 from eaglescope.data.vocab import build_draft_vocab, count_tokens, validate_vocab_map
 from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.errors import EagleScopeError
+from eaglescope.outputs import partial_dir
 from eaglescope.target import load_target
 
 MAXLEN = 128
@@ -164,14 +165,17 @@ def test_interrupted_run_resumes_and_equals_an_uninterrupted_one(env, full, caps
 
     with pytest.raises(KeyboardInterrupt):
         prepare(config(env, out, hidden_states=True), progress=False, on_shard_done=crash_after_first)
-    assert not (out / "prepare.json").exists() and (out / "hidden/shard-00000.safetensors").exists()
+    # nothing stands at --out until the preparation is complete; the work so far waits beside it
+    staging = partial_dir(out)
+    assert not out.exists() and (staging / "hidden/shard-00000.safetensors").exists()
     with pytest.raises(EagleScopeError, match="interrupted run"):
         PreparedData.open(out)
-    first = (out / "hidden/shard-00000.safetensors").stat().st_mtime_ns
+    first = (staging / "hidden/shard-00000.safetensors").stat().st_mtime_ns
     capsys.readouterr()
     m = prepare(config(env, out, hidden_states=True), progress=False)
     assert "1 of 3 shards were already done" in capsys.readouterr().err
     assert (out / "hidden/shard-00000.safetensors").stat().st_mtime_ns == first  # not recomputed
+    assert not staging.exists()
     ref = json.loads((full / "prepare.json").read_text())
     for key in ("shards", "samples_file", "vocab_file", "tap_stats", "num_samples", "num_tokens", "inputs"):
         assert m[key] == ref[key], key

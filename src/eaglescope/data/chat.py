@@ -94,11 +94,16 @@ def read_conversations(path: Path) -> Iterator[list[dict]]:
     path = Path(path)
     if not path.is_file():
         raise EagleScopeError(f"{path}: no such data file.")
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad = raw[e.start]
+                raise EagleScopeError(f"{where}: not UTF-8 text (byte {bad:#04x} at column {e.start + 1}).") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:

@@ -32,9 +32,8 @@ from tqdm import tqdm
 from eaglescope.data.chat import _apply, chat_template_hash, read_conversations, render
 from eaglescope.data.shards import (
     FORMAT_VERSION,
-    HIDDEN_DIR,
     MANIFEST,
-    PARTS_DIR,
+    PREPARED,
     PROGRESS,
     SAMPLES,
     VOCAB,
@@ -49,6 +48,7 @@ from eaglescope.data.shards import (
 )
 from eaglescope.data.vocab import build_draft_vocab, count_tokens, validate_vocab_map
 from eaglescope.errors import EagleScopeError
+from eaglescope.outputs import check_destination, has_partial, open_partial, partial_dir, read_json, swap_in
 from eaglescope.taps import TapContract
 from eaglescope.target.base import Target
 
@@ -260,49 +260,72 @@ def _inputs(cfg: PrepareConfig, data: Path, target: Target, taps: TapContract | 
     }
 
 
-def _clear(out: Path) -> None:
-    """Remove what prepare writes (and nothing else the user may keep there)."""
-    for name in (MANIFEST, PROGRESS, SAMPLES, VOCAB):
-        (out / name).unlink(missing_ok=True)
-    for d in (HIDDEN_DIR, PARTS_DIR):
-        shutil.rmtree(out / d, ignore_errors=True)
-
-
 def _differences(a: dict, b: dict) -> str:
     keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     return ", ".join(keys)
 
 
-def _check_out(out: Path, inputs: dict, overwrite: bool) -> dict | None:
-    """→ the manifest if `out` is already complete for these inputs; else prepares `out` and returns None."""
-    if out.exists() and not out.is_dir():
-        raise EagleScopeError(f"--out {out} exists and is not a directory.")
-    if overwrite:
-        _clear(out)
-    elif (out / MANIFEST).is_file() or (out / PROGRESS).is_file():
-        name = MANIFEST if (out / MANIFEST).is_file() else PROGRESS
-        try:
-            old = json.loads((out / name).read_text()).get("inputs", {})
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            old = None
-        if old != inputs:
-            diff = _differences(old, inputs) if isinstance(old, dict) else f"unreadable {name}"
+def _existing(out: Path, inputs: dict, overwrite: bool) -> dict | None:
+    """→ the manifest if `out` already holds a sound preparation of these inputs (nothing to do). Refuses a
+    preparation of other inputs unless --overwrite; check_destination then judges whatever else stands there."""
+    if not (out.is_dir() and ((out / MANIFEST).is_file() or (out / PROGRESS).is_file())):
+        return None
+    old = read_json(out / MANIFEST)
+    if old is None:
+        if not overwrite:
             raise EagleScopeError(
-                f"{out} holds a preparation from different inputs ({diff}); pass --overwrite to replace it."
+                f"--out {out} holds an unfinished or unreadable preparation; pass --overwrite to redo it (the old "
+                "files stay until the new preparation is complete)."
             )
-        if name == MANIFEST:
-            try:
-                return PreparedData.open(out, verify=True).manifest
-            except EagleScopeError as e:
-                note(f"{e} Redoing what is damaged.")
-                (out / MANIFEST).unlink()
-    elif out.is_dir() and any(out.iterdir()):
+        return None
+    same = old.get("inputs") == inputs
+    if not same and not overwrite:
+        diff = _differences(old.get("inputs") or {}, inputs)
         raise EagleScopeError(
-            f"--out {out} is not empty and holds no eaglescope preparation; choose another directory or pass "
-            "--overwrite."
+            f"--out {out} holds a preparation from different inputs ({diff}); pass --overwrite to replace it once "
+            "the new one is complete."
         )
-    out.mkdir(parents=True, exist_ok=True)
+    if same and not overwrite:
+        try:
+            return PreparedData.open(out, verify=True).manifest
+        except EagleScopeError as e:
+            note(f"{e} Redoing what is damaged beside it; the old directory is replaced when that is complete.")
     return None
+
+
+def _seed_from(out: Path, part: Path, inputs: dict) -> None:
+    """Start the staging directory from the intact shards of `out` (same inputs, damaged elsewhere): hard links,
+    so nothing is copied or recomputed; files are only ever replaced by rename, never rewritten in place."""
+    prog = read_json(out / PROGRESS)
+    if prog is None or prog.get("inputs") != inputs or (part / PROGRESS).is_file():
+        return
+    for entry in (prog.get("shards") or {}).values():
+        for f in (entry.get("tokens"), entry.get("hidden")):
+            if not isinstance(f, dict) or not (out / str(f.get("file"))).is_file():
+                continue
+            src, dst = out / f["file"], part / f["file"]
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+    write_json_atomic(prog, part / PROGRESS)
+
+
+def _staging(out: Path, inputs: dict, overwrite: bool) -> Path:
+    """The directory this run builds into: an interrupted run of the same inputs is resumed there."""
+    part = partial_dir(out)
+    fresh = False
+    if has_partial(out):
+        prog = read_json(part / PROGRESS)
+        if prog is None or prog.get("inputs") != inputs:
+            if not overwrite:
+                raise EagleScopeError(
+                    f"an interrupted preparation of other inputs is kept at {part}; pass --overwrite to discard it "
+                    "and prepare these inputs."
+                )
+            fresh = True
+    return open_partial(out, "prepare", fresh)
 
 
 def _shard_done(out: Path, entry: dict | None) -> bool:
@@ -353,6 +376,9 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
         convs = convs[: cfg.limit]
     if not convs:
         raise EagleScopeError(f"{data} holds no conversations.")
+    # What stands at --out is judged before the target is loaded (whether it may be replaced, below, once the
+    # inputs are known): a refusal must not cost a 671B load.
+    check_destination(out, PREPARED, inputs=[data, cfg.target], replace=True)
     target, tok, taps, template_sha = _load_target(cfg)
     if cfg.draft_vocab_size is None:
         cfg.draft_vocab_size = min(32000, target.vocab_size)
@@ -362,13 +388,18 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
         )
     L = min(cfg.max_length, target.max_positions)  # the manifest's max_length is this effective one
     inputs = _inputs(cfg, data, target, taps, template_sha, L)
-    done = _check_out(out, inputs, cfg.overwrite)
+    done = _existing(out, inputs, cfg.overwrite)
     if done is not None:
         note(f"{out} is already prepared from these inputs; nothing to do.")
         return done
-
+    replace = out.is_dir() and (out / MANIFEST).is_file()  # _existing allowed it: same inputs damaged, or --overwrite
+    check_destination(out, PREPARED, inputs=[data, cfg.target], replace=replace or cfg.overwrite)
+    # Everything is built in the staging directory `part` and swapped in at the end.
+    part = _staging(out, inputs, cfg.overwrite)
+    if replace and not cfg.overwrite:
+        _seed_from(out, part, inputs)
     num_shards = math.ceil(len(convs) / cfg.shard_samples)
-    prog_path = out / PROGRESS
+    prog_path = part / PROGRESS
     prog = json.loads(prog_path.read_text()) if prog_path.is_file() else {"inputs": inputs, "shards": {}}
     if not prog_path.is_file():
         write_json_atomic(prog, prog_path)
@@ -378,7 +409,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
     resumed = 0
     for k in range(num_shards):
         chunk = convs[k * cfg.shard_samples : (k + 1) * cfg.shard_samples]
-        if _shard_done(out, prog["shards"].get(str(k))):
+        if _shard_done(part, prog["shards"].get(str(k))):
             resumed += 1
             bar.update(len(chunk))
             continue
@@ -426,14 +457,14 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
                     "loss_mask": torch.tensor(flat_mask, dtype=torch.uint8),
                     "offsets": lengths.cumsum(0),
                 },
-                out / part_name(k),
+                part / part_name(k),
             ),
         }
         entry["hidden"] = None
         if cfg.hidden_states:
             acc: dict = {}
             tensors = _hidden_for(target, samples, cfg.batch_size, acc)
-            entry["hidden"] = {"file": shard_name(k), **save_atomic(tensors, out / shard_name(k))}
+            entry["hidden"] = {"file": shard_name(k), **save_atomic(tensors, part / shard_name(k))}
             entry["tap_acc"] = acc
         if not cfg.regenerate:
             bar.update(len(chunk))
@@ -444,7 +475,13 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
     bar.close()
     if resumed:
         note(f"resumed: {resumed} of {num_shards} shards were already done.")
-    return _finish(out, cfg, prog, num_shards, target, taps, template_sha, data, inputs, L)
+    try:
+        manifest = _finish(part, cfg, prog, num_shards, target, taps, template_sha, data, inputs, L)
+    except EagleScopeError:
+        shutil.rmtree(part, ignore_errors=True)  # final for these inputs ("no usable sample"): nothing to resume
+        raise
+    swap_in(part, check_destination(out, PREPARED, inputs=[data, cfg.target], replace=True))
+    return manifest
 
 
 def _finish(out: Path, cfg, prog, num_shards, target, taps, template_sha, data, inputs, L) -> dict:

@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from eaglescope.errors import EagleScopeError
+from eaglescope.outputs import dir_kind, has_partial, partial_dir
 from eaglescope.taps import TapContract
 
 FORMAT_VERSION = 1
@@ -37,6 +38,15 @@ SAMPLES = "samples.safetensors"
 VOCAB = "vocab.safetensors"
 HIDDEN_DIR = "hidden"
 PARTS_DIR = "parts"
+
+# What `prepare --out` may replace: a directory it wrote itself, holding nothing else.
+PREPARED = dir_kind(
+    "prepared data directory",
+    markers=[MANIFEST, PROGRESS],
+    entries=[MANIFEST, PROGRESS, SAMPLES, VOCAB, HIDDEN_DIR, PARTS_DIR, ".eaglescope-stage"],
+    replace_flag="--overwrite",
+    resumable=True,
+)
 
 
 def shard_name(k: int) -> str:
@@ -72,14 +82,21 @@ def write_json_atomic(obj, path: Path) -> None:
 
 
 def check_file(root: Path, entry: dict, verify: bool) -> Path:
-    """Raise EagleScopeError naming the file if it is missing, truncated (size) or corrupted (sha256)."""
-    path = root / entry["file"]
+    """Raise EagleScopeError naming the file if it is missing, truncated (size) or corrupted (sha256), or if the
+    manifest names a file outside its directory (a manifest must never make us read or trust other files)."""
+    try:
+        name, size_recorded = entry["file"], int(entry["bytes"])
+    except (KeyError, TypeError, ValueError):
+        raise EagleScopeError(f"{root}: a file entry of the manifest is malformed ({entry!r:.80}).") from None
+    path = root / str(name)
+    if Path(str(name)).is_absolute() or not path.resolve().is_relative_to(root.resolve()):
+        raise EagleScopeError(f"{root}: the manifest names {name!r}, outside the prepared data directory.")
     if not path.is_file():
         raise EagleScopeError(f"{path} is missing from the prepared data directory.")
     size = path.stat().st_size
-    if size != entry["bytes"]:
-        raise EagleScopeError(f"{path} is truncated or altered: {size} bytes, the manifest records {entry['bytes']}.")
-    if verify and sha256_of(path) != entry["sha256"]:
+    if size != size_recorded:
+        raise EagleScopeError(f"{path} is truncated or altered: {size} bytes, the manifest records {size_recorded}.")
+    if verify and sha256_of(path) != entry.get("sha256"):
         raise EagleScopeError(f"{path} is corrupted: its sha256 differs from the one recorded in the manifest.")
     return path
 
@@ -127,6 +144,20 @@ class PreparedData:
     @classmethod
     def open(cls, root: Path | str, verify: bool = True) -> PreparedData:
         root = Path(root)
+        if not root.is_dir():
+            if has_partial(root):
+                raise EagleScopeError(
+                    f"{root} is not prepared yet: an interrupted run is kept at {partial_dir(root)}; rerun "
+                    "`eaglescope prepare` with the same arguments to finish it."
+                )
+            raise EagleScopeError(f"{root} is not a directory; pass the --out directory of `eaglescope prepare`.")
+        try:
+            return cls._open(root, verify)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise EagleScopeError(f"{root / MANIFEST} is malformed ({type(e).__name__}: {e}).") from None
+
+    @classmethod
+    def _open(cls, root: Path, verify: bool) -> PreparedData:
         mpath = root / MANIFEST
         if not mpath.is_file():
             resumable = (root / PROGRESS).is_file()
@@ -136,6 +167,8 @@ class PreparedData:
             manifest = json.loads(mpath.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise EagleScopeError(f"{mpath} is not valid JSON ({e}).") from None
+        if not isinstance(manifest, dict):
+            raise EagleScopeError(f"{mpath} is not a JSON object.")
         if manifest.get("format_version") != FORMAT_VERSION:
             raise EagleScopeError(
                 f"{mpath} has format_version {manifest.get('format_version')!r}; this eaglescope reads "

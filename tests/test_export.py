@@ -273,11 +273,15 @@ def test_describe_warns_about_a_lost_vocab_map(target_dir, tmp_path):
     assert d["vocab_map"]["first_ids_only"] and any("NeMo PR 2447" in w for w in d["warnings"])
 
 
-def test_export_cli_reports_and_replaces_atomically(target_dir, tmp_path, capsys):
+def test_export_cli_reports_and_replaces_only_its_own_output(target_dir, tmp_path, capsys):
     src = saved(target_dir, tmp_path, taps=(0, 3, 6))
     out = tmp_path / "out"
     out.mkdir()
-    (out / "stale.txt").write_text("old")
+    (out / "notes.txt").write_text("the user's")
+    rc, _, err = run_cli(capsys, ["export", "--draft", str(src), "--to", "sglang", "--out", str(out)])
+    assert rc == 2 and "notes.txt" in err and len(err.strip().splitlines()) == 1
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "the user's"
+    (out / "notes.txt").unlink()
     rc, text, _ = run_cli(capsys, ["export", "--draft", str(src), "--to", "sglang", "--out", str(out)])
     assert rc == 0
     assert "sglang will capture [0, 3, 6] = trained taps: embedding output" in text
@@ -286,6 +290,9 @@ def test_export_cli_reports_and_replaces_atomically(target_dir, tmp_path, capsys
     rc, _, err = run_cli(capsys, ["export", "--draft", str(src), "--to", "sglang-legacy", "--out", str(out)])
     assert rc == 2 and "embedding" in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # previous export intact
+    rc, _, _ = run_cli(capsys, ["export", "--draft", str(src), "--to", "vllm", "--out", str(out)])
+    assert rc == 0 and json.loads((out / "config.json").read_text())["eaglescope"]["exported_for"] == "vllm"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left beside it
 
 
 def test_export_cli_refuses_a_draft_for_another_target(target_dir, tmp_path, capsys):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import eaglescope.trace as tr
+from eaglescope.errors import EagleScopeError
 from eaglescope.trace import (
     TARGET_AUX,
     VERIFY_TOKENS,
@@ -143,7 +144,7 @@ def test_exception_inside_recorder_leaves_the_good_trace_and_no_temp_dirs(tmp_pa
     _record_demo(out, "full", torch.float32)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(RuntimeError, match="engine crashed"):
-        with TraceRecorder(out, producer="second", shard_bytes=1) as rec:  # shard_bytes=1: temp files exist
+        with TraceRecorder(out, producer="test-engine", shard_bytes=1) as rec:  # shard_bytes=1: temp files exist
             rec.record(TARGET_AUX, torch.ones(2, 6))
             raise RuntimeError("engine crashed")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -151,18 +152,22 @@ def test_exception_inside_recorder_leaves_the_good_trace_and_no_temp_dirs(tmp_pa
     assert load_trace(out).producer == "test-engine"
 
 
-def test_close_replaces_an_old_trace_but_refuses_a_directory_that_is_not_a_trace(tmp_path):
+def test_close_replaces_its_own_old_trace_but_refuses_anything_else(tmp_path):
     out = tmp_path / "t"
     _record_demo(out, "full", torch.float32)
-    with TraceRecorder(out, producer="second") as rec:
+    with TraceRecorder(out, producer="test-engine") as rec:
         rec.record("custom.stage", torch.ones(3))
     t = load_trace(out)
-    assert t.producer == "second" and t.stages() == ["custom.stage"]
+    assert t.producer == "test-engine" and t.stages() == ["custom.stage"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
+    # another producer's trace (an engine's capture, say) is not this recorder's to replace
+    with pytest.raises(EagleScopeError, match="not a trace written by eaglescope-replay"):
+        TraceRecorder(out, producer="eaglescope-replay")
+    assert load_trace(out).producer == "test-engine"
     precious = tmp_path / "home"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
-    with pytest.raises(TraceError, match="not a trace directory"):
+    with pytest.raises(EagleScopeError, match="notes.txt"):
         TraceRecorder(precious, producer="x")
     assert (precious / "notes.txt").read_text() == "keep me"
 
@@ -357,11 +362,12 @@ def _drop_key(d: Path, key: str) -> None:
 
 _ISOLATED = r"""
 import importlib.util, sys, torch
+sys.modules["eaglescope"] = None  # an engine's environment, where eaglescope is not installed: importing it fails
 spec = importlib.util.spec_from_file_location("trace_standalone", sys.argv[1])
 mod = importlib.util.module_from_spec(spec)
 sys.modules["trace_standalone"] = mod  # the standard recipe; dataclasses look the module up there
 spec.loader.exec_module(mod)
-bad = sorted(m for m in sys.modules if m == "transformers" or m.startswith(("eaglescope", "transformers.")))
+bad = sorted(m for m in sys.modules if m == "transformers" or m.startswith(("eaglescope.", "transformers.")))
 assert not bad, bad
 x = torch.randn(3, 12, generator=torch.Generator().manual_seed(7)).bfloat16()
 with mod.TraceRecorder(sys.argv[2], mode="fingerprint", producer="standalone") as rec:

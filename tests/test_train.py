@@ -28,6 +28,7 @@ from eaglescope.decode.speculative import Eagle3Proposer, generate_speculative, 
 from eaglescope.decode.stats import SpecStats
 from eaglescope.draft import Eagle3Draft, load_draft
 from eaglescope.errors import EagleScopeError
+from eaglescope.outputs import partial_dir
 from eaglescope.pretrain import PretrainConfig, pretrain, save_target
 from eaglescope.target import load_target
 from eaglescope.train.loop import TrainConfig, collate, lr_factor, make_batch, split_indices, train
@@ -322,10 +323,12 @@ def test_kill_and_resume_gives_identical_weights(env, tmp_path):
     cfg = config(env, part, data=str(env["prep_hidden"]), max_steps=N, batch_size=4, save_every=N // 2)
     with pytest.raises(KeyboardInterrupt):
         train(cfg, progress=False, on_step=crash)
-    state = json.loads((part / "training_state" / "state.json").read_text())
+    # the interrupted run waits beside --out, which stays empty until a run completes
+    assert not part.exists()
+    state = json.loads((partial_dir(part) / "training_state" / "state.json").read_text())
     assert state["step"] == N // 2
     res = train(config(env, part, data=str(env["prep_hidden"]), max_steps=N, batch_size=4, resume=True), progress=False)
-    assert res.steps == N
+    assert res.steps == N and not partial_dir(part).exists()
     a, b = _weights(full), _weights(part)
     assert a.keys() == b.keys()
     for k in a:
@@ -356,14 +359,14 @@ def test_nan_loss_stops_with_one_line_naming_step_and_checkpoint(env, tmp_path, 
     assert m, err
     step, ckpt, good = int(m.group(2)), Path(m.group(3)), int(m.group(4))
     assert good == step - 1 >= 1
-    assert ckpt == out / "training_state"
+    assert ckpt == partial_dir(out) / "training_state"  # kept beside --out, where --resume finds it
     # the checkpoint it names is whole: the state loads at that step and the draft has finite weights
     assert json.loads((ckpt / "state.json").read_text())["step"] == good
     state = torch.load(ckpt / "state.pt", weights_only=True)
     assert state["step"] == good
-    loaded = load_draft(out)
+    loaded = load_draft(ckpt.parent)
     assert all(torch.isfinite(p).all() for p in loaded.model.parameters())
-    assert not any(p.name.startswith(".") for p in out.iterdir()), list(out.iterdir())
+    assert not out.exists()  # nothing half-trained stands at --out
 
 
 def test_stored_hidden_states_fix_the_taps(env, tmp_path):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 import warnings
 
+from eaglescope.commands import BACKENDS, add_parsers
 from eaglescope.errors import EagleScopeError
 
 
@@ -16,18 +18,21 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backend",
         default="auto",
-        choices=["auto", "native", "hf"],
+        choices=BACKENDS,
         help="native Llama-family path or generic transformers path (auto: native when supported)",
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
 
 
-def _parse_ids(text: str) -> list[int]:
+def _parse_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise EagleScopeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+        raise EagleScopeError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if any(i < 0 for i in ids):
+        raise EagleScopeError(f"{flag} must be token ids >= 0, got {text!r}")
+    return ids
 
 
 def prompt_ids_from_args(args, tokenizer) -> list[int]:
@@ -53,23 +58,28 @@ def cmd_generate(args) -> int:
     import torch
 
     from eaglescope.decode.vanilla import SamplingConfig, generate_vanilla
-    from eaglescope.target import load_target, parse_dtype
+    from eaglescope.target import load_target, parse_device, parse_dtype
 
-    device = torch.device(args.device) if args.device else None
-    if device is None:
-        from eaglescope.target import default_device
-
-        device = default_device()
+    device = parse_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     sampling.validate()
+    if args.trace:
+        if not (args.draft or args.proposer == "ngram") or args.fast:
+            raise EagleScopeError(
+                "--trace records a speculative run of the reference decoder: add --draft, drop --fast"
+            )
+        from eaglescope.outputs import check_destination
+        from eaglescope.trace import trace_kind
+
+        check_destination(args.trace, trace_kind("eaglescope"), inputs=[args.target, args.draft], flag="--trace")
     if args.seed is not None:
         torch.manual_seed(args.seed)
     target = load_target(args.target, device=device, dtype=dtype, backend=args.backend)
     prompt_ids = prompt_ids_from_args(args, target.tokenizer)
     stop = None
     if args.stop_ids:
-        stop = list(target.eos_token_ids) + _parse_ids(args.stop_ids)
+        stop = list(target.eos_token_ids) + _parse_ids(args.stop_ids, "--stop-ids")
     if args.no_batch_invariant and not args.fast:
         raise EagleScopeError("--no-batch-invariant chooses the kernels of --fast; add --fast or drop it")
     if args.fast:
@@ -140,25 +150,29 @@ def add_generate_parser(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the product's error form: one `eaglescope: error:` line and exit 2 (not usage + error)."""
+
+    def error(self, message: str):
+        self.exit(
+            2, f"eaglescope: error: {self.prog.removeprefix('eaglescope ')}: {message} (see {self.prog} --help)\n"
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eaglescope", description="Train, serve and debug EAGLE-3 draft models.")
+    parser = _Parser(prog="eaglescope", description="Train, serve and debug EAGLE-3 draft models.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
-    for module_name in _EXTRA_COMMANDS:
-        module = __import__(module_name, fromlist=["add_parsers"])
-        module.add_parsers(sub)
+    add_parsers(sub)
     return parser
 
 
-# Subcommands that live beside the code they drive; each module exposes add_parsers(sub).
-_EXTRA_COMMANDS = [
-    "eaglescope.detective.commands",
-    "eaglescope.data.prepare",
-    "eaglescope.export",
-    "eaglescope.train.loop",
-    "eaglescope.detective.doctor",
-    "eaglescope.demo",
-]
+def _command(func):
+    """A subcommand's function: cmd_generate itself, or "module:function" imported now (see commands.py)."""
+    if callable(func):
+        return func
+    module, name = func.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _quiet_transformers() -> None:
@@ -179,24 +193,44 @@ def main(argv: list[str] | None = None) -> int:
     if not debug:
         warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
         _quiet_transformers()
-    from eaglescope.trace import TraceError
+    # Warnings are held back while the command runs: after a success each becomes one `eaglescope: warning:`
+    # line; after a failure they are dropped, so the error stays the single line on stderr.
+    with warnings.catch_warnings(record=True) as caught:
+        if not debug:
+            warnings.simplefilter("always")
+        try:
+            rc = int(_command(args.func)(args) or 0)
+        except EagleScopeError as e:
+            print(f"eaglescope: error: {_one_line(e)}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("eaglescope: interrupted", file=sys.stderr)
+            return 130
+        except Exception as e:  # noqa: BLE001 - a bug, but the user still gets one line and a way to see more
+            if debug:
+                raise
+            print(
+                f"eaglescope: internal error: {type(e).__name__}: {_one_line(e)} (set EAGLESCOPE_DEBUG=1 for a "
+                "traceback)",
+                file=sys.stderr,
+            )
+            return 3  # distinct from doctor's 1 (findings) and bad input's 2
+    seen = set()
+    for w in caught:
+        text = _one_line(w.message)
+        if text not in seen and _ours(w):
+            seen.add(text)
+            print(f"eaglescope: warning: {text}", file=sys.stderr)
+    return rc
 
-    try:
-        return int(args.func(args) or 0)
-    except (EagleScopeError, TraceError) as e:
-        print(f"eaglescope: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("eaglescope: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 - a bug, but the user still gets one line and a way to see more
-        if debug:
-            raise
-        print(
-            f"eaglescope: internal error: {type(e).__name__}: {e} (set EAGLESCOPE_DEBUG=1 for a traceback)",
-            file=sys.stderr,
-        )
-        return 3  # distinct from doctor's 1 (findings) and bad input's 2
+
+def _one_line(e: object) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _ours(w: warnings.WarningMessage) -> bool:
+    """Warnings eaglescope raised for the user (libraries' deprecation chatter is not the user's business)."""
+    return "eaglescope" in (w.filename or "") and not issubclass(w.category, DeprecationWarning)
 
 
 if __name__ == "__main__":

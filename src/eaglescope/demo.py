@@ -84,6 +84,26 @@ def default_workdir() -> Path:
     return Path(base) / "demo"
 
 
+# The demo's --workdir is its cache: a directory it made itself (marked), holding only what it writes. A user's
+# directory of other things given by mistake is refused before anything is written into it.
+DEMO_MARKER = ".eaglescope-demo"
+
+
+def _demo_kind():
+    from eaglescope.outputs import dir_kind
+
+    names = ["target", "tokenizer", "prepared", "draft*", "conversations.jsonl", "trace", "doctor-report.html"]
+    return dir_kind("demo work directory", markers=[DEMO_MARKER], entries=[*names, "demo-results.json", DEMO_MARKER])
+
+
+def open_workdir(work: Path) -> None:
+    from eaglescope.outputs import check_destination
+
+    check_destination(work, _demo_kind(), flag="--workdir")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / DEMO_MARKER).write_text("eaglescope demo cache: every entry here is rebuilt on demand\n")
+
+
 def _say(msg: str) -> None:
     print(msg, flush=True)
 
@@ -381,7 +401,7 @@ def run_doctor_stage(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: P
 
 def run_demo(cfg: DemoConfig) -> dict:
     work = Path(cfg.workdir).expanduser()
-    work.mkdir(parents=True, exist_ok=True)
+    open_workdir(work)
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
     _say(f"eaglescope demo ({'fast' if cfg.fast else 'full'}) — artifacts in {work}")
@@ -392,7 +412,9 @@ def run_demo(cfg: DemoConfig) -> dict:
     results["doctor"] = run_doctor_stage(cfg, work, target_dir, draft_dir, data_dir)
     results["seconds"] = time.perf_counter() - t0
     results["config"] = asdict(cfg)
-    (work / "demo-results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    from eaglescope.outputs import write_file
+
+    write_file(work / "demo-results.json", json.dumps(results, indent=2, default=str) + "\n")
     _say(
         f"done in {results['seconds']:.0f}s. Try: eaglescope generate --target {target_dir} --draft {draft_dir} "
         "--prompt 'def read_config(path):' --chain 4 --json"
@@ -407,14 +429,4 @@ def cmd_demo(args) -> int:
     return 0 if res["identical"] else 1
 
 
-def add_parsers(sub) -> None:
-    p = sub.add_parser("demo", help="end to end on the embedded default (CPU, minutes, nothing downloaded)")
-    p.add_argument(
-        "--workdir", default=None, help="artifact cache (default: $EAGLESCOPE_HOME/demo or ~/.cache/eaglescope/demo)"
-    )
-    p.add_argument("--fast", action="store_true", help="a smaller, quicker run")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_demo)
-
-
-__all__ = ["DemoConfig", "run_demo", "add_parsers", "EagleScopeError"]
+__all__ = ["DemoConfig", "run_demo", "EagleScopeError"]

@@ -13,9 +13,6 @@ cache slots differ. That shared forward is what makes the train/decode equality 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +23,7 @@ from torch import nn
 
 from eaglescope.data.vocab import validate_vocab_map
 from eaglescope.errors import EagleScopeError
+from eaglescope.outputs import read_json, staged_dir
 from eaglescope.taps import TapContract, engine_capture
 from eaglescope.target.base import TargetFingerprint
 from eaglescope.target.llama import (
@@ -39,7 +37,7 @@ from eaglescope.target.llama import (
     attend,
     rope_cos_sin,
 )
-from eaglescope.target.loading import check_dir, load_state_dict, read_config
+from eaglescope.target.loading import check_dir, check_finite, load_state_dict, read_config
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -321,27 +319,11 @@ class LoadedDraft:
     hf_config: dict
 
 
-def atomic_dir(out: Path):
-    """Write into a temp sibling directory; `finish()` swaps it in so a good checkpoint is never half-replaced."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-
-    def finish() -> None:
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
-    def abort() -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-    return tmp, finish, abort
+def eaglescope_section(path: Path) -> dict | None:
+    """The `eaglescope` section of a checkpoint directory's config.json, or None."""
+    cfg = read_json(Path(path) / "config.json")
+    section = None if cfg is None else cfg.get("eaglescope")
+    return section if isinstance(section, dict) else None
 
 
 def save_draft(
@@ -358,10 +340,9 @@ def save_draft(
     SGLang adds +1 to explicit ids); other taps are written in vLLM's convention (= HF indices) unless
     `tap_ids` says otherwise. `eaglescope export --to sglang|vllm` writes each engine's own convention."""
     out = Path(out)
-    tmp, finish, abort = atomic_dir(out)
     if tap_ids is None and not contract.taps.is_default:
         tap_ids = list(contract.taps.layers)
-    try:
+    with staged_dir(out) as tmp:
         cfg = model.config.to_hf_config(tap_ids)
         cfg["eaglescope"] = contract.to_dict()
         sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k in WEIGHT_NAMES}
@@ -371,10 +352,6 @@ def save_draft(
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        finish()
-    except BaseException:
-        abort()
-        raise
     return out
 
 
@@ -409,6 +386,7 @@ def load_draft(
     if archs and not any("Eagle3" in a or "Eagle" in a for a in archs):
         raise EagleScopeError(f"{path} holds a {archs[0]} checkpoint, not an EAGLE-3 draft ({ARCHITECTURE})")
     sd = load_state_dict(path)
+    check_finite(sd, path)
     # Strip "model." first so that "model.layers.0.*" is renamed too.
     sd = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in sd.items()}
     sd = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v for k, v in sd.items()}
@@ -418,8 +396,10 @@ def load_draft(
     section = cfg.get("eaglescope")
     if section is not None:
         try:
+            if not isinstance(section, dict):
+                raise TypeError(f"it is a {type(section).__name__}, not an object")
             contract = DraftContract.from_dict(section)
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, EagleScopeError) as e:
             raise EagleScopeError(f"the eaglescope section of {path}/config.json is malformed ({e})") from None
         if target_num_layers is not None and contract.taps.num_layers != target_num_layers:
             raise EagleScopeError(

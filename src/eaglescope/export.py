@@ -22,15 +22,23 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from eaglescope.data.vocab import validate_vocab_map
-from eaglescope.draft import WEIGHT_NAMES, LoadedDraft, atomic_dir, check_draft_matches_target, load_draft
+from eaglescope.draft import WEIGHT_NAMES, LoadedDraft, check_draft_matches_target, eaglescope_section, load_draft
 from eaglescope.errors import EagleScopeError
-from eaglescope.taps import TapContract, default_tap_layers, engine_capture
+from eaglescope.outputs import check_destination, dir_kind, staged_dir
+from eaglescope.taps import SERVING_ENGINES, TapContract, default_tap_layers, engine_capture
 from eaglescope.target.base import TargetFingerprint
 from eaglescope.target.loading import check_dir, fingerprint_of, load_state_dict, read_config
 
-INSPECT_ENGINES = ("sglang", "sglang-legacy", "vllm")
-EXPORT_ENGINES = ("sglang", "sglang-legacy", "vllm")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# What `export --out` may replace without asking: an earlier export (its config names the engine it was written
+# for), holding nothing else. Never a trained draft (training state, metrics), a target, or anything else.
+EXPORT = dir_kind(
+    "draft export",
+    markers=["config.json"],
+    entries=["config.json", "model.safetensors"],
+    check=lambda p: "exported_for" in (eaglescope_section(p) or {}),
+)
 
 
 # -- words for hidden-state indices --------------------------------------------------------------
@@ -56,8 +64,8 @@ def choose_engine_ids(taps: TapContract, engine: str) -> tuple[list[int] | None,
     For "sglang" the ids are chosen to be right for newer *and* legacy SGLang when such ids exist;
     otherwise they are right for newer SGLang and a warning says what legacy SGLang would capture.
     """
-    if engine not in EXPORT_ENGINES:
-        raise EagleScopeError(f"cannot export for {engine!r}; choose one of {', '.join(EXPORT_ENGINES)}")
+    if engine not in SERVING_ENGINES:
+        raise EagleScopeError(f"cannot export for {engine!r}; choose one of {', '.join(SERVING_ENGINES)}")
     L = taps.num_layers
     # With no ids every engine captures its default, which equals the EAGLE default: the safest file.
     if taps.is_default:
@@ -140,7 +148,7 @@ def describe_draft(
         )
     ids = config_tap_ids(loaded.hf_config)
     engines = {}
-    for engine in INSPECT_ENGINES:
+    for engine in SERVING_ENGINES:
         cap = engine_capture(ids, engine, L)
         ok = cap == list(taps.layers)
         engines[engine] = {"captures": cap, "captures_names": _names(cap, L), "matches_contract": ok}
@@ -308,14 +316,9 @@ def export_draft(
     cfg["eaglescope"] = section
 
     out = Path(out)
-    tmp, finish, abort = atomic_dir(out)
-    try:
+    with staged_dir(out) as tmp:
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        finish()
-    except BaseException:
-        abort()
-        raise
 
     L = loaded.contract.taps.num_layers
     check = [engine] + (["sglang-legacy"] if engine == "sglang" else [])
@@ -416,6 +419,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_export(args) -> int:
+    check_destination(args.out, EXPORT, inputs=[args.draft, args.target])
     tdir, fp = _target_info(args.target)
     loaded = _load(args.draft, fp)
     if fp is not None:
@@ -426,8 +430,6 @@ def cmd_export(args) -> int:
         dtype = _DTYPES.get(name, torch.float32)
     else:
         dtype = _DTYPES[args.dtype]
-    if Path(args.out).resolve() == loaded.path.resolve():
-        raise EagleScopeError("--out must differ from --draft: export writes a new checkpoint directory")
     report = export_draft(loaded, args.to, args.out, args.with_embedding, emb, dtype)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -436,21 +438,3 @@ def cmd_export(args) -> int:
     else:
         print(format_export_report(report))
     return 0
-
-
-def add_parsers(sub) -> None:
-    p = sub.add_parser("inspect", help="what a draft checkpoint was trained on and what each engine will capture")
-    p.add_argument("draft_dir", metavar="DRAFT_DIR", help="EAGLE-3 draft checkpoint directory")
-    p.add_argument("--target", default=None, help="target checkpoint: infers taps for checkpoints without a contract")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_inspect)
-
-    p = sub.add_parser("export", help="write a draft checkpoint in SGLang's or vLLM's layer-id convention")
-    p.add_argument("--draft", required=True, help="EAGLE-3 draft checkpoint directory")
-    p.add_argument("--to", required=True, choices=EXPORT_ENGINES, help="engine whose convention to write")
-    p.add_argument("--out", required=True, help="output directory (replaced atomically)")
-    p.add_argument("--target", default=None, help="target checkpoint (fingerprint check, embedding, layer count)")
-    p.add_argument("--with-embedding", action="store_true", help="save the target's embedding (needs --target)")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="weight dtype (default: the source's)")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.set_defaults(func=cmd_export)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from eaglescope.draft import atomic_dir
+from eaglescope.outputs import staged_dir
 from eaglescope.target.llama import LlamaArgs, LlamaModel, RopeSpec
 
 
@@ -209,8 +209,7 @@ def save_target(
     model: LlamaModel, cfg: PretrainConfig, out: Path, tokenizer_dir: Path | None = None, extra: dict | None = None
 ) -> Path:
     """Write a Hugging Face checkpoint directory (atomically)."""
-    tmp, finish, abort = atomic_dir(Path(out))
-    try:
+    with staged_dir(out) as tmp:
         sd = {k: v.detach().float().contiguous().cpu() for k, v in model.state_dict().items()}
         sd.pop("lm_head.weight", None)  # tied: transformers re-ties it from embed_tokens on load
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -222,8 +221,4 @@ def save_target(
                 if f.is_file():
                     (tmp / f.name).write_bytes(f.read_bytes())
         (tmp / "eaglescope_pretrain.json").write_text(json.dumps({"config": asdict(cfg), **(extra or {})}, indent=2))
-        finish()
-    except BaseException:
-        abort()
-        raise
     return Path(out)

@@ -23,6 +23,7 @@ INDEX_CONVENTION = "hf_output_hidden_states"
 #   sglang-legacy: older SGLang: id i means "output of layer i", +1     -> hs[i+1]
 #   specforge:     writes "output of layer i" ids                       -> hs[i+1]
 ENGINES = ("vllm", "sglang", "sglang-legacy", "specforge")
+SERVING_ENGINES = ("sglang", "sglang-legacy", "vllm")  # those `export` writes for and `inspect` reports on
 
 
 def default_tap_layers(num_layers: int) -> tuple[int, ...]:
@@ -125,8 +126,24 @@ class TapContract:
     def to_dict(self) -> dict:
         return {"layers": list(self.layers), "index_convention": INDEX_CONVENTION, "num_layers": self.num_layers}
 
+    def engines_that_cannot_serve(self) -> dict[str, str]:
+        """{engine: why} for the serving engines whose layer-id convention cannot express these taps."""
+        out = {}
+        for engine in ("vllm", "sglang", "sglang-legacy"):
+            try:
+                self.to_engine_ids(engine)
+            except EagleScopeError as e:
+                out[engine] = str(e)
+        return out
+
     @classmethod
     def from_dict(cls, d: dict) -> TapContract:
+        layers, n = (d.get("layers"), d.get("num_layers")) if isinstance(d, dict) else (None, None)
+        if not (isinstance(layers, list) and all(type(i) is int for i in layers) and type(n) is int):
+            raise EagleScopeError(
+                f"a taps entry must be {{'layers': [int, ...], 'num_layers': int, 'index_convention': ...}}, got "
+                f"{d!r:.100}"
+            )
         conv = d.get("index_convention", INDEX_CONVENTION)
         if conv != INDEX_CONVENTION:
             raise EagleScopeError(f"unknown tap index convention {conv!r}; expected {INDEX_CONVENTION!r}")

@@ -35,6 +35,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+try:  # inside eaglescope: its one rule for outputs; a standalone copy in an engine keeps the simple rule below
+    from eaglescope import outputs as _outputs
+    from eaglescope.errors import EagleScopeError as _ErrorBase  # the CLI's one-line user errors
+except ImportError:
+    _outputs, _ErrorBase = None, Exception
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MODES = ("full", "fingerprint")
@@ -111,7 +117,7 @@ def is_canonical(name: str) -> bool:
     return parse_stage(name)[0] in _CANONICAL_FAMILIES
 
 
-class TraceError(Exception):
+class TraceError(_ErrorBase):
     """A malformed trace, or a recorder used wrongly. (The eaglescope CLI reports it as one line.)"""
 
 
@@ -368,6 +374,23 @@ def _event_key(round: int, stage: str, part: str | None) -> str:
     return f"{round}/{stage}" if part is None else f"{round}/{stage}/{part}"
 
 
+def trace_kind(producer: str):
+    """The output kind of traces written by `producer` (what a TraceRecorder of that producer may replace)."""
+
+    def written_by_producer(p: Path) -> bool:
+        try:
+            return json.loads((p / MANIFEST).read_text()).get("producer") == producer
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    return _outputs.dir_kind(
+        f"trace written by {producer}",
+        markers=[MANIFEST],
+        entries=[MANIFEST, "trace-*.safetensors"],
+        check=written_by_producer,
+    )
+
+
 class TraceRecorder:
     """Collects events and writes the trace directory atomically on ``close()``.
 
@@ -385,11 +408,17 @@ class TraceRecorder:
         meta: dict | None = None,
         seed: int = 0,
         shard_bytes: int = 1 << 30,
+        inputs: tuple = (),
+        flag: str = "trace directory",
     ) -> None:
         if mode not in MODES:
             raise TraceError(f"trace mode must be one of {MODES}, got {mode!r}")
         self.out_dir = Path(out_dir)
-        if self.out_dir.exists() and (
+        if _outputs is not None:
+            # Only a trace this producer wrote is replaced: never an engine's capture, a directory of other files,
+            # or one of the command's inputs (`inputs`, e.g. the trace being replayed).
+            _outputs.check_destination(self.out_dir, trace_kind(str(producer)), inputs=inputs, flag=flag)
+        elif self.out_dir.exists() and (
             not self.out_dir.is_dir() or (any(self.out_dir.iterdir()) and not (self.out_dir / MANIFEST).is_file())
         ):
             # Replacing it on close would delete something that is not a trace.
@@ -520,7 +549,9 @@ class TraceRecorder:
             return
         if self._tmp is None:
             self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-            self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-", dir=self.out_dir.parent))
+            tag = _outputs.TMP_TAG if _outputs is not None else ".tmp-"
+            self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}{tag}", suffix=f"-{os.getpid()}",
+                                              dir=self.out_dir.parent))  # fmt: skip
         fname = f"trace-{self._shards:05d}.safetensors"
         save_file(self._buffer, str(self._tmp / fname), metadata={"format": "pt", "eaglescope_trace": "1"})
         for ev in self.events:
@@ -530,6 +561,10 @@ class TraceRecorder:
         self._buffer, self._buffer_bytes = {}, 0
 
     def _swap_in(self) -> None:
+        if _outputs is not None:
+            _outputs.swap_in(self._tmp, self.out_dir)
+            self._tmp = None
+            return
         # Never a half-written trace where a good one stood: the old one moves aside only once the new one
         # is complete, and comes back if the final rename fails.
         old = None

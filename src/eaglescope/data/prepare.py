@@ -22,13 +22,14 @@ import math
 import os
 import shutil
 import sys
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from eaglescope.config import PrepareConfig
 from eaglescope.data.chat import _apply, chat_template_hash, read_conversations, render
 from eaglescope.data.shards import (
     FORMAT_VERSION,
@@ -55,37 +56,14 @@ from eaglescope.target.base import Target
 PERCENTILES = (50, 90, 99)
 
 
-@dataclass
-class PrepareConfig:
-    target: str
-    data: str
-    out: str
-    taps: str | None = None  # "2,4,5" | "default"; None → default (or none when no hidden states and L < 7)
-    max_length: int = 2048
-    draft_vocab_size: int | None = None  # None → min(32000, target vocab)
-    regenerate: bool = False
-    regen_max_new_tokens: int = 256
-    hidden_states: bool = False
-    batch_size: int = 8
-    shard_samples: int = 1024
-    device: str | None = None
-    dtype: str = "auto"
-    backend: str = "auto"
-    limit: int | None = None
-    overwrite: bool = False
-
-    def validate(self) -> None:
-        for name, low in (("max_length", 2), ("batch_size", 1), ("shard_samples", 1), ("regen_max_new_tokens", 1)):
-            if getattr(self, name) < low:
-                raise EagleScopeError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}.")
-        if self.limit is not None and self.limit < 1:
-            raise EagleScopeError(f"--limit must be >= 1, got {self.limit}.")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise EagleScopeError(f"--draft-vocab-size must be >= 1, got {self.draft_vocab_size}.")
-
-
 def note(msg: str) -> None:
     print(f"eaglescope: {msg}", file=sys.stderr)
+
+
+def warn_unservable(taps: TapContract) -> None:
+    """Say when the taps are chosen, not after training, which engines could not serve a draft trained on them."""
+    for engine, why in taps.engines_that_cannot_serve().items():
+        warnings.warn(f"taps {list(taps.layers)} cannot be written for {engine}: {why}", stacklevel=2)
 
 
 # -- regeneration ----------------------------------------------------------------------------
@@ -343,9 +321,9 @@ def _shard_done(out: Path, entry: dict | None) -> bool:
 
 
 def _load_target(cfg: PrepareConfig):
-    from eaglescope.target import default_device, load_target, parse_dtype
+    from eaglescope.target import load_target, parse_device, parse_dtype
 
-    device = torch.device(cfg.device) if cfg.device else default_device()
+    device = parse_device(cfg.device)
     target = load_target(cfg.target, device=device, dtype=parse_dtype(cfg.dtype, device), backend=cfg.backend)
     tok = getattr(target, "tokenizer", None)
     if tok is None:
@@ -360,6 +338,7 @@ def _load_target(cfg: PrepareConfig):
         taps = None  # nothing to capture now, and no default exists for so few layers
     else:
         taps = TapContract.parse(cfg.taps, target.num_layers)
+        warn_unservable(taps)
     target.set_taps(taps if cfg.hidden_states else None)
     return target, tok, taps, template_sha
 
@@ -570,25 +549,4 @@ def cmd_prepare(args) -> int:
     return 0
 
 
-def add_parsers(sub) -> None:
-    p = sub.add_parser("prepare", help="render chat data, build the draft vocabulary, optionally store tap features")
-    p.add_argument("--target", required=True, help="Hugging Face checkpoint directory of the target model")
-    p.add_argument("--data", required=True, help="JSONL of conversations (ShareGPT or OpenAI form)")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--taps", default=None, help="tap indices '2,4,5' (HF hidden-state indices) or 'default'")
-    p.add_argument("--max-length", type=int, default=2048, help="truncate samples to this many tokens")
-    p.add_argument("--draft-vocab-size", type=int, default=None, help="default min(32000, target vocab)")
-    p.add_argument("--regenerate", action="store_true", help="replace assistant turns by the target's greedy answers")
-    p.add_argument("--regen-max-new-tokens", type=int, default=256)
-    p.add_argument("--hidden-states", action="store_true", help="store the target's tap features in shards")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per target forward for --hidden-states")
-    p.add_argument("--shard-samples", type=int, default=1024, help="conversations per shard (the unit of resume)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")
-    p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"])
-    p.add_argument("--limit", type=int, default=None, help="use only the first N conversations")
-    p.add_argument("--overwrite", action="store_true", help="replace a preparation made from different inputs")
-    p.set_defaults(func=cmd_prepare)
-
-
-__all__ = ["PrepareConfig", "prepare", "regenerate_conversation", "end_of_turn_ids", "cmd_prepare", "add_parsers"]
+__all__ = ["PrepareConfig", "prepare", "regenerate_conversation", "end_of_turn_ids", "cmd_prepare"]

@@ -420,7 +420,9 @@ def run_speculative_from_args(args, target: Target, prompt_ids, sampling, stop) 
     budget = check_prompt(target, prompt_ids, args.max_new_tokens)
     recorder = None
     if args.trace:
-        recorder = T.TraceRecorder(args.trace, mode=args.trace_mode, producer="eaglescope")
+        recorder = T.TraceRecorder(
+            args.trace, mode=args.trace_mode, producer="eaglescope", inputs=(args.target, args.draft), flag="--trace"
+        )
     proposer = build_proposer(args, target, sampling, len(prompt_ids) + budget + 1, recorder)
     if recorder is not None:
         recorder.set_meta(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -31,11 +32,11 @@ class SamplingConfig:
         return g
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise EagleScopeError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise EagleScopeError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise EagleScopeError(f"top-k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
+        if self.top_p is not None and not 0 < self.top_p <= 1:  # also refuses NaN
             raise EagleScopeError(f"top-p must be in (0, 1], got {self.top_p}")
 
 

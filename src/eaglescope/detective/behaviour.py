@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
+from eaglescope.config import DEFAULT_DEPTH
 from eaglescope.decode.stats import alpha_from_unconditional, predicted_accept_length
 from eaglescope.detective.findings import Finding
 from eaglescope.errors import EagleScopeError
 
 # Chain depth at which eaglescope serves and predicts: SGLang's default num_steps for Llama-family drafts.
-DEFAULT_DEPTH = 5
 # α_1 at least this means the first draft step learned something, so a collapse after it is informative
 # (below it "nothing works" explains everything: UNDERTRAINED).
 ALPHA1_MIN = 0.3

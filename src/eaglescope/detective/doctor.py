@@ -41,9 +41,9 @@ def _load_models(target_dir, draft_dir, device, dtype, backend):
 
     from eaglescope.decode.speculative import target_embedding
     from eaglescope.draft import load_draft
-    from eaglescope.target import default_device, load_target, parse_dtype
+    from eaglescope.target import load_target, parse_device, parse_dtype
 
-    device = torch.device(device) if device else default_device()
+    device = parse_device(device)
     dt = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, device)
     target = load_target(target_dir, device=device, dtype=dt, backend=backend)
     with warnings.catch_warnings():
@@ -209,6 +209,11 @@ def report_json(report: DoctorReport) -> str:
 
 
 def cmd_doctor(args) -> int:
+    if args.html:  # refused before the minutes of checks, not after
+        from eaglescope.detective.report import REPORT
+        from eaglescope.outputs import check_destination
+
+        check_destination(args.html, REPORT, flag="--html")
     report = run_doctor(
         args.target,
         args.draft,
@@ -233,33 +238,3 @@ def cmd_doctor(args) -> int:
     if args.html and not args.json:
         print(f"report: {args.html}")
     return 0 if report.healthy else 1
-
-
-def add_parsers(sub) -> None:
-    p = sub.add_parser(
-        "doctor",
-        help="name the cause of low acceptance: static checks, trace vs golden replay, served vs predicted α_k",
-        description="Exit status: 0 healthy, 1 findings, 2 bad input.",
-    )
-    p.add_argument("--target", required=True, help="target checkpoint directory")
-    p.add_argument("--draft", required=True, help="EAGLE-3 draft checkpoint directory")
-    p.add_argument("--data", default=None, help="held-out data: a JSONL of conversations or a prepared directory")
-    p.add_argument("--trace", default=None, help="a trace directory recorded by the serving engine")
-    p.add_argument("--engine-log", default=None, help="an SGLang or vLLM server log with acceptance lines")
-    p.add_argument(
-        "--engine",
-        action="append",
-        choices=["sglang", "vllm", "sglang-legacy"],
-        default=None,
-        help="engine whose tap convention to check, repeatable (default: the log's engine, else sglang and vllm)",
-    )
-    p.add_argument("--html", default=None, help="write a self-contained HTML report here")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--prompts", type=int, default=8, help="prompts from --data served by eaglescope's decoder")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per served prompt")
-    p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="chain depth for served and predicted α_k")
-    p.add_argument("--eval-samples", type=int, default=32, help="samples of --data for teacher-forced α_k")
-    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"])
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")
-    p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.set_defaults(func=cmd_doctor)

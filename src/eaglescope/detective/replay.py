@@ -155,7 +155,7 @@ def replay(
         if forced.get(T.VERIFY_ACCEPTED, r) is not None
     )
     max_len = len(prompt_ids) + emitted_budget + total + 2
-    rec = T.TraceRecorder(out_dir, mode=mode, producer="eaglescope-replay")
+    rec = T.TraceRecorder(out_dir, mode=mode, producer="eaglescope-replay", inputs=(trace_dir,), flag="--out")
     rec.set_meta(**{**meta, "replay_of": str(trace_dir), "taps": contract.to_dict()})
     try:
         proposer = _following(proposer_cls, trace)(draft, depth, top_k, total, max_len, recorder=rec)

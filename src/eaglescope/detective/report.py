@@ -17,10 +17,25 @@ import io
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 
 from eaglescope.detective.findings import CODES, DoctorReport
+from eaglescope.outputs import OutputKind, check_destination, write_file
+
+GENERATOR = '<meta name="generator" content="eaglescope doctor">'
+
+
+def _is_report(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8", "replace")
+    except OSError:
+        return False
+    return GENERATOR in head or "<title>eaglescope doctor" in head  # the title: reports from before the tag
+
+
+# What `doctor --html` may replace without asking: an earlier doctor report, never any other file.
+REPORT = OutputKind("doctor HTML report", is_dir=False, recognise=_is_report)
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1180px;
@@ -257,6 +272,7 @@ def html_of(report: DoctorReport, title: str = "eaglescope doctor") -> str:
         "<!doctype html>",
         '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        GENERATOR,
         f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{_e(title)}</h1>",
     ]
@@ -336,16 +352,6 @@ def html_of(report: DoctorReport, title: str = "eaglescope doctor") -> str:
 
 
 def write_html(report: DoctorReport, path: str | os.PathLike) -> Path:
-    """Write the report atomically (temp file in the same directory, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = html_of(report)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write the report atomically (a temp file beside it, then a rename); only ever over an earlier report."""
+    check_destination(path, REPORT, flag="--html")
+    return write_file(path, html_of(report))

@@ -12,6 +12,7 @@ from eaglescope.target.base import Target, TargetFingerprint, TargetOutput
 from eaglescope.target.llama import NATIVE_MODEL_TYPES, load_native
 from eaglescope.target.loading import (
     check_dir,
+    check_finite,
     eos_token_ids,
     fingerprint_of,
     load_state_dict,
@@ -19,13 +20,44 @@ from eaglescope.target.loading import (
     read_config,
 )
 
-__all__ = ["Target", "TargetFingerprint", "TargetOutput", "load_target", "default_device", "parse_dtype"]
+__all__ = [
+    "Target",
+    "TargetFingerprint",
+    "TargetOutput",
+    "load_target",
+    "default_device",
+    "parse_device",
+    "parse_dtype",
+]
 
 BACKENDS = ("auto", "native", "hf")
 
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def parse_device(name: str | torch.device | None) -> torch.device:
+    """A --device flag (None: the default) checked against this machine, so a wrong one is one clear line."""
+    if name is None or name == "":
+        return default_device()
+    if isinstance(name, torch.device):
+        dev = name
+    else:
+        try:
+            dev = torch.device(str(name))
+        except (RuntimeError, ValueError):
+            raise EagleScopeError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise EagleScopeError(f"--device {name}: this machine has no CUDA GPU that torch can use; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise EagleScopeError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type not in ("cpu", "mps"):
+        raise EagleScopeError(f"--device {name!r}: eaglescope runs on cpu or cuda")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise EagleScopeError(f"--device {name}: MPS is not available on this machine")
+    return dev
 
 
 def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -58,7 +90,7 @@ def load_target(
     if backend not in BACKENDS:
         raise EagleScopeError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     model_dir = check_dir(model_dir)
-    device = torch.device(device) if device is not None else default_device()
+    device = parse_device(device)
     dtype = dtype or parse_dtype(None, device)
     cfg = read_config(model_dir)
     native = cfg.get("model_type") in NATIVE_MODEL_TYPES
@@ -70,9 +102,9 @@ def load_target(
         except (KeyError, ValueError, TypeError) as e:
             raise EagleScopeError(f"config.json is malformed: {e}") from None
         tok = load_tokenizer(model_dir)
-        target: Target = load_native(
-            model_dir, cfg, load_state_dict(model_dir), fp, eos_token_ids(model_dir, cfg, tok), tok, device, dtype
-        )
+        sd = load_state_dict(model_dir)
+        check_finite(sd, model_dir)
+        target: Target = load_native(model_dir, cfg, sd, fp, eos_token_ids(model_dir, cfg, tok), tok, device, dtype)
     else:
         from eaglescope.target.hf import HFTarget
 

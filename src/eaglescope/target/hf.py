@@ -26,7 +26,14 @@ from eaglescope.target.base import (
     sha256_text,
     tokenizer_sha256,
 )
-from eaglescope.target.loading import check_dir, eos_token_ids, load_tokenizer, read_config
+from eaglescope.target.loading import (
+    check_dir,
+    check_finite,
+    check_index,
+    eos_token_ids,
+    load_tokenizer,
+    read_config,
+)
 
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 
@@ -76,6 +83,11 @@ def _check_cache_supported(config) -> None:
         raise EagleScopeError(
             f"this model has {sorted(types)} layers; the generic target supports full-attention models only"
         )
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 class HFTarget(Target):
@@ -150,6 +162,7 @@ class HFTarget(Target):
         _check_cache_supported(config)
         if not any(any(model_dir.glob(g)) for g in _WEIGHT_GLOBS):
             raise EagleScopeError(f"{model_dir} holds no weights (*.safetensors or pytorch_model*.bin)")
+        check_index(model_dir)  # transformers would follow an index to shards outside the directory
 
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
@@ -171,7 +184,12 @@ class HFTarget(Target):
                 raise EagleScopeError(
                     f"the weights in {model_dir} do not fit its config.json: tensor shapes differ"
                 ) from None
-            raise EagleScopeError(f"cannot load the weights in {model_dir}: {str(e).splitlines()[0]}") from None
+            raise EagleScopeError(f"cannot load the weights in {model_dir}: {_first_line(e)}") from None
+        except Exception as e:  # noqa: BLE001 - e.g. UnpicklingError from weights_only: the files, not a bug
+            raise EagleScopeError(
+                f"cannot load the weights in {model_dir} safely ({type(e).__name__}: {_first_line(e)}); eaglescope "
+                "never runs pickled code: convert the checkpoint to safetensors"
+            ) from None
         # transformers silently random-initialises missing or mismatched weights; a target must never be random.
         bad = list(info.get("missing_keys") or []) + [str(m[0]) for m in info.get("mismatched_keys") or []]
         if bad:
@@ -179,6 +197,7 @@ class HFTarget(Target):
                 f"the weights in {model_dir} do not fit its config: {len(bad)} tensors missing or of the wrong "
                 f"shape (first: {bad[0]})"
             )
+        check_finite(dict(model.state_dict()), model_dir)
         model.to(device).eval()
         model.requires_grad_(False)
 

@@ -43,6 +43,39 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise EagleScopeError(f"weight file {path} is corrupted or truncated ({e})") from None
 
 
+def check_finite(sd: dict[str, torch.Tensor], where: Path | str) -> None:
+    """Refuse NaN/Inf weights at load: one pass over floating tensors (memory-bound, far cheaper than the load),
+    instead of a draft that never accepts or a loss that is NaN from step 1."""
+    for name, t in sd.items():
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise EagleScopeError(f"{where}: weight {name} holds {bad} NaN/Inf values; the checkpoint is damaged")
+
+
+def _inside(model_dir: Path, name: str, index: Path) -> Path:
+    """A shard named by an index, which must lie inside the checkpoint directory."""
+    p = model_dir / str(name)
+    if Path(str(name)).is_absolute() or not p.resolve().is_relative_to(model_dir.resolve()):
+        raise EagleScopeError(f"{index} names shard {name!r}, outside {model_dir}; refusing to read it")
+    return p
+
+
+def check_index(model_dir: Path) -> dict[str, str] | None:
+    """The weight map of a sharded safetensors checkpoint (None when unsharded), every shard inside model_dir."""
+    index = model_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map must map tensor names to shard file names")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise EagleScopeError(f"{index} is malformed ({e})") from None
+    for shard in set(weight_map.values()):
+        _inside(model_dir, shard, index)
+    return weight_map
+
+
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     """All weights of a checkpoint: model.safetensors, a sharded index, or (weights_only) .bin."""
     single = model_dir / "model.safetensors"
@@ -50,13 +83,10 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     if single.is_file():
         return _load_safetensors(single)
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise EagleScopeError(f"{index} is malformed ({e})") from None
+        weight_map = check_index(model_dir)
         sd: dict[str, torch.Tensor] = {}
         for shard in sorted(set(weight_map.values())):
-            shard_path = model_dir / shard
+            shard_path = _inside(model_dir, shard, index)
             if not shard_path.is_file():
                 raise EagleScopeError(f"shard {shard} listed in {index.name} is missing")
             sd.update(_load_safetensors(shard_path))
@@ -69,7 +99,12 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
         try:
             return torch.load(binary, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file for the user
-            raise EagleScopeError(f"{binary} could not be loaded safely ({e})") from None
+            # torch's message spans lines and advises weights_only=False, i.e. running the file's code: we never do.
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise EagleScopeError(
+                f"{binary} is not a plain tensor checkpoint ({first[:160]}); eaglescope loads weights without "
+                "running pickled code: convert it to safetensors (model.safetensors) first"
+            ) from None
     raise EagleScopeError(f"{model_dir} has no weights (model.safetensors, an index, or pytorch_model.bin)")
 
 

@@ -40,8 +40,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eaglescope.draft import DraftConfig, DraftContract, Eagle3Draft, atomic_dir, save_draft
+from eaglescope.config import RESUME_KEYS, TrainConfig
+from eaglescope.draft import DraftConfig, DraftContract, Eagle3Draft, eaglescope_section, save_draft
 from eaglescope.errors import EagleScopeError
+from eaglescope.outputs import check_destination, dir_kind, has_partial, open_partial, partial_dir, staged_dir, swap_in
 from eaglescope.taps import TapContract
 from eaglescope.train.metrics import Batch, evaluate, format_report
 from eaglescope.train.ttt import LOSS_MASK_SHIFT, Unrolled, ttt_loss, ttt_unroll
@@ -50,73 +52,18 @@ STATE_DIR = "training_state"
 METRICS_FILE = "training_metrics.json"
 SPLIT_SEED = 0x5EED  # the held-out split does not depend on --seed: runs with different seeds compare
 
-
-@dataclass
-class TrainConfig:
-    target: str
-    data: str
-    out: str
-    ttt_length: int = 7
-    taps: str | None = None  # online mode only; with stored hidden states it must match them
-    draft_vocab_size: int | None = None  # None → the prepared vocabulary
-    max_steps: int | None = None
-    epochs: float | None = None  # default 1 when max_steps is not given
-    batch_size: int = 8  # per process
-    grad_accum: int = 1
-    lr: float = 1e-4
-    warmup_steps: int | None = None
-    warmup_ratio: float = 0.02
-    weight_decay: float = 0.0
-    clip: float = 0.5  # 0 disables clipping
-    max_length: int = 2048
-    eval_every: int = 0  # 0 → evaluate at the end only
-    eval_fraction: float = 0.05
-    save_every: int = 0  # 0 → save at the end only
-    resume: bool = False
-    overwrite: bool = False
-    seed: int = 0
-    device: str | None = None
-    dtype: str = "auto"
-    log_dir: str | None = None  # default OUT/tb
-    backend: str = "auto"
-
-    def validate(self) -> None:
-        for name, low in (("ttt_length", 1), ("batch_size", 1), ("grad_accum", 1), ("max_length", 3)):
-            if getattr(self, name) < low:
-                raise EagleScopeError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}.")
-        for name in ("eval_every", "save_every", "weight_decay", "clip", "warmup_ratio"):
-            if getattr(self, name) < 0:
-                raise EagleScopeError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}.")
-        if self.max_steps is not None and self.epochs is not None:
-            raise EagleScopeError("pass either --max-steps or --epochs, not both.")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise EagleScopeError(f"--max-steps must be >= 1, got {self.max_steps}.")
-        if self.epochs is not None and not self.epochs > 0:
-            raise EagleScopeError(f"--epochs must be > 0, got {self.epochs}.")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise EagleScopeError(f"--lr must be a positive number, got {self.lr}.")
-        if not 0 <= self.eval_fraction < 1:
-            raise EagleScopeError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}.")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise EagleScopeError(f"--warmup-steps must be >= 0, got {self.warmup_steps}.")
-
-
-# Settings a resumed run must share with the run it continues (others, like --eval-every, may change).
-RESUME_KEYS = (
-    "ttt_length",
-    "taps",
-    "draft_vocab_size",
-    "max_steps",
-    "epochs",
-    "grad_accum",
-    "lr",
-    "warmup_steps",
-    "warmup_ratio",
-    "weight_decay",
-    "clip",
-    "max_length",
-    "eval_fraction",
-    "seed",
+# What `train --out` may replace (with --overwrite) or continue (with --resume): a draft this command trained,
+# holding nothing else. An export, a target or a directory of other files is never replaced.
+TRAINED = dir_kind(
+    "trained draft",
+    markers=["config.json", f"{STATE_DIR}/state.json"],
+    entries=["config.json", "model.safetensors", METRICS_FILE, STATE_DIR, "tb", ".draft-staging", ".eaglescope-stage"],
+    replace_flag="--resume to continue it, or --overwrite",
+    resumable=True,
+    check=lambda p: (
+        (p / STATE_DIR).is_dir()
+        or (eaglescope_section(p) is not None and "exported_for" not in (eaglescope_section(p) or {}))
+    ),
 )
 
 
@@ -146,15 +93,15 @@ class Dist:
 
 def _setup(cfg: TrainConfig) -> tuple[Dist, torch.device]:
     """Under torchrun (WORLD_SIZE > 1): one process per device, gloo on CPU, nccl on GPU."""
-    from eaglescope.target import default_device
+    from eaglescope.target import parse_device
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return Dist(), torch.device(cfg.device) if cfg.device else default_device()
+        return Dist(), parse_device(cfg.device)
     import torch.distributed as dist
 
     d = Dist(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
-    kind = torch.device(cfg.device).type if cfg.device else default_device().type
+    kind = parse_device(cfg.device).type
     device = torch.device("cuda", d.local_rank) if kind == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -238,8 +185,7 @@ def _trainable_state(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
 def save_training_state(out: Path, draft, opt, step: int, cfg: TrainConfig, world: int) -> Path:
     """OUT/training_state/ via a temp directory and a rename: a crash leaves the previous one whole."""
     path = out / STATE_DIR
-    tmp, finish, abort = atomic_dir(path)
-    try:
+    with staged_dir(path) as tmp:
         state = {
             "step": step,
             "model": _trainable_state(draft),
@@ -251,10 +197,6 @@ def save_training_state(out: Path, draft, opt, step: int, cfg: TrainConfig, worl
         }
         torch.save(state, tmp / "state.pt")
         (tmp / "state.json").write_text(json.dumps({"step": step, "world_size": world, "config": asdict(cfg)}) + "\n")
-        finish()
-    except BaseException:
-        abort()
-        raise
     return path
 
 
@@ -295,24 +237,32 @@ def _check_resume(saved: dict, cfg: TrainConfig, world: int) -> None:
         )
 
 
-def _prepare_out(out: Path, cfg: TrainConfig, d: Dist) -> None:
-    if out.exists() and not out.is_dir():
-        raise EagleScopeError(f"--out {out} exists and is not a directory.")
-    if cfg.resume or not out.is_dir() or not any(out.iterdir()):
-        return
-    if not cfg.overwrite:
-        what = "a training run" if (out / STATE_DIR).is_dir() else "files"
+def _plan_out(out: Path, cfg: TrainConfig) -> tuple[Path | None, bool]:
+    """Decide, before anything is written, where this run works and what it resumes.
+
+    → (resume_from, fresh): the directory whose training_state to resume (None: start from scratch) and whether
+    the staging directory beside OUT must be started over. Every rank computes the same answer."""
+    check_destination(out, TRAINED, inputs=[cfg.target, cfg.data], replace=cfg.overwrite or cfg.resume)
+    part = partial_dir(out)
+    interrupted = has_partial(out) and (part / STATE_DIR / "state.pt").is_file()
+    if cfg.resume:
+        if interrupted:
+            return part, False
+        if (out / STATE_DIR / "state.pt").is_file():
+            return out, True
+        raise EagleScopeError(f"--resume: neither {out} nor {part} holds a {STATE_DIR}/state.pt to resume from.")
+    if interrupted and not cfg.overwrite:
         raise EagleScopeError(
-            f"--out {out} already holds {what}; pass --resume to continue it, --overwrite to replace it, "
-            "or choose another directory."
+            f"an interrupted training run for {out} is kept at {part}; pass --resume to continue it or --overwrite "
+            "to start over."
         )
-    if d.main:
-        shutil.rmtree(out)
+    return None, True
 
 
 # -- the loop ------------------------------------------------------------------------------------
 def _resolve_data(cfg: TrainConfig, data, target_fp, num_layers: int) -> tuple[TapContract, torch.Tensor, torch.Tensor]:
     """Taps and vocabulary map from the prepared data, checked against the flags and the target."""
+    from eaglescope.data.prepare import warn_unservable
     from eaglescope.data.vocab import build_draft_vocab
 
     m = data.manifest
@@ -340,6 +290,7 @@ def _resolve_data(cfg: TrainConfig, data, target_fp, num_layers: int) -> tuple[T
         return taps, d2t, t2d
     if cfg.taps is not None:
         taps = TapContract.parse(cfg.taps, num_layers)
+        warn_unservable(taps)
     else:
         taps = data.taps or TapContract.default(num_layers)
     if cfg.draft_vocab_size is None or cfg.draft_vocab_size == n_vocab:
@@ -373,12 +324,12 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
     cfg.validate()
     d, device = _setup(cfg)
     out = Path(cfg.out)
-    _prepare_out(out, cfg, d)
-    d.barrier()
-    saved = load_training_state(out) if cfg.resume else None
+    resume_from, fresh = _plan_out(out, cfg)
+    saved = load_training_state(resume_from) if resume_from is not None else None
     if saved is not None:
         _check_resume(saved, cfg, d.world)
 
+    # Every input is checked before the staging directory exists: a corrupt shard or a bad target costs nothing.
     data = PreparedData.open(cfg.data, verify=d.main)
     dtype = parse_dtype(cfg.dtype, device)
     target = load_target(cfg.target, device=device, dtype=dtype, backend=cfg.backend)
@@ -454,7 +405,6 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
         if saved["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(saved["rng_cuda"])
         step = last_ckpt_step = int(saved["step"])
-        last_ckpt = (out / STATE_DIR, last_ckpt_step)
 
     fwd: nn.Module = _Unroll(draft, cfg.ttt_length)
     if W > 1:
@@ -464,12 +414,22 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
         fwd = DDP(fwd, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     autocast = torch.autocast("cuda", dtype=dtype) if amp else contextlib.nullcontext()
 
+    # The run works in a staging directory beside OUT and swaps it in when complete: OUT (an earlier draft,
+    # perhaps a week's work) stands untouched until then, whatever stops this run.
+    work = partial_dir(out)
+    if d.main:
+        work = open_partial(out, "train", fresh)
+        if resume_from == out and (out / "tb").is_dir() and not (work / "tb").exists():
+            shutil.copytree(out / "tb", work / "tb")  # the resumed run's curves continue the old ones
+    d.barrier()
+    if saved is not None:
+        last_ckpt = (work / STATE_DIR, last_ckpt_step)
     writer = None
     if d.main:
         from torch.utils.tensorboard import SummaryWriter
 
-        out.mkdir(parents=True, exist_ok=True)
-        writer = SummaryWriter(cfg.log_dir or str(out / "tb"), purge_step=step + 1 if saved is not None else None)
+        log_dir = cfg.log_dir or str(work / "tb")
+        writer = SummaryWriter(log_dir, purge_step=step + 1 if saved is not None else None)
     # disable=None: a bar on a terminal, nothing in logs and pipes
     bar = tqdm(
         total=total,
@@ -496,10 +456,10 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
     def checkpoint(metrics: dict | None) -> None:
         nonlocal last_ckpt
         if d.main:
-            save_training_state(out, draft, opt, step, cfg, W)
-            save_checkpoint(out, draft, contract, metrics)
+            save_training_state(work, draft, opt, step, cfg, W)
+            save_checkpoint(work, draft, contract, metrics)
         d.barrier()
-        last_ckpt = (out / STATE_DIR, step)
+        last_ckpt = (work / STATE_DIR, step)
 
     def fail(what: str, value: torch.Tensor) -> EagleScopeError:
         kind = "nan" if bool(torch.isnan(value).any()) else "inf"
@@ -577,6 +537,17 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
         metrics = run_eval() if d.main else {}
         metrics["ttt_length"] = cfg.ttt_length
         checkpoint(metrics)
+        if writer is not None:
+            writer.close()
+            writer = None
+        if d.main:
+            swap_in(work, check_destination(out, TRAINED, inputs=[cfg.target, cfg.data], replace=True))
+        d.barrier()
+    except BaseException:
+        # A run that failed before its first checkpoint leaves nothing worth resuming beside OUT.
+        if d.main and not (work / STATE_DIR).is_dir():
+            shutil.rmtree(work, ignore_errors=True)
+        raise
     finally:
         bar.close()
         if writer is not None:
@@ -591,40 +562,9 @@ def cmd_train(args) -> int:
     res = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{res.out}: {res.steps} steps; {res.metrics.get('split', 'held-out')} {format_report(res.metrics)}")
+        tb = cfg.log_dir or str(res.out / "tb")
+        print(f"TensorBoard logs: {tb} (view with: tensorboard --logdir {tb})")
     return 0
 
 
-def add_parsers(sub) -> None:
-    p = sub.add_parser("train", help="train an EAGLE-3 draft with training-time test (also under torchrun)")
-    p.add_argument("--target", required=True, help="Hugging Face checkpoint directory of the target model")
-    p.add_argument("--data", required=True, help="a directory written by `eaglescope prepare`")
-    p.add_argument("--out", required=True, help="output directory: becomes the draft checkpoint")
-    p.add_argument("--ttt-length", type=int, default=7, help="TTT unroll steps (1 = no TTT, EAGLE-2 style)")
-    p.add_argument("--taps", default=None, help="tap indices '2,4,5' (online mode; stored hidden states fix them)")
-    p.add_argument("--draft-vocab-size", type=int, default=None, help="default: the prepared vocabulary")
-    length = p.add_mutually_exclusive_group()
-    length.add_argument("--max-steps", type=int, default=None, help="optimizer steps")
-    length.add_argument("--epochs", type=float, default=None, help="passes over the training split (default 1)")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per process per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, default=1e-4)
-    warm = p.add_mutually_exclusive_group()
-    warm.add_argument("--warmup-steps", type=int, default=None)
-    warm.add_argument("--warmup-ratio", type=float, default=0.02, help="fraction of the steps (default 0.02)")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--clip", type=float, default=0.5, help="gradient-norm clip (0 = off)")
-    p.add_argument("--max-length", type=int, default=2048, help="truncate samples to this many tokens")
-    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0 = at the end only)")
-    p.add_argument("--eval-fraction", type=float, default=0.05, help="held-out share of the samples")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = at the end only)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/training_state")
-    p.add_argument("--overwrite", action="store_true", help="replace whatever OUT holds")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="cpu, cuda … (default: cuda if available)")
-    p.add_argument("--dtype", default="auto", help="target dtype and GPU autocast: float32 | bfloat16 (default)")
-    p.add_argument("--log-dir", default=None, help="TensorBoard directory (default OUT/tb)")
-    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"])
-    p.set_defaults(func=cmd_train)
-
-
-__all__ = ["TrainConfig", "TrainResult", "train", "cmd_train", "add_parsers", "collate", "make_batch", "lr_factor"]
+__all__ = ["TrainConfig", "TrainResult", "train", "cmd_train", "collate", "make_batch", "lr_factor"]

@@ -1,0 +1,170 @@
+"""The command line's subcommands other than `generate` (cli.py): their flags, and which function runs each.
+
+Standard library only: `eaglescope --help` and a bad flag answer before torch is imported. A command's
+function is named as "module:function" and imported when it runs. The flags of `prepare` and `train` take their
+defaults from the config dataclasses (eaglescope.config), so each default is stated once.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+
+from eaglescope.config import DEFAULT_DEPTH, PrepareConfig, TrainConfig
+from eaglescope.taps import SERVING_ENGINES
+
+BACKENDS = ("auto", "native", "hf")
+WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
+DEVICE_HELP = "cpu, cuda, cuda:1 … (default: cuda if available)"
+DTYPE_HELP = "float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)"
+
+
+def _from(config: type, p: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup, name: str, **kw) -> None:
+    """A flag for dataclass field `name`, its default taken from the field (booleans become store_true)."""
+    field = next(f for f in fields(config) if f.name == name)
+    flag = "--" + name.replace("_", "-")
+    if field.default is MISSING:
+        p.add_argument(flag, required=True, **kw)
+    elif field.default is False:
+        p.add_argument(flag, action="store_true", **kw)
+    else:
+        if field.default is not None and "type" not in kw:
+            kw["type"] = type(field.default)
+        p.add_argument(flag, default=field.default, **kw)
+
+
+def add_prepare(sub) -> None:
+    p = sub.add_parser("prepare", help="render chat data, build the draft vocabulary, optionally store tap features")
+    f = lambda name, **kw: _from(PrepareConfig, p, name, **kw)  # noqa: E731
+    f("target", help="Hugging Face checkpoint directory of the target model")
+    f("data", help="JSONL of conversations (ShareGPT or OpenAI form)")
+    f("out", help="output directory (a new one, or a preparation this command wrote)")
+    f("taps", help="tap indices '2,4,5' (HF hidden-state indices) or 'default'")
+    f("max_length", help="truncate samples to this many tokens (default %(default)s)")
+    f("draft_vocab_size", type=int, help="default min(32000, target vocab)")
+    f("regenerate", help="replace assistant turns by the target's greedy answers")
+    f("regen_max_new_tokens", help="default %(default)s")
+    f("hidden_states", help="store the target's tap features in shards")
+    f("batch_size", help="samples per target forward (default %(default)s)")
+    f("shard_samples", help="conversations per shard, the unit of resume (default %(default)s)")
+    f("device", help=DEVICE_HELP)
+    f("dtype", help=DTYPE_HELP)
+    f("backend", choices=BACKENDS)
+    f("limit", type=int, help="use only the first N conversations")
+    f("overwrite", help="replace an earlier preparation at OUT, once the new one is complete")
+    p.set_defaults(func="eaglescope.data.prepare:cmd_prepare")
+
+
+def add_train(sub) -> None:
+    p = sub.add_parser("train", help="train an EAGLE-3 draft with training-time test (also under torchrun)")
+    f = lambda name, group=p, **kw: _from(TrainConfig, group, name, **kw)  # noqa: E731
+    f("target", help="Hugging Face checkpoint directory of the target model")
+    f("data", help="a directory written by `eaglescope prepare`")
+    f("out", help="output directory: becomes the draft checkpoint when training completes")
+    f("ttt_length", help="TTT unroll steps; 1 = no TTT, EAGLE-2 style (default %(default)s)")
+    f("taps", help="tap indices '2,4,5' (online mode; stored hidden states fix them)")
+    f("draft_vocab_size", type=int, help="default: the prepared vocabulary")
+    length = p.add_mutually_exclusive_group()
+    f("max_steps", group=length, type=int, help="optimizer steps")
+    f("epochs", group=length, type=float, help="passes over the training split (default 1)")
+    f("batch_size", help="samples per process per micro-batch (default %(default)s)")
+    f("grad_accum", help="micro-batches per optimizer step (default %(default)s)")
+    f("lr", help="peak learning rate (default %(default)s)")
+    warm = p.add_mutually_exclusive_group()
+    f("warmup_steps", group=warm, type=int)
+    f("warmup_ratio", group=warm, help="fraction of the steps (default %(default)s)")
+    f("weight_decay", help="default %(default)s")
+    f("clip", help="gradient-norm clip, 0 = off (default %(default)s)")
+    f("max_length", help="truncate samples to this many tokens (default %(default)s)")
+    f("eval_every", help="evaluate every N steps, 0 = at the end only")
+    f("eval_fraction", help="held-out share of the samples (default %(default)s)")
+    f("save_every", help="checkpoint every N steps, 0 = at the end only")
+    f("resume", help="continue an interrupted (or finished) run for OUT")
+    f("overwrite", help="replace the draft at OUT once the new one is complete")
+    f("seed")
+    f("device", help=DEVICE_HELP)
+    f("dtype", help="target dtype and GPU autocast: float32 | bfloat16 (default)")
+    f("log_dir", help="TensorBoard directory (default OUT/tb)")
+    f("backend", choices=BACKENDS)
+    p.set_defaults(func="eaglescope.train.loop:cmd_train")
+
+
+def add_inspect_export(sub) -> None:
+    p = sub.add_parser("inspect", help="what a draft checkpoint was trained on and what each engine will capture")
+    p.add_argument("draft_dir", metavar="DRAFT_DIR", help="EAGLE-3 draft checkpoint directory")
+    p.add_argument("--target", default=None, help="target checkpoint: infers taps for checkpoints without a contract")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func="eaglescope.export:cmd_inspect")
+
+    p = sub.add_parser("export", help="write a draft checkpoint in SGLang's or vLLM's layer-id convention")
+    p.add_argument("--draft", required=True, help="EAGLE-3 draft checkpoint directory")
+    p.add_argument("--to", required=True, choices=SERVING_ENGINES, help="engine whose convention to write")
+    p.add_argument(
+        "--out", required=True, help="new output directory (an earlier export there is replaced once this is complete)"
+    )
+    p.add_argument("--target", default=None, help="target checkpoint (fingerprint check, embedding, layer count)")
+    p.add_argument("--with-embedding", action="store_true", help="save the target's embedding (needs --target)")
+    p.add_argument("--dtype", default=None, choices=WEIGHT_DTYPES, help="weight dtype (default: the source's)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.set_defaults(func="eaglescope.export:cmd_export")
+
+
+def add_replay(sub) -> None:
+    p = sub.add_parser("replay", help="recompute the golden trace for a recorded trace's prompt and decisions")
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--trace", required=True, help="the recorded trace directory")
+    p.add_argument("--out", required=True, help="where to write the golden trace (new, or an earlier replay)")
+    p.add_argument("--trace-mode", default="full", choices=["full", "fingerprint"])
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", help="default float32")
+    p.add_argument("--backend", default="auto", choices=BACKENDS)
+    p.set_defaults(func="eaglescope.detective.commands:cmd_replay")
+
+
+def add_doctor(sub) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="name the cause of low acceptance: static checks, trace vs golden replay, served vs predicted α_k",
+        description="Exit status: 0 healthy, 1 findings, 2 bad input.",
+    )
+    p.add_argument("--target", required=True, help="target checkpoint directory")
+    p.add_argument("--draft", required=True, help="EAGLE-3 draft checkpoint directory")
+    p.add_argument("--data", default=None, help="held-out data: a JSONL of conversations or a prepared directory")
+    p.add_argument("--trace", default=None, help="a trace directory recorded by the serving engine")
+    p.add_argument("--engine-log", default=None, help="an SGLang or vLLM server log with acceptance lines")
+    p.add_argument(
+        "--engine",
+        action="append",
+        choices=["sglang", "vllm", "sglang-legacy"],
+        default=None,
+        help="engine whose tap convention to check, repeatable (default: the log's engine, else sglang and vllm)",
+    )
+    p.add_argument("--html", default=None, help="write a self-contained HTML report here")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--prompts", type=int, default=8, help="prompts from --data served by eaglescope's decoder")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per served prompt")
+    p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="chain depth for served and predicted α_k")
+    p.add_argument("--eval-samples", type=int, default=32, help="samples of --data for teacher-forced α_k")
+    p.add_argument("--backend", default="auto", choices=BACKENDS)
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.set_defaults(func="eaglescope.detective.doctor:cmd_doctor")
+
+
+def add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="end to end on the embedded default (CPU, minutes, nothing downloaded)")
+    p.add_argument(
+        "--workdir", default=None, help="artifact cache (default: $EAGLESCOPE_HOME/demo or ~/.cache/eaglescope/demo)"
+    )
+    p.add_argument("--fast", action="store_true", help="a smaller, quicker run")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func="eaglescope.demo:cmd_demo")
+
+
+def add_parsers(sub) -> None:
+    for add in (add_replay, add_prepare, add_inspect_export, add_train, add_doctor, add_demo):
+        add(sub)
+
+
+__all__ = ["add_parsers", "BACKENDS", "WEIGHT_DTYPES"]

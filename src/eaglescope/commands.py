@@ -159,6 +159,13 @@ def add_demo(sub) -> None:
     )
     p.add_argument("--fast", action="store_true", help="a smaller, quicker run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pretrain-steps", type=int, default=None, help="target pretraining steps (default 600; 200 fast)")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds pretraining may take before its schedule is shortened (default 420; 0 = no cap)",
+    )
     p.set_defaults(func="eaglescope.demo:cmd_demo")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -38,7 +39,7 @@ class DemoConfig:
     pretrain_steps: int = 600
     # A safety cap for a much slower machine (the schedule shrinks to fit); on 2 current cores 600 steps take
     # ~140 s and the cap never binds, so the run is deterministic.
-    pretrain_budget_s: float = 420.0
+    pretrain_budget_s: float | None = 420.0
     pretrain_batch: int = 16
     seq_len: int = 128
     conversations: int = 400
@@ -157,13 +158,58 @@ def build_target(cfg: DemoConfig, work: Path) -> Path:
     )
     model, stats = pretrain(pcfg, train_ids, held_ids, device="cpu")
     save_target(model, pcfg, out, tok_dir, extra={"stats": stats, "corpus_sha256": corpus.sha256})
-    _stamp(out, key)
     _say(
         f"      trained a {stats['parameters'] / 1e6:.1f}M-parameter Llama in {time.perf_counter() - t0:.0f}s "
-        f"({stats['tokens_per_second']:.0f} tok/s); held-out loss {stats.get('heldout_loss', float('nan')):.2f} "
-        "nats/token"
+        f"({stats['steps']} steps, {stats['tokens_per_second']:.0f} tok/s); held-out loss "
+        f"{stats.get('heldout_loss', float('nan')):.2f} nats/token"
     )
+    check_target_sound(cfg, out, stats)
+    _stamp(out, key)  # only a sound target is cached: a weak one is retrained next time
     return out
+
+
+# -- is the result worth showing? ----------------------------------------------------------------------------
+MORE_TIME = "run it again with more time: eaglescope demo --time-budget 0 (no cap), or more --pretrain-steps"
+
+
+def repeated_share(ids: list[int]) -> float:
+    """The share of the most frequent token: near 1 when a model emits one token forever."""
+    return max(ids.count(t) for t in set(ids)) / len(ids) if ids else 1.0
+
+
+def check_target_sound(cfg: DemoConfig, target_dir: Path, stats: dict) -> None:
+    """A target too weak to mean anything makes every later number meaningless (τ 5.0 from a model that repeats
+    one token is repetition, not speculation): refuse it in one line."""
+    from eaglescope.corpus import stdlib_corpus
+    from eaglescope.decode.vanilla import generate_vanilla
+    from eaglescope.target import load_target
+
+    target = load_target(target_dir, device="cpu", dtype=torch.float32)
+    prompts = _prefixes(cfg, stdlib_corpus().heldout, target.tokenizer, 4, cfg.seed + 5, 48)
+    outputs = [generate_vanilla(target, p, 32, stop_ids=[]).token_ids for p in prompts]
+    share = repeated_share([t for o in outputs for t in o])
+    uniform = math.log(stats.get("vocab_size") or cfg.vocab_size)
+    loss = stats.get("heldout_loss", float("nan"))
+    problems = []
+    if not (math.isfinite(loss) and loss < uniform - 2.0):
+        problems.append(f"held-out loss {loss:.2f} nats/token (guessing uniformly gives {uniform:.2f})")
+    if share > 0.5:
+        problems.append(f"{share:.0%} of its greedy output is one token")
+    if not problems:
+        return
+    if stats["steps"] < cfg.pretrain_steps:
+        problems.append(f"the {cfg.pretrain_budget_s:.0f} s time cap stopped it after {stats['steps']} of "
+                        f"{cfg.pretrain_steps} steps")  # fmt: skip
+    raise EagleScopeError(f"the demo's target is too weak to mean anything: {'; '.join(problems)}; {MORE_TIME}")
+
+
+def check_draft_sound(metrics: dict) -> None:
+    acc = metrics.get("acc") or [0.0]
+    if not acc or not (acc[0] == acc[0]) or acc[0] < 0.3:
+        raise EagleScopeError(
+            f"the demo's draft learned too little to mean anything (held-out acc_0 {acc[0]:.2f}); run it again with "
+            "more time: eaglescope demo --time-budget 0"
+        )
 
 
 def _tokenize(tok, texts: list[str]) -> torch.Tensor:
@@ -260,8 +306,9 @@ def build_draft(
             overwrite=True,
         )
     )
-    _stamp(out, key)
     m = result.metrics
+    check_draft_sound(m)
+    _stamp(out, key)
     _say(
         f"      trained in {time.perf_counter() - t0:.0f}s; held-out acc_k "
         f"{_fmt(m.get('acc', []))}, predicted τ {m.get('predicted_accept_length', float('nan')):.2f}"
@@ -309,6 +356,10 @@ def evaluate(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: Path) -> 
             r["seconds"] += s.seconds
             r["stats"].merge(s.stats)
             r["identical"] += int(s.token_ids == v.token_ids)
+    share = repeated_share([t for p in prompts for t in generate_vanilla(target, p, 32, stop_ids=[]).token_ids])
+    if share > 0.5:  # τ would only measure repetition
+        raise EagleScopeError(f"the target's greedy output is {share:.0%} one token, so τ would measure repetition; "
+                              f"{MORE_TIME}")  # fmt: skip
     base = rows["vanilla"]["tokens"] / rows["vanilla"]["seconds"]
     table = []
     for name, r in rows.items():
@@ -412,6 +463,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     results["doctor"] = run_doctor_stage(cfg, work, target_dir, draft_dir, data_dir)
     results["seconds"] = time.perf_counter() - t0
     results["config"] = asdict(cfg)
+    # what ran, not what was asked: the time cap may have cut pretraining short
+    results["target"] = (json.loads((target_dir / "eaglescope_pretrain.json").read_text()) or {}).get("stats")
     from eaglescope.outputs import write_file
 
     write_file(work / "demo-results.json", json.dumps(results, indent=2, default=str) + "\n")
@@ -425,6 +478,14 @@ def run_demo(cfg: DemoConfig) -> dict:
 def cmd_demo(args) -> int:
     workdir = args.workdir or str(default_workdir())
     cfg = DemoConfig(workdir=workdir, fast=args.fast, seed=args.seed)
+    if args.pretrain_steps is not None:
+        if args.pretrain_steps < 10:
+            raise EagleScopeError(f"--pretrain-steps must be >= 10, got {args.pretrain_steps}")
+        cfg.pretrain_steps = args.pretrain_steps
+    if args.time_budget is not None:
+        if not (args.time_budget >= 0 and math.isfinite(args.time_budget)):
+            raise EagleScopeError(f"--time-budget must be a number of seconds >= 0, got {args.time_budget}")
+        cfg.pretrain_budget_s = args.time_budget or None
     res = run_demo(cfg)
     return 0 if res["identical"] else 1
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from eaglescope.outputs import staged_dir
+from eaglescope.progress import Progress
 from eaglescope.target.llama import LlamaArgs, LlamaModel, RopeSpec
 
 
@@ -157,11 +158,7 @@ def pretrain(
     )
     step_fn = torch.compile(_logits) if cfg.compile else _logits
     g = torch.Generator().manual_seed(cfg.seed)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.steps, desc="pretrain target", unit="step", leave=False)
+    bar = Progress(cfg.steps, "pretrain target", "steps", enabled=progress)
     t0 = time.perf_counter()
     loss_val, steps_done = float("nan"), 0
     total = cfg.steps
@@ -182,16 +179,13 @@ def pretrain(
             per_step = (time.perf_counter() - t0) / 5
             total = max(10, min(total, int(cfg.time_budget_s / per_step)))
             cfg.steps = total  # the schedule (lr_at) follows the fitted length
-            if bar is not None:
-                bar.total = total
-        if bar is not None and (step % 10 == 0 or step == total - 1):
+            bar.set_total(total)
+        if step % 10 == 0 or step == total - 1:
             loss_val = float(loss.detach())
             bar.set_postfix(loss=f"{loss_val:.3f}")
-            bar.n = step + 1
-            bar.refresh()
+        bar.update(1)
         step += 1
-    if bar is not None:
-        bar.close()
+    bar.close()
     seconds = time.perf_counter() - t0
     stats = {
         "steps": steps_done,

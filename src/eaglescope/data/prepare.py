@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from eaglescope.config import PrepareConfig
 from eaglescope.data.chat import _apply, chat_template_hash, read_conversations, render
@@ -50,6 +49,7 @@ from eaglescope.data.shards import (
 from eaglescope.data.vocab import build_draft_vocab, count_tokens, validate_vocab_map
 from eaglescope.errors import EagleScopeError
 from eaglescope.outputs import check_destination, has_partial, open_partial, partial_dir, read_json, swap_in
+from eaglescope.progress import Progress
 from eaglescope.taps import TapContract
 from eaglescope.target.base import Target
 
@@ -384,7 +384,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
         write_json_atomic(prog, prog_path)
     stop_ids = sorted(set(target.eos_token_ids) | set(end_of_turn_ids(tok)))
 
-    bar = tqdm(total=len(convs), unit="conv", desc="prepare", disable=None if progress else True, file=sys.stderr)
+    bar = Progress(len(convs), "prepare", "conversations", enabled=progress)
     resumed = 0
     for k in range(num_shards):
         chunk = convs[k * cfg.shard_samples : (k + 1) * cfg.shard_samples]

@@ -103,6 +103,10 @@ def run_doctor(
     if data is not None and not Path(data).exists():
         raise EagleScopeError(f"--data {data} does not exist")
     served_engine = read_engine_log(engine_log) if engine_log is not None else None
+    from eaglescope.target.loading import check_dir, read_config
+
+    for path, what in ((target_dir, "target"), (draft_dir, "draft")):
+        read_config(check_dir(path, what))  # input errors come before the first progress line
     if engines is None:
         engines = (served_engine.engine,) if served_engine is not None else DEFAULT_ENGINES
 
@@ -228,7 +232,7 @@ def cmd_doctor(args) -> int:
         depth=args.depth,
         eval_samples=args.eval_samples,
         engines=tuple(args.engine) if args.engine else None,
-        progress=not args.json,
+        progress=True,  # on stderr: --json on stdout stays parseable
     )
     if args.html:
         from eaglescope.detective.report import write_html

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import shutil
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +43,7 @@ from eaglescope.config import RESUME_KEYS, TrainConfig
 from eaglescope.draft import DraftConfig, DraftContract, Eagle3Draft, eaglescope_section, save_draft
 from eaglescope.errors import EagleScopeError
 from eaglescope.outputs import check_destination, dir_kind, has_partial, open_partial, partial_dir, staged_dir, swap_in
+from eaglescope.progress import Progress
 from eaglescope.taps import TapContract
 from eaglescope.train.metrics import Batch, evaluate, format_report
 from eaglescope.train.ttt import LOSS_MASK_SHIFT, Unrolled, ttt_loss, ttt_unroll
@@ -314,8 +314,6 @@ def _nonfinite(loss: torch.Tensor, d: Dist) -> bool:
 
 def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
     """Train a draft as `cfg` says; → TrainResult. `on_step(step, logs)` runs after each optimizer step."""
-    from tqdm import tqdm
-
     from eaglescope.data.shards import PreparedData
     from eaglescope.decode.speculative import target_embedding
     from eaglescope.target import load_target, parse_dtype
@@ -430,15 +428,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
 
         log_dir = cfg.log_dir or str(work / "tb")
         writer = SummaryWriter(log_dir, purge_step=step + 1 if saved is not None else None)
-    # disable=None: a bar on a terminal, nothing in logs and pipes
-    bar = tqdm(
-        total=total,
-        initial=step,
-        desc="train",
-        unit="step",
-        file=sys.stderr,
-        disable=None if progress and d.main else True,
-    )
+    bar = Progress(total, "train", "steps", initial=step, enabled=progress and d.main)
     history: list[dict] = []
 
     def run_eval() -> dict:
@@ -524,8 +514,8 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
                 for k in range(K):
                     writer.add_scalar(f"train/loss_{k}", logs["loss_k"][k], step)
                     writer.add_scalar(f"train/acc_{k}", logs["acc"][k], step)
-            bar.update(1)
             bar.set_postfix(loss=f"{logs['loss']:.3f}", acc_0=f"{logs['acc'][0]:.3f}")
+            bar.update(1)
             if on_step is not None:
                 on_step(step, logs)
             if step < total and cfg.eval_every and step % cfg.eval_every == 0:

@@ -27,18 +27,20 @@ class SpecStats:
         drafted: DraftTree | Sequence[int] | int | None,
         accepted_len: int,
         max_depth: int | None = None,
+        num_drafted: int | None = None,
     ) -> None:
         """One verify round.
 
         ``drafted``: the tree that was verified, or draft-node counts by depth ``[n_1, n_2, ...]``,
         or the number of draft tokens of a chain, or None. ``max_depth``: how deep the proposer
-        drafted this round (default: the depth of ``drafted``)."""
+        drafted this round (default: the depth of ``drafted``). ``num_drafted``: the draft tokens sent to
+        verify, when ``drafted`` is None (a static-shape round drafts the same number every time)."""
         if isinstance(drafted, DraftTree):
             depth, count = drafted.max_depth, drafted.num_nodes - 1
         elif isinstance(drafted, int):
             depth, count = drafted, drafted
         elif drafted is None:
-            depth, count = (max_depth if max_depth is not None else accepted_len), 0
+            depth, count = (max_depth if max_depth is not None else accepted_len), num_drafted or 0
         else:
             counts = [int(c) for c in drafted]
             depth = max((k + 1 for k, c in enumerate(counts) if c > 0), default=0)

@@ -79,7 +79,7 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
         dec = fe.generate(prompt_ids, budget, stop=stop)
         stats = SpecStats()
         for acc in dec.accepted:
-            stats.record_round(None, acc, max_depth=depth)
+            stats.record_round(None, acc, max_depth=depth, num_drafted=total - 1)  # every round drafts total-1 nodes
     if dec.tokens and dec.tokens[-1] in stop:
         reason = "eos"
     if on_gpu:

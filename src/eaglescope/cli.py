@@ -64,11 +64,23 @@ def cmd_generate(args) -> int:
     dtype = parse_dtype(args.dtype, device)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     sampling.validate()
+    if args.max_new_tokens < 1:
+        raise EagleScopeError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.proposer != "ngram" and not args.draft:
+        for flag, given in (("--chain", args.chain), ("--tree", args.tree)):
+            if given is not None:
+                raise EagleScopeError(f"{flag} shapes a speculative run: add --draft DIR (or --proposer ngram)")
+        if args.proposer == "draft-lm":
+            raise EagleScopeError("--proposer draft-lm needs --draft DIR (the draft language model)")
+    if args.chain is not None or args.tree is not None:
+        from eaglescope.decode.speculative import parse_tree_shape
+
+        parse_tree_shape(args.chain, args.tree)  # a bad shape is refused before any model is loaded
     if args.trace:
-        if not (args.draft or args.proposer == "ngram") or args.fast:
-            raise EagleScopeError(
-                "--trace records a speculative run of the reference decoder: add --draft, drop --fast"
-            )
+        if args.fast:
+            raise EagleScopeError("--fast records no trace; drop --trace or --fast")
+        if not (args.draft or args.proposer == "ngram"):
+            raise EagleScopeError("--trace records a speculative run: add --draft DIR (or --proposer ngram)")
         from eaglescope.outputs import check_destination
         from eaglescope.trace import trace_kind
 
@@ -79,7 +91,22 @@ def cmd_generate(args) -> int:
     prompt_ids = prompt_ids_from_args(args, target.tokenizer)
     stop = None
     if args.stop_ids:
-        stop = list(target.eos_token_ids) + _parse_ids(args.stop_ids, "--stop-ids")
+        extra = _parse_ids(args.stop_ids, "--stop-ids")
+        outside = [i for i in extra if i >= target.vocab_size]
+        if outside:
+            raise EagleScopeError(
+                f"--stop-ids {outside[0]} is outside the target vocabulary (size {target.vocab_size})"
+            )
+        stop = list(target.eos_token_ids) + extra
+    if args.draft or args.proposer == "ngram":
+        from eaglescope.decode.speculative import parse_tree_shape
+
+        depth = parse_tree_shape(args.chain, args.tree)[0]
+        if len(prompt_ids) + depth + 1 > target.max_positions:
+            raise EagleScopeError(
+                f"a round drafts {depth} tokens past the {len(prompt_ids)}-token prompt, beyond the target's context "
+                f"of {target.max_positions}; use a shorter --chain/--tree depth or prompt"
+            )
     if args.no_batch_invariant and not args.fast:
         raise EagleScopeError("--no-batch-invariant chooses the kernels of --fast; add --fast or drop it")
     if args.fast:

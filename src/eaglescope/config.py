@@ -73,6 +73,13 @@ class TrainConfig:
         for name, low in (("ttt_length", 1), ("batch_size", 1), ("grad_accum", 1), ("max_length", 3)):
             if getattr(self, name) < low:
                 raise EagleScopeError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}.")
+        for name in ("lr", "weight_decay", "clip", "warmup_ratio", "eval_fraction"):
+            if not math.isfinite(getattr(self, name)):
+                raise EagleScopeError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}.")
+        if self.epochs is not None and not math.isfinite(self.epochs):
+            raise EagleScopeError(f"--epochs must be a finite number, got {self.epochs}.")
+        if self.warmup_ratio > 1:
+            raise EagleScopeError(f"--warmup-ratio must be in [0, 1], got {self.warmup_ratio}.")
         for name in ("eval_every", "save_every", "weight_decay", "clip", "warmup_ratio"):
             if getattr(self, name) < 0:
                 raise EagleScopeError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}.")

@@ -121,8 +121,18 @@ def check_destination(
                 f"{flag} {raw} holds this command's input {i}; replacing it would delete that input. Write the "
                 f"{kind.name} into a new directory."
             )
+        if ip.is_dir() and _is_within(path, ip):
+            raise EagleScopeError(
+                f"{flag} {raw} is inside this command's input {i}, which would then hold files it did not have; "
+                f"write the {kind.name} beside it instead."
+            )
     recover(path)
+    blocker = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
+    if blocker is not None:
+        raise EagleScopeError(f"{flag} {raw}: {blocker} is a file, not a directory.")
     if path.exists():
+        if not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+            raise EagleScopeError(f"{flag} {raw} is read-only; it is left as it is. Name a writable destination.")
         if kind.is_dir and not path.is_dir():
             raise EagleScopeError(f"{flag} {raw} is a file, not a directory; it is left as it is.")
         if not kind.is_dir and path.is_dir():

@@ -54,8 +54,10 @@ class TapContract:
     @classmethod
     def parse(cls, text: str | None, num_layers: int) -> TapContract:
         """`"2,8,13"` → contract; None or "" or "default" → the default."""
-        if text is None or text.strip() in ("", "default"):
+        if text is None or text.strip() == "default":
             return cls.default(num_layers)
+        if not text.strip():
+            raise EagleScopeError("--taps is empty; give tap indices like '2,8,13', or 'default'")
         try:
             layers = tuple(int(t) for t in text.replace(" ", "").split(","))
         except ValueError:

@@ -404,6 +404,9 @@ def build_proposer(args, target: Target, sampling: SamplingConfig, max_len: int,
         return DraftLMProposer(lm, depth if args.chain is not None else 4, sampling, max_len)
     loaded = load_draft(args.draft, target.num_layers, device=target.device, dtype=target.dtype)
     check_draft_matches_target(loaded.contract, target.fingerprint)
+    n_draft = loaded.model.config.draft_vocab_size
+    if top_k > n_draft:
+        raise EagleScopeError(f"--tree top-k {top_k} exceeds the draft's vocabulary of {n_draft} tokens")
     if not loaded.has_embedding:
         loaded.model.load_target_embedding(target_embedding(target))
     target.set_taps(loaded.contract.taps)

@@ -107,6 +107,8 @@ def run_doctor(
 
     for path, what in ((target_dir, "target"), (draft_dir, "draft")):
         read_config(check_dir(path, what))  # input errors come before the first progress line
+    if data is not None:
+        check_data(Path(data))
     if engines is None:
         engines = (served_engine.engine,) if served_engine is not None else DEFAULT_ENGINES
 
@@ -210,6 +212,19 @@ def format_report(report: DoctorReport) -> str:
 
 def report_json(report: DoctorReport) -> str:
     return json.dumps(report.to_dict() | {"codes": CODES}, indent=2, allow_nan=False)
+
+
+def check_data(data: Path) -> None:
+    """--data is read minutes into the run; a broken file is the user's input and is refused at once."""
+    if data.is_dir():
+        from eaglescope.data.shards import PreparedData
+
+        PreparedData.open(data, verify=False)
+    else:
+        from eaglescope.data.chat import read_conversations
+
+        if not any(True for _ in read_conversations(data)):
+            raise EagleScopeError(f"--data {data} holds no conversations")
 
 
 def cmd_doctor(args) -> int:

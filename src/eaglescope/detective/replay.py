@@ -20,6 +20,7 @@ import torch
 from eaglescope import trace as T
 from eaglescope.decode.speculative import Eagle3Proposer, parse_tree_shape, target_embedding
 from eaglescope.decode.tree import DraftTree
+from eaglescope.decode.vanilla import check_prompt
 from eaglescope.decode.verify import VerifyResult
 from eaglescope.draft import LoadedDraft
 from eaglescope.errors import EagleScopeError
@@ -134,6 +135,12 @@ def replay(
     prompt_ids = meta.get("prompt_ids")
     if not prompt_ids:
         raise EagleScopeError(f"trace {trace_dir} has no prompt_ids in its manifest meta: nothing to replay")
+    if not (isinstance(prompt_ids, list) and all(type(t) is int for t in prompt_ids)):
+        raise EagleScopeError(f"trace {trace_dir}: meta.prompt_ids must be a list of token ids")
+    try:
+        check_prompt(target, prompt_ids, 1)
+    except EagleScopeError as e:
+        raise EagleScopeError(f"trace {trace_dir} cannot be replayed on this target: {e}") from None
     settings = meta.get("settings") or {}
     depth, top_k, total = _tree_shape(settings)
     contract = loaded.contract.taps

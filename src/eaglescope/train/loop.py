@@ -243,6 +243,10 @@ def _plan_out(out: Path, cfg: TrainConfig) -> tuple[Path | None, bool]:
     → (resume_from, fresh): the directory whose training_state to resume (None: start from scratch) and whether
     the staging directory beside OUT must be started over. Every rank computes the same answer."""
     check_destination(out, TRAINED, inputs=[cfg.target, cfg.data], replace=cfg.overwrite or cfg.resume)
+    if cfg.log_dir is not None:
+        log = Path(cfg.log_dir)
+        if (log.exists() and not log.is_dir()) or any(a.exists() and not a.is_dir() for a in log.parents):
+            raise EagleScopeError(f"--log-dir {log} is (or lies under) a file, not a directory.")
     part = partial_dir(out)
     interrupted = has_partial(out) and (part / STATE_DIR / "state.pt").is_file()
     if cfg.resume:

@@ -314,9 +314,9 @@ def test_vllm_acceptance_counts_equal_eaglescope_per_position(served, name):
     assert run["spec"] == ours
     # vLLM's unconditional per-position rate is eaglescope's accepted_per_position
     for r, v in zip(served["ours"][name], run["spec"], strict=True):
-        assert r["stats"]["accepted_per_position"] == pytest.approx(
-            [a / v["num_drafts"] for a in v["accepted_per_pos"]]
-        )
+        if v["num_drafts"]:  # a prompt answered by a stop token at once drafts nothing
+            rate = [a / v["num_drafts"] for a in v["accepted_per_pos"]]
+            assert r["stats"]["accepted_per_position"] == pytest.approx(rate)
 
 
 def test_the_drafts_accept_sometimes_at_every_depth(served, trained):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from drafts import make_draft as full_vocab_draft
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import make_checkpoint
@@ -164,9 +165,21 @@ def test_export_round_trips_to_identical_weights(target_dir, tmp_path):
 
 
 def test_bf16_export_halves_weights_but_keeps_the_map(target_dir, tmp_path):
-    report, cfg, sd = exported(tmp_path, saved(target_dir, tmp_path), "vllm", dtype=torch.bfloat16)
+    report, cfg, sd = exported(tmp_path, saved(target_dir, tmp_path), "sglang", dtype=torch.bfloat16)
     assert cfg["torch_dtype"] == "bfloat16" and sd["fc.weight"].dtype == torch.bfloat16
     assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
+
+
+def test_full_vocabulary_vllm_export_omits_the_identity_map(target_dir, tmp_path):
+    """vLLM has no parameter to load d2t into when the vocabularies are equal; the map is the identity there, and
+    eaglescope reads an export without one back as the identity."""
+    model, contract = full_vocab_draft(target_dir)
+    src = save_draft(model, contract, tmp_path / "full")
+    assert model.config.draft_vocab_size == model.config.vocab_size
+    report, _, sd = exported(tmp_path, src, "vllm")
+    assert "d2t" not in sd and "t2d" not in sd
+    back = load_draft(report["out"]).model
+    assert torch.equal(back.d2t, torch.zeros_like(back.d2t)) and bool(back.t2d.all())
 
 
 def test_embedding_only_from_the_real_target(target_dir, tmp_path):

@@ -306,6 +306,12 @@ def export_draft(
             t = t.to(dtype)
         sd[k] = t.contiguous()
     validate_vocab_map(sd["d2t"], sd["t2d"], c.vocab_size, c.draft_vocab_size)
+    if engine == "vllm" and c.draft_vocab_size == c.vocab_size:
+        # vLLM 0.32 (model_executor/models/llama_eagle3.py) creates `draft_id_to_target_id` only when the draft
+        # vocabulary is smaller than the target's, yet always loads a saved d2t into it: a full-vocabulary export
+        # with d2t fails to load. At full size the map is the identity (validate_vocab_map: strictly increasing
+        # target ids), which is also what every loader assumes when d2t is absent.
+        del sd["d2t"], sd["t2d"]
     if with_embedding:
         sd["embed_tokens.weight"] = target_embedding.detach().cpu().to(dtype).contiguous()
     cfg = c.to_hf_config(ids)

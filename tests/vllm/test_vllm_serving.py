@@ -49,14 +49,6 @@ MAX_LEN = 128  # the target's max_position_embeddings
 N_PROMPTS = 4
 RUNNER_TIMEOUT_S = 600
 
-# vLLM 0.32 creates `draft_id_to_target_id` only when the draft vocabulary is smaller than the target's, but maps a
-# saved `d2t` onto it always, so a full-vocabulary export that ships d2t does not load.
-FULL_VOCAB_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="export bug: a full-vocabulary vLLM export ships d2t/t2d, and vLLM 0.32 has no draft_id_to_target_id "
-    "parameter to load d2t into when draft vocab == target vocab ('There is no module or parameter named "
-    "draft_id_to_target_id in Eagle3LlamaForCausalLM'); export must omit d2t and t2d then",
-)
 # name: (taps for `train --taps`, draft vocabulary size)
 DRAFTS = {
     "full-default": (None, VOCAB),
@@ -67,7 +59,7 @@ DRAFTS = {
 # The reduced-default export with a saved embedding that differs from the target's.
 OWN_EMBEDDING = "reduced-default-own-embedding"
 SERVED = [*DRAFTS, OWN_EMBEDDING]
-DRAFT_PARAMS = [pytest.param(n, marks=FULL_VOCAB_BUG) if n.startswith("full") else n for n in SERVED]
+DRAFT_PARAMS = list(SERVED)
 
 
 # -- the target and its drafts ----------------------------------------------------------------------
@@ -258,7 +250,7 @@ def exported_config(served: dict, name: str) -> dict:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # Parametrized here rather than with @pytest.mark.parametrize: a decorated test carries a `pytestmark` keyword,
     # which stops pytest's -ra summary from folding conftest.py's "vLLM unavailable" skips into one line.
-    if "name" in metafunc.fixturenames:  # every served draft; the full-vocabulary ones xfail (FULL_VOCAB_BUG)
+    if "name" in metafunc.fixturenames:  # every served draft
         metafunc.parametrize("name", DRAFT_PARAMS)
     if "trained" in metafunc.fixturenames:
         metafunc.parametrize("trained", list(DRAFTS))

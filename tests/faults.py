@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from eaglescope import trace as T
-from eaglescope.decode.speculative import Eagle3Proposer, generate_speculative, target_embedding
+from eaglescope.decode.loop import generate_speculative
+from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
 from eaglescope.decode.tree import DraftTree
 from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.draft import LoadedDraft, load_draft

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import make_checkpoint
 
-from eaglescope.decode.speculative import Eagle3Proposer, generate_speculative, target_embedding
+from eaglescope.decode.loop import generate_speculative
+from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
 from eaglescope.decode.tree import DraftTree
 from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.decode.verify import verify_greedy

@@ -18,8 +18,9 @@ from drafts import make_draft
 from models import make_checkpoint
 from scipy.stats import chisquare
 
+from eaglescope.decode.loop import generate_speculative
 from eaglescope.decode.sampling import process_logits
-from eaglescope.decode.speculative import DraftLMProposer, Eagle3Proposer, generate_speculative, target_embedding
+from eaglescope.decode.speculative import DraftLMProposer, Eagle3Proposer, target_embedding
 from eaglescope.decode.vanilla import SamplingConfig, generate_vanilla
 from eaglescope.taps import TapContract
 from eaglescope.target import load_target

@@ -22,13 +22,13 @@ from hypothesis import strategies as st
 from models import make_checkpoint
 from safetensors.torch import load_file, save_file
 
+from eaglescope.decode.loop import generate_speculative
 from eaglescope.decode.speculative import (
     DraftLMProposer,
     Eagle3Proposer,
     NgramProposer,
     Proposer,
     build_proposer,
-    generate_speculative,
     parse_tree_shape,
     target_embedding,
 )

@@ -24,7 +24,8 @@ from eaglescope.cli import main
 from eaglescope.corpus import COMPLETION_TEMPLATE, train_tokenizer
 from eaglescope.data.prepare import PrepareConfig, prepare
 from eaglescope.data.shards import PreparedData
-from eaglescope.decode.speculative import Eagle3Proposer, generate_speculative, target_embedding
+from eaglescope.decode.loop import generate_speculative
+from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
 from eaglescope.decode.stats import SpecStats
 from eaglescope.draft import Eagle3Draft, load_draft
 from eaglescope.errors import EagleScopeError

@@ -114,7 +114,7 @@ def cmd_generate(args) -> int:
 
         result = generate_fast(args, target, prompt_ids, sampling, stop)
     elif args.draft or args.proposer in ("ngram",):
-        from eaglescope.decode.speculative import run_speculative_from_args
+        from eaglescope.decode.loop import run_speculative_from_args
 
         result = run_speculative_from_args(args, target, prompt_ids, sampling, stop)
     else:

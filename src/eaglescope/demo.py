@@ -322,7 +322,8 @@ def _fmt(xs, n: int = 4) -> str:
 
 def evaluate(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: Path) -> dict:
     from eaglescope.corpus import stdlib_corpus
-    from eaglescope.decode.speculative import Eagle3Proposer, generate_speculative, target_embedding
+    from eaglescope.decode.loop import generate_speculative
+    from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
     from eaglescope.decode.stats import SpecStats
     from eaglescope.decode.vanilla import generate_vanilla
     from eaglescope.draft import check_draft_matches_target, load_draft
@@ -407,7 +408,8 @@ def record_trace(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: Path)
     """A trace of eaglescope's own decoding of one held-out prefix: what doctor compares with its replay."""
     from eaglescope import trace as T
     from eaglescope.corpus import stdlib_corpus
-    from eaglescope.decode.speculative import Eagle3Proposer, generate_speculative, target_embedding
+    from eaglescope.decode.loop import generate_speculative
+    from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
     from eaglescope.draft import load_draft
     from eaglescope.target import load_target
 

@@ -1,32 +1,21 @@
-"""Speculative decoding: every proposer feeds one verify loop.
+"""Proposers: what drafts a round's tree for the one speculative loop (decode/loop.py).
 
-A round: the proposer builds a draft tree whose root is the last emitted token; the target
-runs once over the tree (ancestor mask, positions = root position + depth); verification
-picks the accepted path and a bonus token; the target keeps the KV of root + accepted nodes
-only; the proposer is told what was accepted, with the target's tap features of exactly
-those positions.
+Each round the proposer builds a draft tree whose root is the last emitted token; after the target verified it,
+the proposer is told what was accepted, with the target's tap features of exactly the positions whose KV survived
+(root + accepted nodes). EAGLE-3, prompt lookup (n-gram), a small draft LM, and none (vanilla decoding).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from abc import ABC, abstractmethod
 
 import torch
 
 from eaglescope import trace as T
-from eaglescope.decode.stats import SpecStats
+from eaglescope.decode.generation import SamplingConfig
 from eaglescope.decode.tree import DraftTree, TreeBuilder
-from eaglescope.decode.vanilla import (
-    GenerationResult,
-    SamplingConfig,
-    _sync,
-    begin_generation,
-    check_prompt,
-    choose_token,
-)
-from eaglescope.decode.verify import VerifyResult, verify_greedy, verify_sampling
+from eaglescope.decode.verify import VerifyResult
 from eaglescope.draft import Eagle3Draft
 from eaglescope.errors import EagleScopeError
 from eaglescope.target.base import Target, TargetOutput
@@ -51,6 +40,20 @@ class Proposer(ABC):
 
     def accepted(self, tree: DraftTree, result: VerifyResult, verify_out: TargetOutput) -> None:  # noqa: B027
         """After verification: `result.path` are the tree nodes whose target KV was kept."""
+
+
+class NoProposer(Proposer):
+    """Vanilla decoding as the speculative loop: every round's tree is the root alone, so the target verifies one
+    token and the bonus token is simply the next one."""
+
+    name = "none"
+
+    @property
+    def max_nodes(self) -> int:
+        return 1
+
+    def propose(self, tokens, root_position) -> DraftTree:
+        return DraftTree.chain([tokens[-1]])
 
 
 def parse_tree_shape(chain: int | None, tree: str | None) -> tuple[int, int, int]:
@@ -303,87 +306,6 @@ class DraftLMProposer(Proposer):
         self.lm.truncate(keep)
 
 
-def generate_speculative(
-    target: Target,
-    proposer: Proposer,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    sampling: SamplingConfig | None = None,
-    stop_ids: list[int] | None = None,
-    recorder: T.TraceRecorder | None = None,
-) -> GenerationResult:
-    sampling, budget, stop, gen = begin_generation(target, prompt_ids, max_new_tokens, sampling, stop_ids)
-    stats = SpecStats()
-    rec = recorder
-    _sync(target.device)
-    t0 = time.perf_counter()
-    target.reset(len(prompt_ids) + budget + proposer.max_nodes + 1)
-    prefill = target.forward(torch.tensor(prompt_ids, device=target.device))
-    target.commit()
-    first = choose_token(prefill.logits[-1], sampling, gen)
-    if rec is not None:
-        _record_target(rec, target, prefill)
-        rec.record(T.VERIFY_BONUS, torch.tensor([first]))
-        if prefill.aux is not None:
-            rec.record(T.NEXT_HIDDEN_IN, prefill.aux)
-    tokens = list(prompt_ids) + [first]
-    generated = [first]
-    reason = "length" if budget == max_new_tokens else "context"
-    if first in stop:
-        reason = "eos"
-    else:
-        proposer.start(list(prompt_ids), prefill, first)
-    while reason != "eos" and len(generated) < budget:
-        if rec is not None:
-            rec.next_round()
-        root_pos = target.cache_len
-        tree = proposer.propose(tokens, root_pos)
-        if rec is not None:
-            rec.record(T.VERIFY_TOKENS, tree.tokens)
-            rec.record(T.VERIFY_PARENTS, tree.parents)
-        tree_tokens = tree.tokens.to(target.device)
-        out = target.forward(
-            tree_tokens,
-            positions=root_pos + tree.depths.to(target.device),
-            tree_mask=tree.ancestor_mask().to(target.device),
-        )
-        if sampling.greedy:
-            res = verify_greedy(tree, out.logits)
-        else:
-            res = verify_sampling(tree, out.logits, sampling.temperature, sampling.top_k, sampling.top_p, gen)
-        target.commit(torch.tensor(res.path, device=target.device))
-        stats.record_round(tree, len(res.accepted))
-        if rec is not None:
-            _record_target(rec, target, out)
-            rec.record(T.VERIFY_ACCEPTED, torch.tensor(res.accepted, dtype=torch.long))
-            rec.record(T.VERIFY_BONUS, torch.tensor([res.bonus]))
-        # the budget first: a stop token past it was never emitted, so the reason stays "length"/"context"
-        emitted = res.tokens[: budget - len(generated)]
-        for i, tok in enumerate(emitted):
-            if tok in stop:
-                emitted = emitted[: i + 1]
-                reason = "eos"
-                break
-        generated += emitted
-        tokens += emitted
-        if reason == "eos" or len(generated) >= budget:
-            break
-        proposer.accepted(tree, res, out)
-        if rec is not None and isinstance(proposer, Eagle3Proposer):
-            rec.record(T.NEXT_HIDDEN_IN, proposer.pending_aux)
-    _sync(target.device)
-    return GenerationResult(list(prompt_ids), generated, reason, time.perf_counter() - t0, stats)
-
-
-def _record_target(rec: T.TraceRecorder, target: Target, out: TargetOutput) -> None:
-    if out.aux is None or target.taps is None:
-        return
-    H = target.hidden_size
-    for j, layer in enumerate(target.taps.layers):
-        rec.record(T.target_tap(layer), out.aux[:, j * H : (j + 1) * H])
-    rec.record(T.TARGET_AUX, out.aux, segments=target.taps.count)
-
-
 def build_proposer(args, target: Target, sampling: SamplingConfig, max_len: int, recorder=None) -> Proposer:
     """The proposer the CLI flags ask for."""
     from eaglescope.draft import check_draft_matches_target, load_draft
@@ -417,38 +339,3 @@ def target_embedding(target: Target) -> torch.Tensor:
     if hasattr(target, "model") and hasattr(target.model, "get_input_embeddings"):
         return target.model.get_input_embeddings().weight
     return target.model.model.embed_tokens.weight
-
-
-def run_speculative_from_args(args, target: Target, prompt_ids, sampling, stop) -> GenerationResult:
-    budget = check_prompt(target, prompt_ids, args.max_new_tokens)
-    recorder = None
-    if args.trace:
-        recorder = T.TraceRecorder(
-            args.trace, mode=args.trace_mode, producer="eaglescope", inputs=(args.target, args.draft), flag="--trace"
-        )
-    proposer = build_proposer(args, target, sampling, len(prompt_ids) + budget + 1, recorder)
-    if recorder is not None:
-        recorder.set_meta(
-            prompt_ids=list(prompt_ids),
-            target=target.fingerprint.to_dict(),
-            taps=target.taps.to_dict() if target.taps else None,
-            settings={
-                "chain": args.chain,
-                "tree": args.tree,
-                "temperature": sampling.temperature,
-                "top_k": sampling.top_k,
-                "top_p": sampling.top_p,
-                "seed": sampling.seed,
-                "max_new_tokens": args.max_new_tokens,
-                "proposer": args.proposer,
-            },
-        )
-    try:
-        result = generate_speculative(target, proposer, prompt_ids, args.max_new_tokens, sampling, stop, recorder)
-    except BaseException:
-        if recorder is not None:
-            recorder.abort()
-        raise
-    if recorder is not None:
-        recorder.close()
-    return result

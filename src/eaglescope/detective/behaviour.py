@@ -370,7 +370,8 @@ def predict_on_data(target, draft, samples, depth: int = DEFAULT_DEPTH) -> Accep
 @torch.inference_mode()
 def serve_with_decoder(target, draft, prompts, max_new_tokens: int, depth: int = DEFAULT_DEPTH) -> Acceptance:
     """Served α_k and τ of eaglescope's own greedy chain decoder over the prompts."""
-    from eaglescope.decode.speculative import Eagle3Proposer, generate_speculative
+    from eaglescope.decode.loop import generate_speculative
+    from eaglescope.decode.speculative import Eagle3Proposer
     from eaglescope.decode.stats import SpecStats
 
     stats = SpecStats()

@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from eaglescope import trace as T
+from eaglescope.decode.generation import SamplingConfig, check_prompt
+from eaglescope.decode.loop import ReferenceRunner, decode
 from eaglescope.decode.speculative import Eagle3Proposer, parse_tree_shape, target_embedding
 from eaglescope.decode.tree import DraftTree
-from eaglescope.decode.vanilla import check_prompt
 from eaglescope.decode.verify import VerifyResult
 from eaglescope.draft import LoadedDraft
 from eaglescope.errors import EagleScopeError
@@ -117,6 +118,57 @@ def _all_layer_forward(target: Target, all_taps: TapContract, contract: TapContr
     return TargetOutput(out.logits, aux), hs
 
 
+class _ReplayRunner(ReferenceRunner):
+    """The reference backend following a trace: the tree sent to verify, the accepted path and the bonus token are
+    the trace's; everything else is recomputed, with every layer of the target tapped (replay.hs.<i>)."""
+
+    def __init__(self, target, proposer, rec, forced: _Forced, rounds: list[int], contract, extra_room: int):
+        super().__init__(target, proposer, SamplingConfig(), None, rec)
+        self.forced, self.contract, self.extra_room = forced, contract, extra_room
+        self.all_taps = TapContract(tuple(range(target.num_layers)), target.num_layers)
+        self._rounds = iter([r for r in rounds if r != 0])
+        self._hs: dict = {}
+
+    def cache_room(self, prompt_ids, budget) -> int:
+        return super().cache_room(prompt_ids, budget) + self.extra_room
+
+    def target_forward(self, tokens, positions=None, tree_mask=None) -> TargetOutput:
+        fn = lambda: self.target.forward(tokens, positions=positions, tree_mask=tree_mask)  # noqa: E731
+        out, self._hs = _all_layer_forward(self.target, self.all_taps, self.contract, fn)
+        return out
+
+    def _record_target(self, out: TargetOutput) -> None:
+        super()._record_target(out)
+        for i, h in self._hs.items():
+            self.rec.record(replay_hs(i), h)
+
+    def first_token(self, prefill: TargetOutput) -> int:
+        bonus = self.forced.get(T.VERIFY_BONUS, 0)
+        return int(bonus.flatten()[0]) if bonus is not None else int(prefill.logits[-1].argmax())
+
+    def next_round(self) -> None:
+        self.round = next(self._rounds)
+        self.rec.next_round()
+        while self.rec.round < self.round:  # keep round numbers aligned with the trace's
+            self.rec.next_round()
+
+    def propose(self) -> DraftTree:
+        own = self.proposer.propose(self.tokens, self.target.cache_len)  # records the draft stages
+        ft, fp = self.forced.get(T.VERIFY_TOKENS, self.round), self.forced.get(T.VERIFY_PARENTS, self.round)
+        tree = own if ft is None or fp is None else DraftTree.from_parents(ft.long(), fp.long())
+        self.rec.record(T.VERIFY_TOKENS, tree.tokens)
+        self.rec.record(T.VERIFY_PARENTS, tree.parents)
+        return tree
+
+    def accept(self, tree: DraftTree, out: TargetOutput) -> VerifyResult:
+        fa, fb = self.forced.get(T.VERIFY_ACCEPTED, self.round), self.forced.get(T.VERIFY_BONUS, self.round)
+        if fa is None or fb is None:
+            raise EagleScopeError(f"trace round {self.round} lacks verify.accepted / verify.bonus: cannot follow it")
+        accepted = [int(x) for x in fa.flatten().tolist()]
+        bonus = int(fb.flatten()[0])
+        return VerifyResult(accepted, bonus, [int(tree.tokens[i]) for i in accepted] + [bonus])
+
+
 def replay(
     target: Target,
     loaded: LoadedDraft,
@@ -148,80 +200,22 @@ def replay(
         raise EagleScopeError(
             f"the draft's taps are for a {contract.num_layers}-layer target; this target has {target.num_layers}"
         )
-    all_taps = TapContract(tuple(range(target.num_layers)), target.num_layers)
     forced = _Forced(trace)
     rounds = [r for r in sorted(trace.rounds()) if until_round is None or r <= until_round]
     draft = loaded.model
     # The reference embedding is the target's, even when the checkpoint ships one: EAGLE-3 trains with the
     # target's table frozen, so a shipped copy that differs is a fault to find, not the golden path.
     draft.load_target_embedding(target_embedding(target))
-
-    emitted_budget = 1 + sum(
-        int(forced.get(T.VERIFY_ACCEPTED, r).numel()) + 1
-        for r in rounds
-        if forced.get(T.VERIFY_ACCEPTED, r) is not None
-    )
-    max_len = len(prompt_ids) + emitted_budget + total + 2
+    verified = [forced.get(T.VERIFY_ACCEPTED, r) for r in rounds if r != 0]
+    budget = 1 + sum(int(a.numel()) + 1 for a in verified if a is not None)
+    biggest = max((int(t.numel()) for r in rounds if (t := forced.get(T.VERIFY_TOKENS, r)) is not None), default=0)
+    max_len = len(prompt_ids) + budget + total + 2
     rec = T.TraceRecorder(out_dir, mode=mode, producer="eaglescope-replay", inputs=(trace_dir,), flag="--out")
     rec.set_meta(**{**meta, "replay_of": str(trace_dir), "taps": contract.to_dict()})
     try:
         proposer = _following(proposer_cls, trace)(draft, depth, top_k, total, max_len, recorder=rec)
-        target.reset(max_len + total + 2)
-
-        def record_target(out: TargetOutput, hs: dict) -> None:
-            for i in contract.layers:
-                rec.record(T.target_tap(i), hs[i])
-            rec.record(T.TARGET_AUX, out.aux, segments=contract.count)
-            for i, h in hs.items():
-                rec.record(replay_hs(i), h)
-
-        prefill, hs = _all_layer_forward(
-            target, all_taps, contract, lambda: target.forward(torch.tensor(prompt_ids, device=target.device))
-        )
-        target.commit()
-        record_target(prefill, hs)
-        bonus = forced.get(T.VERIFY_BONUS, 0)
-        first = int(bonus.flatten()[0]) if bonus is not None else int(prefill.logits[-1].argmax())
-        rec.record(T.VERIFY_BONUS, torch.tensor([first]))
-        rec.record(T.NEXT_HIDDEN_IN, prefill.aux)
-        tokens = list(prompt_ids) + [first]
-        proposer.start(list(prompt_ids), prefill, first)
-        for r in rounds:
-            if r == 0:
-                continue
-            rec.next_round()
-            while rec.round < r:  # keep round numbers aligned with the trace's
-                rec.next_round()
-            root_pos = target.cache_len
-            own_tree = proposer.propose(tokens, root_pos)
-            ft, fp = forced.get(T.VERIFY_TOKENS, r), forced.get(T.VERIFY_PARENTS, r)
-            tree = own_tree if ft is None or fp is None else DraftTree.from_parents(ft.long(), fp.long())
-            rec.record(T.VERIFY_TOKENS, tree.tokens)
-            rec.record(T.VERIFY_PARENTS, tree.parents)
-            out, hs = _all_layer_forward(
-                target,
-                all_taps,
-                contract,
-                lambda tree=tree, root_pos=root_pos: target.forward(
-                    tree.tokens.to(target.device),
-                    positions=root_pos + tree.depths.to(target.device),
-                    tree_mask=tree.ancestor_mask().to(target.device),
-                ),
-            )
-            record_target(out, hs)
-            fa, fb = forced.get(T.VERIFY_ACCEPTED, r), forced.get(T.VERIFY_BONUS, r)
-            if fa is None or fb is None:
-                raise EagleScopeError(f"trace round {r} lacks verify.accepted / verify.bonus: cannot follow it")
-            accepted = [int(x) for x in fa.flatten().tolist()]
-            result = VerifyResult(accepted, int(fb.flatten()[0]), [int(tree.tokens[i]) for i in accepted] + [int(fb)])
-            target.commit(torch.tensor(result.path, device=target.device))
-            rec.record(T.VERIFY_ACCEPTED, torch.tensor(accepted, dtype=torch.long))
-            rec.record(T.VERIFY_BONUS, torch.tensor([result.bonus]))
-            tokens += result.tokens
-            if r == rounds[-1]:
-                break
-            proposer.accepted(tree, result, out)
-            rec.record(T.NEXT_HIDDEN_IN, proposer.pending_aux)
+        runner = _ReplayRunner(target, proposer, rec, forced, rounds, contract, extra_room=biggest + 2)
+        decode(runner, prompt_ids, budget, budget, set(), target.device, max_rounds=len([r for r in rounds if r]))
     except BaseException:
         rec.abort()
         raise

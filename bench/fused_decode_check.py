@@ -32,14 +32,10 @@ from run_bench import (  # noqa: E402
 )
 
 from eaglescope.fast import FastTarget, FastVanilla  # noqa: E402
-from eaglescope.fast.engine import (  # noqa: E402
-    compile_layers,
-    set_attention,
-    use_gemv_reductions,
-    use_matmul_attention,
-)
+from eaglescope.fast.engine import set_attention, use_matmul_attention  # noqa: E402
 from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode  # noqa: E402
 from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS  # noqa: E402
+from eaglescope.fast.layers import compile_layers, use_gemv_reductions  # noqa: E402
 
 
 def grid(smoke: bool) -> list[tuple[int, int, int]]:

@@ -38,14 +38,9 @@ from eaglescope.decode.stats import SpecStats
 from eaglescope.draft import DraftConfig, Eagle3Draft
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast import invariant as inv_kernels
-from eaglescope.fast.engine import (
-    _graph,
-    compile_layers,
-    use_batch_invariant,
-    use_gemv_reductions,
-    use_matmul_attention,
-)
+from eaglescope.fast.engine import _graph, use_batch_invariant, use_matmul_attention
 from eaglescope.fast.fused_decode import fused_decode_supported
+from eaglescope.fast.layers import compile_layers, use_gemv_reductions
 from eaglescope.pretrain import PretrainConfig, init_weights, save_target
 from eaglescope.taps import TapContract
 from eaglescope.target.llama import LlamaArgs, LlamaModel, RopeSpec, fuse_projections

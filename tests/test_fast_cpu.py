@@ -185,7 +185,7 @@ def test_fast_eagle_rounds_queued_ahead_of_the_read_change_nothing(tmp_path):
 
 
 def test_gemv_linear_matches_linear():
-    from eaglescope.fast.engine import GemvLinear
+    from eaglescope.fast.layers import GemvLinear
 
     torch.manual_seed(0)
     for bias in (False, True):
@@ -194,7 +194,7 @@ def test_gemv_linear_matches_linear():
         for shape in ((1, 1, 48), (1, 48), (2, 3, 48)):
             x = torch.randn(shape)
             torch.testing.assert_close(g(x), lin(x), rtol=1e-5, atol=1e-5)
-    from eaglescope.fast.engine import use_gemv_reductions
+    from eaglescope.fast.layers import use_gemv_reductions
 
     seq = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4, bias=False))
     use_gemv_reductions(seq)
@@ -207,7 +207,7 @@ def test_gemv_linear_matches_linear():
 def test_compiled_fast_path_equals_vanilla(tmp_path):
     """Everything the GPU benchmark turns on — fused weights, compiled layers, products as reductions, the
     compiled draft side of a round — still decodes exactly like the reference (inductor's CPU backend)."""
-    from eaglescope.fast.engine import compile_layers, use_gemv_reductions
+    from eaglescope.fast.layers import compile_layers, use_gemv_reductions
     from eaglescope.target.llama import fuse_projections
 
     torch._dynamo.reset()
@@ -227,7 +227,7 @@ def test_compiled_fast_path_equals_vanilla(tmp_path):
 
 
 def test_float32_logits_head_matches_upcast_product():
-    from eaglescope.fast.engine import Float32Logits
+    from eaglescope.fast.layers import Float32Logits
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(32, 50, bias=False).to(torch.bfloat16)
@@ -264,7 +264,7 @@ def test_matmul_attention_equals_sdpa(T, heads, extra, seed):
 )
 def test_argmax_rows_is_torch_argmax_ties_included(rows, vocab, levels, seed):
     """Few distinct values, so maxima repeat within and across chunks: the first one wins, as in torch.argmax."""
-    from eaglescope.fast.engine import argmax_rows
+    from eaglescope.fast.layers import argmax_rows
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, levels, (rows, vocab), generator=g).float()

@@ -19,6 +19,7 @@ from eaglescope.fast import FastTarget, FastVanilla  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
 from eaglescope.fast.fused_decode import (  # noqa: E402
     FusedDecode,
+    attend_fused,
     attention_scratch,
     attention_splits,
     fused_attention,
@@ -63,7 +64,7 @@ def test_attention_matches_masked_reference(T, S, rep, seed):
     row per program for T = 1, blocks of up to 64 (row, head) pairs of a kv group on tensor cores above."""
     q, k, v, mask = attention_case(T, S, rep, seed, density=0.3)
     want = attend(q, k, v, mask[None, None])
-    torch.testing.assert_close(attend(q, k, v, mask[None, None], impl="fused"), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attend(q, k, v, mask[None, None], impl=attend_fused), want, rtol=1e-5, atol=1e-5)
     scratch = attention_scratch(T, q.shape[1], q.shape[3], S, "cpu")
     for _ in range(2):  # one scratch serves every call: its counters come back zeroed
         got = fused_attention(q[0].transpose(0, 1), k[0], v[0], mask, scratch=scratch)

@@ -167,7 +167,7 @@ def test_swap_back_restores_the_modules(tiny):
     before = [type(m) for m in model.modules()]
     use_batch_invariant(model)
     assert isinstance(model.lm_head, inv.InvariantLinear)
-    assert model.model.layers[0].self_attn.attention_impl == "invariant"
+    assert model.model.layers[0].self_attn.attention_impl is inv.invariant_attention
     use_batch_invariant(model, enable=False)
     assert [type(m) for m in model.modules()] == before
     assert model.model.layers[0].self_attn.attention_impl == "sdpa"

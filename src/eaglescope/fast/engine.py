@@ -23,110 +23,33 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+import eaglescope.fast.invariant as inv
 from eaglescope.decode.tree import TreeBuilder
 from eaglescope.draft import Eagle3Draft
+from eaglescope.fast.fused_decode import FusedDecode, attend_fused
+from eaglescope.fast.fused_verify import FusedVerify
+from eaglescope.fast.layers import (
+    Float32Logits,
+    GemvLinear,
+    SlotCache,
+    accept_greedy,
+    argmax_rows,
+    compile_layers,
+)
 from eaglescope.target.llama import LlamaModel, QKVProjection, RMSNorm, fuse_projections
 
-
-class SlotCache(nn.Module):
-    """Keys/values [L, B, n_kv, S, D]; `write` puts T new entries at `slots` [T] and returns the full layer."""
-
-    def __init__(self, num_layers: int, batch: int, n_kv: int, size: int, head_dim: int, dtype, device) -> None:
-        super().__init__()
-        shape = (num_layers, batch, n_kv, size, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    @property
-    def size(self) -> int:
-        return self.k.shape[3]
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
-        return self.k[layer], self.v[layer]
-
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy slots src[j] → dst[j] for all layers; gathers first, so overlapping src/dst are safe."""
-        for buf in (self.k, self.v):
-            buf.index_copy_(3, dst, buf.index_select(3, src))
-
-
-class GemvLinear(nn.Module):
-    """A Linear whose one-row case is written as multiply-and-sum.
-
-    Why: at batch 1 a decode step is a chain of matrix-vector products. cuBLAS runs them as GEMMs with M=1;
-    written as a row reduction, torch.compile emits one bandwidth-bound Triton kernel per product (fp32
-    accumulation, weights read once, tunable block sizes). Several rows (verify, prefill) keep F.linear.
-    Only for modules that run compiled: eagerly the elementwise product would be materialised."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[:-1].numel() != 1:
-            return F.linear(x, self.weight, self.bias)
-        y = (x.reshape(1, -1).float() * self.weight.float()).sum(-1)
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x.dtype).view(*x.shape[:-1], -1)
-
-
-class Float32Logits(nn.Module):
-    """An lm_head with low-precision weights whose logits come out in float32.
-
-    Why: bf16 logits carry ~3 significant digits, so the greedy argmax over them ties often, and any change of
-    kernel (a T-token verify instead of a 1-token step) flips those ties and the outputs diverge. The same
-    product accumulated in float32 and kept in float32 removes that noise source at no extra weight traffic."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.weight = linear.weight
-        self.mm_out_dtype = (
-            self.weight.is_cuda and self.weight.dtype != torch.float32 and _has_mm_out_dtype(self.weight)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if self.mm_out_dtype:
-            y = torch.mm(flat, self.weight.t(), out_dtype=torch.float32)
-        else:  # no mixed-precision matmul here: upcast (exact, costs one weight conversion per call)
-            y = F.linear(flat.float(), self.weight.float())
-        return y.view(*x.shape[:-1], -1)
-
-
-def _has_mm_out_dtype(w: torch.Tensor) -> bool:
-    try:
-        torch.mm(w[:2], w[:2].t(), out_dtype=torch.float32)
-        return True
-    except (TypeError, RuntimeError, NotImplementedError):
-        return False
-
-
-def use_gemv_reductions(model: nn.Module, enable: bool = True) -> nn.Module:
-    """Swap every nn.Linear of `model` for a GemvLinear sharing its weights, or back with enable=False (in place);
-    returns `model`."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if enable and type(child) is nn.Linear:
-                setattr(parent, name, GemvLinear(child))
-            elif not enable and isinstance(child, GemvLinear):
-                plain = nn.Linear(1, 1, bias=child.bias is not None, device="meta")
-                plain.weight, plain.bias = child.weight, child.bias
-                setattr(parent, name, plain)
-    return model
+ATTENTION = {"invariant": inv.invariant_attention, "fused": attend_fused}  # the fast path's kernels
 
 
 def set_attention(model: nn.Module, impl: str) -> nn.Module:
-    """Every attention of `model` through attend(..., impl): "sdpa", "matmul", "invariant" or "fused" (see
-    there); returns `model`."""
+    """Every attention of `model` through target.llama.attend: "sdpa" or "matmul" (its own forms), "invariant"
+    (fast/invariant.py) or "fused" (fast/fused_decode.py); returns `model`."""
+    fn = ATTENTION.get(impl, impl)
     for m in model.modules():
         if isinstance(m, QKVProjection):
-            m.attention_impl = impl
+            m.attention_impl = fn
     return model
 
 
@@ -140,8 +63,6 @@ def use_batch_invariant(model: LlamaModel, enable: bool = True, sliced: bool = T
     """Run every product, norm and attention of `model` through the batch-invariant kernels (fast/invariant.py),
     or back with enable=False (in place); returns `model`. Float32Logits keeps float32 logits. `sliced`: large
     products with K-sliced reductions (invariant.k_slices; bench/NOTES.md v9)."""
-    from eaglescope.fast import invariant as inv
-
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not enable:
@@ -154,55 +75,6 @@ def use_batch_invariant(model: LlamaModel, enable: bool = True, sliced: bool = T
             elif isinstance(child, RMSNorm):
                 setattr(parent, name, inv.InvariantRMSNorm(child))
     return set_attention(model, "invariant" if enable else "sdpa")
-
-
-def compile_layers(modules) -> None:
-    """Regional compilation: every decoder layer has the same code, so one compiled block serves them all
-    (fuses the norm/RoPE/residual kernels that dominate a batch-1 step) at a fraction of the compile time
-    of a whole model per shape."""
-    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-    for m in modules:
-        m.compile()
-
-
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [R, V] → x.argmax(-1) (the first maximum of each row), in two parallel stages: the max of each chunk of
-    C logits, then the best chunk. Why: torch reduces a row in one thread block, so over a 128k vocabulary one
-    argmax took 38 µs of an 8B decode step on an H200 (bench-all-20261129T131731.json, decode_profile)."""
-    R, V = x.shape
-    chunk = next((c for c in range(2048, 255, -1) if V % c == 0), None)
-    if chunk is None:
-        return x.argmax(-1)
-    vals, idx = x.reshape(R, V // chunk, chunk).max(-1)  # the first maximum within each chunk
-    best = vals.argmax(-1, keepdim=True)  # the first chunk holding the row's maximum
-    return (best * chunk + idx.gather(-1, best)).squeeze(-1)
-
-
-def accept_greedy(
-    tokens: torch.Tensor,  # [N] tree tokens (target ids), node 0 = root
-    parents: torch.Tensor,  # [N], parents[0] = -1
-    depths: torch.Tensor,  # [N]
-    anc: torch.Tensor,  # [N, N] bool ancestor mask (self included)
-    best: torch.Tensor,  # [N] target argmax after each node
-    max_depth: int,
-    force: torch.Tensor | None = None,  # [1] long: accept this depth instead (replay), for cost studies
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy verification without host syncs → (accepted count [1], path [max_depth+1], bonus [1]).
-
-    Same answer as `verify.verify_greedy`: the deepest node whose whole root path matches the target
-    argmax, first in node order among equals. path[d] = its ancestor at depth d (0 past its depth)."""
-    # the root always "matches"; no item assignment: a Python scalar written into a CUDA tensor is a host
-    # copy, which CUDA graph capture refuses
-    match = (tokens == best[parents.clamp(min=0)]) | (parents < 0)
-    ok = ~(anc & ~match[None, :]).any(1)
-    key = torch.where(ok, depths, -1) if force is None else torch.where(depths <= force, depths, -1)
-    # [1]-shaped indices throughout: indexing with a 0-dim tensor would read it on the host (a sync)
-    last = key.float().argmax().view(1)  # float: argmax over integer tensors is not implemented everywhere
-    a = depths.index_select(0, last)
-    levels = torch.arange(max_depth + 1, device=tokens.device)
-    sel = anc.index_select(0, last) & (depths[None, :] == levels[:, None])  # [D+1, N]
-    path = sel.float().argmax(1)
-    return a, path, best.index_select(0, last)
 
 
 class FastTarget:
@@ -249,20 +121,14 @@ class FastTarget:
             compile_layers(model.model.layers)
         self.fused = None
         if fused_decode:
-            from eaglescope.fast.fused_decode import FusedDecode
-
             self.fused = FusedDecode(model, self.cache, self.taps)
         self.fused_rows = None
         if fused_verify:
-            from eaglescope.fast.fused_verify import FusedVerify
-
             self.fused_rows = FusedVerify(model, self.cache, self.taps)
 
     def _run_eager(self, tokens, positions, mask, slots):
         if self.batch_invariant:
-            from eaglescope.fast.invariant import KeyIndex
-
-            mask = KeyIndex.from_mask(mask)
+            mask = inv.KeyIndex.from_mask(mask)
         else:
             mask = mask[None, None]
         logits, aux, _ = self.model(tokens[None], positions[None], mask, self.cache, slots, self.taps)

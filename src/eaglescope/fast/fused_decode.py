@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from eaglescope.fast.invariant import available, triton
-from eaglescope.target.llama import LlamaModel
+from eaglescope.fast.layers import Float32Logits
+from eaglescope.target.llama import LlamaModel, attend
 
 if triton is not None:
     import triton.language as tl
@@ -44,8 +45,6 @@ ATTN_BLOCK = 64
 
 def logits_dtype(model: LlamaModel) -> torch.dtype:
     """What the model's lm_head returns: float32 for a Float32Logits head, else the weights' dtype."""
-    from eaglescope.fast.engine import Float32Logits  # engine imports this module lazily: no cycle
-
     return torch.float32 if isinstance(model.lm_head, Float32Logits) else model.lm_head.weight.dtype
 
 
@@ -289,6 +288,15 @@ def attention_splits(S: int) -> tuple[int, int]:
     """(slots per split, splits) for a cache of S slots: 64-slot blocks, at most 64 splits per head."""
     keys = max(ATTN_BLOCK, triton.next_power_of_2(triton.cdiv(S, 64)))
     return keys, triton.cdiv(S, keys)
+
+
+def attend_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """target.llama.attend's signature on the split-slot kernel: a masked batch-1 step over the whole slot cache
+    (q [1, H, T, D], k/v [1, Hkv, S, D], mask [1, 1, T, S]); anything else goes to the modules' own attention."""
+    if mask is None or q.shape[0] != 1:
+        return attend(q, k, v, mask)
+    y = fused_attention(q[0].transpose(0, 1), k[0], v[0], mask.reshape(q.shape[2], k.shape[2]))
+    return y.transpose(0, 1)[None]
 
 
 def fused_attention(

@@ -190,9 +190,7 @@ class KVCache(nn.Module):
         self.v[:, :, :, start : start + n] = self.v.index_select(3, src)
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str = "sdpa"
-) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl="sdpa") -> torch.Tensor:
     """Attention with grouped-query heads. q [B, H, T, D], k/v [B, Hkv, S, D], mask [B|1, 1, T, S] (None = causal).
 
     With a mask, the rep = H/Hkv query heads that share a kv head are folded into the query axis, so K/V are read
@@ -203,17 +201,10 @@ def attend(
     kernel. For a handful of query rows a fused kernel is latency-bound (~14 µs per layer at 8B on an H200);
     under torch.compile the plain form becomes a few small fused kernels.
 
-    impl="invariant": `mask` is a fast.invariant.KeyIndex and the batch-invariant kernel runs (see there).
-    impl="fused" (masked, batch 1, k/v the whole slot cache): fast.fused_decode's split-slot kernel, one launch."""
-    if impl == "invariant":
-        from eaglescope.fast.invariant import invariant_attention
-
-        return invariant_attention(q, k, v, mask)
-    if impl == "fused" and mask is not None and q.shape[0] == 1:
-        from eaglescope.fast.fused_decode import fused_attention
-
-        y = fused_attention(q[0].transpose(0, 1), k[0], v[0], mask.reshape(q.shape[2], k.shape[2]))
-        return y.transpose(0, 1)[None]
+    impl may also be a function (q, k, v, mask) → y: the fast path's kernels (fast/engine.py set_attention), which
+    this module does not import."""
+    if callable(impl):
+        return impl(q, k, v, mask)
     B, H, T, D = q.shape
     rep = H // k.shape[1]
     if mask is None:
@@ -275,7 +266,7 @@ class QKVProjection(nn.Module):
         self.k_proj = nn.Linear(d_in, n_kv * head_dim, bias=bias)
         self.v_proj = nn.Linear(d_in, n_kv * head_dim, bias=bias)
         self.qkv_proj: nn.Linear | None = None
-        self.attention_impl = "sdpa"  # see attend(); the fast path switches it (fast.engine.set_attention)
+        self.attention_impl = "sdpa"  # see attend(); the fast path sets its kernels (fast.engine.set_attention)
 
     def fuse(self) -> None:
         if self.qkv_proj is None:

@@ -69,6 +69,9 @@ class Runner(ABC):
 
     run_ahead = False  # whether `launch` may queue a round before the previous one is read
 
+    def prepare(self, prompt_ids: list[int], budget: int) -> None:  # noqa: B027 - most backends have nothing to do
+        """One-time costs that are not decoding time (a graph capture, a first compiled round)."""
+
     @abstractmethod
     def start(self, prompt_ids: list[int], budget: int) -> int:
         """Prefill the prompt (room for `budget` new tokens); → the first generated token."""
@@ -109,6 +112,7 @@ def decode(
 ) -> GenerationResult:
     """Run rounds until `budget` tokens, a stop token, or `max_rounds`; → tokens, finish reason, time, stats."""
     stats = SpecStats()
+    runner.prepare(list(prompt_ids), budget)
     sync(device)
     t0 = time.perf_counter()
     first = runner.start(list(prompt_ids), budget)

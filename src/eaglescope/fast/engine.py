@@ -19,13 +19,14 @@ never depend on the context length.
 
 from __future__ import annotations
 
-import time
+import sys
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 import eaglescope.fast.invariant as inv
+from eaglescope.decode.loop import RoundReport, Runner, decode, speculative_round
 from eaglescope.decode.tree import TreeBuilder
 from eaglescope.draft import Eagle3Draft
 from eaglescope.fast.fused_decode import FusedDecode, attend_fused
@@ -171,8 +172,9 @@ class Decoded:
     accepted: list[int] = field(default_factory=list)  # per round, bonus excluded (speculative only)
 
 
-class FastVanilla:
-    """Greedy decoding, one graph replay per token and no host sync until the end."""
+class FastVanilla(Runner):
+    """Greedy decoding as the speculative loop with no proposer: a round is one target step on the slot cache
+    (graph-captured), and a launch queues `chunk` of them, so the host reads the tokens only every chunk."""
 
     def __init__(self, target: FastTarget, max_new: int, use_graph: bool | None = None) -> None:
         self.t = target
@@ -185,16 +187,68 @@ class FastVanilla:
         self.slots_all = torch.arange(target.size, device=dev)
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
         self.graph = None
+        self.chunk = max_new
+        self._done = self._remaining = 0
+        self._pending: list[tuple[int, int]] = []
 
-    @torch.inference_mode()
-    def _step(self) -> None:
+    # -- the round: the root alone ---------------------------------------------------------------------------------
+    def propose(self):
+        return self.tok
+
+    def verify(self, tree):
         mask = (self.slots_all <= self.pos)[None, :]
-        logits, _ = self.t.run(self.tok, self.pos, mask, self.pos)
-        nxt = argmax_rows(logits[-1:])
+        return self.t.run(tree, self.pos, mask, self.pos)[0]
+
+    def accept(self, tree, logits):
+        return argmax_rows(logits[-1:])
+
+    def commit(self, tree, nxt, logits) -> None:
         self.out.index_copy_(0, self.i, nxt)
         self.tok.copy_(nxt)
         self.pos.add_(1)
         self.i.add_(1)
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        speculative_round(self)
+
+    # -- running rounds ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _prefill(self, prompt: list[int]) -> None:
+        logits, _ = self.t.prefill(torch.tensor(prompt, device=self.t.device))
+        self.tok.copy_(logits[-1:].argmax(-1))
+        self.out[:1].copy_(self.tok)
+        self.pos.fill_(len(prompt))
+        self.i.fill_(1)
+
+    def prepare(self, prompt_ids: list[int], budget: int) -> None:
+        if budget > self.max_new:
+            raise ValueError(f"{budget} new tokens exceed this decoder's buffer of {self.max_new}")
+        if len(prompt_ids) + budget + 1 > self.t.size:
+            raise ValueError(f"prompt {len(prompt_ids)} + {budget} new tokens exceed the cache of {self.t.size}")
+        if self.use_graph and self.graph is None:
+            self._prefill(prompt_ids)
+            self.graph = _graph(self._step)
+
+    def start(self, prompt_ids, budget) -> int:
+        self._prefill(prompt_ids)
+        self._done, self._remaining, self._pending = 1, budget - 1, []
+        return int(self.out[0])
+
+    def launch(self) -> None:
+        k = max(1, min(self.chunk, self._remaining))
+        for _ in range(k):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._step()
+        self._pending.append((self._done, self._done + k))
+        self._done += k
+        self._remaining -= k
+
+    def read(self) -> RoundReport:
+        a, b = self._pending.pop(0)
+        return RoundReport(self.out[a:b].tolist(), 0, 0, 0)
 
     @torch.inference_mode()
     def generate(
@@ -203,54 +257,20 @@ class FastVanilla:
         """Greedy tokens; with `stop`, ends after the first stop token (read every `check_every` steps, so
         the loop stays free of per-token host syncs)."""
         n = max_new or self.max_new
-        if n > self.max_new:
-            raise ValueError(f"{n} new tokens exceed this decoder's buffer of {self.max_new}")
-        if len(prompt) + n + 1 > self.t.size:
-            raise ValueError(f"prompt {len(prompt)} + {n} new tokens exceed the cache of {self.t.size}")
-        t0 = time.perf_counter()
-        ids = torch.tensor(prompt, device=self.t.device)
-        logits, _ = self.t.prefill(ids)
-        self.tok.copy_(logits[-1:].argmax(-1))
-        self.out[:1].copy_(self.tok)
-        self.pos.fill_(len(prompt))
-        self.i.fill_(1)
-        if self.use_graph and self.graph is None:
-            pos0, i0 = self.pos.clone(), self.i.clone()
-            self.graph = _graph(self._step)
-            self.pos.copy_(pos0)
-            self.i.copy_(i0)
-            self.tok.copy_(self.out[:1])
-            t0 = time.perf_counter()  # capture is a one-time cost, not decoding time
-        done, checked = 1, 0
-        while done < n:
-            if stop:
-                cut = _first_stop(self.out[checked:done].tolist(), stop)
-                if cut is not None:
-                    return Decoded(self.out[: checked + cut + 1].tolist(), time.perf_counter() - t0)
-                checked = done
-            for _ in range(min(check_every if stop else n, n - done)):
-                if self.graph is not None:
-                    self.graph.replay()
-                else:
-                    self._step()
-                done += 1
-        out = self.out[:n].tolist()
-        if stop and (cut := _first_stop(out, stop)) is not None:
-            out = out[: cut + 1]
-        return Decoded(out, time.perf_counter() - t0)
+        self.chunk = check_every if stop else n
+        res = decode(self, prompt, n, n, set(stop or ()), self.t.device)
+        return Decoded(res.token_ids, res.seconds)
 
 
-def _first_stop(tokens: list[int], stop: set[int]) -> int | None:
-    return next((j for j, t in enumerate(tokens) if t in stop), None)
-
-
-class FastEagle:
-    """EAGLE-3 greedy speculative decoding, one (graph-captured) function per round, one host read per round,
-    overlapped with the next round.
+class FastEagle(Runner):
+    """EAGLE-3 greedy speculative decoding on the static-shape backend: `speculative_round` over device tensors
+    only, captured as one CUDA graph; one host read per round, the next round queued before that read.
 
     Reuses `TreeBuilder` (on-device EAGLE-2 expansion and rerank) and `Eagle3Draft.step`; the acceptance is
     `accept_greedy`. `replay` (a list of accepted lengths) forces the acceptance instead of checking tokens:
     every network still runs, so a replayed run pays every cost of a real one (used at 8B scale)."""
+
+    run_ahead = True
 
     def __init__(
         self,
@@ -292,16 +312,20 @@ class FastEagle:
         self.replay = replay
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
         self.graph = None
-        self._draft_fn, self._accept_fn = self._draft_tree, self._accept
+        self._draft_fn, self._accept_fn, self._commit_fn = self._draft_tree, self._accept, self._commit
         self.compiled = False  # whether the draft side and acceptance run compiled (False after a fallback)
         if compile:
             # the tree builder is a few hundred tiny ops per round (topk, cats, scatters): compiled with the
             # draft layer it becomes a few dozen kernels; static shapes per tree budget, so one compile each
             self._draft_fn = torch.compile(self._draft_tree, dynamic=False)
             self._accept_fn = torch.compile(self._accept, dynamic=False)
+            self._commit_fn = torch.compile(self._commit, dynamic=False)
             self.compiled = True
+        self._prompt_len = 0
+        self._launched = self._read = 0
+        self._forced: list[int] | None = None
 
-    # -- one round -------------------------------------------------------------------------------
+    # -- the round's operations (device tensors only: the whole round is one graph) --------------------------------
     def _logprobs(self, h: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.draft.logits(h).float(), dim=-1)
 
@@ -350,15 +374,17 @@ class FastEagle:
         tokens = torch.cat([tree.tokens[:1], d.to_target_ids(tree.tokens[1:])])
         return tokens, tree.parents, tree.depths, tree.mask
 
-    def _accept(self, tokens, parents, depths, tmask, logits, aux) -> None:
-        """Greedy acceptance, KV compaction and next round's pending features (no host sync)."""
-        dev = self.device
-        best = argmax_rows(logits)
-        a, path, bonus = accept_greedy(
-            tokens, parents, depths, tmask, best, self.D, self.force if self.replay else None
+    def _accept(self, tree, logits):
+        """Greedy acceptance without host syncs → (accepted count [1], path [D+1], bonus [1])."""
+        tokens, parents, depths, tmask = tree
+        return accept_greedy(
+            tokens, parents, depths, tmask, argmax_rows(logits), self.D, self.force if self.replay else None
         )
-        # keep root + accepted KV, contiguous after the context
-        j = torch.arange(self.Pmax, device=dev)
+
+    def _commit(self, tokens, accepted, aux) -> None:
+        """Keep root + accepted KV (contiguous after the context), next round's pending features and tokens."""
+        a, path, bonus = accepted
+        j = torch.arange(self.Pmax, device=self.device)
         self.t.cache.move(self.t_len + path, self.t_len + j)
         acc = tokens[path[1:]]
         emit = torch.where(j < a, torch.cat([acc, acc[:1]]), bonus)
@@ -370,19 +396,30 @@ class FastEagle:
         self.report[:1].copy_(a + 1)
         self.report[1:].copy_(emit)
 
-    @torch.inference_mode()
-    def _round(self) -> None:
-        tokens, parents, depths, tmask = self._draft_fn()
+    def propose(self):
+        return self._draft_fn()
+
+    def verify(self, tree):
+        """Target verify over the tree at slots t_len..t_len+N-1 → (logits, aux)."""
+        tokens, parents, depths, tmask = tree
         N = tokens.shape[0]
-        # target verify over the tree at slots t_len..t_len+N-1
         rel = self.t_slots - self.t_len
         inwin = (rel >= 0) & (rel < N)
         vmask = (tmask[:, rel.clamp(0, N - 1)] & inwin[None, :]) | (rel < 0)[None, :]
         vslots = self.t_len + torch.arange(N, device=self.device)
-        logits, aux = self.t.run(tokens, self.t_len + depths, vmask, vslots)
-        self._accept_fn(tokens, parents, depths, tmask, logits, aux)
+        return self.t.run(tokens, self.t_len + depths, vmask, vslots)
 
-    # -- driver ----------------------------------------------------------------------------------
+    def accept(self, tree, verified):
+        return self._accept_fn(tree, verified[0])
+
+    def commit(self, tree, accepted, verified) -> None:
+        self._commit_fn(tree[0], accepted, verified[1])
+
+    @torch.inference_mode()
+    def _round(self) -> None:
+        speculative_round(self)
+
+    # -- running rounds ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def _start(self, prompt: list[int]) -> int:
         ids = torch.tensor(prompt, device=self.device)
@@ -405,75 +442,69 @@ class FastEagle:
         self.root.copy_(first)
         return int(first)
 
+    def _uncompiled(self, e: Exception) -> None:
+        print(f"FastEagle: compiled round failed ({type(e).__name__}: {e}); uncompiled", file=sys.stderr, flush=True)
+        self._draft_fn, self._accept_fn, self._commit_fn = self._draft_tree, self._accept, self._commit
+        self.compiled = False
+
+    def prepare(self, prompt_ids: list[int], budget: int) -> None:
+        """One-time costs before the timed run: graph capture (or a first compiled round), with fallbacks."""
+        if len(prompt_ids) < 2:
+            raise ValueError("the prompt needs at least 2 tokens")
+        if len(prompt_ids) + budget > self.max_len:
+            raise ValueError(f"prompt {len(prompt_ids)} + {budget} new tokens exceed max_len {self.max_len}")
+        if self.graph is not None or not (self.use_graph or self.compiled):
+            return
+        self._start(prompt_ids)
+        try:
+            if self.use_graph:
+                self.graph = _graph(self._round)
+            else:
+                self._round()
+        except Exception as e:  # keep the run going without the failing piece, and say so
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            if self.compiled:
+                self._uncompiled(e)
+                return self.prepare(prompt_ids, budget)
+            print(f"FastEagle: CUDA graph capture failed ({e}); running rounds eagerly", file=sys.stderr, flush=True)
+            self.use_graph = False
+
+    def start(self, prompt_ids, budget) -> int:
+        self._prompt_len = len(prompt_ids)
+        self._launched = self._read = 0
+        return self._start(prompt_ids)
+
+    def launch(self) -> None:
+        if self.replay:
+            self.force.fill_(self._forced[self._launched % len(self._forced)])
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._round()
+        # the report goes to its own host slot: the next round, launched before this one is read, rewrites it
+        self._reports[self._launched % 2].copy_(self.report, non_blocking=True)
+        if self._events:
+            self._events[self._launched % 2].record()
+        self._launched += 1
+
+    def read(self) -> RoundReport:
+        if self._events:
+            self._events[self._read % 2].synchronize()
+        rep = self._reports[self._read % 2].tolist()  # the one host read of the round
+        self._read += 1
+        n = rep[0]
+        return RoundReport(rep[1 : 1 + n], n - 1, self.D, self.N - 1)
+
+    def room_for_another(self, emitted: int) -> bool:
+        # the queued round must fit whatever the unread one accepts (<= Pmax positions each)
+        return self._prompt_len + emitted + 2 * self.Pmax <= self.max_len
+
     @torch.inference_mode()
     def generate(
         self, prompt: list[int], max_new: int, replay: list[int] | None = None, stop: set[int] | None = None
     ) -> Decoded:
         """Greedy speculative tokens; with `stop`, ends after the first stop token (checked at each round's read)."""
-        if len(prompt) < 2:
-            raise ValueError("the prompt needs at least 2 tokens")
-        if len(prompt) + max_new > self.max_len:
-            raise ValueError(f"prompt {len(prompt)} + {max_new} new tokens exceed max_len {self.max_len}")
-        if self.use_graph and self.graph is None:
-            self._start(prompt)
-            try:
-                self.graph = _graph(self._round)
-            except Exception as e:  # keep the run going without the failing piece, and say so
-                torch.cuda.synchronize()
-                if self.compiled:
-                    print(f"FastEagle: compiled round failed ({type(e).__name__}: {e}); uncompiled", flush=True)
-                    self._draft_fn, self._accept_fn, self.compiled = self._draft_tree, self._accept, False
-                    return self.generate(prompt, max_new, replay, stop)
-                print(f"FastEagle: CUDA graph capture failed ({e}); running rounds eagerly", flush=True)
-                self.use_graph = False
-        elif not self.use_graph and self.graph is None and self.compiled:
-            self._start(prompt)
-            try:
-                self._round()
-            except Exception as e:
-                print(f"FastEagle: compiled round failed ({type(e).__name__}: {e}); uncompiled", flush=True)
-                self._draft_fn, self._accept_fn, self.compiled = self._draft_tree, self._accept, False
-        t0 = time.perf_counter()
-        out = [self._start(prompt)]
-        accepted: list[int] = []
-        launched = read = 0
-
-        def launch() -> None:
-            nonlocal launched
-            if self.replay:
-                self.force.fill_(replay[launched % len(replay)])
-            if self.graph is not None:
-                self.graph.replay()
-            else:
-                self._round()
-            # the report goes to its own host slot: the next round, launched before this one is read, rewrites it
-            self._reports[launched % 2].copy_(self.report, non_blocking=True)
-            if self._events:
-                self._events[launched % 2].record()
-            launched += 1
-
-        if len(out) < max_new and not (stop and out[0] in stop):
-            launch()
-        while read < launched:
-            # The next round depends only on device state, so it is queued before this one's report is read:
-            # the GPU never waits for the host's read. Only when this round cannot finish the output (it emits
-            # >= 1 token) and the cache holds one more round whatever this one accepts (<= Pmax positions).
-            if len(out) + 1 < max_new and len(prompt) + len(out) + 2 * self.Pmax <= self.max_len:
-                launch()
-            if self._events:
-                self._events[read % 2].synchronize()
-            rep = self._reports[read % 2].tolist()  # the one host read of the round
-            read += 1
-            n = rep[0]
-            out += rep[1 : 1 + n]
-            accepted.append(n - 1)
-            if len(out) >= max_new or (stop and _first_stop(rep[1 : 1 + n], stop) is not None):
-                break
-            if read == launched:
-                launch()
-        if self._events and read < launched:  # a round queued past the end still costs its time
-            self._events[(launched - 1) % 2].synchronize()
-        out = out[:max_new]
-        if stop and (cut := _first_stop(out, stop)) is not None:
-            out = out[: cut + 1]
-        return Decoded(out, time.perf_counter() - t0, accepted)
+        self._forced = replay
+        res = decode(self, prompt, max_new, max_new, set(stop or ()), self.device)
+        return Decoded(res.token_ids, res.seconds, list(res.stats.accepted))

@@ -5,11 +5,9 @@ are eaglescope's own. Anything else gets one clear error instead of a silent fal
 
 from __future__ import annotations
 
-import torch
-
+from eaglescope.decode.generation import GenerationResult, SamplingConfig, begin_generation
+from eaglescope.decode.loop import decode
 from eaglescope.decode.speculative import build_proposer, parse_tree_shape
-from eaglescope.decode.stats import SpecStats
-from eaglescope.decode.vanilla import GenerationResult, SamplingConfig, begin_generation
 from eaglescope.errors import EagleScopeError
 from eaglescope.fast import invariant
 from eaglescope.fast.engine import FastEagle, FastTarget, FastVanilla
@@ -43,8 +41,6 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
         fuse_projections(target.model)
     # otherwise one-token steps on the fused decode kernels where the target allows (not Qwen3's q/k norms)
     fused = on_gpu and not exact and fused_decode_supported(target.model, target.device) is None
-    reason = "length" if budget == args.max_new_tokens else "context"
-    stats = None
     if args.draft is None:
         ft = FastTarget(
             target.model,
@@ -54,7 +50,8 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
             batch_invariant=exact,
             fused_decode=fused,
         )
-        dec = FastVanilla(ft, budget).generate(prompt_ids, budget, stop=stop)
+        runner = FastVanilla(ft, budget)
+        runner.chunk = 16 if stop else budget  # a stop token is looked for every 16 steps, not every step
     else:
         if len(prompt_ids) < 2:
             raise EagleScopeError("--fast with a draft needs a prompt of at least 2 tokens")
@@ -75,20 +72,9 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
             fused_decode=fused,
             fused_verify=fused and fused_verify_supported(target.model, target.device) is None,
         )
-        fe = FastEagle(ft, draft, depth, top_k, total, max_len=max_len)
-        dec = fe.generate(prompt_ids, budget, stop=stop)
-        stats = SpecStats()
-        for acc in dec.accepted:
-            stats.record_round(None, acc, max_depth=depth, num_drafted=total - 1)  # every round drafts total-1 nodes
-    if dec.tokens and dec.tokens[-1] in stop:
-        reason = "eos"
-    if on_gpu:
-        torch.cuda.synchronize()
-    return GenerationResult(
-        list(prompt_ids),
-        dec.tokens,
-        reason,
-        dec.seconds,
-        stats,
-        {"fast": True, "batch_invariant": exact, "fused_decode": fused},
-    )
+        runner = FastEagle(ft, draft, depth, top_k, total, max_len=max_len)
+    result = decode(runner, prompt_ids, budget, args.max_new_tokens, stop, target.device)
+    if args.draft is None:
+        result.stats = None
+    result.extra = {"fast": True, "batch_invariant": exact, "fused_decode": fused}
+    return result

@@ -1,18 +1,21 @@
 """`eaglescope inspect` and `eaglescope export`: what a draft checkpoint says, and what an engine will do with it.
 
-The dangerous field of a draft checkpoint is `eagle_config.eagle_aux_hidden_state_layer_ids`: SGLang (newer
-and legacy) and vLLM read the same ids as different hidden states (FIELD.md §1), silently. `inspect` states,
-for each engine, which tensors it will capture and whether they are the taps the draft was trained on;
-`export` writes ids in one engine's convention (or none, when the taps are every engine's default).
+The dangerous field of a draft checkpoint is `eagle_config.eagle_aux_hidden_state_layer_ids`: SGLang and vLLM
+read the same ids as different hidden states (FIELD.md §1), silently, and SGLang's rule even depends on the
+*target's* architecture (docs/sglang.md). `inspect` states, for each engine, which tensors it will capture and
+whether they are the taps the draft was trained on; `export` writes ids in one engine's convention (or none, when
+the taps are every engine's default) and says how to convert the export with vLLM's `speculators` library without
+losing the taps. What each engine reads from the checkpoint, with citations: docs/engines.md.
 
 Weight names: the checkpoint keeps `midlayer.*` for every engine. vLLM's Llama EAGLE-3 loader renames
-`midlayer.` → `layers.0.` itself, SGLang's draft module is named `midlayer`, and the public EAGLE-3
-checkpoints (and SpecForge's) ship `midlayer.*`, so one set of names loads unchanged everywhere.
+`midlayer.` → `layers.0.` itself, SGLang's loader does too (its legacy name map), `speculators convert` renames them,
+and the public EAGLE-3 checkpoints (and SpecForge's) ship `midlayer.*`, so one set of names loads unchanged everywhere.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -58,11 +61,46 @@ def _names(indices: list[int], num_layers: int) -> list[str]:
 
 
 # -- choosing ids ----------------------------------------------------------------------------------
-def choose_engine_ids(taps: TapContract, engine: str) -> tuple[list[int] | None, list[str]]:
+# SGLang reads the ids in the *target* model's `set_eagle3_layers_to_capture` (python/sglang/srt/models/*.py), so
+# the rule is per target architecture. At SGLang 0.5.23 (the version read for docs/sglang.md) the DeepSeek-V2
+# family adds 1 only when the first id is 1 (taps.py's "sglang" convention); every other model with EAGLE-3 support
+# (llama.py, qwen2.py, qwen3.py, mistral via llama, ...) adds 1 to every id (taps.py's "sglang-legacy" convention).
+SGLANG_VERSION_READ = "0.5.23"
+SGLANG_FIRST_ID_ONE_ARCHITECTURES = frozenset(
+    {
+        "DeepseekV2ForCausalLM",  # deepseek_v2.py
+        "DeepseekV3ForCausalLM",  # deepseek_v2.py (also Kimi-K2's architecture)
+        "DeepseekV32ForCausalLM",  # deepseek_v2.py
+        "KimiK25ForConditionalGeneration",  # kimi_k25.py delegates to DeepseekV3ForCausalLM
+        "MistralLarge3ForCausalLM",  # mistral_large_3.py subclasses DeepseekV3ForCausalLM
+        "GlmMoeDsaForCausalLM",  # glm4_moe.py subclasses DeepseekV2ForCausalLM
+        "Glm4MoeLiteForCausalLM",  # glm4_moe_lite.py
+    }
+)
+SPECULATORS_VERSION = "0.9.0"
+
+
+def sglang_convention(architecture: str | None) -> str | None:
+    """The taps.py convention SGLang applies to a target of `architecture` (None: architecture unknown)."""
+    if not architecture:
+        return None
+    return "sglang" if architecture in SGLANG_FIRST_ID_ONE_ARCHITECTURES else "sglang-legacy"
+
+
+def _sglang_rule(convention: str) -> str:
+    if convention == "sglang":
+        return "+1 only when the first id is 1 (DeepSeek-V2/V3-family targets)"
+    return "+1 to every id (Llama, Qwen, Mistral and most other targets)"
+
+
+def choose_engine_ids(
+    taps: TapContract, engine: str, architecture: str | None = None
+) -> tuple[list[int] | None, list[str]]:
     """Ids to write so that `engine` captures exactly `taps` (None = omit the key), plus warnings.
 
-    For "sglang" the ids are chosen to be right for newer *and* legacy SGLang when such ids exist;
-    otherwise they are right for newer SGLang and a warning says what legacy SGLang would capture.
+    For "sglang" the ids are chosen for the SGLang rule of the target's `architecture`, and to mean the same under
+    both SGLang rules where such ids exist; an unknown architecture is taken to add +1 to every id (what most
+    targets do), with a warning saying what a DeepSeek-V2/V3-family target would capture instead.
     """
     if engine not in SERVING_ENGINES:
         raise EagleScopeError(f"cannot export for {engine!r}; choose one of {', '.join(SERVING_ENGINES)}")
@@ -72,23 +110,33 @@ def choose_engine_ids(taps: TapContract, engine: str) -> tuple[list[int] | None,
         return None, []
     if engine in ("vllm", "sglang-legacy"):
         return taps.to_engine_ids(engine), []
-    legacy_ok = None
     if 0 not in taps.layers:
-        legacy_ids = taps.to_engine_ids("sglang-legacy")
-        if engine_capture(legacy_ids, "sglang", L) == list(taps.layers):
-            legacy_ok = legacy_ids
-    if legacy_ok is not None:
-        return legacy_ok, []
-    ids = taps.to_engine_ids("sglang")
-    legacy = engine_capture(ids, "sglang-legacy", L)
-    if 0 in taps.layers:
-        why = "legacy SGLang cannot capture the embedding output at all: serve with newer SGLang or vLLM"
-    else:
-        why = "no ids mean the same to both versions: export with --to sglang-legacy for an old SGLang"
+        both = taps.to_engine_ids("sglang-legacy")
+        if engine_capture(both, "sglang", L) == list(taps.layers):
+            return both, []
+    convention = sglang_convention(architecture)
+    rule = convention or "sglang-legacy"
+    try:
+        ids = taps.to_engine_ids(rule)
+    except EagleScopeError as e:
+        who = f"a {architecture} target" if architecture else "a target of unknown architecture (pass --target)"
+        raise EagleScopeError(
+            f"SGLang {SGLANG_VERSION_READ} adds {_sglang_rule(rule)} for {who}, so these taps "
+            f"{list(taps.layers)} cannot be captured ({e}); serve with vLLM"
+        ) from None
+    if convention is not None:
+        return ids, []
+    other = engine_capture(ids, "sglang", L)
     return ids, [
-        f"ids {ids} are for newer SGLang; legacy SGLang (always +1) would capture {legacy} instead of "
-        f"{list(taps.layers)}; {why}"
+        f"the target's architecture is unknown (no fingerprint; pass --target): ids {ids} assume SGLang's "
+        f"{_sglang_rule('sglang-legacy')}; a DeepSeek-V2/V3-family target would capture {other} instead of "
+        f"{list(taps.layers)}"
     ]
+
+
+def _architecture(loaded: LoadedDraft, target_fp: TargetFingerprint | None) -> str | None:
+    fp = target_fp or loaded.contract.target
+    return fp.architecture if fp is not None else None
 
 
 # -- inspect --------------------------------------------------------------------------------------
@@ -97,28 +145,101 @@ def config_tap_ids(hf_config: dict) -> list[int] | None:
     return None if ids is None else [int(i) for i in ids]
 
 
-def _vocab_map_report(loaded: LoadedDraft) -> tuple[dict, list[str]]:
+def saved_weight_names(path: Path) -> set[str]:
+    """Tensor names a checkpoint directory holds (without a leading "model."), read from headers where it can:
+    what an engine finds in the file, which load_draft's defaults (an identity d2t/t2d) no longer show."""
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    try:
+        if single.is_file():
+            with safe_open(str(single), "pt") as f:
+                names = set(f.keys())
+        elif index.is_file():
+            names = set(json.loads(index.read_text())["weight_map"])
+        else:
+            names = set(load_state_dict(path))
+    except (SafetensorError, OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        raise EagleScopeError(f"could not list the tensors of {path} ({e})") from None
+    return {n.removeprefix("model.") for n in names}
+
+
+def _vocab_map_report(loaded: LoadedDraft, saved: set[str]) -> tuple[dict, list[str]]:
     m, c = loaded.model, loaded.model.config
     d2t, t2d = m.d2t.detach().cpu(), m.t2d.detach().cpu()
-    out: dict = {"draft_vocab_size": c.draft_vocab_size, "vocab_size": c.vocab_size}
+    full = c.draft_vocab_size == c.vocab_size
+    out: dict = {"draft_vocab_size": c.draft_vocab_size, "vocab_size": c.vocab_size, "saved": "d2t" in saved}
     warns: list[str] = []
     try:
         validate_vocab_map(d2t.long(), t2d.bool(), c.vocab_size, c.draft_vocab_size)
     except EagleScopeError as e:
-        return out | {"ok": False, "error": str(e)}, [f"vocabulary map is broken: {e}"]
+        return out | {"ok": False, "error": str(e), "engines": {}}, [f"vocabulary map is broken: {e}"]
     target_ids = d2t.long() + torch.arange(c.draft_vocab_size)
-    first_only = bool((d2t == 0).all()) and c.draft_vocab_size < c.vocab_size
+    first_only = bool((d2t == 0).all()) and not full
+    # What each engine does with the map it finds (docs/engines.md): vLLM 0.32 llama_eagle3.py, SGLang 0.5.23
+    # llama_eagle3.py load_weights, speculators 0.9.0 eagle3_converter.py.
+    if full:
+        engines = {
+            "vllm": "FAILS TO LOAD: vLLM 0.32 has no draft_id_to_target_id at full vocabulary but loads a saved d2t "
+            "into it"
+            if out["saved"]
+            else "no map at full vocabulary: draft ids are target ids",
+            "sglang": "hot_token_id = d2t + arange (the identity here)"
+            if out["saved"]
+            else "no hot_token_id: draft ids are target ids",
+            "speculators": "full vocabulary: the converted model keeps no map, draft ids are target ids",
+        }
+    else:
+        engines = {
+            "vllm": "draft_id_to_target_id = d2t: draft id i proposes target id i + d2t[i]",
+            "sglang": "hot_token_id = d2t + arange (t2d is not read)",
+            "speculators": "the converter keeps d2t and t2d (the target vocabulary size is taken from t2d)",
+        }
     out |= {
         "ok": True,
-        "identity": c.draft_vocab_size == c.vocab_size,
+        "identity": full,
         "first_ids_only": first_only,
         "target_id_min": int(target_ids.min()),
         "target_id_max": int(target_ids.max()),
+        "engines": engines,
     }
     if first_only:
         warns.append(
             f"d2t is all zeros: draft ids map to the first {c.draft_vocab_size} target ids; unless that is the"
             " intended vocabulary the map was lost and acceptance will collapse (NeMo PR 2447)"
+        )
+    if full and out["saved"]:
+        warns.append(
+            "VOCAB_MAP_FULL: a full-vocabulary draft with a saved d2t: vLLM 0.32 refuses to load it (no "
+            "draft_id_to_target_id parameter when the vocabularies are equal); re-export with --to vllm, which "
+            "leaves the identity map out"
+        )
+    return out, warns
+
+
+def _speculators_report(loaded: LoadedDraft) -> tuple[dict, list[str]]:
+    """What `speculators convert` (0.9.0) makes of this checkpoint, and the kwargs that keep the taps."""
+    taps, c = loaded.contract.taps, loaded.model.config
+    plain = list(default_tap_layers(taps.num_layers))
+    kwargs = speculators_kwargs(loaded)
+    out = {
+        "version": SPECULATORS_VERSION,
+        "plain_convert_captures": plain,
+        "plain_convert_keeps_taps": plain == list(taps.layers),
+        "algorithm_kwargs": kwargs,
+        "embedding_saved": loaded.has_embedding,
+        "problems": speculators_problems(loaded, loaded.has_embedding),
+    }
+    warns = []
+    if not out["plain_convert_keeps_taps"]:
+        warns.append(
+            f"SPECULATORS_TAPS: speculators convert ignores eagle_config.eagle_aux_hidden_state_layer_ids: without "
+            f"--algorithm-kwargs '{json.dumps(kwargs)}' the converted draft captures {plain} instead of "
+            f"{list(taps.layers)} (eaglescope export prints the whole command)"
+        )
+    warns += [f"SPECULATORS: {p}" for p in out["problems"]]
+    if c.norm_before_residual:
+        warns.append(
+            "norm_before_residual: SGLang 0.5.23 ignores it (its EAGLE-3 layer always keeps the un-normed feature "
+            "as the residual), and speculators convert takes it only from --algorithm-kwargs"
         )
     return out, warns
 
@@ -133,9 +254,15 @@ def describe_draft(
     path, architectures; contract {taps, tap_names, index_convention, num_layers, is_default, inferred,
     inferred_from, target, ttt_length, loss_mask_shift, draft_vocab_source}; config {hidden_size,
     intermediate_size, num_heads, num_kv_heads, head_dim, vocab_size, draft_vocab_size, target_hidden_size,
-    num_aux, rope_theta, norm_before_residual}; embedding {saved, matches_target}; vocab_map {ok, identity,
-    first_ids_only, target_id_min, target_id_max, …}; config_tap_ids; engines {sglang|sglang-legacy|vllm:
-    {captures, captures_names, matches_contract}}; target {matches, reason, fingerprint} or null; warnings.
+    num_aux, rope_theta, norm_before_residual}; embedding {saved, matches_target}; vocab_map {ok, saved, identity,
+    first_ids_only, target_id_min, target_id_max, engines {vllm|sglang|speculators: what it does with the map}, …};
+    config_tap_ids; engines {sglang|sglang-legacy|vllm: {captures, captures_names, matches_contract,
+    applies_to_target}}; sglang_rule {architecture, convention}; speculators {version, plain_convert_captures,
+    plain_convert_keeps_taps, algorithm_kwargs, embedding_saved, problems}; target {matches, reason, fingerprint} or
+    null; warnings.
+
+    The two SGLang rows are SGLang's two rules for reading ids; which one applies depends on the target's
+    architecture (`applies_to_target`, None when it is unknown). A row that does not apply raises no warning.
     """
     ct, c = loaded.contract, loaded.model.config
     taps = ct.taps
@@ -146,23 +273,35 @@ def describe_draft(
             f"no eaglescope section: taps {list(taps.layers)} inferred from the "
             f"{ct.extra.get('inferred_from', 'engine default')}; the real training taps are unknown"
         )
+    arch = _architecture(loaded, target_fp)
+    sglang_rule = sglang_convention(arch)
     ids = config_tap_ids(loaded.hf_config)
     engines = {}
     for engine in SERVING_ENGINES:
         cap = engine_capture(ids, engine, L)
         ok = cap == list(taps.layers)
-        engines[engine] = {"captures": cap, "captures_names": _names(cap, L), "matches_contract": ok}
-        if not ok:
-            try:
-                choose_engine_ids(taps, engine)
-                fix = f"re-export with --to {engine}"
-            except EagleScopeError as e:
-                fix = f"{engine} cannot capture these taps ({e})"
-            warns.append(
-                f"ENGINE_TAP_CONVENTION: {engine} will capture {cap} ({'; '.join(_names(cap, L))}) but the draft "
-                f"was trained on {list(taps.layers)}; {fix}"
-            )
-    vocab, vocab_warns = _vocab_map_report(loaded)
+        applies = True if engine == "vllm" else (None if sglang_rule is None else engine == sglang_rule)
+        engines[engine] = {
+            "captures": cap,
+            "captures_names": _names(cap, L),
+            "matches_contract": ok,
+            "applies_to_target": applies,
+        }
+        if ok or applies is False:
+            continue
+        try:
+            taps.to_engine_ids(engine)  # can this row's rule say these taps at all?
+            fix = f"re-export with --to {'sglang' if engine.startswith('sglang') else engine}"
+            if applies is None:
+                fix += " --target TARGET (SGLang's rule depends on the target's architecture)"
+        except EagleScopeError as e:
+            fix = f"{engine} cannot capture these taps ({e})"
+        warns.append(
+            f"ENGINE_TAP_CONVENTION: {engine} will capture {cap} ({'; '.join(_names(cap, L))}) but the draft "
+            f"was trained on {list(taps.layers)}; {fix}"
+        )
+    saved = saved_weight_names(loaded.path)
+    vocab, vocab_warns = _vocab_map_report(loaded, saved)
     warns += vocab_warns
     embedding: dict = {"saved": loaded.has_embedding, "matches_target": None}
     if loaded.has_embedding and target_embedding is not None:
@@ -171,9 +310,12 @@ def describe_draft(
         embedding["matches_target"] = same
         if not same:
             warns.append(
-                "the saved embedding differs from the target's: vLLM uses a saved embedding, so drafting would read"
-                " wrong token vectors (TorchSpec issue 38); re-export without --with-embedding"
+                "the saved embedding differs from the target's: vLLM and speculators use a saved embedding, so "
+                "drafting would read wrong token vectors (TorchSpec issue 38; SGLang replaces it with the "
+                "target's); re-export without --with-embedding, or with it and --target"
             )
+    spec, spec_warns = _speculators_report(loaded)
+    warns += spec_warns
     target = None
     if target_fp is not None:
         try:
@@ -215,6 +357,8 @@ def describe_draft(
         "vocab_map": vocab,
         "config_tap_ids": ids,
         "engines": engines,
+        "sglang_rule": {"architecture": arch, "convention": sglang_rule},
+        "speculators": spec,
         "target": target,
         "warnings": warns,
     }
@@ -256,21 +400,91 @@ def format_description(d: dict) -> str:
     v = d["vocab_map"]
     if v["ok"]:
         kind = "identity" if v["identity"] else f"target ids {v['target_id_min']}..{v['target_id_max']}"
-        lines.append(f"vocab map  ok: {v['draft_vocab_size']} draft ids → {kind}")
+        saved = "saved" if v["saved"] else "not saved"
+        lines.append(f"vocab map  ok: {v['draft_vocab_size']} draft ids → {kind} (d2t {saved})")
+        lines += [f"  {engine:<14} {what}" for engine, what in v["engines"].items()]
     else:
         lines.append(f"vocab map  BROKEN: {v['error']}")
     if d["target"] is not None:
         lines.append("target     " + ("matches" if d["target"]["matches"] else f"MISMATCH: {d['target']['reason']}"))
     ids = d["config_tap_ids"]
     lines.append(f"engines    config.json ids: {ids if ids is not None else 'none (engine default)'}")
+    rule = d["sglang_rule"]
     for engine, r in d["engines"].items():
         mark = "ok" if r["matches_contract"] else "MISMATCH"
-        lines.append(f"  {engine:<14} captures {r['captures']}  {mark}")
+        note = ""
+        if engine.startswith("sglang"):
+            note = f"  (SGLang's {_sglang_rule(engine)}"
+            if r["applies_to_target"] is not None:
+                note += f": {'applies to' if r['applies_to_target'] else 'not'} {rule['architecture']})"
+            else:
+                note += "; target architecture unknown)"
+        lines.append(f"  {engine:<14} captures {r['captures']}  {mark}{note}")
+    sp = d["speculators"]
+    keeps = "keeps the taps" if sp["plain_convert_keeps_taps"] else f"captures {sp['plain_convert_captures']}"
+    lines.append(
+        f"speculators {sp['version']}: a plain convert {keeps}; --algorithm-kwargs "
+        f"'{json.dumps(sp['algorithm_kwargs'])}' keeps them; "
+        + ("ready" if not sp["problems"] else "not ready (see warnings)")
+    )
     lines += [f"WARNING: {w}" for w in d["warnings"]]
     return "\n".join(lines)
 
 
 # -- export ---------------------------------------------------------------------------------------
+def speculators_kwargs(loaded: LoadedDraft) -> dict:
+    """`--algorithm-kwargs` for `speculators convert` that keep what its converter would otherwise drop.
+
+    speculators 0.9.0 (convert/eagle/eagle3_converter.py) takes eagle_aux_hidden_state_layer_ids and
+    norm_before_residual only from these kwargs, never from the checkpoint's config.json; its ids are vLLM's
+    (used as-is, = eaglescope's HF indices), so the taps are written unchanged."""
+    kwargs: dict = {"eagle_aux_hidden_state_layer_ids": list(loaded.contract.taps.layers)}
+    if loaded.model.config.norm_before_residual:
+        kwargs["norm_before_residual"] = True
+    return kwargs
+
+
+def speculators_problems(loaded: LoadedDraft, embedding_saved: bool) -> list[str]:
+    """Why a `speculators convert` of this checkpoint would not reproduce the draft (empty when it would)."""
+    c = loaded.model.config
+    out = []
+    if not embedding_saved:
+        out.append(
+            f"no embedding saved: speculators {SPECULATORS_VERSION} loads a converted checkpoint without one with "
+            "uninitialised memory for it (it fills it from the verifier only where that memory happens to hold a "
+            "NaN); export with --with-embedding --target TARGET before converting"
+        )
+    if c.num_aux != 3:
+        out.append(
+            f"speculators {SPECULATORS_VERSION}'s converter builds fc for exactly 3 taps, this draft has {c.num_aux}"
+        )
+    if c.target_hidden_size != c.hidden_size:
+        out.append(
+            f"speculators {SPECULATORS_VERSION} sizes fc from the draft's hidden size ({c.hidden_size}), not the "
+            f"target's ({c.target_hidden_size})"
+        )
+    return out
+
+
+def speculators_command(export_dir: Path, target_dir: Path | None, kwargs: dict) -> list[str]:
+    """The `speculators convert` argv for an export. Absolute paths: the converted config records the verifier's
+    path and speculators loads the verifier's weights from it later."""
+    out = export_dir.resolve()
+    return [
+        "speculators",
+        "convert",
+        str(out),
+        "--algorithm",
+        "eagle3",
+        "--verifier",
+        str(target_dir.resolve()) if target_dir is not None else "TARGET",
+        "--output-path",
+        str(out.with_name(out.name + "-speculators")),
+        "--algorithm-kwargs",
+        json.dumps(kwargs),
+    ]
+
+
 def export_draft(
     loaded: LoadedDraft,
     engine: str,
@@ -278,10 +492,26 @@ def export_draft(
     with_embedding: bool = False,
     target_embedding: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    architecture: str | None = None,
+    target_dir: Path | None = None,
 ) -> dict:
-    """Write a checkpoint directory `engine` loads unchanged; return a report of what was written."""
-    ids, warns = choose_engine_ids(loaded.contract.taps, engine)
+    """Write a checkpoint directory `engine` loads unchanged; return a report of what was written.
+
+    `architecture` is the target's (for SGLang's rule; default: the contract's fingerprint), `target_dir` only
+    goes into the printed `speculators convert` command.
+
+    The embedding is saved only when asked (`with_embedding`, from the real target): vLLM drafts with a saved one
+    instead of the target's (so it can only be wrong, never better), SGLang replaces it with the target's; only
+    `speculators convert` needs it in the file (see speculators_problems).
+    """
+    architecture = architecture or _architecture(loaded, None)
+    ids, warns = choose_engine_ids(loaded.contract.taps, engine, architecture)
     model, c = loaded.model, loaded.model.config
+    if engine.startswith("sglang") and c.norm_before_residual:
+        raise EagleScopeError(
+            f"the draft uses norm_before_residual, which SGLang {SGLANG_VERSION_READ} does not implement (its "
+            "EAGLE-3 layer always keeps the un-normed feature as the residual): serve it with vLLM"
+        )
     if with_embedding:
         if target_embedding is None:
             raise EagleScopeError(
@@ -327,12 +557,19 @@ def export_draft(
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
     L = loaded.contract.taps.num_layers
-    check = [engine] + (["sglang-legacy"] if engine == "sglang" else [])
+    check = ["sglang", "sglang-legacy"] if engine == "sglang" else [engine]
     captures = {e: engine_capture(ids, e, L) for e in check}
-    if captures[engine] != list(loaded.contract.taps.layers):  # choose_engine_ids guarantees this; a bug otherwise
-        raise RuntimeError(f"export chose ids {ids} that {engine} reads as {captures[engine]}")
+    # The rule this export was written for (choose_engine_ids guarantees it captures the taps; a bug otherwise).
+    rule = (sglang_convention(architecture) or "sglang-legacy") if engine == "sglang" else engine
+    if captures[rule] != list(loaded.contract.taps.layers):
+        raise RuntimeError(f"export chose ids {ids} that {rule} reads as {captures[rule]}")
     if loaded.has_embedding and not with_embedding:
         warns.append("the source checkpoint's saved embedding was dropped: engines use the target's own")
+    kwargs = speculators_kwargs(loaded)
+    argv = speculators_command(out, target_dir, kwargs)
+    problems = speculators_problems(loaded, with_embedding)
+    if target_dir is None:
+        problems.append("no --target given: replace TARGET with the target's directory")
     return {
         "engine": engine,
         "out": str(out),
@@ -345,7 +582,17 @@ def export_draft(
         "default_taps": list(default_tap_layers(L)),
         "captures": captures,
         "captures_names": {e: _names(cap, L) for e, cap in captures.items()},
+        "sglang_rule": {"architecture": architecture, "convention": rule} if engine == "sglang" else None,
         "embedding_saved": with_embedding,
+        "speculators": {
+            "version": SPECULATORS_VERSION,
+            "argv": argv,
+            "command": shlex.join(argv),
+            "algorithm_kwargs": kwargs,
+            "embedding_required": True,
+            "ready": not problems,
+            "problems": problems,
+        },
         "warnings": warns,
     }
 
@@ -357,12 +604,21 @@ def format_export_report(r: dict) -> str:
         "eagle_aux_hidden_state_layer_ids: "
         + (f"omitted (taps are the engines' default {r['default_taps']})" if ids is None else str(ids)),
     ]
+    rule = r["sglang_rule"]
     for e, cap in r["captures"].items():
         mark = "= trained taps" if cap == r["taps"] else f"≠ trained taps {r['taps']}"
-        lines.append(f"{e} will capture {cap} {mark}: {'; '.join(r['captures_names'][e])}")
+        who = ""
+        if rule is not None:
+            applies = e == rule["convention"]
+            who = f" ({_sglang_rule(e)}{': this target' if applies and rule['architecture'] else ''})"
+        lines.append(f"{e}{who} will capture {cap} {mark}: {'; '.join(r['captures_names'][e])}")
     lines.append(
         "embedding: " + ("the target's, saved" if r["embedding_saved"] else "not saved (engine uses target's)")
     )
+    sp = r["speculators"]
+    lines.append(f"speculators {sp['version']} (keeps the taps): {sp['command']}")
+    if sp["problems"]:
+        lines.append("  not ready for speculators: " + "; ".join(sp["problems"]))
     lines += [f"WARNING: {w}" for w in r["warnings"]]
     return "\n".join(lines)
 
@@ -436,7 +692,8 @@ def cmd_export(args) -> int:
         dtype = _DTYPES.get(name, torch.float32)
     else:
         dtype = _DTYPES[args.dtype]
-    report = export_draft(loaded, args.to, args.out, args.with_embedding, emb, dtype)
+    arch = fp.architecture if fp is not None else None
+    report = export_draft(loaded, args.to, args.out, args.with_embedding, emb, dtype, arch, tdir)
     if args.json:
         print(json.dumps(report, indent=2))
         for w in report["warnings"]:  # JSON on stdout stays machine-readable; people still see warnings

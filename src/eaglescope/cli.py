@@ -77,8 +77,6 @@ def cmd_generate(args) -> int:
 
         parse_tree_shape(args.chain, args.tree)  # a bad shape is refused before any model is loaded
     if args.trace:
-        if args.fast:
-            raise EagleScopeError("--fast records no trace; drop --trace or --fast")
         if not (args.draft or args.proposer == "ngram"):
             raise EagleScopeError("--trace records a speculative run: add --draft DIR (or --proposer ngram)")
         from eaglescope.outputs import check_destination

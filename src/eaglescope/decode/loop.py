@@ -279,31 +279,42 @@ def generate_vanilla(
     return res
 
 
+def open_trace(args) -> T.TraceRecorder | None:
+    """`generate --trace DIR`'s recorder (None without the flag); its meta comes from `trace_meta`."""
+    if not args.trace:
+        return None
+    return T.TraceRecorder(
+        args.trace, mode=args.trace_mode, producer="eaglescope", inputs=(args.target, args.draft), flag="--trace"
+    )
+
+
+def trace_meta(recorder: T.TraceRecorder, args, target: Target, prompt_ids, sampling: SamplingConfig) -> None:
+    """What a trace of `eaglescope generate` says about its run (the prompt, the target, taps, the settings)."""
+    recorder.set_meta(
+        prompt_ids=list(prompt_ids),
+        target=target.fingerprint.to_dict(),
+        taps=target.taps.to_dict() if target.taps else None,
+        settings={
+            "chain": args.chain,
+            "tree": args.tree,
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "top_p": sampling.top_p,
+            "seed": sampling.seed,
+            "max_new_tokens": args.max_new_tokens,
+            "proposer": args.proposer,
+            "fast": bool(getattr(args, "fast", False)),
+        },
+    )
+
+
 def run_speculative_from_args(args, target: Target, prompt_ids, sampling, stop) -> GenerationResult:
     """`eaglescope generate --draft …` (or --proposer ngram) on the reference backend, with an optional trace."""
     budget = check_prompt(target, prompt_ids, args.max_new_tokens)
-    recorder = None
-    if args.trace:
-        recorder = T.TraceRecorder(
-            args.trace, mode=args.trace_mode, producer="eaglescope", inputs=(args.target, args.draft), flag="--trace"
-        )
+    recorder = open_trace(args)
     proposer = build_proposer(args, target, sampling, len(prompt_ids) + budget + 1, recorder)
     if recorder is not None:
-        recorder.set_meta(
-            prompt_ids=list(prompt_ids),
-            target=target.fingerprint.to_dict(),
-            taps=target.taps.to_dict() if target.taps else None,
-            settings={
-                "chain": args.chain,
-                "tree": args.tree,
-                "temperature": sampling.temperature,
-                "top_k": sampling.top_k,
-                "top_p": sampling.top_p,
-                "seed": sampling.seed,
-                "max_new_tokens": args.max_new_tokens,
-                "proposer": args.proposer,
-            },
-        )
+        trace_meta(recorder, args, target, prompt_ids, sampling)
     try:
         result = generate_speculative(target, proposer, prompt_ids, args.max_new_tokens, sampling, stop, recorder)
     except BaseException:

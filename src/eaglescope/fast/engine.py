@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import eaglescope.fast.invariant as inv
+from eaglescope import trace as T
 from eaglescope.decode.loop import RoundReport, Runner, decode, speculative_round
 from eaglescope.decode.tree import TreeBuilder
 from eaglescope.draft import Eagle3Draft
@@ -145,8 +146,7 @@ class FastTarget:
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor):
-        T = prompt.shape[0]
-        slots = torch.arange(T, device=self.device)
+        slots = torch.arange(prompt.shape[0], device=self.device)
         mask = torch.arange(self.size, device=self.device)[None, :] <= slots[:, None]
         return self._run_eager(prompt, slots, mask, slots)
 
@@ -283,10 +283,16 @@ class FastEagle(Runner):
         use_graph: bool | None = None,
         replay: bool = False,
         compile: bool = False,
+        recorder: T.TraceRecorder | None = None,
     ) -> None:
         """`compile` torch.compiles the draft side of a round and the acceptance (not the target: compile
-        its layers through FastTarget)."""
+        its layers through FastTarget). `recorder` records every round as a trace: each stage tensor is copied,
+        inside the (captured) round, into a buffer of its own, and the host records the buffers after reading the
+        round; rounds then run one at a time, uncompiled."""
         self.t, self.draft = target, draft
+        self.rec = recorder
+        self._stage: dict[str, torch.Tensor] = {}
+        self._prefill_rows: dict[str, torch.Tensor] | None = None
         self.D, self.K, self.N = depth, top_k, total_tokens
         self.Pmax = depth + 1  # root + at most `depth` accepted positions feed the next catch-up
         dev = self.device = target.device
@@ -314,6 +320,8 @@ class FastEagle(Runner):
         self.graph = None
         self._draft_fn, self._accept_fn, self._commit_fn = self._draft_tree, self._accept, self._commit
         self.compiled = False  # whether the draft side and acceptance run compiled (False after a fallback)
+        if recorder is not None:
+            self.run_ahead, compile = False, False  # a recorded round is read before the next one runs
         if compile:
             # the tree builder is a few hundred tiny ops per round (topk, cats, scatters): compiled with the
             # draft layer it becomes a few dozen kernels; static shapes per tree budget, so one compile each
@@ -329,6 +337,16 @@ class FastEagle(Runner):
     def _logprobs(self, h: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.draft.logits(h).float(), dim=-1)
 
+    def _keep(self, name: str, t: torch.Tensor) -> None:
+        """With a recorder: copy a stage tensor into its own static buffer (allocated on the first, uncaptured
+        run), which the host reads after the round (`_record_round`)."""
+        if self.rec is None:
+            return
+        buf = self._stage.get(name)
+        if buf is None:
+            buf = self._stage[name] = torch.empty_like(t)
+        buf.copy_(t)
+
     def _draft_tree(self):
         """Draft catch-up over the pending positions, then EAGLE-2 expansion → (tokens, parents, depths, mask)."""
         d, dev, K = self.draft, self.device, self.K
@@ -341,12 +359,19 @@ class FastEagle(Runner):
         emb = d.embed_tokens(self.pend_tok)
         out = d.step(emb[None], hidden[None], slots[None], self.dcache, slots, mask[None, None])[0]
         h_root = out.index_select(0, self.pend_n - 1)  # [1, H]
+        self._keep("pend_n", self.pend_n)
+        self._keep("pend_aux", self.pend_aux)
+        self._keep(T.DRAFT_FC_OUT, hidden)
+        self._keep(T.draft_embed_in(0), emb)
+        self._keep(T.draft_hidden_out(0), out)
         ctx = self.d_len + self.pend_n  # == root position
         self.d_len.copy_(ctx)
         root_pos = self.t_len
         b = TreeBuilder(0, K, dev)
         b.tokens = self.root.clone()
-        frontier = b.expand(torch.zeros(1, dtype=torch.long, device=dev), self._logprobs(h_root))
+        lp = self._logprobs(h_root)
+        self._keep(T.draft_topk(0), lp)
+        frontier = b.expand(torch.zeros(1, dtype=torch.long, device=dev), lp)
         ctx_mask = self.d_slots < ctx  # [dsize]
         processed: list[torch.Tensor] = []
         prev_front, prev_out = None, None
@@ -369,9 +394,16 @@ class FastEagle(Runner):
             emb = d.embed_tokens(d.to_target_ids(b.tokens[frontier]))
             out = d.step(emb[None], hidden_in[None], positions[None], self.dcache, slots, tmask[None, None])[0]
             prev_front, prev_out = frontier, out
-            frontier = b.expand(frontier, self._logprobs(out))
+            lp = self._logprobs(out)
+            for name, t in ((T.draft_embed_in(level), emb), (T.draft_hidden_in(level), hidden_in)):
+                self._keep(name, t)
+            self._keep(T.draft_hidden_out(level), out)
+            self._keep(T.draft_topk(level), lp)
+            frontier = b.expand(frontier, lp)
         tree = b.finalize(self.N)
         tokens = torch.cat([tree.tokens[:1], d.to_target_ids(tree.tokens[1:])])
+        self._keep(T.VERIFY_TOKENS, tokens)
+        self._keep(T.VERIFY_PARENTS, tree.parents)
         return tokens, tree.parents, tree.depths, tree.mask
 
     def _accept(self, tree, logits):
@@ -410,7 +442,10 @@ class FastEagle(Runner):
         return self.t.run(tokens, self.t_len + depths, vmask, vslots)
 
     def accept(self, tree, verified):
-        return self._accept_fn(tree, verified[0])
+        accepted = self._accept_fn(tree, verified[0])
+        self._keep("aux", verified[1])
+        self._keep("path", accepted[1])
+        return accepted
 
     def commit(self, tree, accepted, verified) -> None:
         self._commit_fn(tree[0], accepted, verified[1])
@@ -421,23 +456,29 @@ class FastEagle(Runner):
 
     # -- running rounds ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _start(self, prompt: list[int]) -> int:
+    def _start(self, prompt: list[int], record: bool = True) -> int:
         ids = torch.tensor(prompt, device=self.device)
-        T = ids.shape[0]
+        n = ids.shape[0]
         logits, aux = self.t.prefill(ids)
         first = logits[-1:].argmax(-1)
-        # draft prefill: positions 0..T-2 paired with tokens 1..T-1; the last position stays pending
-        P0 = T - 1
+        # draft prefill: positions 0..n-2 paired with tokens 1..n-1; the last position stays pending
+        P0 = n - 1
         slots = torch.arange(P0, device=self.device)
         mask = self.d_slots[None, :] <= slots[:, None]
         d = self.draft
-        d.step(
-            d.embed_tokens(ids[1:])[None], d.project(aux[:P0])[None], slots[None], self.dcache, slots, mask[None, None]
-        )
-        self.t_len.fill_(T)
+        emb, hidden = d.embed_tokens(ids[1:]), d.project(aux[:P0])
+        out = d.step(emb[None], hidden[None], slots[None], self.dcache, slots, mask[None, None])[0]
+        if self.rec is not None and record:
+            # The reference catches up over the whole prompt in round 1; this path did the first n-1 rows here.
+            # The trace shows round 1 as the reference computes it: these rows, then the round's own.
+            self._prefill_rows = {T.DRAFT_FC_OUT: hidden, T.draft_embed_in(0): emb, T.draft_hidden_out(0): out}
+            self._record_target(aux)
+            self.rec.record(T.VERIFY_BONUS, first.cpu())
+            self.rec.record(T.NEXT_HIDDEN_IN, aux)
+        self.t_len.fill_(n)
         self.d_len.fill_(P0)
         self.pend_n.fill_(1)
-        self.pend_aux[:1].copy_(aux[T - 1 :])
+        self.pend_aux[:1].copy_(aux[n - 1 :])
         self.pend_tok[:1].copy_(first)
         self.root.copy_(first)
         return int(first)
@@ -455,7 +496,7 @@ class FastEagle(Runner):
             raise ValueError(f"prompt {len(prompt_ids)} + {budget} new tokens exceed max_len {self.max_len}")
         if self.graph is not None or not (self.use_graph or self.compiled):
             return
-        self._start(prompt_ids)
+        self._start(prompt_ids, record=False)
         try:
             if self.use_graph:
                 self.graph = _graph(self._round)
@@ -494,7 +535,49 @@ class FastEagle(Runner):
         rep = self._reports[self._read % 2].tolist()  # the one host read of the round
         self._read += 1
         n = rep[0]
+        if self.rec is not None:
+            self._record_round(n - 1)
         return RoundReport(rep[1 : 1 + n], n - 1, self.D, self.N - 1)
+
+    # -- the trace (host side, after the round was read) ---------------------------------------------------------
+    def _record_target(self, aux: torch.Tensor) -> None:
+        taps = self.t.taps
+        H = aux.shape[-1] // len(taps)
+        for j, layer in enumerate(taps):
+            self.rec.record(T.target_tap(layer), aux[:, j * H : (j + 1) * H])
+        self.rec.record(T.TARGET_AUX, aux, segments=len(taps))
+
+    def _record_topk(self, step: int, lp: torch.Tensor) -> None:
+        v, i = lp.topk(min(self.K, lp.shape[-1]), dim=-1)
+        self.rec.record(T.draft_topk(step), {T.TOPK_IDS: self.draft.to_target_ids(i), T.TOPK_LOGPROBS: v})
+
+    def _record_round(self, accepted: int) -> None:
+        """The round just read, in the reference's stages and order (docs/trace-format.md)."""
+        rec, st = self.rec, self._stage
+        rec.next_round()
+        n = int(st["pend_n"])
+        first, self._prefill_rows = self._prefill_rows or {}, None
+
+        def rows(name: str) -> torch.Tensor:
+            own = st[name][:n]
+            return torch.cat([first[name], own]) if name in first else own
+
+        rec.record(T.DRAFT_FC_OUT, rows(T.DRAFT_FC_OUT))
+        rec.record(T.draft_embed_in(0), rows(T.draft_embed_in(0)))
+        rec.record(T.draft_hidden_in(0), rows(T.DRAFT_FC_OUT))  # step 0 reads fc's output
+        rec.record(T.draft_hidden_out(0), rows(T.draft_hidden_out(0)))
+        self._record_topk(0, st[T.draft_topk(0)])
+        for level in range(1, self.D):
+            for name in (T.draft_embed_in(level), T.draft_hidden_in(level), T.draft_hidden_out(level)):
+                rec.record(name, st[name])
+            self._record_topk(level, st[T.draft_topk(level)])
+        rec.record(T.VERIFY_TOKENS, st[T.VERIFY_TOKENS])
+        rec.record(T.VERIFY_PARENTS, st[T.VERIFY_PARENTS])
+        self._record_target(st["aux"])
+        path = st["path"][: accepted + 1]
+        rec.record(T.VERIFY_ACCEPTED, path[1:].clone())
+        rec.record(T.VERIFY_BONUS, self.root.cpu())
+        rec.record(T.NEXT_HIDDEN_IN, st["aux"][path])
 
     def room_for_another(self, emitted: int) -> bool:
         # the queued round must fit whatever the unread one accepts (<= Pmax positions each)

@@ -6,7 +6,7 @@ are eaglescope's own. Anything else gets one clear error instead of a silent fal
 from __future__ import annotations
 
 from eaglescope.decode.generation import GenerationResult, SamplingConfig, begin_generation
-from eaglescope.decode.loop import decode
+from eaglescope.decode.loop import decode, open_trace, trace_meta
 from eaglescope.decode.speculative import build_proposer, parse_tree_shape
 from eaglescope.errors import EagleScopeError
 from eaglescope.fast import invariant
@@ -24,8 +24,6 @@ def check_fast_args(args, target: Target, sampling: SamplingConfig) -> None:
         raise EagleScopeError(
             "--fast needs a native target (llama, qwen2, qwen3, mistral); drop --backend hf or --fast"
         )
-    if args.trace:
-        raise EagleScopeError("--fast records no trace; drop --trace or --fast")
     if args.proposer != "eagle3":
         raise EagleScopeError(f"--fast supports EAGLE-3 drafts only, not --proposer {args.proposer}")
 
@@ -41,6 +39,7 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
         fuse_projections(target.model)
     # otherwise one-token steps on the fused decode kernels where the target allows (not Qwen3's q/k norms)
     fused = on_gpu and not exact and fused_decode_supported(target.model, target.device) is None
+    recorder = None
     if args.draft is None:
         ft = FastTarget(
             target.model,
@@ -72,8 +71,18 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
             fused_decode=fused,
             fused_verify=fused and fused_verify_supported(target.model, target.device) is None,
         )
-        runner = FastEagle(ft, draft, depth, top_k, total, max_len=max_len)
-    result = decode(runner, prompt_ids, budget, args.max_new_tokens, stop, target.device)
+        recorder = open_trace(args)
+        if recorder is not None:
+            trace_meta(recorder, args, target, prompt_ids, sampling)
+        runner = FastEagle(ft, draft, depth, top_k, total, max_len=max_len, recorder=recorder)
+    try:
+        result = decode(runner, prompt_ids, budget, args.max_new_tokens, stop, target.device)
+    except BaseException:
+        if recorder is not None:
+            recorder.abort()
+        raise
+    if recorder is not None:
+        recorder.close()
     if args.draft is None:
         result.stats = None
     result.extra = {"fast": True, "batch_invariant": exact, "fused_decode": fused}

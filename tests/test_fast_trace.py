@@ -1,0 +1,88 @@
+"""The fast path records traces too: `generate --fast --trace` writes, round by round, the stages the reference loop
+writes (copied out of the static round's buffers), doctor calls a clean one healthy, and a wiring fault made in the
+fast path itself (its target tapping other layers than the draft was trained on) is named from its trace."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from drafts import make_draft
+from models import make_checkpoint
+
+from eaglescope import trace as T
+from eaglescope.cli import main
+from eaglescope.decode.speculative import target_embedding
+from eaglescope.detective.diagnose import diagnose_trace
+from eaglescope.detective.doctor import run_doctor
+from eaglescope.draft import load_draft, save_draft
+from eaglescope.fast import FastEagle, FastTarget
+from eaglescope.target import load_target
+
+PROMPT = "5,9,14,2,33,7,21,4,17,11"
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fast-trace")
+    target = make_checkpoint("llama", root / "target")
+    draft, contract = make_draft(target, draft_vocab_size=48, scale=3.0)
+    save_draft(draft, contract, root / "draft")
+    return root, target, root / "draft"
+
+
+def traced(capsys, dirs, name: str, *extra: str) -> tuple[T.Trace, dict]:
+    root, target, draft = dirs
+    out = root / name
+    argv = ["generate", "--target", str(target), "--draft", str(draft), "--prompt-ids", PROMPT, "--device", "cpu"]
+    argv += ["--dtype", "float32", "--max-new-tokens", "20", "--trace", str(out), "--json", *extra]
+    capsys.readouterr()
+    assert main(argv) == 0
+    return T.load_trace(out), json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("shape", [["--chain", "3"], ["--tree", "3,2,6"]])
+def test_fast_trace_has_the_reference_stages_and_values(capsys, dirs, shape):
+    ref, ref_out = traced(capsys, dirs, f"ref-{shape[1]}", *shape)
+    fast, fast_out = traced(capsys, dirs, f"fast-{shape[1]}", *shape, "--fast")
+    assert fast_out["token_ids"] == ref_out["token_ids"]
+    assert [(e.round, e.stage, e.part) for e in fast.events] == [(e.round, e.stage, e.part) for e in ref.events]
+    for e in ref.events:
+        a, b = ref.get(e.stage, e.round, part=e.part), fast.get(e.stage, e.round, part=e.part)
+        assert a.shape == b.shape, (e.key, a.shape, b.shape)
+        if a.is_floating_point():
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=e.key)
+        else:
+            assert torch.equal(a, b), e.key
+    assert fast.meta["settings"]["fast"] is True
+
+
+def test_doctor_calls_a_clean_fast_trace_healthy(capsys, dirs):
+    root, target, draft = dirs
+    traced(capsys, dirs, "clean", "--tree", "3,2,6", "--fast")
+    report = run_doctor(str(target), str(draft), trace=str(root / "clean"), device="cpu")
+    assert report.healthy, [(f.code, f.stage, f.verdict) for f in report.findings]
+
+
+def test_doctor_names_a_tap_fault_made_in_the_fast_path(dirs, tmp_path):
+    """The fast path's target taps the layers one above the draft's contract (an engine reading layer ids in the
+    other convention): the fault is in what FastTarget computes, not in any recorded tensor."""
+    _, target_dir, draft_dir = dirs
+    target = load_target(target_dir, device="cpu")
+    loaded = load_draft(draft_dir, target.num_layers)
+    loaded.model.load_target_embedding(target_embedding(target))
+    taps = loaded.contract.taps.layers
+    wrong = tuple(i + 1 for i in taps)
+    prompt = [int(t) for t in PROMPT.split(",")]
+    rec = T.TraceRecorder(tmp_path / "t", producer="test-fast-engine")
+    rec.set_meta(prompt_ids=prompt, settings={"chain": None, "tree": "3,2,6"}, taps=loaded.contract.taps.to_dict())
+    max_len = len(prompt) + 24
+    ft = FastTarget(target.model, max_len + 6 + 4 + 2, taps=wrong)
+    fe = FastEagle(ft, loaded.model, 3, 2, 6, max_len=max_len, recorder=rec)
+    fe.generate(prompt, 16)
+    rec.close()
+    findings, ctx = diagnose_trace(target, load_draft(draft_dir, target.num_layers), tmp_path / "t")
+    assert findings, ctx.get("first_divergence")
+    top = findings[0]
+    assert top.code == "TAP_OFF_BY_ONE" and top.stage.startswith("target."), [(f.code, f.stage) for f in findings]

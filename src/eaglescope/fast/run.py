@@ -6,8 +6,9 @@ are eaglescope's own. Anything else gets one clear error instead of a silent fal
 from __future__ import annotations
 
 from eaglescope.decode.generation import GenerationResult, SamplingConfig, begin_generation
-from eaglescope.decode.loop import decode, open_trace, trace_meta
+from eaglescope.decode.loop import Runner, decode, open_trace, trace_meta
 from eaglescope.decode.speculative import build_proposer, parse_tree_shape
+from eaglescope.draft import Eagle3Draft
 from eaglescope.errors import EagleScopeError
 from eaglescope.fast import invariant
 from eaglescope.fast.engine import FastEagle, FastTarget, FastVanilla
@@ -28,53 +29,55 @@ def check_fast_args(args, target: Target, sampling: SamplingConfig) -> None:
         raise EagleScopeError(f"--fast supports EAGLE-3 drafts only, not --proposer {args.proposer}")
 
 
+def fast_runner(
+    target: NativeTarget,
+    draft: Eagle3Draft | None,
+    shape: tuple[int, int, int] | None,
+    max_len: int,
+    batch_invariant: bool = True,
+    recorder=None,
+) -> tuple[Runner, dict]:
+    """The static-shape backend for `target` (with `draft` and tree `shape`, or vanilla), sized for prompt + new
+    tokens <= max_len → (runner, what it runs on). On a GPU the target runs on the batch-invariant kernels, so the
+    speculative output is vanilla's exactly; without them, one-token steps on the fused decode kernels where the
+    target allows (not Qwen3's q/k norms)."""
+    on_gpu = target.device.type == "cuda"
+    exact = on_gpu and batch_invariant and invariant.supports(target.model.args.head_dim, target.device)
+    if on_gpu:
+        fuse_projections(target.model)
+    fused = on_gpu and not exact and fused_decode_supported(target.model, target.device) is None
+    info = {"fast": True, "batch_invariant": exact, "fused_decode": fused}
+    common = dict(fuse=on_gpu, float32_logits=on_gpu, batch_invariant=exact, fused_decode=fused)
+    if draft is None:
+        return FastVanilla(FastTarget(target.model, max_len + 1, **common), max_len), info
+    depth, top_k, total = shape
+    if on_gpu:
+        fuse_projections(draft)
+    verify_rows = fused and fused_verify_supported(target.model, target.device) is None
+    ft = FastTarget(
+        target.model, max_len + total + depth + 3, taps=target.taps.layers, fused_verify=verify_rows, **common
+    )
+    return FastEagle(ft, draft, depth, top_k, total, max_len=max_len + 2, recorder=recorder), info
+
+
 def generate_fast(args, target: Target, prompt_ids: list[int], sampling: SamplingConfig, stop_ids) -> GenerationResult:
     check_fast_args(args, target, sampling)
     _, budget, stop, _ = begin_generation(target, prompt_ids, args.max_new_tokens, sampling, stop_ids)
-    on_gpu = target.device.type == "cuda"
-    # on a GPU the target runs on the batch-invariant kernels, so the speculative output is vanilla's exactly
-    wanted = on_gpu and not getattr(args, "no_batch_invariant", False)
-    exact = wanted and invariant.supports(target.model.args.head_dim, target.device)
-    if on_gpu:
-        fuse_projections(target.model)
-    # otherwise one-token steps on the fused decode kernels where the target allows (not Qwen3's q/k norms)
-    fused = on_gpu and not exact and fused_decode_supported(target.model, target.device) is None
-    recorder = None
-    if args.draft is None:
-        ft = FastTarget(
-            target.model,
-            len(prompt_ids) + budget + 1,
-            fuse=on_gpu,
-            float32_logits=on_gpu,
-            batch_invariant=exact,
-            fused_decode=fused,
-        )
-        runner = FastVanilla(ft, budget)
-        runner.chunk = 16 if stop else budget  # a stop token is looked for every 16 steps, not every step
-    else:
+    recorder = draft = shape = None
+    if args.draft is not None:
         if len(prompt_ids) < 2:
             raise EagleScopeError("--fast with a draft needs a prompt of at least 2 tokens")
-        depth, top_k, total = parse_tree_shape(args.chain, args.tree)
-        max_len = len(prompt_ids) + budget + 2
-        proposer = build_proposer(args, target, sampling, max_len)  # loads and checks the draft, sets the taps
+        shape = parse_tree_shape(args.chain, args.tree)
+        proposer = build_proposer(args, target, sampling, len(prompt_ids) + budget + 2)  # loads, checks, sets taps
         draft = proposer.draft
-        if on_gpu:
-            fuse_projections(draft)
-        size = max_len + total + depth + 1
-        ft = FastTarget(
-            target.model,
-            size,
-            taps=target.taps.layers,
-            fuse=on_gpu,
-            float32_logits=on_gpu,
-            batch_invariant=exact,
-            fused_decode=fused,
-            fused_verify=fused and fused_verify_supported(target.model, target.device) is None,
-        )
         recorder = open_trace(args)
         if recorder is not None:
             trace_meta(recorder, args, target, prompt_ids, sampling)
-        runner = FastEagle(ft, draft, depth, top_k, total, max_len=max_len, recorder=recorder)
+    runner, info = fast_runner(
+        target, draft, shape, len(prompt_ids) + budget, not getattr(args, "no_batch_invariant", False), recorder
+    )
+    if draft is None:
+        runner.chunk = 16 if stop else budget  # a stop token is looked for every 16 steps, not every step
     try:
         result = decode(runner, prompt_ids, budget, args.max_new_tokens, stop, target.device)
     except BaseException:
@@ -83,7 +86,7 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
         raise
     if recorder is not None:
         recorder.close()
-    if args.draft is None:
+    if draft is None:
         result.stats = None
-    result.extra = {"fast": True, "batch_invariant": exact, "fused_decode": fused}
+    result.extra = info
     return result

@@ -41,6 +41,29 @@ def test_sglang_legacy_spelling():
     assert parse_engine_log("Decode batch. #running-req: 1, accept_length=2.5, x").accept_length == 2.5
 
 
+# SGLang 0.5.23 (managers/scheduler_components/metrics_reporter.py report_decode_stats): "Decode batch," with a comma,
+# an optional " [forward iteration]", a TP/DP rank in the prefix, and ragged-verify fields after "accept rate".
+SGLANG_0523 = """\
+[2026-11-20 10:00:02 TP0] Decode batch, #running-req: 1, #token: 812, token usage: 0.01, accept len: 3.00, accept rate: 0.50, cuda graph: True, gen throughput (token/s): 96.55, #queue-req: 0
+[2026-11-20 10:00:04 TP0] Decode batch [1240], #running-req: 3, #token: 2300, token usage: 0.02, accept len: 2.00, accept rate: 0.25, cap len: 3.10, block accept len: 3.50, cuda graph: True, gen throughput (token/s): 240.10, #queue-req: 0
+"""  # noqa: E501
+
+
+def test_sglang_0523_lines_are_weighted_by_their_batch_and_block_accept_len_is_not_tau():
+    r = parse_engine_log(SGLANG_0523)
+    assert r.engine == "sglang" and r.lines == 2
+    # accept len is tokens / (batch sizes summed over the interval): a line of 3 running requests stands for 3x the
+    # rounds of a line of 1; the unweighted mean would be 2.5, and "block accept len: 3.50" is never read as τ
+    assert r.accept_length == pytest.approx((3.00 * 1 + 2.00 * 3) / 4)
+    with pytest.raises(EagleScopeError, match="no acceptance lines"):
+        parse_engine_log("[2026-11-20 10:00:04] Decode batch, #running-req: 3, block accept len: 3.50, #queue-req: 0")
+
+
+def test_sglang_lines_without_a_batch_size_are_averaged_unweighted():
+    text = SGLANG_0523.splitlines()[1] + "\naccept_length=1.0\n"  # the second prints no #running-req
+    assert parse_engine_log(text).accept_length == pytest.approx((2.00 + 1.0) / 2)
+
+
 def test_vllm_lines_weighted_by_drafts_and_made_conditional():
     r = parse_engine_log(VLLM)
     assert r.engine == "vllm" and r.lines == 2

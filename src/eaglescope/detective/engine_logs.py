@@ -1,10 +1,15 @@
 """Served acceptance from an SGLang or vLLM server log (FIELD.md §5).
 
-SGLang (scheduler, every decode_log_interval steps):
-    [2025-06-01 10:00:00] Decode batch. #running-req: 1, #token: 812, token usage: 0.01, accept len: 1.12,
-    accept rate: 0.03, cuda graph: True, gen throughput (token/s): 96.55, #queue-req: 0
-  "accept len" is τ (bonus included) over the interval; older builds spell it "#accept length" or
-  "accept_length". No per-position numbers, and no round count: lines are averaged unweighted.
+SGLang (0.5.23: managers/scheduler_components/metrics_reporter.py report_decode_stats, every
+decode_log_interval decode steps, default 40):
+    [2026-11-20 10:00:00 TP0] Decode batch, #running-req: 2, #token: 812, token usage: 0.01, accept len: 3.12,
+    accept rate: 0.53, cuda graph: True, gen throughput (token/s): 96.55, #queue-req: 0
+  "accept len" is τ (bonus included) over the interval: generated tokens / the batch sizes of its decode steps
+  summed (update_spec_metrics), so a line of a larger batch stands for more rounds. The line prints no round count,
+  only #running-req (the batch at the printing step): lines are weighted by it, the nearest printed proxy. "accept
+  rate" is correct drafts / drafted tokens; optional "cap len" and "block accept len" (ragged verify) follow it and
+  are not τ. Older builds print "Decode batch." and spell τ "#accept length" or "accept_length". No per-position
+  numbers.
 vLLM v1 (vllm/v1/spec_decode/metrics.py, every log interval):
     SpecDecoding metrics: Mean acceptance length: 1.13, Accepted throughput: 9.10 tokens/s, Drafted
     throughput: 240.50 tokens/s, Accepted: 91 tokens, Drafted: 2405 tokens, Per-position acceptance rate:
@@ -26,7 +31,9 @@ from eaglescope.decode.stats import alpha_from_unconditional
 from eaglescope.errors import EagleScopeError
 
 _NUM = r"([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?|nan)"
-_SGLANG = re.compile(r"(?:#\s*)?accept(?:[ _]len(?:gth)?|ance[ _]length)\s*[:=]\s*" + _NUM, re.IGNORECASE)
+# "block accept len" (SGLang's ragged verify) is another quantity: never τ.
+_SGLANG = re.compile(r"(?<!block )(?:#\s*)?accept(?:[ _]len(?:gth)?|ance[ _]length)\s*[:=]\s*" + _NUM, re.IGNORECASE)
+_SGLANG_RUNNING = re.compile(r"#running-req:\s*([0-9]+)")
 _VLLM_TAU = re.compile(r"Mean acceptance length:\s*" + _NUM)
 _VLLM_DRAFTED = re.compile(r"Drafted:\s*([0-9]+)\s*tokens")
 _VLLM_ACCEPTED = re.compile(r"Accepted:\s*([0-9]+)\s*tokens")
@@ -86,17 +93,15 @@ def _vllm_line(line: str) -> tuple[float, list[float] | None, float | None] | No
 
 def parse_engine_log(text: str) -> EngineAcceptance:
     """Served τ (and α_k where the engine logs per-position rates) from a log's text."""
-    sg: list[float] = []
+    sg: list[tuple[float, int | None]] = []
     vl: list[tuple[float, list[float] | None, float | None]] = []
     for line in text.splitlines():
         if (v := _vllm_line(line)) is not None:
             if not math.isnan(v[0]) and not (v[2] == 0):  # an interval with no drafts says nothing
                 vl.append(v)
             continue
-        if "Decode batch" in line or "accept" in line.lower():
-            m = _SGLANG.search(line)
-            if m and not math.isnan(float(m.group(1))):
-                sg.append(float(m.group(1)))
+        if (s := _sglang_line(line)) is not None:
+            sg.append(s)
     if not sg and not vl:
         raise EagleScopeError(
             "the engine log has no acceptance lines (SGLang 'Decode batch. ... accept len: X' or vLLM "
@@ -104,7 +109,27 @@ def parse_engine_log(text: str) -> EngineAcceptance:
         )
     if len(vl) >= len(sg):
         return _merge_vllm(vl)
-    return EngineAcceptance("sglang", sum(sg) / len(sg), None, None, len(sg), None)
+    return _merge_sglang(sg)
+
+
+def _sglang_line(line: str) -> tuple[float, int | None] | None:
+    """(τ, #running-req or None) of an SGLang decode line; None for any other line."""
+    if "Decode batch" not in line and "accept" not in line.lower():
+        return None
+    m = _SGLANG.search(line)
+    if m is None or math.isnan(float(m.group(1))):
+        return None
+    r = _SGLANG_RUNNING.search(line)
+    return float(m.group(1)), int(r.group(1)) if r else None
+
+
+def _merge_sglang(sg: list[tuple[float, int | None]]) -> EngineAcceptance:
+    # Weighted by #running-req where every line prints one (see the module docstring); otherwise unweighted.
+    weights = [float(r) if r else 0.0 for _, r in sg]
+    if not all(weights):
+        weights = [1.0] * len(sg)
+    tau = sum(t * w for (t, _), w in zip(sg, weights, strict=True)) / sum(weights)
+    return EngineAcceptance("sglang", tau, None, None, len(sg), None)
 
 
 def _merge_vllm(vl: list[tuple[float, list[float] | None, float | None]]) -> EngineAcceptance:

@@ -169,8 +169,43 @@ def add_demo(sub) -> None:
     p.set_defaults(func="eaglescope.demo:cmd_demo")
 
 
+def add_bench(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure speculative decoding on your target, draft and prompts: τ, α_k, tok/s, speedup, η",
+        description="Exit status: 0 when every method's output equals vanilla greedy's, 1 otherwise, 2 bad input.",
+    )
+    p.add_argument("--target", required=True, help="target checkpoint directory")
+    p.add_argument("--draft", default=None, help="EAGLE-3 draft checkpoint directory (for chain=K and tree=...)")
+    p.add_argument(
+        "--prompts",
+        required=True,
+        help="a .jsonl of {prompt} / {prompt_ids} / conversations, or a text file with one prompt a line",
+    )
+    p.add_argument(
+        "--method",
+        action="append",
+        default=None,
+        help="vanilla | chain=K | tree=DEPTH,TOPK,TOTAL | ngram=K, repeatable "
+        "(default: vanilla, chain=4, tree=6,4,24, ngram=4)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (no stop tokens)")
+    p.add_argument("--chat", action="store_true", help="wrap text prompts as user turns with the chat template")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--html", default=None, help="write a self-contained HTML report with a plot here")
+    p.add_argument("--reference", action="store_true", help="use the reference backend even on a GPU")
+    p.add_argument(
+        "--no-batch-invariant", action="store_true", help="on a GPU: the fused decode kernels (see generate --fast)"
+    )
+    p.add_argument("--backend", default="auto", choices=BACKENDS)
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.set_defaults(func="eaglescope.bench:cmd_bench")
+
+
 def add_parsers(sub) -> None:
-    for add in (add_replay, add_prepare, add_inspect_export, add_train, add_doctor, add_demo):
+    for add in (add_replay, add_prepare, add_inspect_export, add_train, add_doctor, add_demo, add_bench):
         add(sub)
 
 

@@ -11,15 +11,14 @@ Every part is optional: a report without a trace has no norms or map, and says s
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
 import math
 import os
 from pathlib import Path
 
 from eaglescope.detective.findings import CODES, DoctorReport
+from eaglescope.figures import png_data_uri, pyplot
 from eaglescope.outputs import OutputKind, check_destination, write_file
 
 GENERATOR = '<meta name="generator" content="eaglescope doctor">'
@@ -65,24 +64,6 @@ def _num(x) -> float:
         return math.nan
 
 
-def _png(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)  # no display, and the same output everywhere
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 # -- figures -----------------------------------------------------------------------------------------------------
 def _alpha_shown(a: dict) -> list[float]:
     """α_k to plot: positions reached by fewer than MIN_REACHED rounds are noise, so they are left out."""
@@ -106,7 +87,7 @@ def acceptance_figure(acc: dict | None) -> str | None:
     accs = [(k, acc[k]) for k in ("predicted", "training") if acc.get(k) and acc[k].get("acc")]
     if not series and not accs:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2 if accs else 1, figsize=(11 if accs else 7.5, 3.6), squeeze=False)
     ax = axes[0][0]
     for key, a, style in series:
@@ -137,7 +118,7 @@ def acceptance_figure(acc: dict | None) -> str | None:
         ax.legend(fontsize=8, loc="best")
         ax.set_title("Teacher-forced acc_k: flat with TTT, falling without", fontsize=11)
     fig.tight_layout()
-    return _png(fig)
+    return png_data_uri(fig)
 
 
 def _by_segment(rows, n_labels: int) -> list[list[float]]:
@@ -161,7 +142,7 @@ def norms_figure(norms: dict | None) -> str | None:
     if not n:
         return None
     labels += [f"segment {i}" for i in range(len(labels), n)]
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
     if all(len(v) == 1 for v in trace + replay):
         xs = list(range(n))
@@ -184,7 +165,7 @@ def norms_figure(norms: dict | None) -> str | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     ax.set_title(norms.get("title", "Per-segment norms of target.aux: trace vs replay"), fontsize=11)
-    return _png(fig)
+    return png_data_uri(fig)
 
 
 def _stage_key(stage: str):
@@ -213,7 +194,7 @@ def divergence_figure(table: list[dict] | None) -> str | None:
         e = _num(r.get("rel_err"))
         grid[i, j] = math.log10(max(e, 1e-12)) if not math.isnan(e) else np.nan
         bad[i, j] |= r.get("match") is False
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(min(2.5 + 0.5 * len(rounds), 11), 1.2 + 0.32 * len(stages)))
     im = ax.imshow(grid, aspect="auto", cmap="RdYlGn_r", vmin=-8, vmax=0, interpolation="nearest")
     for i, j in zip(*np.nonzero(bad), strict=True):
@@ -225,7 +206,7 @@ def divergence_figure(table: list[dict] | None) -> str | None:
     ax.set_xlabel("round")
     fig.colorbar(im, ax=ax, label="log10 relative error")
     ax.set_title("Divergence map: trace vs golden replay (outlined = mismatch)", fontsize=11)
-    return _png(fig)
+    return png_data_uri(fig)
 
 
 def first_divergent_stage(ctx: dict) -> str | None:

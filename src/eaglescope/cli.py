@@ -58,6 +58,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from eaglescope.decode.vanilla import SamplingConfig, generate_vanilla
+    from eaglescope.fast.run import generate_fast, why_not_fast
     from eaglescope.target import load_target, parse_device, parse_dtype
 
     device = parse_device(args.device)
@@ -105,11 +106,19 @@ def cmd_generate(args) -> int:
                 f"a round drafts {depth} tokens past the {len(prompt_ids)}-token prompt, beyond the target's context "
                 f"of {target.max_positions}; use a shorter --chain/--tree depth or prompt"
             )
-    if args.no_batch_invariant and not args.fast:
-        raise EagleScopeError("--no-batch-invariant chooses the kernels of --fast; add --fast or drop it")
-    if args.fast:
-        from eaglescope.fast.run import generate_fast
-
+    if args.fast and args.reference:
+        raise EagleScopeError("--fast and --reference choose opposite decoders; pass one")
+    fast = args.fast
+    if device.type == "cuda" and not args.fast and not args.reference:
+        # On a GPU the static-shape decoder is the default wherever it can run (the same tokens, several times
+        # faster); where it cannot, say why in one line and decode on the reference path.
+        why = why_not_fast(args, target, sampling)
+        fast = why is None
+        if why is not None:
+            print(f"eaglescope: generate: the reference decoder, because the fast one cannot: {why}", file=sys.stderr)
+    if args.no_batch_invariant and not fast:
+        raise EagleScopeError("--no-batch-invariant chooses the kernels of the fast decoder (a GPU, or --fast)")
+    if fast:
         result = generate_fast(args, target, prompt_ids, sampling, stop)
     elif args.draft or args.proposer in ("ngram",):
         from eaglescope.decode.loop import run_speculative_from_args
@@ -157,6 +166,11 @@ def add_generate_parser(sub) -> None:
     shape.add_argument("--chain", type=int, default=None, metavar="K", help="chain of K draft tokens per round")
     shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="EAGLE-2 dynamic tree")
     p.add_argument("--proposer", default="eagle3", choices=["eagle3", "ngram", "draft-lm"])
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="the reference decoder even on a GPU (on a GPU the fast one is the default wherever it can run)",
+    )
     p.add_argument(
         "--fast",
         action="store_true",

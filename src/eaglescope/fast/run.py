@@ -18,15 +18,21 @@ from eaglescope.target.base import Target
 from eaglescope.target.llama import NativeTarget, fuse_projections
 
 
-def check_fast_args(args, target: Target, sampling: SamplingConfig) -> None:
+def why_not_fast(args, target: Target, sampling: SamplingConfig) -> str | None:
+    """None when the static-shape backend can run this `generate`, else why not (one clause)."""
     if not sampling.greedy:
-        raise EagleScopeError("--fast decodes greedily only; drop --temperature or --fast")
+        return "it decodes greedily only (--temperature is set)"
     if not isinstance(target, NativeTarget):
-        raise EagleScopeError(
-            "--fast needs a native target (llama, qwen2, qwen3, mistral); drop --backend hf or --fast"
-        )
+        return "it needs a native target (llama, qwen2, qwen3, mistral), not the transformers backend"
     if args.proposer != "eagle3":
-        raise EagleScopeError(f"--fast supports EAGLE-3 drafts only, not --proposer {args.proposer}")
+        return f"it runs EAGLE-3 drafts only, not --proposer {args.proposer}"
+    return None
+
+
+def check_fast_args(args, target: Target, sampling: SamplingConfig) -> None:
+    why = why_not_fast(args, target, sampling)
+    if why is not None:
+        raise EagleScopeError(f"--fast cannot run this: {why}")
 
 
 def fast_runner(

@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -334,6 +339,39 @@ def test_kill_and_resume_gives_identical_weights(env, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_sigkill_then_resume_gives_identical_weights(env, tmp_path):
+    """A real kill (no handler runs) between checkpoints: the interrupted run waits beside --out, and --resume
+    finishes it with the weights of a run that was never interrupted, bit for bit."""
+    N = 30
+    full = tmp_path / "full"
+    train(config(env, full, max_steps=N, batch_size=4), progress=False)
+    out = tmp_path / "killed"
+    argv = ["train", "--target", str(env["target"]), "--data", str(env["prep_hidden"]), "--out", str(out)]
+    argv += ["--max-steps", str(N), "--batch-size", "4", "--lr", "2e-3", "--eval-fraction", "0.25", "--save-every", "5"]
+    argv += ["--max-length", str(MAX_LEN), "--device", "cpu", "--dtype", "float32"]
+    state = partial_dir(out) / "training_state" / "state.json"
+    proc = subprocess.Popen([sys.executable, "-m", "eaglescope.cli", *argv], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (state.is_file() and json.loads(state.read_text())["step"] >= 10):
+            assert proc.poll() is None, proc.communicate()[1][-800:]
+            assert time.monotonic() < deadline, "no checkpoint in 240 s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL and not out.exists()
+    killed_at = json.loads(state.read_text())["step"]
+    assert 10 <= killed_at < N
+    res = train(config(env, out, max_steps=N, batch_size=4, save_every=5, resume=True), progress=False)
+    assert res.steps == N and not partial_dir(out).exists()
+    a, b = _weights(full), _weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_resume_refuses_changed_settings(env, tmp_path):

@@ -21,7 +21,21 @@ from pathlib import Path
 
 import torch
 
+from eaglescope import trace as T
+from eaglescope.corpus import COMPLETION_TEMPLATE, code_prefixes, stdlib_corpus, train_tokenizer
+from eaglescope.data.prepare import PrepareConfig, prepare
+from eaglescope.decode.loop import generate_speculative, generate_vanilla
+from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
+from eaglescope.decode.stats import SpecStats
+from eaglescope.detective.doctor import run_doctor
+from eaglescope.detective.report import write_html
+from eaglescope.draft import check_draft_matches_target, load_draft
 from eaglescope.errors import EagleScopeError
+from eaglescope.outputs import check_destination, dir_kind, write_file
+from eaglescope.pretrain import PretrainConfig, pretrain, save_target
+from eaglescope.target import load_target
+from eaglescope.target.loading import load_tokenizer
+from eaglescope.train.loop import TrainConfig, train
 
 
 @dataclass
@@ -91,15 +105,11 @@ DEMO_MARKER = ".eaglescope-demo"
 
 
 def _demo_kind():
-    from eaglescope.outputs import dir_kind
-
     names = ["target", "tokenizer", "prepared", "draft*", "conversations.jsonl", "trace", "doctor-report.html"]
     return dir_kind("demo work directory", markers=[DEMO_MARKER], entries=[*names, "demo-results.json", DEMO_MARKER])
 
 
 def open_workdir(work: Path) -> None:
-    from eaglescope.outputs import check_destination
-
     check_destination(work, _demo_kind(), flag="--workdir")
     work.mkdir(parents=True, exist_ok=True)
     (work / DEMO_MARKER).write_text("eaglescope demo cache: every entry here is rebuilt on demand\n")
@@ -119,9 +129,6 @@ def _stamp(path: Path, key: str) -> None:
 
 
 def build_target(cfg: DemoConfig, work: Path) -> Path:
-    from eaglescope.corpus import COMPLETION_TEMPLATE, stdlib_corpus, train_tokenizer
-    from eaglescope.pretrain import PretrainConfig, pretrain, save_target
-
     corpus = stdlib_corpus()
     key = cfg.stage_key("target", TARGET_FIELDS, corpus.sha256)
     out = work / "target"
@@ -180,10 +187,6 @@ def repeated_share(ids: list[int]) -> float:
 def check_target_sound(cfg: DemoConfig, target_dir: Path, stats: dict) -> None:
     """A target too weak to mean anything makes every later number meaningless (τ 5.0 from a model that repeats
     one token is repetition, not speculation): refuse it in one line."""
-    from eaglescope.corpus import stdlib_corpus
-    from eaglescope.decode.vanilla import generate_vanilla
-    from eaglescope.target import load_target
-
     target = load_target(target_dir, device="cpu", dtype=torch.float32)
     prompts = _prefixes(cfg, stdlib_corpus().heldout, target.tokenizer, 4, cfg.seed + 5, 48)
     outputs = [generate_vanilla(target, p, 32, stop_ids=[]).token_ids for p in prompts]
@@ -221,16 +224,10 @@ def _tokenize(tok, texts: list[str]) -> torch.Tensor:
 
 
 def _prefixes(cfg: DemoConfig, files: list[Path], tok, n: int, seed: int, length: int) -> list[list[int]]:
-    from eaglescope.corpus import code_prefixes
-
     return code_prefixes(files, tok, n, seed, length, chunk_chars=1500)
 
 
 def build_data(cfg: DemoConfig, work: Path, target_dir: Path) -> Path:
-    from eaglescope.corpus import stdlib_corpus
-    from eaglescope.data.prepare import PrepareConfig, prepare
-    from eaglescope.target.loading import load_tokenizer
-
     key = cfg.stage_key("data", DATA_FIELDS, (target_dir / ".eaglescope-stage").read_text())
     out = work / "prepared"
     if _cached(out, key):
@@ -281,8 +278,6 @@ def build_data(cfg: DemoConfig, work: Path, target_dir: Path) -> Path:
 def build_draft(
     cfg: DemoConfig, work: Path, target_dir: Path, data_dir: Path, ttt_length: int = 7, name: str = "draft"
 ) -> Path:
-    from eaglescope.train.loop import TrainConfig, train
-
     key = cfg.stage_key(name, DRAFT_FIELDS, (data_dir / ".eaglescope-stage").read_text() + str(ttt_length))
     out = work / name
     if _cached(out, key):
@@ -321,14 +316,6 @@ def _fmt(xs, n: int = 4) -> str:
 
 
 def evaluate(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: Path) -> dict:
-    from eaglescope.corpus import stdlib_corpus
-    from eaglescope.decode.loop import generate_speculative
-    from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
-    from eaglescope.decode.stats import SpecStats
-    from eaglescope.decode.vanilla import generate_vanilla
-    from eaglescope.draft import check_draft_matches_target, load_draft
-    from eaglescope.target import load_target
-
     _say(
         f"[4/5] decode {cfg.eval_prompts} held-out prefixes, {cfg.eval_new_tokens} new tokens each, "
         f"with and without speculation (greedy)"
@@ -406,12 +393,6 @@ def _print_table(rows: list[dict]) -> None:
 
 def record_trace(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: Path) -> Path:
     """A trace of eaglescope's own decoding of one held-out prefix: what doctor compares with its replay."""
-    from eaglescope import trace as T
-    from eaglescope.corpus import stdlib_corpus
-    from eaglescope.decode.loop import generate_speculative
-    from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
-    from eaglescope.draft import load_draft
-    from eaglescope.target import load_target
 
     target = load_target(target_dir, device="cpu", dtype=torch.float32)
     loaded = load_draft(draft_dir, target.num_layers)
@@ -427,9 +408,6 @@ def record_trace(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: Path)
 
 
 def run_doctor_stage(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: Path, data_dir: Path) -> dict:
-    from eaglescope.detective.doctor import run_doctor
-    from eaglescope.detective.report import write_html
-
     _say("[5/5] doctor: static checks, trace vs golden replay, served vs predicted acceptance, HTML report")
     trace_dir = record_trace(cfg, work, target_dir, draft_dir)
     report = run_doctor(
@@ -467,7 +445,6 @@ def run_demo(cfg: DemoConfig) -> dict:
     results["config"] = asdict(cfg)
     # what ran, not what was asked: the time cap may have cut pretraining short
     results["target"] = (json.loads((target_dir / "eaglescope_pretrain.json").read_text()) or {}).get("stats")
-    from eaglescope.outputs import write_file
 
     write_file(work / "demo-results.json", json.dumps(results, indent=2, default=str) + "\n")
     _say(

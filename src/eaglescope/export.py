@@ -28,7 +28,14 @@ from eaglescope.data.vocab import validate_vocab_map
 from eaglescope.draft import WEIGHT_NAMES, LoadedDraft, check_draft_matches_target, eaglescope_section, load_draft
 from eaglescope.errors import EagleScopeError
 from eaglescope.outputs import check_destination, dir_kind, staged_dir
-from eaglescope.taps import SERVING_ENGINES, TapContract, default_tap_layers, engine_capture
+from eaglescope.taps import (
+    SERVING_ENGINES,
+    SGLANG_VERSION_READ,
+    TapContract,
+    default_tap_layers,
+    engine_capture,
+    sglang_convention,
+)
 from eaglescope.target.base import TargetFingerprint
 from eaglescope.target.loading import check_dir, fingerprint_of, load_state_dict, read_config
 
@@ -61,30 +68,7 @@ def _names(indices: list[int], num_layers: int) -> list[str]:
 
 
 # -- choosing ids ----------------------------------------------------------------------------------
-# SGLang reads the ids in the *target* model's `set_eagle3_layers_to_capture` (python/sglang/srt/models/*.py), so
-# the rule is per target architecture. At SGLang 0.5.23 (the version read for docs/sglang.md) the DeepSeek-V2
-# family adds 1 only when the first id is 1 (taps.py's "sglang" convention); every other model with EAGLE-3 support
-# (llama.py, qwen2.py, qwen3.py, mistral via llama, ...) adds 1 to every id (taps.py's "sglang-legacy" convention).
-SGLANG_VERSION_READ = "0.5.23"
-SGLANG_FIRST_ID_ONE_ARCHITECTURES = frozenset(
-    {
-        "DeepseekV2ForCausalLM",  # deepseek_v2.py
-        "DeepseekV3ForCausalLM",  # deepseek_v2.py (also Kimi-K2's architecture)
-        "DeepseekV32ForCausalLM",  # deepseek_v2.py
-        "KimiK25ForConditionalGeneration",  # kimi_k25.py delegates to DeepseekV3ForCausalLM
-        "MistralLarge3ForCausalLM",  # mistral_large_3.py subclasses DeepseekV3ForCausalLM
-        "GlmMoeDsaForCausalLM",  # glm4_moe.py subclasses DeepseekV2ForCausalLM
-        "Glm4MoeLiteForCausalLM",  # glm4_moe_lite.py
-    }
-)
 SPECULATORS_VERSION = "0.9.0"
-
-
-def sglang_convention(architecture: str | None) -> str | None:
-    """The taps.py convention SGLang applies to a target of `architecture` (None: architecture unknown)."""
-    if not architecture:
-        return None
-    return "sglang" if architecture in SGLANG_FIRST_ID_ONE_ARCHITECTURES else "sglang-legacy"
 
 
 def _sglang_rule(convention: str) -> str:

@@ -19,10 +19,37 @@ INDEX_CONVENTION = "hf_output_hidden_states"
 
 # Engines and how they read `eagle_config.eagle_aux_hidden_state_layer_ids`.
 #   vllm:          ids used as-is ("state entering layer i")           -> hs[i]
-#   sglang:        newer SGLang: +1 only when the first id is 1         -> heuristic
-#   sglang-legacy: older SGLang: id i means "output of layer i", +1     -> hs[i+1]
+#   sglang:        +1 only when the first id is 1 (SGLang's DeepSeek-V2 family) -> heuristic
+#   sglang-legacy: id i means "output of layer i", +1 (SGLang's other targets) -> hs[i+1]
 #   specforge:     writes "output of layer i" ids                       -> hs[i+1]
 ENGINES = ("vllm", "sglang", "sglang-legacy", "specforge")
+
+# SGLang reads the ids in the *target* model's `set_eagle3_layers_to_capture` (python/sglang/srt/models/*.py), so
+# the rule is per target architecture. At SGLang 0.5.23 (the version read for docs/sglang.md) the DeepSeek-V2
+# family adds 1 only when the first id is 1 (the "sglang" convention here); every other model with EAGLE-3 support
+# (llama.py, qwen2.py, qwen3.py, mistral via llama, ...) adds 1 to every id (the "sglang-legacy" convention here:
+# the name is historical, it is the rule for most targets today).
+SGLANG_VERSION_READ = "0.5.23"
+SGLANG_FIRST_ID_ONE_ARCHITECTURES = frozenset(
+    {
+        "DeepseekV2ForCausalLM",  # deepseek_v2.py
+        "DeepseekV3ForCausalLM",  # deepseek_v2.py (also Kimi-K2's architecture)
+        "DeepseekV32ForCausalLM",  # deepseek_v2.py
+        "KimiK25ForConditionalGeneration",  # kimi_k25.py delegates to DeepseekV3ForCausalLM
+        "MistralLarge3ForCausalLM",  # mistral_large_3.py subclasses DeepseekV3ForCausalLM
+        "GlmMoeDsaForCausalLM",  # glm4_moe.py subclasses DeepseekV2ForCausalLM
+        "Glm4MoeLiteForCausalLM",  # glm4_moe_lite.py
+    }
+)
+
+
+def sglang_convention(architecture: str | None) -> str | None:
+    """The convention SGLang applies to a target of `architecture` (None: architecture unknown)."""
+    if not architecture:
+        return None
+    return "sglang" if architecture in SGLANG_FIRST_ID_ONE_ARCHITECTURES else "sglang-legacy"
+
+
 SERVING_ENGINES = ("sglang", "sglang-legacy", "vllm")  # those `export` writes for and `inspect` reports on
 
 
@@ -128,10 +155,13 @@ class TapContract:
     def to_dict(self) -> dict:
         return {"layers": list(self.layers), "index_convention": INDEX_CONVENTION, "num_layers": self.num_layers}
 
-    def engines_that_cannot_serve(self) -> dict[str, str]:
-        """{engine: why} for the serving engines whose layer-id convention cannot express these taps."""
+    def engines_that_cannot_serve(self, architecture: str | None = None) -> dict[str, str]:
+        """{engine: why} for the serving engines whose layer-id convention cannot express these taps; for SGLang only
+        the rule it applies to a target of `architecture` (both rules when it is unknown)."""
         out = {}
-        for engine in ("vllm", "sglang", "sglang-legacy"):
+        rule = sglang_convention(architecture)
+        engines = ["vllm", rule] if rule else ["vllm", "sglang", "sglang-legacy"]
+        for engine in engines:
             try:
                 self.to_engine_ids(engine)
             except EagleScopeError as e:

@@ -60,9 +60,10 @@ def note(msg: str) -> None:
     print(f"eaglescope: {msg}", file=sys.stderr)
 
 
-def warn_unservable(taps: TapContract) -> None:
-    """Say when the taps are chosen, not after training, which engines could not serve a draft trained on them."""
-    for engine, why in taps.engines_that_cannot_serve().items():
+def warn_unservable(taps: TapContract, architecture: str | None = None) -> None:
+    """Say when the taps are chosen, not after training, which engines could not serve a draft trained on them
+    (for SGLang, under the rule it applies to a target of `architecture`)."""
+    for engine, why in taps.engines_that_cannot_serve(architecture).items():
         warnings.warn(f"taps {list(taps.layers)} cannot be written for {engine}: {why}", stacklevel=2)
 
 
@@ -338,7 +339,7 @@ def _load_target(cfg: PrepareConfig):
         taps = None  # nothing to capture now, and no default exists for so few layers
     else:
         taps = TapContract.parse(cfg.taps, target.num_layers)
-        warn_unservable(taps)
+        warn_unservable(taps, target.fingerprint.architecture)
     target.set_taps(taps if cfg.hidden_states else None)
     return target, tok, taps, template_sha
 

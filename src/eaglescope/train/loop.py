@@ -294,7 +294,7 @@ def _resolve_data(cfg: TrainConfig, data, target_fp, num_layers: int) -> tuple[T
         return taps, d2t, t2d
     if cfg.taps is not None:
         taps = TapContract.parse(cfg.taps, num_layers)
-        warn_unservable(taps)
+        warn_unservable(taps, target_fp.architecture)
     else:
         taps = data.taps or TapContract.default(num_layers)
     if cfg.draft_vocab_size is None or cfg.draft_vocab_size == n_vocab:

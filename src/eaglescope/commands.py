@@ -152,6 +152,45 @@ def add_doctor(sub) -> None:
     p.set_defaults(func="eaglescope.detective.doctor:cmd_doctor")
 
 
+CAPTURE_DESCRIPTION = """\
+Record canonical traces (docs/trace-format.md) inside an unmodified vLLM, for `eaglescope doctor --trace`.
+
+COMMAND is your own command (python serve.py, vllm serve ..., a benchmark), run unchanged with an environment
+switch set. eaglescope's vLLM plugin (a `vllm.general_plugins` entry point: install eaglescope into vLLM's
+environment, e.g. `pip install --no-deps -e .`; scripts/vllm_env.sh does) then wraps vLLM's methods in the
+process that runs the model and traces the first N requests it starts, one trace per request, each written
+complete when its request finishes. With --requests 1 (default) TRACE is that trace; with N > 1 it is a
+directory of request-<k>/ traces and capture.json. TRACE may be a new or empty directory or an earlier capture,
+nothing else. Supported: vLLM 0.32.0 with EAGLE-3 (a chain of num_speculative_tokens); any other version is
+refused in one line and nothing is written. Serve with prefix caching off to trace requests whose prompts
+share a prefix (a cached prefix never runs, so it has no features to record).
+
+Exit status: the command's own; 2 when nothing could be captured.
+example: eaglescope capture --engine vllm --out ./trace -- python serve.py
+"""
+
+
+def add_capture(sub) -> None:
+    p = sub.add_parser(
+        "capture",
+        help="record traces inside an unmodified vLLM while your own command runs (for doctor --trace)",
+        description=CAPTURE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="eaglescope capture --engine vllm --out TRACE [--mode full|fingerprint] [--requests N] -- COMMAND ...",
+    )
+    p.add_argument("--engine", required=True, choices=["vllm"], help="the serving engine COMMAND runs")
+    p.add_argument("--out", required=True, help="where the trace goes (new, empty, or an earlier capture)")
+    p.add_argument(
+        "--mode",
+        default="full",
+        choices=["full", "fingerprint"],
+        help="full tensors, or compact fingerprints of float tensors for large models (default %(default)s)",
+    )
+    p.add_argument("--requests", type=int, default=1, help="trace the first N requests (default %(default)s)")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run")
+    p.set_defaults(func="eaglescope.capture.command:cmd_capture")
+
+
 def add_demo(sub) -> None:
     p = sub.add_parser("demo", help="end to end on the embedded default (CPU, minutes, nothing downloaded)")
     p.add_argument(
@@ -205,7 +244,7 @@ def add_bench(sub) -> None:
 
 
 def add_parsers(sub) -> None:
-    for add in (add_replay, add_prepare, add_inspect_export, add_train, add_doctor, add_demo, add_bench):
+    for add in (add_replay, add_prepare, add_inspect_export, add_train, add_doctor, add_capture, add_demo, add_bench):
         add(sub)
 
 

@@ -268,7 +268,32 @@ def diagnose_behaviour(
 # -- sources -------------------------------------------------------------------------------------------------
 def from_engine(e) -> Acceptance:
     """An EngineAcceptance (engine_logs) as an Acceptance."""
-    return Acceptance(f"{e.engine} log", list(e.alpha or []), e.accept_length)
+    return Acceptance(getattr(e, "source", f"{e.engine} log"), list(e.alpha or []), e.accept_length)
+
+
+def from_trace(trace) -> Acceptance | None:
+    """What a trace's verify decisions say was served: τ and conditional α_k over its rounds (None without any).
+
+    Like an engine log's numbers (from_engine) this is what the engine served, so it carries no `reached`: a
+    short trace's deep positions are thin evidence, which is why doctor uses it only for NO_TTT, a cause the
+    contract's TTT length must corroborate."""
+    from eaglescope import trace as T
+    from eaglescope.decode.stats import SpecStats
+
+    stats = SpecStats()
+    for rnd in trace.rounds():
+        if rnd == 0 or (T.VERIFY_PARENTS, rnd) not in trace or (T.VERIFY_ACCEPTED, rnd) not in trace:
+            continue
+        parents = [int(p) for p in trace.get(T.VERIFY_PARENTS, rnd).flatten().tolist()]
+        depth = [0] * len(parents)
+        for i, p in enumerate(parents):  # parents precede children
+            depth[i] = depth[p] + 1 if p >= 0 else 0
+        accepted = int(trace.get(T.VERIFY_ACCEPTED, rnd).numel())
+        stats.record_round(None, accepted, max_depth=max(depth, default=0), num_drafted=len(parents) - 1)
+    if not stats.rounds:
+        return None
+    engine = str(trace.producer).split("-", 1)[0].split(" ", 1)[0] or "engine"
+    return Acceptance(f"{engine} trace", stats.alpha, stats.accept_length)
 
 
 def _find_acc(obj) -> dict | None:

@@ -352,6 +352,22 @@ def diagnose_embed(ev: Evidence, rnd: int, stage: str, observed, step: int) -> l
                 )
             )
             return findings
+    if (other := _other_tokens(emb, gold, observed, ev.tol)) is not None:
+        rows, fed, want = other
+        return [
+            Finding(
+                "DIVERGENCE_UNEXPLAINED",
+                stage,
+                f"{stage} rows {rows} are the target's embedding of tokens {fed}, not of {want}: the embedding is "
+                "right but other tokens were fed at those rows (no named hypothesis covers that)",
+                {"rows": rows, "fed_tokens": fed, "expected_tokens": want},
+                "pair each position's features with the token after it at every row (vLLM 0.32's padded drafter "
+                "batch pairs the last row of a prefill chunk with the prompt's last token: disable_padded_drafter_"
+                "batch, or prefill unchunked)",
+                0.5,
+                rnd,
+            )
+        ]
     m = ev.same(gold.float(), observed)
     norm_ratio = None
     if isinstance(observed, torch.Tensor) and observed.shape == gold.shape:
@@ -367,6 +383,30 @@ def diagnose_embed(ev: Evidence, rnd: int, stage: str, observed, step: int) -> l
             rnd,
         )
     ]
+
+
+def _other_tokens(emb: torch.Tensor, gold, observed, tol: float) -> tuple[list[int], list[int], list[int]] | None:
+    """(rows, fed token ids, expected token ids) when the rows of `observed` that differ from `gold` are each exactly
+    a row of the embedding table (so the table is right and the tokens are not); None otherwise."""
+    if not (isinstance(observed, torch.Tensor) and isinstance(gold, torch.Tensor)) or observed.shape != gold.shape:
+        return None
+    a, b = observed.double().cpu(), gold.double().cpu()
+    err = (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)
+    rows = [int(i) for i in torch.nonzero(err > tol).flatten().tolist()]
+    if not rows or len(rows) == a.shape[0]:  # every row differs: a table or a shift, not a few wrong tokens
+        return None
+    table = emb.detach().double().cpu()
+
+    def lookup(x: torch.Tensor) -> list[int] | None:
+        d = torch.cdist(x, table)  # [rows, V]
+        best = d.min(dim=-1)
+        ok = best.values <= tol * table[best.indices].norm(dim=-1)
+        return [int(i) for i in best.indices.tolist()] if bool(ok.all()) else None
+
+    fed, want = lookup(a[rows]), lookup(b[rows])
+    if fed is None or want is None:
+        return None
+    return rows, fed, want
 
 
 def _committed_before(ev: Evidence, rnd: int, prompt_len: int) -> int:

@@ -23,6 +23,7 @@ from eaglescope.detective.behaviour import (
     Acceptance,
     diagnose_behaviour,
     from_engine,
+    from_trace,
     load_samples,
     predict_on_data,
     prompt_of,
@@ -93,11 +94,12 @@ def run_doctor(
     if prompts < 1 or max_new_tokens < 1 or depth < 1 or eval_samples < 1:
         raise EagleScopeError("--prompts, --max-new-tokens, --depth and --eval-samples must be >= 1")
     notes: list[str] = []
+    loaded_trace = None
     if trace is not None:
         from eaglescope.trace import TraceError, load_trace
 
         try:  # a bad trace path is the user's input: say so before minutes of loading
-            load_trace(trace)
+            loaded_trace = load_trace(trace)
         except TraceError as e:
             raise EagleScopeError(f"cannot read trace {trace}: {e}") from None
     if data is not None and not Path(data).exists():
@@ -110,7 +112,12 @@ def run_doctor(
     if data is not None:
         check_data(Path(data))
     if engines is None:
-        engines = (served_engine.engine,) if served_engine is not None else DEFAULT_ENGINES
+        if served_engine is not None:
+            engines = (served_engine.engine,)
+        elif loaded_trace is not None and str(loaded_trace.producer).startswith("vllm"):
+            engines = ("vllm",)  # eaglescope capture's vLLM traces: the engine that served is known
+        else:
+            engines = DEFAULT_ENGINES
 
     say("static checks")
     findings, static_ctx = static_checks(target_dir, draft_dir, engines)
@@ -144,6 +151,22 @@ def run_doctor(
         context.update(ctx)
         if note:
             notes.append(note)
+        if not f and not note and data is None and served_engine is None:
+            # The trace replays clean, so the wiring is right; its own verify decisions are then what was served.
+            # Without a teacher-forced reference only NO_TTT can be told from them (the contract's TTT length
+            # corroborates it); the other behavioural causes need --data or --engine-log.
+            served_trace = from_trace(loaded_trace)
+            if served_trace is not None:
+                ttt = static_ctx.get("contract", {}).get("ttt_length")
+                training = read_training_metrics(draft_dir)
+                findings += [x for x in diagnose_behaviour(served_trace, None, training, ttt) if x.code == "NO_TTT"]
+                context["acceptance"] = {
+                    "served": served_trace.to_dict(),
+                    "predicted": None,
+                    "training": training.to_dict() if training else None,
+                    "ttt_length": ttt,
+                    "depth": len(served_trace.alpha),
+                }
 
     if data is not None or served_engine is not None:
         served: Acceptance | None = from_engine(served_engine) if served_engine is not None else None
@@ -161,7 +184,12 @@ def run_doctor(
                     served = serve_with_decoder(target, loaded.model, ps, max_new_tokens, depth)
         training = read_training_metrics(draft_dir)
         ttt = static_ctx.get("contract", {}).get("ttt_length")
-        findings += diagnose_behaviour(served, predicted, training, ttt)
+        behaviour = diagnose_behaviour(served, predicted, training, ttt)
+        if findings and predicted is None and training is None:
+            # With nothing teacher-forced to compare with, UNDERTRAINED only says "served acceptance is low"; when a
+            # static or trace finding already explains that, naming undertraining as a cause too would mislead.
+            behaviour = [x for x in behaviour if x.code != "UNDERTRAINED"]
+        findings += behaviour
         context["acceptance"] = {
             "served": served.to_dict() if served else None,
             "predicted": predicted.to_dict() if predicted else None,

@@ -18,10 +18,22 @@ vLLM v1 (vllm/v1/spec_decode/metrics.py, every log interval):
   Lines are weighted by their number of drafts (Drafted tokens / positions) before that conversion.
 vLLM v0 ("Speculative metrics: Draft acceptance rate: ..., Number of speculative tokens: k, Number of
   accepted tokens: A, Number of draft tokens: D, Number of emitted tokens: E"): τ = E / (D / k).
+vLLM's counters, exact and cumulative (vllm/v1/spec_decode/metrics.py SpecDecodingProm), in either form:
+  Prometheus text (a server's /metrics, or prometheus_client.generate_latest() after LLM.generate):
+    vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 28.0
+    vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 36.0
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 17.0
+  JSON of LLM.get_metrics(): json.dump([dataclasses.asdict(m) for m in llm.get_metrics()], f), i.e.
+    [{"name": "vllm:spec_decode_num_drafts", "labels": {...}, "value": 28},
+     {"name": "vllm:spec_decode_num_accepted_tokens_per_pos", "labels": {...}, "values": [17, 14, 5]}, ...]
+  τ = 1 + accepted / drafts; per-position rate_k = accepted_per_pos[k] / drafts (unconditional, as above). Series
+  of several engines (data parallel) are summed; in Prometheus text a series given twice keeps its last value
+  (several scrapes in one file: the latest counts).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -38,6 +50,11 @@ _VLLM_TAU = re.compile(r"Mean acceptance length:\s*" + _NUM)
 _VLLM_DRAFTED = re.compile(r"Drafted:\s*([0-9]+)\s*tokens")
 _VLLM_ACCEPTED = re.compile(r"Accepted:\s*([0-9]+)\s*tokens")
 _VLLM_POS = re.compile(r"Per-position acceptance rate:\s*((?:[0-9.]+(?:,\s*)?)+)")
+_PROM = re.compile(
+    r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens|accepted_tokens_per_pos))(?:_total)?"
+    r"(?:\{([^}]*)\})?\s+(" + _NUM + r"|NaN|[+-]Inf)\s*(?:[0-9]+)?$"
+)
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _VLLM0 = re.compile(
     r"Number of speculative tokens:\s*([0-9]+).*?Number of draft tokens:\s*([0-9]+).*?"
     r"Number of emitted tokens:\s*([0-9]+)"
@@ -52,13 +69,18 @@ class EngineAcceptance:
     per_position: list[float] | None  # unconditional, as the engine logs it (vLLM only)
     lines: int  # metric lines used
     drafts: float | None  # verify rounds behind the numbers, when the log says
+    kind: str = "log"  # "log" (periodic lines) or "metrics" (vLLM's counters: Prometheus text or get_metrics JSON)
+
+    @property
+    def source(self) -> str:
+        return f"{self.engine} {self.kind}"
 
     def to_dict(self) -> dict:
         def clean(xs):
             return None if xs is None else [None if math.isnan(x) else x for x in xs]
 
         return {
-            "source": f"{self.engine} log",
+            "source": self.source,
             "engine": self.engine,
             "accept_length": self.accept_length,
             "alpha": clean(self.alpha),
@@ -92,7 +114,11 @@ def _vllm_line(line: str) -> tuple[float, list[float] | None, float | None] | No
 
 
 def parse_engine_log(text: str) -> EngineAcceptance:
-    """Served τ (and α_k where the engine logs per-position rates) from a log's text."""
+    """Served τ (and α_k where the engine logs per-position rates) from a log's text, or from vLLM's metrics
+    (Prometheus text or get_metrics() JSON; exact counters, preferred when a file holds both)."""
+    metrics = _vllm_metrics(text)
+    if metrics is not None:
+        return metrics
     sg: list[tuple[float, int | None]] = []
     vl: list[tuple[float, list[float] | None, float | None]] = []
     for line in text.splitlines():
@@ -151,6 +177,81 @@ def _merge_vllm(vl: list[tuple[float, list[float] | None, float | None]]) -> Eng
         alpha = alpha_from_unconditional(per_pos)
     drafts = None if any(d is None for _, _, d in vl) else total
     return EngineAcceptance("vllm", tau, alpha, per_pos, len(vl), drafts)
+
+
+# -- vLLM's counters -------------------------------------------------------------------------------------------
+_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def _vllm_metrics(text: str) -> EngineAcceptance | None:
+    """vLLM's spec-decode counters from Prometheus text or get_metrics() JSON; None when the text holds neither."""
+    stripped = text.lstrip()
+    if stripped[:1] in ("[", "{"):
+        try:
+            obj = json.loads(stripped)
+        except ValueError:
+            obj = None
+        if obj is not None:
+            return _from_metrics_json(obj)
+    totals: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    series: dict[tuple, float] = {}
+    for line in text.splitlines():
+        m = _PROM.match(line.strip())
+        if m is None:
+            continue
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        series[(m.group(1), tuple(sorted(labels.items())))] = float(m.group(3))  # a later scrape replaces
+    if not series:
+        return None
+    for (name, labels), value in series.items():
+        short = name.removeprefix("vllm:spec_decode_")
+        if short == "num_accepted_tokens_per_pos":
+            pos = dict(labels).get("position")
+            if pos is not None and pos.isdigit():
+                per_pos[int(pos)] = per_pos.get(int(pos), 0.0) + value
+        else:
+            totals[short] = totals.get(short, 0.0) + value
+    counts = [per_pos.get(k, 0.0) for k in range(max(per_pos) + 1)] if per_pos else []
+    return _from_counters(totals, counts, "Prometheus text")
+
+
+def _from_metrics_json(obj) -> EngineAcceptance | None:
+    items = obj.get("metrics") if isinstance(obj, dict) else obj
+    if not isinstance(items, list):
+        return None
+    totals: dict[str, float] = {}
+    counts: list[float] = []
+    found = False
+    for m in items:
+        if not isinstance(m, dict) or not str(m.get("name", "")).startswith("vllm:spec_decode_"):
+            continue
+        found = True
+        short = str(m["name"]).removeprefix("vllm:spec_decode_")
+        if short == "num_accepted_tokens_per_pos" and isinstance(m.get("values"), list):
+            vals = [float(v) for v in m["values"]]
+            counts = [(counts[k] if k < len(counts) else 0.0) + (vals[k] if k < len(vals) else 0.0)
+                      for k in range(max(len(counts), len(vals)))]  # fmt: skip
+        elif short in _COUNTERS and isinstance(m.get("value"), (int, float)):
+            totals[short] = totals.get(short, 0.0) + float(m["value"])
+    return _from_counters(totals, counts, "get_metrics() JSON") if found else None
+
+
+def _from_counters(totals: dict[str, float], counts: list[float], form: str) -> EngineAcceptance:
+    drafts, accepted = totals.get("num_drafts"), totals.get("num_accepted_tokens")
+    if drafts is None or accepted is None:
+        raise EagleScopeError(
+            f"vLLM's metrics ({form}) lack vllm:spec_decode_num_drafts or vllm:spec_decode_num_accepted_tokens: "
+            "were they read from an engine serving with speculative decoding?"
+        )
+    if not drafts > 0:
+        raise EagleScopeError(
+            f"vLLM's metrics ({form}) count no speculative drafts yet (vllm:spec_decode_num_drafts is 0): read them "
+            "after requests were served with speculative decoding"
+        )
+    per_pos = [c / drafts for c in counts] if counts else None
+    alpha = alpha_from_unconditional(per_pos) if per_pos else None
+    return EngineAcceptance("vllm", 1.0 + accepted / drafts, alpha, per_pos, 1, drafts, kind="metrics")
 
 
 def read_engine_log(path: Path | str) -> EngineAcceptance:

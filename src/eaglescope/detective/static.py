@@ -17,7 +17,7 @@ from eaglescope.detective.findings import Finding
 from eaglescope.draft import DraftContract, infer_contract
 from eaglescope.errors import EagleScopeError
 from eaglescope.export import choose_engine_ids, config_tap_ids, load_target_embedding, tap_name
-from eaglescope.taps import TapContract, engine_capture
+from eaglescope.taps import ENGINES, TapContract, engine_capture
 from eaglescope.target.base import TargetFingerprint
 from eaglescope.target.loading import check_dir, fingerprint_of, load_state_dict, read_config
 
@@ -138,26 +138,41 @@ def check_engines(
             fix = f"{engine} cannot capture these taps ({e}); serve with another engine"
         shift = sorted({c - t for c, t in zip(cap or [], taps.layers, strict=False)})
         names = "; ".join(tap_name(i, L) for i in cap or [])
-        findings.append(
-            Finding(
-                "ENGINE_TAP_CONVENTION",
-                "target.aux",
-                f"{engine} reads eagle_aux_hidden_state_layer_ids {ids} as taps {cap} ({names}), "
-                f"but the draft was trained on {list(taps.layers)}",
-                {
-                    "engine": engine,
-                    "config_ids": ids,
-                    "captures": cap,
-                    "trained_taps": list(taps.layers),
-                    "offset": shift[0] if len(shift) == 1 else None,
-                    "contract_inferred": contract.inferred,
-                },
-                fix,
-                # An inferred contract only guesses the training taps, so the mismatch is a guess too.
-                0.5 if contract.inferred else 0.95,
-            )
+        evidence = {
+            "engine": engine,
+            "config_ids": ids,
+            "captures": cap,
+            "trained_taps": list(taps.layers),
+            "offset": shift[0] if len(shift) == 1 else None,
+            "contract_inferred": contract.inferred,
+        }
+        # An inferred contract only guesses the training taps, so the mismatch is a guess too.
+        conf = 0.5 if contract.inferred else 0.95
+        verdict = (
+            f"{engine} reads eagle_aux_hidden_state_layer_ids {ids} as taps {cap} ({names}), "
+            f"but the draft was trained on {list(taps.layers)}"
         )
+        # Ids that some engine's convention reads as the trained taps (or no ids at all) were written for another
+        # engine: a convention mix-up. Ids that no convention reads as them are simply wrong ids, named by what
+        # they make this engine capture.
+        right_for = [e for e in ENGINES if e != engine and _capture_or_none(ids, e, L) == list(taps.layers)]
+        evidence["ids_right_for"] = right_for
+        if ids is not None and not right_for and cap is not None and len(cap) == len(taps.layers):
+            code = "TAP_OFF_BY_ONE" if all(abs(c - t) <= 1 for c, t in zip(cap, taps.layers)) else "TAP_WRONG_LAYER"
+            findings.append(Finding(code, "target.aux", verdict + "; no engine reads these ids as the trained taps",
+                                    evidence, fix, conf))  # fmt: skip
+            continue
+        if right_for:
+            verdict += f"; these ids are {' and '.join(right_for)}'s convention"
+        findings.append(Finding("ENGINE_TAP_CONVENTION", "target.aux", verdict, evidence, fix, conf))
     return findings, {"config_ids": ids, **captures}
+
+
+def _capture_or_none(ids: list[int] | None, engine: str, num_layers: int) -> list[int] | None:
+    try:
+        return engine_capture(ids, engine, num_layers)
+    except EagleScopeError:
+        return None
 
 
 def check_vocab_map(hf_config: dict, sd: dict[str, torch.Tensor]) -> tuple[list[Finding], dict]:

@@ -1,0 +1,48 @@
+"""`eaglescope capture`: canonical traces (docs/trace-format.md) recorded inside an unmodified serving engine.
+
+Two halves, in two Python environments:
+
+    command.py    the CLI command, in eaglescope's environment: checks --out, runs the user's own command with
+                  the switch below set, and moves the complete traces into place when it ends (standard library).
+    plugin.py     a vLLM general plugin (entry point `vllm.general_plugins`), in vLLM's environment: a no-op
+                  unless the switch is set; otherwise it checks vLLM's version and arranges for vllm_hooks.py
+                  to wrap vLLM's methods in whichever process imports vLLM's model runner.
+    vllm_hooks.py the wrappers: they read what vLLM computes (never change it) and write one trace per request
+                  with eaglescope's TraceRecorder.
+
+This module holds only the names both halves share, so that importing it costs nothing.
+"""
+
+from __future__ import annotations
+
+# The switch: the staging directory the traces are written into (set by `eaglescope capture` only).
+ENV_DIR = "EAGLESCOPE_CAPTURE_DIR"
+ENV_REQUESTS = "EAGLESCOPE_CAPTURE_REQUESTS"  # how many requests to trace (the first N the engine starts)
+ENV_MODE = "EAGLESCOPE_CAPTURE_MODE"  # "full" | "fingerprint"
+ENV_ENGINE = "EAGLESCOPE_CAPTURE_ENGINE"  # "vllm"
+
+# Files the engine side leaves in the staging directory for the command to read.
+REFUSED = "refused.txt"  # one line: this engine version is not supported (nothing was hooked)
+NOTES = "notes.txt"  # one line per request that was not traced, or per hook error, and why
+LOADED = "loaded-{pid}"  # the plugin ran in this process
+HOOKED = "hooked-{pid}"  # the hooks are installed in this process (it imported the model runner)
+CLAIMS = "claims"  # claims/<k>: request slot k is taken (mkdir is atomic across engine processes)
+TRACE_NAME = "request-{k}"  # request slot k's trace
+
+PRODUCER_SUFFIX = "(eaglescope capture)"
+SUPPORTED_VLLM = ("0.32.0",)
+
+
+def producer(engine: str, version: str) -> str:
+    """The `producer` of a captured trace, e.g. "vllm-0.32.0 (eaglescope capture)"."""
+    return f"{engine}-{version} {PRODUCER_SUFFIX}"
+
+
+def unsupported_line(version: str) -> str | None:
+    """The one line that refuses a vLLM version the hooks were not written for; None when supported."""
+    if version in SUPPORTED_VLLM:
+        return None
+    return (
+        f"eaglescope capture supports vLLM {', '.join(SUPPORTED_VLLM)} only; this is vLLM {version}: nothing "
+        "was captured (its internals differ between versions, and a trace from misread internals would mislead)"
+    )

@@ -1,0 +1,206 @@
+"""`eaglescope capture --engine vllm --out TRACE [--mode full|fingerprint] [--requests N] -- COMMAND ...`
+
+Runs the user's own command (`python serve.py`, `vllm serve ...`, a benchmark script) unchanged, with a switch in
+its environment that eaglescope's vLLM plugin (plugin.py, registered under `vllm.general_plugins`) reads in every
+vLLM process. The process that runs the model then writes one trace per request, for the first N requests it
+starts, into a hidden staging directory beside TRACE; each trace is complete the moment it is written. When the
+command ends the traces are moved into place: with N = 1, TRACE is that request's trace; with N > 1, TRACE is a
+directory of `request-<k>/` traces and a `capture.json` index. Standard library only (no torch here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from eaglescope import outputs
+from eaglescope.capture import (
+    ENV_DIR,
+    ENV_ENGINE,
+    ENV_MODE,
+    ENV_REQUESTS,
+    HOOKED,
+    LOADED,
+    NOTES,
+    PRODUCER_SUFFIX,
+    REFUSED,
+    SUPPORTED_VLLM,
+    TRACE_NAME,
+)
+from eaglescope.errors import EagleScopeError
+
+INDEX = "capture.json"
+WRITTEN_BY = "eaglescope capture"
+PLUGIN_NAME = "eaglescope_capture"  # the entry point's name (VLLM_PLUGINS allow-lists plugins by it)
+POLL_S = 0.2
+TERMINATE_GRACE_S = 15.0
+
+
+def _captured(path: Path) -> bool:
+    """A trace this command wrote (any engine version), or a directory of them with our index."""
+    manifest = outputs.read_json(path / "manifest.json")
+    if manifest is not None:
+        return str(manifest.get("producer", "")).endswith(PRODUCER_SUFFIX)
+    index = outputs.read_json(path / INDEX)
+    return index is not None and index.get("written_by") == WRITTEN_BY
+
+
+CAPTURE_KIND = outputs.dir_kind(
+    "capture written by eaglescope capture",
+    markers=["manifest.json", INDEX],
+    entries=["manifest.json", "trace-*.safetensors", INDEX, "request-*"],
+    check=_captured,
+)
+
+
+def _child_env(staging: Path, requests: int, mode: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({ENV_DIR: str(staging), ENV_REQUESTS: str(requests), ENV_MODE: mode, ENV_ENGINE: "vllm"})
+    allowed = env.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN_NAME not in allowed.split(","):
+        # An allow-list would keep the plugin out: add it (capture was asked for explicitly).
+        env["VLLM_PLUGINS"] = ",".join(p for p in (*allowed.split(","), PLUGIN_NAME) if p)
+    return env
+
+
+def _run(command: list[str], env: dict[str, str], staging: Path) -> tuple[int, str | None]:
+    """Run the command to its end (or until the plugin refuses this vLLM) → (exit status, refusal line)."""
+    try:
+        proc = subprocess.Popen(command, env=env)
+    except OSError as e:
+        raise EagleScopeError(f"cannot run {command[0]!r}: {e.strerror or e}") from None
+    # Ctrl-C reaches the command through the terminal's process group; this process outlives it to put the
+    # finished traces in place. A TERM sent to this process alone is passed on.
+    old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    old_term = signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
+    refused = None
+    try:
+        while proc.poll() is None:
+            if refused is None and (staging / REFUSED).is_file():
+                refused = (staging / REFUSED).read_text(encoding="utf-8").strip()
+                proc.terminate()  # nothing can be captured: do not leave the user's server running for nothing
+                deadline = time.monotonic() + TERMINATE_GRACE_S
+                while proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(POLL_S)
+                if proc.poll() is None:
+                    proc.kill()
+            time.sleep(POLL_S)
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+    if refused is None and (staging / REFUSED).is_file():
+        refused = (staging / REFUSED).read_text(encoding="utf-8").strip()
+    return proc.returncode, refused
+
+
+def _nothing_captured(staging: Path, rc: int, notes: list[str]) -> EagleScopeError:
+    status = f" (the command exited with status {rc})" if rc else ""
+    if not any(staging.glob(LOADED.format(pid="*"))):
+        why = (
+            "the eaglescope vLLM plugin never loaded: install eaglescope into the Python environment that runs "
+            "vLLM (`pip install --no-deps -e /path/to/eaglescope` there; scripts/vllm_env.sh does it), and run "
+            "vLLM from that environment"
+        )
+    elif not any(staging.glob(HOOKED.format(pid="*"))):
+        why = "the eaglescope plugin loaded but no process ran vLLM's model (did the command start an engine?)"
+    else:
+        why = "vLLM ran, but no request was traced"
+        if notes:
+            why += f": {notes[-1]}"
+        else:
+            why += " (was it serving with speculative_config method 'eagle3'?)"
+    return EagleScopeError(f"nothing was captured{status}: {why}")
+
+
+def cmd_capture(args) -> int:
+    command = list(args.command or [])
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise EagleScopeError("give the command to run after --, e.g. eaglescope capture ... -- python serve.py")
+    if args.requests < 1:
+        raise EagleScopeError(f"--requests must be >= 1, got {args.requests}")
+    out = outputs.check_destination(args.out, CAPTURE_KIND, flag="--out")
+    outputs.clean_stale(out)
+    staging = out.with_name(f".{out.name}{outputs.TMP_TAG}{os.getpid()}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+    except OSError as e:
+        raise EagleScopeError(f"cannot write beside {out}: {e.strerror or e}") from None
+    try:
+        rc, refused = _run(command, _child_env(staging, args.requests, args.mode), staging)
+        if refused:
+            raise EagleScopeError(refused)
+        notes = [ln for ln in _read_lines(staging / NOTES) if ln]
+        slots = sorted(
+            (int(p.name.rsplit("-", 1)[1]), p)
+            for p in staging.glob(TRACE_NAME.format(k="*"))
+            if p.is_dir() and p.name.rsplit("-", 1)[1].isdigit() and (p / "manifest.json").is_file()
+        )
+        if not slots:
+            raise _nothing_captured(staging, rc, notes)
+        if args.requests == 1:
+            outputs.swap_in(slots[0][1], out)
+        else:
+            index = {
+                "written_by": WRITTEN_BY,
+                "engine": "vllm",
+                "supported_versions": list(SUPPORTED_VLLM),
+                "mode": args.mode,
+                "requested": args.requests,
+                "command": command,
+                "exit_status": rc,
+                "traces": [_summary(path) for _, path in slots],
+                "notes": notes,
+            }
+            for p in staging.iterdir():  # the engine side's bookkeeping stays behind
+                if not (p.name.startswith("request-") and p.is_dir()):
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+            (staging / INDEX).write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")
+            outputs.swap_in(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    for line in notes:
+        print(f"eaglescope capture: note: {line}", file=sys.stderr)
+    where = out if args.requests == 1 else out / slots[0][1].name
+    short = f" of the {args.requests} asked for" if len(slots) < args.requests else ""
+    print(
+        f"eaglescope capture: {len(slots)} trace(s){short} written to {out}; diagnose with: eaglescope doctor "
+        f"--target TARGET --draft DRAFT --trace {where}",
+        file=sys.stderr,
+    )
+    if rc:
+        print(f"eaglescope capture: warning: the command exited with status {rc}", file=sys.stderr)
+    return rc
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+
+
+def _summary(path: Path) -> dict:
+    meta = (outputs.read_json(path / "manifest.json") or {}).get("meta") or {}
+    vllm = meta.get("vllm") or {}
+    return {
+        "trace": path.name,
+        "request_id": vllm.get("request_id"),
+        "prompt_tokens": len(meta.get("prompt_ids") or []),
+        "rounds": meta.get("rounds"),
+        "finished": meta.get("finished"),
+    }
+
+
+__all__ = ["cmd_capture", "CAPTURE_KIND"]

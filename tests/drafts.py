@@ -18,19 +18,26 @@ def make_draft(
     draft_vocab_size: int | None = None,
     seed: int = 0,
     scale: float = 1.0,
+    arch: str = "llama",
+    random_norms: bool = False,
+    **options,
 ) -> tuple[Eagle3Draft, DraftContract]:
+    """`arch` and `options` (EAGLE 3.1 flags) as DraftConfig.for_target takes them; `random_norms` draws every norm
+    weight around 1 instead of exactly 1, so a norm applied or skipped changes the output (EAGLE 3.1 tests)."""
     cfg = json.loads((Path(target_dir) / "config.json").read_text())
     L = cfg["num_hidden_layers"]
     taps = taps or TapContract.default(L)
     V = cfg["vocab_size"]
     n = draft_vocab_size or V
-    config = DraftConfig.for_target(cfg, taps, n)
+    config = DraftConfig.for_target(cfg, taps, n, arch=arch, **options)
     g = torch.Generator().manual_seed(seed)
     draft = Eagle3Draft(config)
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if p.dim() == 2 and name != "embed_tokens.weight":
                 p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[1] ** 0.5)
+            elif p.dim() == 1 and random_norms:
+                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g))
     counts = torch.randint(0, 1000, (V,), generator=g)
     d2t, t2d = build_draft_vocab(counts, n)
     draft.set_vocab_map(d2t, t2d)

@@ -82,7 +82,7 @@ def test_save_load_round_trip_is_bit_identical(target_dir, tmp_path):
     a, b = loaded.model.config, model.config
     assert dataclasses.replace(a, rope=b.rope) == b
     assert (a.rope.theta, a.rope.rope_type) == (b.rope.theta, b.rope.rope_type)
-    assert torch.equal(loaded.model.inv_freq, model.inv_freq)
+    assert torch.equal(loaded.model.midlayer.inv_freq, model.midlayer.inv_freq)
     assert loaded.contract.taps == contract.taps
     assert loaded.contract.target == contract.target
     assert (loaded.contract.ttt_length, loaded.contract.loss_mask_shift) == (7, "shifted")

@@ -1,13 +1,14 @@
-"""The EAGLE-3 draft model (`LlamaForCausalLMEagle3`), its contract, and checkpoint I/O.
+"""The EAGLE-3 draft model, its contract, and checkpoint I/O.
 
     step 0:  h = fc(aux)                      aux = cat(taps low→high)  [T, nH] → [T, H]
-    step k:  h = own pre-norm output of step k-1 (fc is never applied again)
-    x      = cat(input_layernorm(embed(token)), hidden_norm(h))    [T, 2H], embedding first
-    h'     = h + o_proj(attn(x));  out = h' + mlp(post_attention_layernorm(h'))
-    logits = lm_head(norm(out))   over the draft vocabulary; target id = draft id + d2t[draft id]
+             (EAGLE 3.1: norm_before_fc = one RMSNorm over aux first; fc_norm = one RMSNorm per tap segment)
+    step k:  h = what step k-1 handed on (fc is never applied again): its pre-norm output, or with norm_output
+             its post-norm output
+    out    = layer(embed(token), h)           drafts/llama.py (Llama attention) or drafts/mla.py (MLA)
+    logits = lm_head(norm(out)) · logit_scale over the draft vocabulary; target id = draft id + d2t[draft id]
 
-Training (TTT) and decoding both call `Eagle3Draft.step`; only the attention mask and the
-cache slots differ. That shared forward is what makes the train/decode equality test possible.
+Training (TTT), decoding (both backends) and replay all call `project`, `step` and `logits`; only the attention
+mask and the cache slots differ. That shared forward is what makes the train/decode equality test possible.
 """
 
 from __future__ import annotations
@@ -22,24 +23,16 @@ from safetensors.torch import save_file
 from torch import nn
 
 from eaglescope.data.vocab import validate_vocab_map
+from eaglescope.drafts import DraftConfig, build_layer
+from eaglescope.drafts.config import LLAMA_ARCHITECTURE
 from eaglescope.errors import EagleScopeError
 from eaglescope.outputs import read_json, staged_dir
 from eaglescope.taps import TapContract, engine_capture
 from eaglescope.target.base import TargetFingerprint
-from eaglescope.target.llama import (
-    MLP,
-    KVCache,
-    LlamaArgs,
-    QKVProjection,
-    RMSNorm,
-    RopeSpec,
-    apply_rope,
-    attend,
-    rope_cos_sin,
-)
+from eaglescope.target.llama import KVCache, RMSNorm
 from eaglescope.target.loading import check_dir, check_finite, load_state_dict, read_config
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
+ARCHITECTURE = LLAMA_ARCHITECTURE  # the draft format engines know by this name (MLA drafts: drafts/config.py)
 
 
 @dataclass
@@ -78,155 +71,6 @@ class DraftContract:
         )
 
 
-@dataclass
-class DraftConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int  # the target's vocabulary
-    draft_vocab_size: int
-    target_hidden_size: int
-    num_aux: int = 3
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 2048
-    rope: RopeSpec = field(default_factory=RopeSpec)
-    norm_before_residual: bool = False
-
-    @classmethod
-    def for_target(cls, target_cfg: dict, taps: TapContract, draft_vocab_size: int) -> DraftConfig:
-        """The usual EAGLE-3 shape: one decoder layer of the target's own width."""
-        a = (
-            LlamaArgs.from_hf_config({**target_cfg, "model_type": "llama"})
-            if target_cfg.get("model_type") not in ("llama", "qwen2", "qwen3", "mistral")
-            else LlamaArgs.from_hf_config(target_cfg)
-        )
-        return cls.from_target_args(a, taps, draft_vocab_size)
-
-    @classmethod
-    def from_target_args(cls, a: LlamaArgs, taps: TapContract, draft_vocab_size: int) -> DraftConfig:
-        return cls(
-            hidden_size=a.hidden_size,
-            intermediate_size=a.intermediate_size,
-            num_heads=a.num_heads,
-            num_kv_heads=a.num_kv_heads,
-            head_dim=a.head_dim,
-            vocab_size=a.vocab_size,
-            draft_vocab_size=draft_vocab_size,
-            target_hidden_size=a.hidden_size,
-            num_aux=taps.count,
-            rms_norm_eps=a.rms_norm_eps,
-            max_position_embeddings=a.max_position_embeddings,
-            rope=a.rope,
-        )
-
-    def to_hf_config(self, tap_ids: list[int] | None) -> dict:
-        cfg = {
-            "architectures": [ARCHITECTURE],
-            "model_type": "llama",
-            "num_hidden_layers": 1,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rope.theta,
-            "rope_scaling": None
-            if self.rope.rope_type == "default"
-            else {k: v for k, v in self.rope.params.items() if k != "rope_theta"} | {"rope_type": self.rope.rope_type},
-            "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": self.target_hidden_size,
-            "tie_word_embeddings": False,
-            "norm_before_residual": self.norm_before_residual,
-            "torch_dtype": "float32",
-        }
-        eagle_config: dict = {"use_aux_hidden_state": True}
-        if tap_ids is not None:
-            eagle_config["eagle_aux_hidden_state_layer_ids"] = list(tap_ids)
-        cfg["eagle_config"] = eagle_config
-        return cfg
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict, fc_in: int | None = None) -> DraftConfig:
-        try:
-            hidden = int(cfg["hidden_size"])
-            n_heads = int(cfg["num_attention_heads"])
-            target_hidden = int(cfg.get("target_hidden_size") or hidden)
-            num_aux = 3 if fc_in is None else fc_in // target_hidden
-            return cls(
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_heads=n_heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-                head_dim=int(cfg.get("head_dim") or hidden // n_heads),
-                vocab_size=int(cfg["vocab_size"]),
-                draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
-                target_hidden_size=target_hidden,
-                num_aux=num_aux,
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                rope=RopeSpec.from_hf_config(cfg),
-                norm_before_residual=bool(cfg.get("norm_before_residual", False)),
-            )
-        except KeyError as e:
-            raise EagleScopeError(f"draft config.json lacks required key {e.args[0]!r}") from None
-
-
-class DraftAttention(QKVProjection):
-    """Llama attention whose q/k/v read the 2H concatenation [embedding, hidden]."""
-
-    def __init__(self, c: DraftConfig) -> None:
-        super().__init__()
-        self._init_qkv(2 * c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-
-    def forward(self, x, cos, sin, mask, cache: KVCache, start: int) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = (t.transpose(1, 2) for t in self.qkv(x))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = cache.write(0, start, k, v)
-        y = attend(q, k, v, mask, self.attention_impl)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class Eagle3Layer(nn.Module):
-    def __init__(self, c: DraftConfig) -> None:
-        super().__init__()
-        self.norm_before_residual = c.norm_before_residual
-        self.self_attn = DraftAttention(c)
-        self.mlp = MLP(
-            LlamaArgs(
-                "llama",
-                c.vocab_size,
-                c.hidden_size,
-                c.intermediate_size,
-                1,
-                c.num_heads,
-                c.num_kv_heads,
-                c.head_dim,
-                c.rms_norm_eps,
-                c.max_position_embeddings,
-                c.rope,
-            )
-        )
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def forward(self, embeds, hidden, cos, sin, mask, cache, start) -> torch.Tensor:
-        normed_hidden = self.hidden_norm(hidden)
-        # The embedding never enters the residual stream: the residual is the feature h.
-        residual = normed_hidden if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
-        h = residual + self.self_attn(x, cos, sin, mask, cache, start)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
 class Eagle3Draft(nn.Module):
     def __init__(self, config: DraftConfig) -> None:
         super().__init__()
@@ -234,25 +78,35 @@ class Eagle3Draft(nn.Module):
         # A frozen copy of the target's embedding; engines swap in the target's own at load time.
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(c.num_aux * c.target_hidden_size, c.hidden_size, bias=False)
-        self.midlayer = Eagle3Layer(c)
+        nH = c.num_aux * c.target_hidden_size
+        # EAGLE 3.1's norms before fc, under the weight names vLLM loads (input_norm, fc_norm.<i>)
+        self.input_norm = RMSNorm(nH, c.rms_norm_eps) if c.norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(c.num_aux))
+            if c.fc_norm
+            else None
+        )
+        self.fc = nn.Linear(nH, c.hidden_size, bias=False)
+        self.midlayer = build_layer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
         t2d[: c.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
-        self.register_buffer("inv_freq", c.rope.inv_freq(c.head_dim, c.max_position_embeddings), persistent=False)
 
     # -- the shared forward ------------------------------------------------------------
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """fc: the target's concatenated taps [.., nH] → draft features [.., H]. Step 0 only."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(part) for norm, part in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1))], -1)
         return self.fc(aux)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        c = self.config
         p = self.fc.weight
-        return KVCache(1, batch, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
+        return self.midlayer.new_cache(self.config, batch, max_len, p.dtype, p.device)
 
     def step(
         self,
@@ -263,13 +117,16 @@ class Eagle3Draft(nn.Module):
         start: int,  # cache slot where this call's keys go
         mask: torch.Tensor,  # [B|1, 1, T, start+T] bool, True = attend
     ) -> torch.Tensor:
-        """One draft layer application → pre-norm output [B, T, H] (what the next step receives)."""
-        cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
-        return self.midlayer(embeds.to(hidden.dtype), hidden, cos, sin, mask, cache, start)
+        """One draft layer application → what the next step receives [B, T, H]: the pre-norm output, or the
+        post-norm one with EAGLE 3.1's norm_output."""
+        cos, sin = self.midlayer.rotary(positions, hidden.dtype)
+        out = self.midlayer(embeds.to(hidden.dtype), hidden, cos, sin, mask, cache, start)
+        return self.norm(out) if self.config.norm_output else out
 
     def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits from a pre-norm output."""
-        return self.lm_head(self.norm(hidden_out))
+        """Draft-vocabulary logits from what `step` returned (normed here unless norm_output already did)."""
+        y = self.lm_head(hidden_out if self.config.norm_output else self.norm(hidden_out))
+        return y * self.config.logit_scale if self.config.logit_scale != 1.0 else y
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -291,6 +148,7 @@ class Eagle3Draft(nn.Module):
 
 
 # -- checkpoint I/O --------------------------------------------------------------------------
+# The tensors of a plain EAGLE-3 Llama draft, in the checkpoint's names; `weight_names` gives any draft's.
 WEIGHT_NAMES = (
     "fc.weight",
     "midlayer.self_attn.q_proj.weight",
@@ -308,6 +166,12 @@ WEIGHT_NAMES = (
     "d2t",
     "t2d",
 )
+
+
+def weight_names(model: Eagle3Draft) -> list[str]:
+    """Every tensor a checkpoint of `model` holds (its architecture's and EAGLE 3.1 options' weights, d2t, t2d),
+    the target's embedding excepted (saved only on request)."""
+    return [k for k in model.state_dict() if k != "embed_tokens.weight"]
 
 
 @dataclass
@@ -345,7 +209,8 @@ def save_draft(
     with staged_dir(out) as tmp:
         cfg = model.config.to_hf_config(tap_ids)
         cfg["eaglescope"] = contract.to_dict()
-        sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k in WEIGHT_NAMES}
+        names = set(weight_names(model))
+        sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k in names}
         if save_embedding:
             sd["embed_tokens.weight"] = model.embed_tokens.weight.detach().contiguous().cpu()
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -420,7 +285,7 @@ def load_draft(
         )
     model = Eagle3Draft(config)
     has_embedding = "embed_tokens.weight" in sd
-    missing = [k for k in WEIGHT_NAMES if k not in sd and k not in ("d2t", "t2d")]
+    missing = [k for k in weight_names(model) if k not in sd and k not in ("d2t", "t2d")]
     if missing:
         raise EagleScopeError(f"draft checkpoint {path} lacks {missing[0]!r}")
     if "d2t" not in sd or "t2d" not in sd:
@@ -444,7 +309,9 @@ def load_draft(
     model = model.to(device=device, dtype=dtype)
     model.d2t = model.d2t.long()
     model.t2d = model.t2d.bool()
-    model.inv_freq = model.inv_freq.float()
+    for name, buf in model.named_buffers():  # RoPE frequencies stay float32 in any weight dtype
+        if "inv_freq" in name:
+            buf.data = buf.data.float()
     return LoadedDraft(model.eval(), contract, has_embedding, path, cfg)
 
 

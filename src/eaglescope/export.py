@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from eaglescope.data.vocab import validate_vocab_map
-from eaglescope.draft import WEIGHT_NAMES, LoadedDraft, check_draft_matches_target, eaglescope_section, load_draft
+from eaglescope.draft import LoadedDraft, check_draft_matches_target, eaglescope_section, load_draft, weight_names
 from eaglescope.errors import EagleScopeError
 from eaglescope.outputs import check_destination, dir_kind, staged_dir
 from eaglescope.taps import (
@@ -510,7 +510,7 @@ def export_draft(
     dtype = dtype or model.fc.weight.dtype
     state = model.state_dict()
     sd: dict[str, torch.Tensor] = {}
-    for k in WEIGHT_NAMES:
+    for k in weight_names(model):
         t = state[k].detach().cpu()
         if k == "d2t":
             t = t.to(torch.int64)  # offsets: target_id = draft_id + d2t[draft_id]

@@ -165,11 +165,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class KVCache(nn.Module):
     """All layers' keys and values in two buffers [L, B, n_kv, S, D] so compaction is one gather."""
 
-    def __init__(self, num_layers: int, batch: int, n_kv: int, max_len: int, head_dim: int, dtype, device) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        n_kv: int,
+        max_len: int,
+        head_dim: int,
+        dtype,
+        device,
+        v_dim: int | None = None,
+    ) -> None:
+        """`v_dim`: the values' head size when it differs from the keys' (multi-head latent attention)."""
         super().__init__()
         shape = (num_layers, batch, n_kv, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        vshape = shape if v_dim is None else (*shape[:-1], v_dim)
+        self.register_buffer("v", torch.zeros(vshape, dtype=dtype, device=device), persistent=False)
 
     @property
     def max_len(self) -> int:
@@ -220,7 +232,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         y = probs @ v
     else:
         y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg)
-    return y.reshape(B, H, T, D)
+    return y.reshape(B, H, T, v.shape[-1])
 
 
 class GrowingCache:

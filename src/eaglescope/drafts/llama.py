@@ -1,0 +1,76 @@
+"""The EAGLE-3 draft layer with Llama attention (`LlamaForCausalLMEagle3`): the original EAGLE-3 draft.
+
+x   = cat(input_layernorm(embed(token)), hidden_norm(h))    [T, 2H], embedding first
+h'  = r + o_proj(attn(x))       r = h (or hidden_norm(h) with norm_before_residual)
+out = h' + mlp(post_attention_layernorm(h'))
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eaglescope.drafts.config import DraftConfig
+from eaglescope.target.llama import (
+    MLP,
+    KVCache,
+    LlamaArgs,
+    QKVProjection,
+    RMSNorm,
+    apply_rope,
+    attend,
+    rope_cos_sin,
+)
+
+
+class DraftAttention(QKVProjection):
+    """Llama attention whose q/k/v read the 2H concatenation [embedding, hidden]."""
+
+    def __init__(self, c: DraftConfig) -> None:
+        super().__init__()
+        self._init_qkv(2 * c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache, start: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = cache.write(0, start, k, v)
+        y = attend(q, k, v, mask, self.attention_impl)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def draft_mlp(c: DraftConfig) -> MLP:
+    """The draft's SwiGLU MLP (gate/up/down), the same for both attention kinds."""
+    args = LlamaArgs("llama", c.vocab_size, c.hidden_size, c.intermediate_size, 1, c.num_heads, c.num_kv_heads,
+                     c.head_dim, c.rms_norm_eps, c.max_position_embeddings, c.rope)  # fmt: skip
+    return MLP(args)
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, c: DraftConfig) -> None:
+        super().__init__()
+        self.norm_before_residual = c.norm_before_residual
+        self.self_attn = DraftAttention(c)
+        self.mlp = draft_mlp(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.register_buffer("inv_freq", c.rope.inv_freq(c.head_dim, c.max_position_embeddings), persistent=False)
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(self.inv_freq, positions, dtype)
+
+    def new_cache(self, c: DraftConfig, batch: int, max_len: int, dtype, device) -> KVCache:
+        return KVCache(1, batch, c.num_kv_heads, max_len, c.head_dim, dtype, device)
+
+    def forward(self, embeds, hidden, cos, sin, mask, cache, start) -> torch.Tensor:
+        normed_hidden = self.hidden_norm(hidden)
+        # The embedding never enters the residual stream: the residual is the feature h.
+        residual = normed_hidden if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
+        h = residual + self.self_attn(x, cos, sin, mask, cache, start)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+__all__ = ["Eagle3Layer", "DraftAttention", "draft_mlp"]

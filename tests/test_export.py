@@ -255,6 +255,7 @@ INSPECT_KEYS = {
     "vocab_map",
     "config_tap_ids",
     "engines",
+    "engine_options",
     "sglang_rule",
     "speculators",
     "target",
@@ -510,3 +511,27 @@ def test_export_report_prints_the_speculators_command_that_keeps_the_taps(target
     rc, text, _ = run_cli(capsys, argv[:-2] + ["--json"])
     sp = json.loads(text)["speculators"]
     assert sp["argv"][6] == "TARGET" and any("--target" in p for p in sp["problems"])
+
+
+def test_inspect_and_export_know_what_each_engine_does_with_eagle31_and_mla(tmp_path):
+    """A 3.1 MLA draft with norm_before_fc: vLLM 0.32's DeepSeek EAGLE-3 model has no input_norm, so it would ignore
+    the norm; inspect says so, and export refuses to write a checkpoint vLLM would serve wrongly."""
+    ds = make_checkpoint("deepseek_v3", tmp_path / "ds")
+    model, contract = full_vocab_draft(ds, draft_vocab_size=48, arch="mla", norm_before_fc=True, norm_output=True)
+    src = save_draft(model, contract, tmp_path / "mla31")
+    d = describe_draft(load_draft(src))
+    assert d["config"]["draft_arch"] == "mla" and d["config"]["eagle31"]["norm_before_fc"]
+    assert d["engine_options"]["vllm"]["ignores"] == ["norm_before_fc"]
+    assert not d["engine_options"]["speculators"]["serves"]
+    assert any(w.startswith("EAGLE31: vllm ignores") for w in d["warnings"])
+    with pytest.raises(EagleScopeError, match="vllm would ignore the draft's norm_before_fc"):
+        export_draft(load_draft(src), "vllm", tmp_path / "out")
+    # without that one option vLLM serves it: the export names the MLA architecture and vLLM's weight names
+    model, contract = full_vocab_draft(ds, draft_vocab_size=48, arch="mla", fc_norm=True, norm_output=True)
+    report = export_draft(load_draft(save_draft(model, contract, tmp_path / "mla")), "vllm", tmp_path / "out")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and cfg["model_type"] == "deepseek_v3"
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True and cfg["kv_lora_rank"] == 16
+    assert {"fc_norm.0.weight", "midlayer.self_attn.kv_a_proj_with_mqa.weight"} <= set(report["weights"])
+    back = load_draft(tmp_path / "out").model
+    assert back.config.arch == "mla" and back.config.fc_norm and back.config.norm_output

@@ -228,6 +228,34 @@ def _speculators_report(loaded: LoadedDraft) -> tuple[dict, list[str]]:
     return out, warns
 
 
+def engine_options(c, engine: str) -> dict:
+    """What `engine` (at the version read) does with the draft's layer architecture and EAGLE 3.1 options →
+    {"serves": bool, "ignores": [option, ...], "notes": [...]}. An ignored option means the engine computes another
+    function than the one trained: accept length near 1 (SGLang issue 32226 / PR 32334: norm_before_fc ignored)."""
+    ignores, notes = [], []
+    serves = True
+    if engine == "vllm":
+        if c.arch == "mla":
+            notes.append(
+                "vLLM 0.32 serves it as Eagle3DeepseekV3ForCausalLM (model_executor/models/deepseek_eagle3.py)"
+            )
+            if c.norm_before_fc:
+                ignores.append("norm_before_fc")  # deepseek_eagle3.py has fc_norm, norm_output, no input_norm
+        if c.logit_scale != 1.0:
+            notes.append(f"logit_scale {c.logit_scale}: vLLM's LogitsProcessor scales the logits")
+    elif engine.startswith("sglang"):
+        if c.norm_before_residual:
+            ignores.append("norm_before_residual")
+        if c.arch == "mla":
+            notes.append(f"SGLang serves MLA drafts since PR 25454; eaglescope has not read that loader at "
+                         f"{SGLANG_VERSION_READ}, so the names in this checkpoint are vLLM's")  # fmt: skip
+    elif engine == "speculators":
+        if c.arch == "mla":
+            serves = False
+            notes.append(f"speculators {SPECULATORS_VERSION} converts Llama-attention EAGLE-3 drafts only")
+    return {"serves": serves, "ignores": ignores, "notes": notes}
+
+
 def describe_draft(
     loaded: LoadedDraft,
     target_fp: TargetFingerprint | None = None,
@@ -300,6 +328,13 @@ def describe_draft(
             )
     spec, spec_warns = _speculators_report(loaded)
     warns += spec_warns
+    for engine in (*SERVING_ENGINES, "speculators"):
+        r = engine_options(c, engine)
+        if r["ignores"]:
+            warns.append(
+                f"EAGLE31: {engine} ignores this draft's {', '.join(r['ignores'])}: it would draft with another "
+                "function than the one trained (accept length near 1, SGLang issue 32226)"
+            )
     target = None
     if target_fp is not None:
         try:
@@ -336,7 +371,12 @@ def describe_draft(
             "num_aux": c.num_aux,
             "rope_theta": c.rope.theta,
             "norm_before_residual": c.norm_before_residual,
+            "draft_arch": c.arch,
+            "mla": None if c.mla is None else vars(c.mla),
+            "eagle31": c.eagle31,
+            "logit_scale": c.logit_scale,
         },
+        "engine_options": {e: engine_options(c, e) for e in (*SERVING_ENGINES, "speculators")},
         "embedding": embedding,
         "vocab_map": vocab,
         "config_tap_ids": ids,
@@ -375,6 +415,17 @@ def format_description(d: dict) -> str:
         f"FFN {c['intermediate_size']}, fc {c['num_aux']}×{c['target_hidden_size']} → {c['hidden_size']}, "
         f"draft vocab {c['draft_vocab_size']} of {c['vocab_size']}"
     )
+    flags = [k for k, v in c["eagle31"].items() if v] + (["norm_before_residual"] if c["norm_before_residual"] else [])
+    layer = "multi-head latent attention (MLA)" if c["draft_arch"] == "mla" else "Llama attention"
+    lines.append(f"layer      {layer}; EAGLE 3.1 options: {', '.join(flags) or 'none (plain EAGLE-3)'}")
+    for engine, r in d["engine_options"].items():
+        if r["ignores"] or r["notes"] or not r["serves"]:
+            what = (
+                "cannot serve it"
+                if not r["serves"]
+                else (f"IGNORES {', '.join(r['ignores'])}" if r["ignores"] else "ok")
+            )
+            lines.append(f"  {engine:<14} {what}{'; ' + '; '.join(r['notes']) if r['notes'] else ''}")
     e = d["embedding"]
     if not e["saved"]:
         lines.append("embedding  not saved (engines use the target's)")
@@ -495,6 +546,12 @@ def export_draft(
         raise EagleScopeError(
             f"the draft uses norm_before_residual, which SGLang {SGLANG_VERSION_READ} does not implement (its "
             "EAGLE-3 layer always keeps the un-normed feature as the residual): serve it with vLLM"
+        )
+    dropped = engine_options(c, engine)["ignores"]
+    if dropped:
+        raise EagleScopeError(
+            f"{engine} would ignore the draft's {', '.join(dropped)} ({c.architecture}) and draft with another "
+            "function than the one trained (accept length near 1, as in SGLang issue 32226): serve it elsewhere"
         )
     if with_embedding:
         if target_embedding is None:

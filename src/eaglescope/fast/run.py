@@ -5,6 +5,8 @@ are eaglescope's own. Anything else gets one clear error instead of a silent fal
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from eaglescope.decode.generation import GenerationResult, SamplingConfig, begin_generation
 from eaglescope.decode.loop import Runner, decode, open_trace, trace_meta
 from eaglescope.decode.speculative import build_proposer, parse_tree_shape
@@ -14,6 +16,7 @@ from eaglescope.fast import invariant
 from eaglescope.fast.engine import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast.fused_decode import fused_decode_supported
 from eaglescope.fast.fused_verify import fused_verify_supported
+from eaglescope.outputs import read_json
 from eaglescope.target.base import Target
 from eaglescope.target.llama import NativeTarget, fuse_projections
 
@@ -26,6 +29,8 @@ def why_not_fast(args, target: Target, sampling: SamplingConfig) -> str | None:
         return "it needs a native target (llama, qwen2, qwen3, mistral), not the transformers backend"
     if args.proposer != "eagle3":
         return f"it runs EAGLE-3 drafts only, not --proposer {args.proposer}"
+    if args.draft and "kv_lora_rank" in (read_json(Path(args.draft) / "config.json") or {}):
+        return "its slot caches hold Llama-attention drafts; this draft uses multi-head latent attention (MLA)"
     return None
 
 
@@ -57,6 +62,8 @@ def fast_runner(
     if draft is None:
         return FastVanilla(FastTarget(target.model, max_len + 1, **common), max_len), info
     depth, top_k, total = shape
+    if draft.config.arch != "llama":
+        raise EagleScopeError("the fast decoder runs Llama-attention drafts; MLA drafts decode on the reference one")
     if on_gpu:
         fuse_projections(draft)
     verify_rows = fused and fused_verify_supported(target.model, target.device) is None

@@ -125,7 +125,11 @@ def _architecture(loaded: LoadedDraft, target_fp: TargetFingerprint | None) -> s
 
 # -- inspect --------------------------------------------------------------------------------------
 def config_tap_ids(hf_config: dict) -> list[int] | None:
-    ids = (hf_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    """The layer ids a checkpoint names. vLLM 0.32 reads a top-level key before eagle_config's (PR 25961; the
+    speculators format writes it there); SGLang reads only eagle_config's, which every eaglescope export writes."""
+    ids = hf_config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        ids = (hf_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     return None if ids is None else [int(i) for i in ids]
 
 

@@ -21,6 +21,7 @@ be compared (``compare``) without the full tensors.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -135,9 +136,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def projection_matrix(width: int, seed: int = 0) -> torch.Tensor:
     """[width, 16] float32, N(0, 1/16) entries: E||x @ P||² = ||x||². Drawn on the CPU from a
-    torch.Generator seeded with ``seed * 1_000_003 + width`` so independent recorders agree."""
-    g = torch.Generator(device="cpu").manual_seed(int(seed) * 1_000_003 + int(width))
-    return torch.randn(int(width), PROJ_DIM, generator=g, dtype=torch.float32) / math.sqrt(PROJ_DIM)
+    torch.Generator seeded with ``seed * 1_000_003 + width`` so independent recorders agree. Cached: an engine
+    recording every round would otherwise draw the same matrix thousands of times (most of a capture's cost)."""
+    return _projection(int(width), int(seed)).clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _projection(width: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + width)
+    return torch.randn(width, PROJ_DIM, generator=g, dtype=torch.float32) / math.sqrt(PROJ_DIM)
 
 
 @dataclass

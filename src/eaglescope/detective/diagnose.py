@@ -280,6 +280,72 @@ def diagnose_fc(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]:
     ]
 
 
+def _fc_variants(d, aux: torch.Tensor) -> dict[str, torch.Tensor]:
+    """fc over `aux` as an engine that reads the draft's EAGLE 3.1 norms wrongly would compute it (SGLang issue
+    32226 / PR 32334: norm_before_fc ignored, accept length ~1.1). Each variant is the draft's own modules with one
+    decision changed; a variant that reproduces the observed tensor names the drift."""
+    c, out = d.config, {}
+    with torch.no_grad():
+        x = aux.to(d.fc.weight.dtype)
+        segs = x.chunk(c.num_aux, -1)
+
+        def per_segment(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([n(p) for n, p in zip(d.fc_norm, t.chunk(c.num_aux, -1))], -1)
+
+        if d.input_norm is not None:
+            out["norm_before_fc skipped"] = x if d.fc_norm is None else per_segment(x)
+        if d.fc_norm is not None:
+            out["fc_norm skipped"] = x if d.input_norm is None else d.input_norm(x)
+            # one RMSNorm over the whole 3H with the segments' weights side by side, instead of one per segment
+            w = torch.cat([n.weight for n in d.fc_norm])
+            eps = d.fc_norm[0].eps
+            one = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+            out["fc_norm as one norm over all taps"] = one if d.input_norm is None else d.input_norm(one)
+        if d.input_norm is None and d.fc_norm is None:
+            # a plain EAGLE-3 draft served as if it had 3.1 norms (unit weights: the engine's fresh RMSNorm)
+            normed = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(x.dtype)
+            out["a norm_before_fc the draft was not trained with"] = normed
+            out["an fc_norm the draft was not trained with"] = torch.cat(
+                [(s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(x.dtype)
+                 for s in segs], -1)  # fmt: skip
+        return {k: d.fc(v).float().cpu() for k, v in out.items()}
+
+
+def diagnose_eagle31(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]:
+    """fc's output disagrees with the golden one: does fc over the trace's own features, with one EAGLE 3.1 norm
+    decision changed, reproduce it (and the draft's trained decision not)?"""
+    aux = ev.t(T.NEXT_HIDDEN_IN, rnd - 1)
+    if aux is None or not isinstance(aux, torch.Tensor):
+        aux = ev.g(T.NEXT_HIDDEN_IN, rnd - 1)
+    rows = observed.shape[0] if isinstance(observed, torch.Tensor) else observed.row_norm.shape[0]
+    if aux is None or aux.shape[0] != rows:
+        return []
+    trained = _fc_variants_reference(ev.draft, aux)
+    if ev.same(trained, observed).match:
+        return []  # the trained computation explains it: not a norm decision
+    name, errs = ev.best(_fc_variants(ev.draft, aux.float()), observed)
+    if name is None:
+        return []
+    return [
+        Finding(
+            "EAGLE31_NORM",
+            stage,
+            f"{stage} is fc over the target's features with {name}: the draft was trained with "
+            f"norm_before_fc={ev.draft.config.norm_before_fc}, fc_norm={ev.draft.config.fc_norm}",
+            {"rel_err": errs},
+            "serve the draft's EAGLE 3.1 options as its config.json states them (norm_before_fc in eagle_config and "
+            "at the top level, fc_norm per tap segment), with an engine version that implements them",
+            0.9,
+            rnd,
+        )
+    ]
+
+
+def _fc_variants_reference(d, aux: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return d.project(aux.to(d.fc.weight.dtype)).float().cpu()
+
+
 def diagnose_stale(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]:
     aux = ev.g(T.TARGET_AUX, rnd)
     if aux is None:
@@ -697,7 +763,11 @@ def _explain(ev: Evidence, e: T.TraceEvent, obs, trace_dir, tmp: Path) -> list[F
     if e.stage == T.NEXT_HIDDEN_IN:
         return diagnose_stale(ev, rnd, e.stage, obs)
     if e.stage == T.DRAFT_FC_OUT:
-        return diagnose_fc(ev, rnd, e.stage, obs) or diagnose_stale_fc(ev, rnd, e.stage, obs)
+        return (
+            diagnose_fc(ev, rnd, e.stage, obs)
+            or diagnose_eagle31(ev, rnd, e.stage, obs)
+            or diagnose_stale_fc(ev, rnd, e.stage, obs)
+        )
     if family == "draft.embed_in":
         return diagnose_embed(ev, rnd, e.stage, obs, idx)
     if family == "draft.hidden_in":

@@ -30,6 +30,10 @@ CODES: dict[str, str] = {
     "SHIFT_OFF_BY_ONE": "draft inputs pair token t with features of the wrong position (loss mask / shift off by one)",
     "EMBEDDING_MISMATCH": "the draft's token embedding differs from the target's",
     "VOCAB_MAP": "the draft→target vocabulary map (d2t) is missing, identity on a reduced vocabulary, or invalid",
+    "EAGLE31_NORM": "an EAGLE 3.1 norm before fc (norm_before_fc, fc_norm) was skipped, added, or applied in the "
+    "other form than the draft was trained with",
+    "EAGLE31_IGNORED": "the serving engine ignores one of the draft's EAGLE 3.1 options (or another layer option)",
+    "DRAFT_ARCH_MISMATCH": "the checkpoint's config names another draft layer (Llama attention / MLA) than its weights",
     # Checkpoint / serving (static).
     "ENGINE_TAP_CONVENTION": "the serving engine will capture different layers than the draft was trained on",
     "TEMPLATE_MISMATCH": "the target's chat template differs from the one the draft was trained with",

@@ -215,3 +215,44 @@ def test_every_finding_serialises_with_a_registered_code(target, tmp_path):
     for f in findings:
         d = json.loads(json.dumps(f.to_dict()))
         assert d["code"] in CODES and {"stage", "verdict", "evidence", "fix"} <= set(d)
+
+
+def test_eagle31_norm_whose_flag_was_lost_is_named(tmp_path):
+    """The SGLang 32226 / PR 32334 incident, statically: the weights hold input_norm (norm_before_fc) but the served
+    config no longer sets the flag, so an engine skips the norm; and the reverse."""
+    from drafts import make_draft
+    from models import make_checkpoint
+
+    t = make_checkpoint("llama", tmp_path / "t")
+    model, contract = make_draft(t, draft_vocab_size=48, norm_before_fc=True, fc_norm=True)
+    d = save_draft(model, contract, tmp_path / "d")
+    findings, ctx = static_checks(t, d)
+    assert [f.code for f in findings] == [] and ctx["layer"]["eagle31"]["norm_before_fc"]
+
+    def lose_flag(cfg):
+        cfg["eagle_config"].pop("norm_before_fc")
+        cfg.pop("norm_before_fc")
+
+    findings, _ = static_checks(t, rewrite(d, edit_cfg=lose_flag))
+    assert [(f.code, f.evidence["flag"]) for f in findings] == [("EAGLE31_IGNORED", "norm_before_fc")]
+    findings, _ = static_checks(t, rewrite(d, edit_sd=lambda sd: sd.pop("fc_norm.0.weight")))
+    assert any(f.code == "EAGLE31_IGNORED" and f.evidence["flag"] == "fc_norm" for f in findings)
+
+
+def test_mla_draft_served_as_llama_and_vllm_ignoring_norm_before_fc_are_named(tmp_path):
+    from drafts import make_draft
+    from models import make_checkpoint
+
+    t = make_checkpoint("deepseek_v3", tmp_path / "ds")
+    model, contract = make_draft(t, draft_vocab_size=48, arch="mla", norm_before_fc=True)
+    d = save_draft(model, contract, tmp_path / "mla")
+    findings, _ = static_checks(t, d, engines=("vllm",))
+    assert [(f.code, f.evidence.get("engine")) for f in findings] == [("EAGLE31_IGNORED", "vllm")]
+
+    def as_llama(cfg):
+        for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            cfg.pop(k)
+        cfg["architectures"], cfg["model_type"] = ["LlamaForCausalLMEagle3"], "llama"
+
+    findings, _ = static_checks(t, rewrite(d, edit_cfg=as_llama))
+    assert findings[0].code == "DRAFT_ARCH_MISMATCH" and "MLA" in findings[0].verdict

@@ -15,8 +15,9 @@ import torch
 from eaglescope.data.vocab import validate_vocab_map
 from eaglescope.detective.findings import Finding
 from eaglescope.draft import DraftContract, infer_contract
+from eaglescope.drafts import DraftConfig
 from eaglescope.errors import EagleScopeError
-from eaglescope.export import choose_engine_ids, config_tap_ids, load_target_embedding, tap_name
+from eaglescope.export import choose_engine_ids, config_tap_ids, engine_options, load_target_embedding, tap_name
 from eaglescope.taps import ENGINES, TapContract, engine_capture
 from eaglescope.target.base import TargetFingerprint
 from eaglescope.target.loading import check_dir, fingerprint_of, load_state_dict, read_config
@@ -242,6 +243,48 @@ def check_embedding(sd: dict[str, torch.Tensor], target_dir: Path) -> tuple[list
 
 
 # -- all of them ----------------------------------------------------------------------------------------------
+_MLA_WEIGHTS = ("midlayer.self_attn.kv_a_proj_with_mqa.weight", "midlayer.self_attn.kv_b_proj.weight")
+_LLAMA_WEIGHTS = ("midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight")
+_EAGLE31_WEIGHTS = {"norm_before_fc": "input_norm.weight", "fc_norm": "fc_norm.0.weight"}
+
+
+def check_layer(hf_config: dict, sd: dict[str, torch.Tensor], engines: tuple[str, ...]) -> tuple[list[Finding], dict]:
+    """The draft layer and EAGLE 3.1 options its config names, against the weights it holds (a Llama-attention
+    config over an MLA layer, a 3.1 norm whose flag was lost), and what each engine does with them."""
+    says_mla = "kv_lora_rank" in hf_config or any("Deepseek" in a for a in hf_config.get("architectures") or [])
+    has_mla, has_llama = all(k in sd for k in _MLA_WEIGHTS), all(k in sd for k in _LLAMA_WEIGHTS)
+    findings: list[Finding] = []
+    info: dict = {"config_layer": "mla" if says_mla else "llama", "weights_layer": "mla" if has_mla else "llama"}
+    if (says_mla and has_llama) or (not says_mla and has_mla):
+        names = ("multi-head latent attention (MLA)", "Llama attention")
+        cfg_says, weights_are = names if says_mla else names[::-1]
+        v = f"config.json names a {cfg_says} draft layer, but the weights are a {weights_are} layer"
+        fix = "serve the checkpoint with the config it was trained with (export it again with eaglescope export)"
+        findings.append(Finding("DRAFT_ARCH_MISMATCH", "static", v, info, fix, 1.0))
+        return findings, info
+    flags = {"norm_before_fc": bool((hf_config.get("eagle_config") or {}).get("norm_before_fc",
+                                                                                hf_config.get("norm_before_fc"))),
+             "fc_norm": bool(hf_config.get("fc_norm"))}  # fmt: skip
+    for flag, weight in _EAGLE31_WEIGHTS.items():
+        if (weight in sd) != flags[flag]:
+            v = (f"the weights hold {weight} but config.json does not set {flag}: an engine skips that norm"
+                 if weight in sd else f"config.json sets {flag} but the weights hold no {weight}")  # fmt: skip
+            fix = f"set {flag} as trained (eaglescope export writes it where vLLM and SGLang read it)"
+            findings.append(Finding("EAGLE31_IGNORED", "draft.fc.out", v, {"flag": flag, "weight": weight}, fix, 0.95))
+    try:
+        c = DraftConfig.from_hf_config(hf_config, fc_in=int(sd["fc.weight"].shape[1]))
+    except EagleScopeError:
+        return findings, info
+    info["eagle31"] = c.eagle31
+    for engine in engines:
+        ignored = engine_options(c, engine)["ignores"]
+        if ignored:
+            v = f"{engine} ignores this draft's {', '.join(ignored)}: it drafts with another function than trained"
+            fix = "serve it with an engine (version) that implements the option, or retrain without it"
+            findings.append(Finding("EAGLE31_IGNORED", "static", v, {"engine": engine, "ignores": ignored}, fix, 0.9))
+    return findings, info
+
+
 def static_checks(
     target_dir: Path | str, draft_dir: Path | str, engines: tuple[str, ...] = DEFAULT_ENGINES
 ) -> tuple[list[Finding], dict]:
@@ -266,6 +309,8 @@ def static_checks(
         f, ctx["engines"] = check_engines(hf_cfg, contract, engines)
         findings += f
     f, ctx["vocab_map"] = check_vocab_map(hf_cfg, sd)
+    findings += f
+    f, ctx["layer"] = check_layer(hf_cfg, sd, engines)
     findings += f
     f, ctx["embedding"] = check_embedding(sd, tdir)
     findings += f

@@ -1,14 +1,17 @@
 """The H200 benchmark of DESIGN.md "Benchmark protocol", end to end in one script.
 
     corpus (installed Python sources, sorted, hashed, split by file) → BPE tokenizer → Llama target trained
-    from scratch → target's own greedy continuations (batched) → EAGLE-3 draft (TTT 7) + ablation (TTT 1) +
-    small draft LM (same budget) → decode the same held-out prompts with every method → 8B-shaped roofline.
+    from scratch, saved as a checkpoint → target's own greedy continuations (batched) → conversations →
+    `eaglescope prepare` → `eaglescope train`: EAGLE-3 draft (TTT 7) + ablation (TTT 1), each held to its
+    budget by --max-seconds; small draft LM (same budget) → decode the same held-out prompts with every method
+    (the eaglescope rows through `eaglescope bench`'s Bench: fast_runner + decode, what `generate` runs) →
+    8B-shaped roofline.
 
     PYTHONPATH=src python3 bench/run_bench.py --out bench/results            # GPU, < 10 minutes
     PYTHONPATH=src python3 bench/run_bench.py --smoke --out /tmp/bench       # CPU, tiny, a minute or two
     ... --part roofline [--replay-from results.json]                         # only the 8B section
 
-Every stage has a wall-clock budget (time-based cosine schedules), so the run fits its limit on any
+Every stage has a wall-clock budget (cosine schedules fitted to the time), so the run fits its limit on any
 machine; the JSON records what each stage actually did. Nothing here is hard-coded: every number in
 the table comes from this run.
 """
@@ -33,7 +36,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from eaglescope.bench import Bench, Method, parse_method
+from eaglescope.config import PrepareConfig, TrainConfig
 from eaglescope.corpus import COMPLETION_TEMPLATE, code_prefixes, stdlib_corpus, train_tokenizer
+from eaglescope.data.prepare import prepare
 from eaglescope.decode.stats import SpecStats
 from eaglescope.draft import DraftConfig, Eagle3Draft
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla
@@ -43,8 +49,9 @@ from eaglescope.fast.fused_decode import fused_decode_supported
 from eaglescope.fast.layers import compile_layers, use_gemv_reductions
 from eaglescope.pretrain import PretrainConfig, init_weights, save_target
 from eaglescope.taps import TapContract
-from eaglescope.target.llama import LlamaArgs, LlamaModel, RopeSpec, fuse_projections
-from eaglescope.train.ttt import ttt_loss, ttt_unroll
+from eaglescope.target import load_target
+from eaglescope.target.llama import LlamaArgs, LlamaModel, NativeTarget, RopeSpec, fuse_projections
+from eaglescope.train.loop import train
 
 T0 = time.perf_counter()
 
@@ -190,45 +197,86 @@ def regenerate(model: LlamaModel, prompts: torch.Tensor, new: int, batch: int, d
     return torch.cat(out)
 
 
-def train_draft(target: LlamaModel, taps: TapContract, data: torch.Tensor, ttt: int, budget: float, cfg, device):
-    """EAGLE-3 draft trained online: the target's taps and logits are computed per batch (no disk)."""
-    a = target.args
-    dc = DraftConfig.from_target_args(a, taps, a.vocab_size)
-    torch.manual_seed(1)
-    draft = Eagle3Draft(dc)
-    draft.load_target_embedding(target.model.embed_tokens.weight.detach().float().cpu())
-    draft = draft.to(device).train()
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg["d_lr"], betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda")
-    g = torch.Generator().manual_seed(ttt)
-    B, T = cfg["d_batch"], data.shape[1]
-    pos = torch.arange(T, device=device)[None].expand(B, T)
-    t0, step, last = time.perf_counter(), 0, None
-    ones = torch.ones(B, T, device=device)
-    while time.perf_counter() - t0 < budget:
-        for gr in opt.param_groups:
-            gr["lr"] = timed_cosine(time.perf_counter() - t0, budget, cfg["d_lr"])
-        ids = data[torch.randint(0, data.shape[0], (B,), generator=g)].to(device)
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            with torch.no_grad():
-                tl, aux, _ = target(ids, pos, None, taps=taps.layers)
-            un = ttt_unroll(draft, ids, aux, ttt)
-            res = ttt_loss(draft, un, tl, ones)
-        opt.zero_grad(set_to_none=True)
-        res.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        step += 1
-        last = res
-    stats = {
+def write_conversations(path: Path, tok, data: torch.Tensor, prefix: int) -> dict:
+    """The held-in prefixes and the target's own continuations as conversations, the continuation the assistant turn
+    (what `eaglescope prepare` trains on), each cut at its first end of text as `prepare --regenerate` cuts it."""
+    eos, cut = tok.eos_token_id, 0
+    pres = tok.batch_decode(data[:, :prefix].tolist(), skip_special_tokens=False)
+    conts = []
+    for row in data[:, prefix:].tolist():
+        if eos in row:
+            row, cut = row[: row.index(eos)], cut + 1
+        conts.append(row)
+    conts = tok.batch_decode(conts, skip_special_tokens=False)
+    with path.open("w") as f:
+        for user, answer in zip(pres, conts):
+            turns = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+            f.write(json.dumps({"messages": turns}) + "\n")
+    return {"conversations": len(pres), "cut_at_end_of_text": cut}
+
+
+PREPARE_KEYS = ("num_samples", "num_tokens", "num_supervised_tokens", "skipped", "truncated", "draft_vocab_size")
+
+
+def prepare_worker(spec_path: str) -> int:
+    """`--prepare-worker SPEC`: `eaglescope prepare` on the conversations (chat template, assistant-only loss mask,
+    draft vocabulary; no stored hidden states: the drafts train online). On the CPU, in its own process, so that its
+    per-conversation host work overlaps the draft LM's training on the GPU."""
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(min(4, os.cpu_count() or 1))
+    t0 = time.perf_counter()
+    m = prepare(PrepareConfig(target=spec["target"], data=spec["data"], out=spec["out"], device="cpu",
+                              overwrite=True), progress=False)  # fmt: skip
+    write_json(Path(spec["result"]), {k: m[k] for k in PREPARE_KEYS} | {"seconds": round(time.perf_counter() - t0, 1)})
+    return 0
+
+
+class Preparation:
+    """The prepare worker (prepare_worker), started before the draft LM trains and waited for after it."""
+
+    def __init__(self, tgt_dir: Path, jsonl: Path, out: Path, work: Path) -> None:
+        self.t0, self.log, self.result = time.perf_counter(), work / "prepare.log", work / "prepare-result.json"
+        self.result.unlink(missing_ok=True)
+        spec = work / "prepare.spec.json"
+        write_json(spec, {"target": str(tgt_dir), "data": str(jsonl), "out": str(out), "result": str(self.result)})
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--prepare-worker", str(spec)]
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait(self) -> dict:
+        rc = self.proc.wait()
+        if rc != 0 or not self.result.is_file():
+            raise RuntimeError(f"eaglescope prepare failed (exit {rc}): {self.log.read_text()[-2000:]}")
+        waited = round(time.perf_counter() - self.t0, 1)
+        return json.loads(self.result.read_text()) | {"start_to_done_seconds": waited}
+
+
+def train_draft(tgt_dir: Path, prep: Path, out: Path, ttt: int, budget: float, cfg, device) -> dict:
+    """An EAGLE-3 draft trained by `eaglescope train` (eaglescope.train.loop.train, online), its optimizer steps
+    held to `budget` seconds by --max-seconds (the cosine schedule fitted to the steps that fit)."""
+    t0, times = time.perf_counter(), []
+    res = train(
+        TrainConfig(
+            target=str(tgt_dir), data=str(prep), out=str(out), ttt_length=ttt, max_steps=10**6, max_seconds=budget,
+            batch_size=cfg["d_batch"], lr=cfg["d_lr"], warmup_steps=10, clip=0.5, seed=1, device=str(device),
+            overwrite=True,
+        ),
+        progress=False,
+        on_step=lambda step, logs: times.append(time.perf_counter()),
+    )  # fmt: skip
+    last, m = res.history[-1], res.metrics
+    first_step = times[1] - times[0] if len(times) > 1 else 0.0  # about one step: the loop starts before it
+    return {
         "ttt_length": ttt,
-        "steps": step,
-        "seconds": time.perf_counter() - t0,
-        "tokens": step * B * T,
-        "loss": float(last.loss),
-        "acc": last.step_acc,
+        "steps": res.steps,
+        "steps_seconds": round(times[-1] - times[0] + first_step, 2),
+        "seconds": round(time.perf_counter() - t0, 1),  # with loading, the held-out evaluation and saving
+        "samples": res.steps * cfg["d_batch"],
+        "loss": round(last["loss"], 4),
+        "acc": [round(a, 4) for a in last["acc"]],
+        "heldout_acc": [round(a, 4) for a in m["acc"]],
+        "heldout_predicted_accept_length": round(m["predicted_accept_length"], 3),
     }
-    return draft.eval(), stats
 
 
 # -- evaluation -------------------------------------------------------------------------------------
@@ -236,40 +284,23 @@ def alpha_of(stats: SpecStats) -> list[float]:
     return [round(float(x), 4) for x in stats.alpha if x is not None and not math.isnan(float(x))]
 
 
-def eval_vanilla(ft, prompts, new):
-    """Greedy reference outputs and their speed (one graph replay per token)."""
-    van = FastVanilla(ft, new)
-    van.generate(prompts[0], 16)  # capture + warm-up
-    vr = {"tokens": 0, "seconds": 0.0, "match": len(prompts)}
-    ref = []
-    for p in prompts:
-        sync()
-        r = van.generate(p, new)
-        sync()
-        vr["tokens"] += len(r.tokens)
-        vr["seconds"] += r.seconds
-        ref.append(r.tokens)
-    return vr, ref
-
-
-def eval_fast_eagle(ft, draft, shape, prompts, new, ref):
-    fe = FastEagle(ft, draft, *shape, max_len=len(prompts[0]) + new + 2)
-    st, tok, secs, match, per_round, outputs = SpecStats(), 0, 0.0, 0, [], []
-    fe.generate(prompts[0], min(new, 32))  # capture + warm-up
+def eval_method(bench: Bench, m: Method, prompts, new, ref) -> dict:
+    """Every prompt through `eaglescope bench`'s Bench.run (the backend `generate` uses: fast_runner + decode on a
+    GPU), after one untimed warm-up (graph capture); tokens, seconds, τ/α, matches with `ref` (vanilla's outputs)."""
+    bench.run(m, prompts[0], min(new, 32))
+    st, tok, secs, match, outputs = SpecStats(), 0, 0.0, 0, []
     for i, p in enumerate(prompts):
-        sync()
-        r = fe.generate(p, new)
-        sync()
+        r = bench.run(m, p, new)
         secs += r.seconds
-        tok += len(r.tokens)
-        for acc in r.accepted:
-            st.record_round(None, acc, max_depth=shape[0])
-        per_round += r.accepted
-        outputs.append(r.tokens)
-        match += int(ref is not None and r.tokens == ref[i])
+        tok += len(r.token_ids)
+        outputs.append(r.token_ids)
+        if m.kind != "vanilla" and r.stats is not None:
+            st.merge(r.stats)
+        match += int(ref is not None and r.token_ids == ref[i])
+    runner = getattr(bench, "_runners", {}).get(m.name)
     return {
-        "tokens": tok, "seconds": secs, "stats": st, "match": match, "per_round": per_round, "graph": fe.use_graph,
-        "outputs": outputs,
+        "tokens": tok, "seconds": secs, "stats": None if m.kind == "vanilla" else st, "match": match,
+        "per_round": list(st.accepted), "graph": getattr(runner, "use_graph", None), "outputs": outputs,
     }  # fmt: skip
 
 
@@ -294,18 +325,20 @@ def flip_margins(target_f32, prompts, ref, outputs, device) -> list[dict]:
     return flips
 
 
-def exactness_fp32(target_f32, draft_f32, shapes, prompts, new, S, taps, device) -> dict:
-    """The same decoders in float32 (TF32 off): does speculative decoding reproduce vanilla greedy exactly when the
-    arithmetic is not the bf16 noise source? (Untimed; the table's speeds are the bf16 runs.)"""
+def exactness_fp32(tgt_dir: Path, draft_dir: Path, shapes, prompts, new, max_len, device) -> dict:
+    """The same decoders in float32 (TF32 off), through Bench as every row: does speculative decoding reproduce
+    vanilla greedy exactly when the arithmetic is not the bf16 noise source? (Untimed; the table's speeds are the
+    bf16 runs.) The target is loaded in float32 and runs without the batch-invariant kernels
+    (`--no-batch-invariant`)."""
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        ft = FastTarget(target_f32, S, taps=taps)
-        van = FastVanilla(ft, new)
-        ref = [van.generate(p, new).tokens for p in prompts]
+        t32 = load_target(tgt_dir, device=device, dtype=torch.float32)
+        b32 = Bench(t32, str(draft_dir), True, max_len, batch_invariant=False)
+        ref = eval_method(b32, parse_method("vanilla"), prompts, new, None)["outputs"]
         out = {}
         for shape in shapes:
-            r = eval_fast_eagle(ft, draft_f32, shape, prompts, new, ref)
+            r = eval_method(b32, tree_method(shape), prompts, new, ref)
             out[str(tuple(shape))] = {"match_vanilla_fraction": round(r["match"] / len(prompts), 4),
                                       "accept_length": round(float(r["stats"].accept_length), 4)}  # fmt: skip
         return {"float32_vanilla": ref, "methods": out}
@@ -632,10 +665,13 @@ def table_rows(ev: EagleResults, hfr: dict[str, dict] | None) -> list[dict]:
 
 
 def to_infer(m, dtype):
-    """Cast for inference but keep RoPE frequencies in float32, as load_native / load_draft do."""
-    inv = m.inv_freq.float().clone()
+    """Cast for inference but keep RoPE frequencies (every inv_freq buffer) in float32, as load_native / load_draft
+    do."""
+    keep = {n: b.float().clone() for n, b in m.named_buffers() if n.endswith("inv_freq")}  # before any rounding
     m = m.to(dtype).eval()
-    m.inv_freq = inv
+    for n, b in m.named_buffers():
+        if n in keep:
+            b.data = keep[n].to(b.device)
     return m
 
 
@@ -1013,7 +1049,6 @@ def main() -> int:
     ap.add_argument(
         "--variants", default="eager,compiled,reductions,attention,fused_kernels", help="8B decode variants to measure"
     )
-    ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate matmuls")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every training budget")
     ap.add_argument("--n-seq", type=int, default=None, help="regenerated training sequences")
     ap.add_argument("--no-batch-invariant", action="store_true", help="197M rows on cuBLAS + SDPA kernels only")
@@ -1023,15 +1058,23 @@ def main() -> int:
     ap.add_argument("--hf-reserve-s", type=float, default=150.0, help="seconds the 8B section leaves to transformers")
     ap.add_argument("--no-vendor-rows", action="store_true", help="skip the cuBLAS + SDPA comparison rows")
     ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--prepare-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.hf_worker:
         return hf_worker(args.hf_worker)
+    if args.prepare_worker:
+        return prepare_worker(args.prepare_worker)
+    if args.part in ("all", "train"):
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:  # eaglescope train writes its scalars with it
+            print("run_bench: eaglescope train needs tensorboard (pip install 'tensorboard>=2.14')", file=sys.stderr)
+            return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = sizes(args.smoke)
     cfg["hf_workers"], cfg["hf_timed"], cfg["hf_reserve_s"] = args.hf_workers, args.hf_timed, args.hf_reserve_s
     cfg["vendor_rows"] = not args.no_vendor_rows
     cfg["d_lr"] = 3e-3 if args.smoke else 8e-4
-    cfg["fuse"] = not args.no_fuse
     cfg["batch_invariant"] = not args.no_batch_invariant
     cfg["float32_pass"] = args.float32_pass
     for k in ("t_target", "t_draft", "t_abl", "t_lm"):
@@ -1104,8 +1147,9 @@ def main() -> int:
 
 
 def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Path) -> tuple[EagleResults, dict]:
-    """Corpus → training → every eaglescope method on the held-out prompts → exactness; the rows so far go into
-    `result`. Returns the eaglescope results and the transformers job (HF checkpoints, prompts, vanilla outputs)."""
+    """Corpus → target → the product's prepare and train → every eaglescope method through the product's bench on
+    the held-out prompts → exactness; the rows so far go into `result`. Returns the eaglescope results and the
+    transformers job (HF checkpoints, prompts, vanilla outputs)."""
     st = result["stages"]
     corpus, tok, train_ids = build_corpus(cfg, work, device)
     st["corpus"] = {
@@ -1119,7 +1163,12 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     pc = lm_args(len(tok), cfg["d"], cfg["layers"], cfg["heads"], cfg["kv"], cfg["ffn"])
     target, st["target"] = train_lm(pc, train_ids, cfg["t_target"], cfg["batch"], cfg["seq"], cfg["lr"], device)
     say(f"target: {json.dumps(st['target'])}")
-    # target's own continuations of training-file prefixes
+    # the target as a checkpoint with its tokenizer and the completion chat template (as the demo saves it)
+    t0 = time.perf_counter()
+    tgt_dir = hf_dir_for(target, pc, work / "target", work / "tokenizer", tok)
+    target = target.to(device)  # save_target moved it to the CPU
+    st["save_target_seconds"] = round(time.perf_counter() - t0, 1)
+    # the target's own continuations of training-file prefixes
     t0 = time.perf_counter()
     pre = torch.tensor(prefixes(corpus.train, tok, cfg["n_seq"], 1, cfg["prefix"]))
     import copy
@@ -1128,87 +1177,103 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     data = regenerate(to_infer(copy.deepcopy(target), infer_dtype), pre, cfg["cont"], cfg["regen_batch"], device)
     st["regenerate"] = {"sequences": data.shape[0], "length": data.shape[1], "seconds": time.perf_counter() - t0}
     say(f"regenerate: {st['regenerate']}")
-    taps = TapContract.default(target.args.num_layers)
-    draft, st["eagle3"] = train_draft(target, taps, data, 7, cfg["t_draft"], cfg, device)
-    say(f"eagle3 draft: {st['eagle3']}")
-    abl, st["ablation"] = train_draft(target, taps, data, 1, cfg["t_abl"], cfg, device)
-    say(f"ablation (TTT 1): {st['ablation']}")
+    # --- the product: prepare, then train (eaglescope prepare / eaglescope train) ----------------------------
+    jsonl = work / "conversations.jsonl"
+    st["conversations"] = write_conversations(jsonl, tok, data, cfg["prefix"])
+    preparation = Preparation(tgt_dir, jsonl, work / "prepared", work)  # on the CPU while the draft LM trains
     lpc = lm_args(len(tok), cfg["lm_d"], cfg["lm_layers"], cfg["lm_heads"], cfg["lm_heads"] // 2, cfg["lm_ffn"])
     lm, st["draft_lm"] = train_lm(lpc, train_ids, cfg["t_lm"], cfg["batch"], cfg["seq"], cfg["lr"] * 2, device)
     say(f"draft LM: {st['draft_lm']}")
+    st["prepare"] = preparation.wait()
+    say(f"prepare: {st['conversations']} → {st['prepare']}")
+    draft_dir, abl_dir = work / "eagle3", work / "ablation-ttt1"
+    st["eagle3"] = train_draft(tgt_dir, work / "prepared", draft_dir, 7, cfg["t_draft"], cfg, device)
+    say(f"eagle3 draft (eaglescope train): {st['eagle3']}")
+    st["ablation"] = train_draft(tgt_dir, work / "prepared", abl_dir, 1, cfg["t_abl"], cfg, device)
+    say(f"ablation (TTT 1, eaglescope train): {st['ablation']}")
     write_json(result_path, result)
-    # --- evaluation -----------------------------------------------------------------------------
+    # --- evaluation: every eaglescope row through eaglescope bench's Bench (fast_runner + decode) ---------------
+    t0 = time.perf_counter()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     prompts = prefixes(corpus.heldout, tok, cfg["prompts"], 2, cfg["prefix"])
     tune = prefixes(corpus.heldout, tok, cfg["tune_prompts"], 3, cfg["prefix"])
     new = cfg["new"]
-    tgt_dir = hf_dir_for(target, pc, work / "target", work / "tokenizer", tok)
     lm_dir = hf_dir_for(lm, lpc, work / "draft_lm", work / "tokenizer", tok)
-    target_f32, draft_f32 = copy.deepcopy(target).to(device).eval(), copy.deepcopy(draft).eval()
-    target, draft, abl = (to_infer(m, dtype) for m in (target.to(device), draft, abl))
-    S = cfg["prefix"] + new + 2 * max(t[2] for t in cfg["trees"] + [cfg["official"]]) + 16
-    if cfg["fuse"]:
-        for m in (draft, abl):
-            fuse_projections(m)
-    # float32 logits: bf16 ties would otherwise flip between a 1-token step and a tree verify (see Float32Logits);
-    # batch-invariant kernels: a token's logits are then bit-identical in a 1-token step and in a tree verify
-    invariant = cfg["batch_invariant"] and inv_kernels.supports(target.args.head_dim, device)
-    ft = FastTarget(target, S, taps=taps.layers, fuse=cfg["fuse"], float32_logits=True, batch_invariant=invariant)
-    st["float32_logits"] = {"mixed_precision_mm": getattr(target.lm_head, "mm_out_dtype", None)}
+    target_f32 = target.eval()  # the trained weights in float32: the flips' logit margins
+    prod = load_target(tgt_dir, device=device, dtype=dtype)
+    if not isinstance(prod, NativeTarget):
+        raise RuntimeError(f"{tgt_dir} did not load as a native target: the static-shape backend cannot run it")
+    max_len = cfg["prefix"] + new
+    # on a GPU the target then runs on the batch-invariant kernels (fast_runner's default), as `generate` runs it
+    invariant = device.type == "cuda" and cfg["batch_invariant"] and inv_kernels.supports(prod.model.args.head_dim,
+                                                                                          device)  # fmt: skip
+    eagle = Bench(prod, str(draft_dir), True, max_len, cfg["batch_invariant"])
+    abl = Bench(prod, str(abl_dir), True, max_len, cfg["batch_invariant"])
     st["kernels"] = "batch-invariant (fast/invariant.py)" if invariant else "cuBLAS + SDPA"
-    vr, ref = eval_vanilla(ft, prompts, new)
+    st["load_seconds"] = round(time.perf_counter() - t0, 1)
+    vr = eval_method(eagle, parse_method("vanilla"), prompts, new, None)
+    ref = vr["outputs"]
+    vr["match"] = len(prompts)
     base_fast = vr["tokens"] / vr["seconds"]
-    say(f"eaglescope vanilla ({st['kernels']}): {base_fast:.1f} tok/s")
-    runs: dict[str, dict] = {}
-    chain = (cfg["chain"], 1, cfg["chain"] + 1)
-    runs["eagle3 chain"] = (eval_fast_eagle(ft, draft, chain, prompts, new, ref), chain)
-    say(f"eagle3 chain {chain}: τ {runs['eagle3 chain'][0]['stats'].accept_length:.2f}")
-    runs["eagle3 tree official"] = (eval_fast_eagle(ft, draft, cfg["official"], prompts, new, ref), cfg["official"])
+    lm_head = getattr(prod.model.lm_head, "original", prod.model.lm_head)
+    st["float32_logits"] = {"mixed_precision_mm": getattr(lm_head, "mm_out_dtype", None)}
+    say(f"eaglescope vanilla ({st['kernels']}): {base_fast:.1f} tok/s, graph {vr['graph']}")
+    runs: dict[str, tuple[dict, tuple]] = {}
+    chain, official = parse_method(f"chain={cfg['chain']}"), tree_method(cfg["official"])
+    runs["eagle3 chain"] = (eval_method(eagle, chain, prompts, new, ref), chain.shape)
+    say(f"eagle3 chain {chain.shape}: τ {runs['eagle3 chain'][0]['stats'].accept_length:.2f}")
+    runs["eagle3 tree official"] = (eval_method(eagle, official, prompts, new, ref), official.shape)
     # tune the tree on separate held-out prompts by tokens/s
     best, best_tps, tuning = None, -1.0, {}
     for shape in cfg["trees"]:
-        r = eval_fast_eagle(ft, draft, shape, tune, new, None)
+        m = tree_method(shape)
+        r = eval_method(eagle, m, tune, new, None)
         tps = r["tokens"] / r["seconds"]
-        tuning[str(shape)] = {"tokens_per_second": round(tps, 1), "tau": round(r["stats"].accept_length, 3)}
+        tuning[str(tuple(shape))] = {"tokens_per_second": round(tps, 1), "tau": round(r["stats"].accept_length, 3)}
         if tps > best_tps:
-            best, best_tps = shape, tps
+            best, best_tps = m, tps
     st["tree_tuning"] = tuning
-    say(f"tuning: {tuning} → {best}")
-    runs["eagle3 tree tuned"] = (eval_fast_eagle(ft, draft, best, prompts, new, ref), best)
-    runs["ablation TTT-1 tree tuned"] = (eval_fast_eagle(ft, abl, best, prompts, new, ref), best)
-    runs["ablation TTT-1 chain"] = (eval_fast_eagle(ft, abl, chain, prompts, new, ref), chain)
+    say(f"tuning: {tuning} → {best.shape}")
+    runs["eagle3 tree tuned"] = (eval_method(eagle, best, prompts, new, ref), best.shape)
+    runs["ablation TTT-1 tree tuned"] = (eval_method(abl, best, prompts, new, ref), best.shape)
+    runs["ablation TTT-1 chain"] = (eval_method(abl, chain, prompts, new, ref), chain.shape)
     for k, (r, sh) in runs.items():
         tps = r["tokens"] / r["seconds"]
         say(f"{k} {sh}: τ {r['stats'].accept_length:.2f}, {tps:.1f} tok/s, match {r['match']}, graph {r['graph']}")
     n = len(prompts)
-    # --- exactness: flips against vanilla, and the default kernels for comparison -------------------------
+    st["decode_seconds"] = round(time.perf_counter() - t0, 1)
+    # --- exactness: flips against vanilla, and the kernels without batch invariance for comparison -------------
     t0 = time.perf_counter()
     ex = {"kernels": st["kernels"], "bf16_flips": {}}
     for k, (r, sh) in runs.items():
         ex["bf16_flips"][f"{k} {tuple(sh)}"] = flip_margins(target_f32, prompts, ref, r["outputs"], device)
     default_rows = []
     if invariant and cfg["vendor_rows"]:
-        # the same model on cuBLAS + SDPA: what invariance costs in speed, and what it buys in exactness
-        use_batch_invariant(target, enable=False)
-        ft_d = FastTarget(target, S, taps=taps.layers, float32_logits=True)
-        vd, ref_d = eval_vanilla(ft_d, prompts, new)
+        # the same model as `generate --no-batch-invariant` runs it (fused decode and verify kernels where the
+        # target allows): what invariance costs in speed, and what it buys in exactness
+        del eagle, abl  # their decoders ran the invariant modules, swapped out now
+        use_batch_invariant(prod.model, enable=False)
+        other = Bench(prod, str(draft_dir), True, max_len, batch_invariant=False)
+        vd = eval_method(other, parse_method("vanilla"), prompts, new, None)
+        ref_d, vd["match"] = vd["outputs"], n
         base_d = vd["tokens"] / vd["seconds"]
-        default_rows.append(("eaglescope vanilla, cuBLAS + SDPA kernels", vd, base_d))
-        for shape, name in ((cfg["official"], "official"), (best, "tuned")):
-            r = eval_fast_eagle(ft_d, draft, shape, prompts, new, ref_d)
-            default_rows.append((f"eagle3 tree {name} {tuple(shape)}, cuBLAS + SDPA kernels", r, base_d))
-            ex["bf16_flips"][f"cuBLAS + SDPA: eagle3 tree {name} {tuple(shape)}"] = flip_margins(
+        kern = "--no-batch-invariant kernels"
+        default_rows.append((f"eaglescope vanilla, {kern}", vd, base_d))
+        for m, name in ((official, "official"), (best, "tuned")):
+            r = eval_method(other, m, prompts, new, ref_d)
+            default_rows.append((f"eagle3 tree {name} {m.shape}, {kern}", r, base_d))
+            ex["bf16_flips"][f"{kern}: eagle3 tree {name} {m.shape}"] = flip_margins(
                 target_f32, prompts, ref_d, r["outputs"], device
             )
         ex["default_vanilla_equals_invariant_vanilla"] = round(sum(a == b for a, b in zip(ref_d, ref)) / n, 4)
         say(
-            f"cuBLAS + SDPA: vanilla {base_d:.1f} tok/s; "
+            f"{kern}: vanilla {base_d:.1f} tok/s; "
             + ", ".join(
                 f"{k}: {r['tokens'] / r['seconds']:.1f} tok/s, match {r['match']}" for k, r, _ in default_rows[1:]
             )
         )
     if cfg["float32_pass"]:
-        fp = exactness_fp32(target_f32, draft_f32, [cfg["official"], best], prompts, new, S, taps.layers, device)
+        fp = exactness_fp32(tgt_dir, draft_dir, [official.shape, best.shape], prompts, new, max_len, device)
         ex["float32"] = fp["methods"]
         ex["float32_vanilla_equals_bf16_vanilla"] = round(
             sum(a == b for a, b in zip(fp["float32_vanilla"], ref)) / n, 4
@@ -1216,7 +1281,7 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
         say(f"exactness float32: {ex['float32']}, fp32 vanilla == bf16 {ex['float32_vanilla_equals_bf16_vanilla']}")
     ex["seconds"] = round(time.perf_counter() - t0, 1)
     st["exactness"] = ex
-    del target_f32, draft_f32
+    del target_f32, target
     kern = ", batch-invariant kernels" if invariant else ""
     ev = EagleResults(vr, base_fast, runs, default_rows, kern, n)
     tuned = runs["eagle3 tree tuned"]
@@ -1227,6 +1292,10 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     job = {"target": str(tgt_dir), "draft_lm": str(lm_dir), "dtype": str(dtype).removeprefix("torch."),
            "prompts": prompts, "ref": ref, "new": new}  # fmt: skip
     return ev, job
+
+
+def tree_method(shape) -> Method:
+    return parse_method("tree=" + ",".join(str(x) for x in shape))
 
 
 def run_transformers(

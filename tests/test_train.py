@@ -10,6 +10,7 @@ as good as blind after the first step, the seed scenario's "first step fine, lat
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -37,6 +38,7 @@ from eaglescope.errors import EagleScopeError
 from eaglescope.outputs import partial_dir
 from eaglescope.pretrain import PretrainConfig, pretrain, save_target
 from eaglescope.target import load_target
+from eaglescope.train import loop as train_loop
 from eaglescope.train.loop import TrainConfig, collate, lr_factor, make_batch, split_indices, train
 from eaglescope.train.metrics import (
     acceptance_from_acc,
@@ -372,6 +374,73 @@ def test_sigkill_then_resume_gives_identical_weights(env, tmp_path):
     assert res.steps == N and not partial_dir(out).exists()
     a, b = _weights(full), _weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _ticks(seconds_per_call: float = 1.0):
+    """A deterministic clock for the time budget: each reading is `seconds_per_call` later than the last."""
+    n = itertools.count()
+    return lambda: next(n) * seconds_per_call
+
+
+def test_max_seconds_fits_the_schedule_to_the_steps_that_fit(env, tmp_path, monkeypatch):
+    # one clock reading at the start and one per step until the fit: 1 s a step, fitted after FIT_AFTER steps
+    monkeypatch.setattr(train_loop, "_clock", _ticks())
+    res = train(config(env, tmp_path / "a", max_steps=1000, max_seconds=20, warmup_steps=5, batch_size=4), False)
+    assert res.steps == 20  # 5 steps timed at 1 s, 15 more fit in the 15 s left
+    lrs = [h["lr"] for h in res.history]
+    # the whole run is on the fitted schedule (warmup >= FIT_AFTER: the steps before the fit too), ending near 0
+    assert lrs == pytest.approx([2e-3 * lr_factor(s, 5, 20) for s in range(20)])
+    assert lrs[-1] < 0.05 * max(lrs)
+    state = json.loads((tmp_path / "a" / "training_state" / "state.json").read_text())
+    assert state["fit"]["total"] == 20 and state["fit"]["fitted"]
+    # never longer than --max-steps / --epochs give
+    monkeypatch.setattr(train_loop, "_clock", _ticks())
+    assert train(config(env, tmp_path / "b", max_steps=12, max_seconds=1000, batch_size=4), False).steps == 12
+    # a budget spent before the fit ends the run there
+    monkeypatch.setattr(train_loop, "_clock", _ticks())
+    assert train(config(env, tmp_path / "c", max_steps=1000, max_seconds=2, batch_size=4), False).steps == 2
+
+
+def test_max_seconds_on_the_real_clock(env, tmp_path):
+    t = []
+    res = train(config(env, tmp_path / "r", epochs=1000.0, max_seconds=3.0, batch_size=4), False,
+                on_step=lambda step, logs: t.append(time.perf_counter()))  # fmt: skip
+    assert train_loop.FIT_AFTER < res.steps < 1000 * 4  # fitted, far below the nominal length
+    assert t[-1] - t[0] < 2 * 3.0 + 2.0, t[-1] - t[0]  # the steps kept (roughly) to the budget
+    assert res.history[-1]["lr"] < 0.05 * max(h["lr"] for h in res.history)  # and the schedule ran to its end
+
+
+def test_resume_of_a_timed_run_reaches_the_same_steps_with_the_same_weights(env, tmp_path, monkeypatch):
+    cfg = dict(max_steps=1000, max_seconds=20, warmup_steps=5, batch_size=4)
+    monkeypatch.setattr(train_loop, "_clock", _ticks())
+    full = tmp_path / "full"
+    assert train(config(env, full, **cfg), False).steps == 20
+
+    def crash(step, logs):
+        if step == 10:  # two steps past the checkpoint at 8, after the fit at 5
+            raise KeyboardInterrupt
+
+    part = tmp_path / "part"
+    monkeypatch.setattr(train_loop, "_clock", _ticks())
+    with pytest.raises(KeyboardInterrupt):
+        train(config(env, part, save_every=8, **cfg), False, on_step=crash)
+    # the resumed run runs on a clock 100x slower: it keeps the saved length instead of fitting again
+    monkeypatch.setattr(train_loop, "_clock", _ticks(100.0))
+    with pytest.raises(EagleScopeError, match="--max-seconds"):
+        train(config(env, part, resume=True, **{**cfg, "max_seconds": 30}), False)
+    res = train(config(env, part, resume=True, **cfg), False)
+    assert res.steps == 20 and [h["step"] for h in res.history] == list(range(9, 21))
+    a, b = _weights(full), _weights(part)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_max_seconds_must_be_positive(env, tmp_path, capsys):
+    argv = ["train", "--target", str(env["target"]), "--data", str(env["prep_hidden"]), "--out", str(tmp_path / "x")]
+    for bad in ("0", "-1", "nan"):
+        assert main([*argv, "--max-seconds", bad, "--device", "cpu"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"eaglescope: error: --max-seconds must be a positive number of seconds, got {float(bad)}.", err
+    assert not (tmp_path / "x").exists()
 
 
 def test_resume_refuses_changed_settings(env, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -56,3 +57,15 @@ def test_torchrun_two_processes_match_one_process(tmp_path_factory, tmp_path, gr
     # only rank 0 wrote: one set of TensorBoard events, no stray temp directories
     assert len(list((two / "tb").iterdir())) == 1
     assert not [p for p in two.iterdir() if p.name.startswith(".")]
+
+
+def test_torchrun_ranks_agree_on_a_timed_runs_length(tmp_path_factory, tmp_path):
+    # each rank times its own steps; rank 0's fit is broadcast, or the ranks would stop at different steps and hang
+    env = shared_env(tmp_path_factory)
+    out = tmp_path / "timed"
+    args = ["--target", str(env["target"]), "--data", str(env["prep_hidden"]), "--out", str(out)]
+    args += ["--max-steps", "100000", "--max-seconds", "4", "--batch-size", "4", "--device", "cpu"]
+    args += ["--dtype", "float32", "--max-length", "96"]
+    run(args, 2)
+    state = json.loads((out / "training_state" / "state.json").read_text())
+    assert state["fit"]["fitted"] and 5 <= state["step"] == state["fit"]["total"] < 100000

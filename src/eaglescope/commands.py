@@ -67,6 +67,7 @@ def add_train(sub) -> None:
     length = p.add_mutually_exclusive_group()
     f("max_steps", group=length, type=int, help="optimizer steps")
     f("epochs", group=length, type=float, help="passes over the training split (default 1)")
+    f("max_seconds", type=float, help="seconds for the optimizer steps: the schedule is fitted to the steps that fit")
     f("batch_size", help="samples per process per micro-batch (default %(default)s)")
     f("grad_accum", help="micro-batches per optimizer step (default %(default)s)")
     f("lr", help="peak learning rate (default %(default)s)")

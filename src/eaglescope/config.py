@@ -50,6 +50,9 @@ class TrainConfig:
     draft_vocab_size: int | None = None  # None → the prepared vocabulary
     max_steps: int | None = None
     epochs: float | None = None  # default 1 when max_steps is not given
+    # A wall-clock budget for the optimizer steps: after the first few steps the run's length (where the cosine
+    # schedule ends) is fitted to the steps that fit, never more than max_steps / epochs give (train/loop.py).
+    max_seconds: float | None = None
     batch_size: int = 8  # per process
     grad_accum: int = 1
     lr: float = 1e-4
@@ -78,6 +81,8 @@ class TrainConfig:
                 raise EagleScopeError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}.")
         if self.epochs is not None and not math.isfinite(self.epochs):
             raise EagleScopeError(f"--epochs must be a finite number, got {self.epochs}.")
+        if self.max_seconds is not None and not (math.isfinite(self.max_seconds) and self.max_seconds > 0):
+            raise EagleScopeError(f"--max-seconds must be a positive number of seconds, got {self.max_seconds}.")
         if self.warmup_ratio > 1:
             raise EagleScopeError(f"--warmup-ratio must be in [0, 1], got {self.warmup_ratio}.")
         for name in ("eval_every", "save_every", "weight_decay", "clip", "warmup_ratio"):
@@ -104,6 +109,7 @@ RESUME_KEYS = (
     "draft_vocab_size",
     "max_steps",
     "epochs",
+    "max_seconds",
     "grad_accum",
     "lr",
     "warmup_steps",

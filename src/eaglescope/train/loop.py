@@ -16,6 +16,15 @@ batch of it. So resuming needs only the step (plus weights, optimizer moments an
 torchrun job sees the same global batches as one process: global batch = batch_size × world ×
 grad_accum samples, micro-batch a, rank r takes its slice [a·B·W + r·B, a·B·W + (r+1)·B).
 
+Time budget (--max-seconds). After FIT_AFTER optimizer steps (the first one untimed: it pays one-off costs) the
+run's length is fitted once: the steps done plus those that fit in the seconds left at the measured time per step,
+never more than --max-steps / --epochs give. The cosine decay then ends at that step (and a --warmup-ratio warmup
+is taken of it; --warmup-steps >= FIT_AFTER leaves the steps before the fit on the final schedule), so a run on
+a slower machine gets fewer steps, not a truncated schedule. Only the steps count: loading, evaluation and saving
+come on top. The fitted length is saved with every checkpoint, so --resume continues to the same step count on the
+same schedule whatever the clock says then (bit for bit the run that was not interrupted); a run interrupted before
+its fit fits on resume, with the seconds it had already spent.
+
 Loss normalisation. ttt_loss averages over the positions of the batch it is given; we call it per
 sample and average over samples, so the mean over a global batch is the same whether the samples sit
 in one process or are spread over ranks and accumulation steps (token-mean per rank would weight
@@ -32,6 +41,7 @@ import json
 import math
 import os
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,6 +61,8 @@ from eaglescope.train.ttt import LOSS_MASK_SHIFT, Unrolled, ttt_loss, ttt_unroll
 STATE_DIR = "training_state"
 METRICS_FILE = "training_metrics.json"
 SPLIT_SEED = 0x5EED  # the held-out split does not depend on --seed: runs with different seeds compare
+FIT_AFTER = 5  # --max-seconds: optimizer steps before the run's length is fitted to the time left
+_clock = time.perf_counter  # the time budget's clock (a test replaces it with a deterministic one)
 
 # What `train --out` may replace (with --overwrite) or continue (with --resume): a draft this command trained,
 # holding nothing else. An export, a target or a directory of other files is never replaced.
@@ -168,6 +180,13 @@ def make_batch(target, raw: dict[str, torch.Tensor], device: torch.device, aux_d
 
 
 # -- schedule ------------------------------------------------------------------------------------
+def fit_total(done: int, per_step: float, left: float, nominal: int) -> int:
+    """A time-budgeted run's length: the `done` steps plus those that fit in `left` seconds at `per_step` seconds
+    each, at most `nominal` (what --max-steps / --epochs give)."""
+    more = int(max(0.0, left) / per_step) if per_step > 0 else nominal
+    return max(done, min(nominal, done + more))
+
+
 def lr_factor(step: int, warmup: int, total: int) -> float:
     """Linear warmup over `warmup` steps, then cosine decay to 0 at `total` (step is 0-based)."""
     if step < warmup:
@@ -182,12 +201,16 @@ def _trainable_state(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
 
 
-def save_training_state(out: Path, draft, opt, step: int, cfg: TrainConfig, world: int) -> Path:
-    """OUT/training_state/ via a temp directory and a rename: a crash leaves the previous one whole."""
+def save_training_state(
+    out: Path, draft, opt, step: int, cfg: TrainConfig, world: int, fit: dict | None = None
+) -> Path:
+    """OUT/training_state/ via a temp directory and a rename: a crash leaves the previous one whole. `fit`: the
+    run's length under --max-seconds ({"total", "fitted", "seconds"}: seconds of steps so far)."""
     path = out / STATE_DIR
     with staged_dir(path) as tmp:
         state = {
             "step": step,
+            "fit": fit,
             "model": _trainable_state(draft),
             "optimizer": opt.state_dict(),
             "rng_cpu": torch.get_rng_state(),
@@ -196,7 +219,8 @@ def save_training_state(out: Path, draft, opt, step: int, cfg: TrainConfig, worl
             "world_size": world,
         }
         torch.save(state, tmp / "state.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, "world_size": world, "config": asdict(cfg)}) + "\n")
+        meta = {"step": step, "world_size": world, "fit": fit, "config": asdict(cfg)}
+        (tmp / "state.json").write_text(json.dumps(meta) + "\n")
     return path
 
 
@@ -309,6 +333,14 @@ def _resolve_data(cfg: TrainConfig, data, target_fp, num_layers: int) -> tuple[T
     return taps, d2t, t2d
 
 
+def _from_rank0(x: int, d: Dist, device: torch.device) -> int:
+    if d.world == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.long, device=device)
+    torch.distributed.broadcast(t, 0)
+    return int(t.item())
+
+
 def _nonfinite(loss: torch.Tensor, d: Dist) -> bool:
     bad = (~torch.isfinite(loss.detach())).float().reshape(1)
     if d.world > 1:  # every rank must stop together, or the others hang in the next all-reduce
@@ -378,7 +410,11 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
             f"(batch size {B} × {W} processes × grad-accum {A}); use a smaller --batch-size or more data."
         )
     total = cfg.max_steps if cfg.max_steps is not None else math.ceil((cfg.epochs or 1.0) * steps_per_epoch)
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total)
+
+    def warmup_for(total: int) -> int:
+        return cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total)
+
+    fitted, spent = cfg.max_seconds is None, 0.0  # spent: seconds of steps before this process (a resumed run)
     perm_cache: dict[int, list[int]] = {}
 
     def global_batch(step: int) -> list[int]:
@@ -407,6 +443,10 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
         if saved["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(saved["rng_cuda"])
         step = last_ckpt_step = int(saved["step"])
+        fit = saved.get("fit")
+        if cfg.max_seconds is not None and fit is not None:
+            total, fitted, spent = int(fit["total"]), bool(fit["fitted"]), float(fit["seconds"])
+    warmup = warmup_for(total)
 
     fwd: nn.Module = _Unroll(draft, cfg.ttt_length)
     if W > 1:
@@ -447,10 +487,15 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
             writer.add_scalar("eval/simulated_tau", res["predicted_accept_length"], step)
         return res
 
+    t_loop, t_first, ran = _clock(), 0.0, 0  # ran: steps this process took
+
+    def fit_state() -> dict:
+        return {"total": total, "fitted": fitted, "seconds": spent + _clock() - t_loop}
+
     def checkpoint(metrics: dict | None) -> None:
         nonlocal last_ckpt
         if d.main:
-            save_training_state(work, draft, opt, step, cfg, W)
+            save_training_state(work, draft, opt, step, cfg, W, fit_state())
             save_checkpoint(work, draft, contract, metrics)
         d.barrier()
         last_ckpt = (work / STATE_DIR, step)
@@ -504,6 +549,19 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
+            ran += 1
+            if not fitted:  # --max-seconds: fit the run's length once the first steps are timed
+                now = _clock()
+                t_first = now if ran == 1 else t_first
+                elapsed = spent + now - t_loop
+                new_total = -1
+                if ran >= FIT_AFTER or elapsed >= cfg.max_seconds:
+                    per_step = (now - t_first) / (ran - 1) if ran > 1 else now - t_loop
+                    new_total = fit_total(step, per_step, cfg.max_seconds - elapsed, total)
+                new_total = _from_rank0(new_total, d, device)  # every rank takes rank 0's decision
+                if new_total >= 0:
+                    total, warmup, fitted = new_total, warmup_for(new_total), True
+                    bar.set_total(total)
             logs = {
                 "step": step,
                 "loss": loss_sum / A,

@@ -137,3 +137,51 @@ def test_mla_draft_on_the_fast_path_is_refused_in_one_line(targets, tmp_path, ca
     rc = main([*argv, "--fast", "--device", "cpu", "--chain", "2"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "latent attention" in err or "native target" in err
+
+
+def test_mla_and_eagle31_drafts_end_to_end_through_the_cli(tmp_path, capsys):
+    """A DeepSeek-V3-architecture target on the transformers path: prepare → train --draft-arch mla (with 3.1
+    options) → export --to vllm → generate, speculative output equal to vanilla; and a 3.1 Llama-attention draft."""
+    import json
+
+    from test_prepare import conversations
+    from tokenizers_fixtures import LLAMA3, load, make_tokenizer_dir
+
+    tok = load(make_tokenizer_dir(tmp_path, LLAMA3, vocab_size=300))
+    target = make_checkpoint("deepseek_v3", tmp_path / "ds", vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                             bos_token_id=tok.bos_token_id)  # fmt: skip
+    tok.save_pretrained(target)
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations()))
+
+    def cli(*argv: str) -> str:
+        capsys.readouterr()
+        rc = main([*argv])
+        out = capsys.readouterr()
+        assert rc == 0, out.err
+        return out.out
+
+    llama = make_checkpoint("llama", tmp_path / "llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                            bos_token_id=tok.bos_token_id)  # fmt: skip
+    tok.save_pretrained(llama)
+    common = ["--device", "cpu", "--dtype", "float32"]
+    # (the target, the draft's flags): an MLA 3.1 draft for the DeepSeek target, a Llama 3.1 draft for a Llama one
+    for name, t, flags in (("mla", target, ["--draft-arch", "mla", "--fc-norm", "--norm-output"]),
+                           ("llama31", llama, ["--norm-before-fc", "--norm-output"])):  # fmt: skip
+        prep = tmp_path / f"prep-{name}"
+        cli("prepare", "--target", str(t), "--data", str(data), "--out", str(prep), "--taps", "0,3,6",
+            "--draft-vocab-size", "64", *common)  # fmt: skip
+        prompt = ",".join(map(str, tok.encode("def f(x):", add_special_tokens=True)))
+        vanilla = json.loads(cli("generate", "--target", str(t), "--prompt-ids", prompt, "--max-new-tokens", "16",
+                                 "--json", *common))["token_ids"]  # fmt: skip
+        out = tmp_path / name
+        cli("train", "--target", str(t), "--data", str(prep), "--out", str(out), "--max-steps", "3",
+            "--batch-size", "4", *flags, *common)  # fmt: skip
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["norm_output"] is True and (cfg.get("kv_lora_rank") is not None) == (name == "mla")
+        exported = tmp_path / f"{name}-vllm"
+        cli("export", "--draft", str(out), "--to", "vllm", "--out", str(exported), "--target", str(t))
+        for draft in (out, exported):
+            got = json.loads(cli("generate", "--target", str(t), "--draft", str(draft), "--prompt-ids", prompt,
+                                 "--max-new-tokens", "16", "--tree", "3,2,6", "--json", *common))  # fmt: skip
+            assert got["token_ids"] == vanilla and got["stats"]["rounds"] >= 1

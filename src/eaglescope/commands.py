@@ -87,6 +87,10 @@ def add_train(sub) -> None:
     f("dtype", help="target dtype and GPU autocast: float32 | bfloat16 (default)")
     f("log_dir", help="TensorBoard directory (default OUT/tb)")
     f("backend", choices=BACKENDS)
+    f("draft_arch", choices=["llama", "mla"], help="draft layer: Llama attention, or MLA (DeepSeek-V2/V3 targets)")
+    f("norm_before_fc", help="EAGLE 3.1: one RMSNorm over the concatenated target features before fc")
+    f("fc_norm", help="EAGLE 3.1: one RMSNorm per tap segment before fc")
+    f("norm_output", help="EAGLE 3.1: the next draft step receives the post-norm output")
     p.set_defaults(func="eaglescope.train.loop:cmd_train")
 
 

@@ -71,8 +71,14 @@ class TrainConfig:
     dtype: str = "auto"
     log_dir: str | None = None  # default OUT/tb
     backend: str = "auto"
+    draft_arch: str = "llama"  # the draft layer: "llama" (Llama attention) or "mla" (DeepSeek-V2/V3, Kimi-K2 targets)
+    norm_before_fc: bool = False  # EAGLE 3.1 options (drafts/config.py)
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def validate(self) -> None:
+        if self.draft_arch not in ("llama", "mla"):
+            raise EagleScopeError(f"--draft-arch must be llama or mla, got {self.draft_arch!r}.")
         for name, low in (("ttt_length", 1), ("batch_size", 1), ("grad_accum", 1), ("max_length", 3)):
             if getattr(self, name) < low:
                 raise EagleScopeError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}.")
@@ -119,6 +125,10 @@ RESUME_KEYS = (
     "max_length",
     "eval_fraction",
     "seed",
+    "draft_arch",
+    "norm_before_fc",
+    "fc_norm",
+    "norm_output",
 )
 
 

@@ -247,7 +247,8 @@ def load_training_state(out: Path) -> dict:
 
 
 def _check_resume(saved: dict, cfg: TrainConfig, world: int) -> None:
-    old = saved["config"]
+    # keys a run saved before they existed mean their defaults (an older run resumes as it was trained)
+    old = {k: TrainConfig.__dataclass_fields__[k].default for k in RESUME_KEYS} | saved["config"]
     for key in RESUME_KEYS:
         if old.get(key) != getattr(cfg, key):
             raise EagleScopeError(
@@ -376,7 +377,15 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
 
     # -- the draft
     torch.manual_seed(cfg.seed)
-    dcfg = DraftConfig.for_target(read_config(Path(cfg.target)), taps, int(d2t.numel()))
+    dcfg = DraftConfig.for_target(
+        read_config(Path(cfg.target)),
+        taps,
+        int(d2t.numel()),
+        arch=cfg.draft_arch,
+        norm_before_fc=cfg.norm_before_fc,
+        fc_norm=cfg.fc_norm,
+        norm_output=cfg.norm_output,
+    )
     draft = Eagle3Draft(dcfg)
     draft.set_vocab_map(d2t, t2d)
     draft.load_target_embedding(target_embedding(target).detach().float().cpu())

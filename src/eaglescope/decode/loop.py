@@ -17,6 +17,7 @@ What differs between paths is a backend, a `Runner` whose four round operations 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -315,15 +316,9 @@ def run_speculative_from_args(args, target: Target, prompt_ids, sampling, stop) 
     proposer = build_proposer(args, target, sampling, len(prompt_ids) + budget + 1, recorder)
     if recorder is not None:
         trace_meta(recorder, args, target, prompt_ids, sampling)
-    try:
-        result = generate_speculative(target, proposer, prompt_ids, args.max_new_tokens, sampling, stop, recorder)
-    except BaseException:
-        if recorder is not None:
-            recorder.abort()
-        raise
-    if recorder is not None:
-        recorder.close()
-    return result
+    # the recorder writes its trace when the block ends, or drops it when the block raises
+    with recorder if recorder is not None else contextlib.nullcontext():
+        return generate_speculative(target, proposer, prompt_ids, args.max_new_tokens, sampling, stop, recorder)
 
 
 __all__ = [

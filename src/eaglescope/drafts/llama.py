@@ -48,14 +48,22 @@ def draft_mlp(c: DraftConfig) -> MLP:
 
 
 class Eagle3Layer(nn.Module):
+    """The EAGLE-3 decoder layer; subclasses change the attention, its RoPE and its cache (drafts/mla.py)."""
+
     def __init__(self, c: DraftConfig) -> None:
         super().__init__()
         self.norm_before_residual = c.norm_before_residual
-        self.self_attn = DraftAttention(c)
+        self.self_attn = self.attention(c)
         self.mlp = draft_mlp(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.init_rope(c)
+
+    def attention(self, c: DraftConfig) -> nn.Module:
+        return DraftAttention(c)
+
+    def init_rope(self, c: DraftConfig) -> None:
         self.register_buffer("inv_freq", c.rope.inv_freq(c.head_dim, c.max_position_embeddings), persistent=False)
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 from eaglescope.drafts.config import DraftConfig
-from eaglescope.drafts.llama import draft_mlp
+from eaglescope.drafts.llama import Eagle3Layer
 from eaglescope.target.llama import KVCache, RMSNorm, attend
 
 
@@ -86,15 +86,13 @@ class MLAAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class Eagle3MLALayer(nn.Module):
-    def __init__(self, c: DraftConfig) -> None:
-        super().__init__()
-        self.norm_before_residual = c.norm_before_residual
-        self.self_attn = MLAAttention(c)
-        self.mlp = draft_mlp(c)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+class Eagle3MLALayer(Eagle3Layer):
+    """The Llama draft layer (norms, residual, MLP) around multi-head latent attention."""
+
+    def attention(self, c: DraftConfig) -> nn.Module:
+        return MLAAttention(c)
+
+    def init_rope(self, c: DraftConfig) -> None:
         self.rotary_emb = DeepseekV3RotaryEmbedding(rotary_config(c))
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,13 +101,6 @@ class Eagle3MLALayer(nn.Module):
 
     def new_cache(self, c: DraftConfig, batch: int, max_len: int, dtype, device) -> KVCache:
         return KVCache(1, batch, c.num_heads, max_len, c.mla.qk_head_dim, dtype, device, v_dim=c.mla.v_head_dim)
-
-    def forward(self, embeds, hidden, cos, sin, mask, cache, start) -> torch.Tensor:
-        normed_hidden = self.hidden_norm(hidden)
-        residual = normed_hidden if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
-        h = residual + self.self_attn(x, cos, sin, mask, cache, start)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 __all__ = ["Eagle3MLALayer", "MLAAttention"]

@@ -5,6 +5,7 @@ are eaglescope's own. Anything else gets one clear error instead of a silent fal
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from eaglescope.decode.generation import GenerationResult, SamplingConfig, begin_generation
@@ -91,14 +92,8 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
     )
     if draft is None:
         runner.chunk = 16 if stop else budget  # a stop token is looked for every 16 steps, not every step
-    try:
+    with recorder if recorder is not None else contextlib.nullcontext():  # written when complete, else dropped
         result = decode(runner, prompt_ids, budget, args.max_new_tokens, stop, target.device)
-    except BaseException:
-        if recorder is not None:
-            recorder.abort()
-        raise
-    if recorder is not None:
-        recorder.close()
     if draft is None:
         result.stats = None
     result.extra = info

@@ -15,6 +15,10 @@ This module holds only the names both halves share, so that importing it costs n
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 # The switch: the staging directory the traces are written into (set by `eaglescope capture` only).
 ENV_DIR = "EAGLESCOPE_CAPTURE_DIR"
 ENV_REQUESTS = "EAGLESCOPE_CAPTURE_REQUESTS"  # how many requests to trace (the first N the engine starts)
@@ -46,3 +50,20 @@ def unsupported_line(version: str) -> str | None:
         f"eaglescope capture supports vLLM {', '.join(SUPPORTED_VLLM)} only; this is vLLM {version}: nothing "
         "was captured (its internals differ between versions, and a trace from misread internals would mislead)"
     )
+
+
+def _staging() -> Path | None:
+    value = os.environ.get(ENV_DIR)
+    return Path(value) if value else None
+
+
+def note(line: str) -> None:
+    """One line for `eaglescope capture` to report (and on stderr now, prefixed so it can be found in a log)."""
+    print(f"eaglescope capture: {line}", file=sys.stderr, flush=True)
+    staging = _staging()
+    if staging is not None:
+        try:
+            with open(staging / NOTES, "a", encoding="utf-8") as f:
+                f.write(line.replace("\n", " ") + "\n")
+        except OSError:
+            pass

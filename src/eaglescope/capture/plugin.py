@@ -13,29 +13,11 @@ import importlib.abc
 import importlib.util
 import os
 import sys
-from pathlib import Path
 from types import ModuleType
 
-from eaglescope.capture import ENV_DIR, HOOKED, LOADED, NOTES, REFUSED, unsupported_line
+from eaglescope.capture import HOOKED, LOADED, REFUSED, _staging, note, unsupported_line
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
-
-
-def _staging() -> Path | None:
-    value = os.environ.get(ENV_DIR)
-    return Path(value) if value else None
-
-
-def note(line: str) -> None:
-    """One line for `eaglescope capture` to report (and on stderr now, prefixed so it can be found in a log)."""
-    print(f"eaglescope capture: {line}", file=sys.stderr, flush=True)
-    staging = _staging()
-    if staging is not None:
-        try:
-            with open(staging / NOTES, "a", encoding="utf-8") as f:
-                f.write(line.replace("\n", " ") + "\n")
-        except OSError:
-            pass
 
 
 def _touch(name: str) -> None:

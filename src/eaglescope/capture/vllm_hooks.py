@@ -59,10 +59,10 @@ from eaglescope.capture import (
     ENV_MODE,
     ENV_REQUESTS,
     TRACE_NAME,
+    note,
     producer,
     unsupported_line,
 )
-from eaglescope.capture.plugin import note
 from eaglescope.trace import (
     DRAFT_FC_OUT,
     NEXT_HIDDEN_IN,

@@ -47,10 +47,13 @@ from eaglescope.data.shards import (
     write_json_atomic,
 )
 from eaglescope.data.vocab import build_draft_vocab, count_tokens, validate_vocab_map
+from eaglescope.decode.generation import SamplingConfig
+from eaglescope.decode.vanilla import generate_vanilla, greedy_batch
 from eaglescope.errors import EagleScopeError
 from eaglescope.outputs import check_destination, has_partial, open_partial, partial_dir, read_json, swap_in
 from eaglescope.progress import Progress
 from eaglescope.taps import TapContract
+from eaglescope.target import load_target, parse_device, parse_dtype
 from eaglescope.target.base import Target
 
 PERCENTILES = (50, 90, 99)
@@ -90,8 +93,6 @@ def regenerate_conversation(
     → (messages, cut): cut is True when a prompt left no room within max_length and the
     conversation was ended before that turn.
     """
-    from eaglescope.decode.vanilla import SamplingConfig, generate_vanilla
-
     stop = set(stop_ids)
     out: list[dict] = []
     limit = min(max_length, target.max_positions)
@@ -126,8 +127,6 @@ def regenerate_batch(
     """Single-answer conversations (one assistant turn, last) regenerated in batched greedy decodes.
 
     Entries for other conversations are None (they go turn by turn through regenerate_conversation)."""
-    from eaglescope.decode.vanilla import greedy_batch
-
     results: list[tuple[list[dict], bool] | None] = [None] * len(convs)
     limit = min(max_length, target.max_positions)
     todo: list[tuple[int, list[dict], list[int]]] = []
@@ -322,8 +321,6 @@ def _shard_done(out: Path, entry: dict | None) -> bool:
 
 
 def _load_target(cfg: PrepareConfig):
-    from eaglescope.target import load_target, parse_device, parse_dtype
-
     device = parse_device(cfg.device)
     target = load_target(cfg.target, device=device, dtype=parse_dtype(cfg.dtype, device), backend=cfg.backend)
     tok = getattr(target, "tokenizer", None)

@@ -14,10 +14,12 @@ import torch
 
 from eaglescope import trace as T
 from eaglescope.decode.generation import SamplingConfig
-from eaglescope.decode.tree import DraftTree, TreeBuilder
+from eaglescope.decode.sampling import process_logits, sample
+from eaglescope.decode.tree import EAGLE_DEFAULT_TREE, DraftTree, TreeBuilder
 from eaglescope.decode.verify import VerifyResult
-from eaglescope.draft import Eagle3Draft
+from eaglescope.draft import Eagle3Draft, check_draft_matches_target, load_draft
 from eaglescope.errors import EagleScopeError
+from eaglescope.target import load_target
 from eaglescope.target.base import Target, TargetOutput
 
 
@@ -58,8 +60,6 @@ class NoProposer(Proposer):
 
 def parse_tree_shape(chain: int | None, tree: str | None) -> tuple[int, int, int]:
     """(depth, top_k, total_tokens). A chain of K is a tree of depth K, top_k 1, K+1 nodes."""
-    from eaglescope.decode.tree import EAGLE_DEFAULT_TREE
-
     if chain is not None:
         if chain < 1:
             raise EagleScopeError(f"--chain must be >= 1, got {chain}")
@@ -277,8 +277,6 @@ class DraftLMProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, tokens, root_position) -> DraftTree:
-        from eaglescope.decode.sampling import process_logits, sample
-
         out = self.lm.forward(torch.tensor(tokens[self.lm.cache_len :], device=self.lm.device))
         self.lm.commit()
         draft, probs = [], []
@@ -308,16 +306,12 @@ class DraftLMProposer(Proposer):
 
 def build_proposer(args, target: Target, sampling: SamplingConfig, max_len: int, recorder=None) -> Proposer:
     """The proposer the CLI flags ask for."""
-    from eaglescope.draft import check_draft_matches_target, load_draft
-
     depth, top_k, total = parse_tree_shape(args.chain, args.tree)
     if args.proposer == "ngram":
         return NgramProposer(depth)
     if args.draft is None:
         raise EagleScopeError(f"--proposer {args.proposer} needs --draft DIR")
     if args.proposer == "draft-lm":
-        from eaglescope.target import load_target
-
         lm = load_target(args.draft, device=target.device, dtype=target.dtype, backend=args.backend)
         if lm.vocab_size != target.vocab_size:
             raise EagleScopeError(

@@ -106,7 +106,7 @@ def load_target(
         check_finite(sd, model_dir)
         target: Target = load_native(model_dir, cfg, sd, fp, eos_token_ids(model_dir, cfg, tok), tok, device, dtype)
     else:
-        from eaglescope.target.hf import HFTarget
+        from eaglescope.target.hf import HFTarget  # imports transformers' models: only for the hf backend
 
         target = HFTarget.from_dir(model_dir, device=device, dtype=dtype)
     if isinstance(taps, str):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from eaglescope.errors import EagleScopeError
 from eaglescope.taps import TapContract
 
 
@@ -110,8 +111,6 @@ class Target(ABC):
 
     def set_taps(self, taps: TapContract | None) -> None:
         if taps is not None and taps.num_layers != self.num_layers:
-            from eaglescope.errors import EagleScopeError
-
             raise EagleScopeError(
                 f"tap contract is for a {taps.num_layers}-layer target; this target has {self.num_layers}"
             )

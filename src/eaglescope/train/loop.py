@@ -47,14 +47,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from eaglescope.config import RESUME_KEYS, TrainConfig
+from eaglescope.data.prepare import warn_unservable
+from eaglescope.data.shards import PreparedData
+from eaglescope.data.vocab import build_draft_vocab
+from eaglescope.decode.speculative import target_embedding
 from eaglescope.draft import DraftConfig, DraftContract, Eagle3Draft, eaglescope_section, save_draft
 from eaglescope.errors import EagleScopeError
 from eaglescope.outputs import check_destination, dir_kind, has_partial, open_partial, partial_dir, staged_dir, swap_in
 from eaglescope.progress import Progress
 from eaglescope.taps import TapContract
+from eaglescope.target import load_target, parse_device, parse_dtype
+from eaglescope.target.loading import read_config
 from eaglescope.train.metrics import Batch, evaluate, format_report
 from eaglescope.train.ttt import LOSS_MASK_SHIFT, Unrolled, ttt_loss, ttt_unroll
 
@@ -105,13 +112,9 @@ class Dist:
 
 def _setup(cfg: TrainConfig) -> tuple[Dist, torch.device]:
     """Under torchrun (WORLD_SIZE > 1): one process per device, gloo on CPU, nccl on GPU."""
-    from eaglescope.target import parse_device
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist(), parse_device(cfg.device)
-    import torch.distributed as dist
-
     d = Dist(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
     kind = parse_device(cfg.device).type
     device = torch.device("cuda", d.local_rank) if kind == "cuda" else torch.device("cpu")
@@ -291,9 +294,6 @@ def _plan_out(out: Path, cfg: TrainConfig) -> tuple[Path | None, bool]:
 # -- the loop ------------------------------------------------------------------------------------
 def _resolve_data(cfg: TrainConfig, data, target_fp, num_layers: int) -> tuple[TapContract, torch.Tensor, torch.Tensor]:
     """Taps and vocabulary map from the prepared data, checked against the flags and the target."""
-    from eaglescope.data.prepare import warn_unservable
-    from eaglescope.data.vocab import build_draft_vocab
-
     m = data.manifest
     prepared_fp = m.get("target") or {}
     for key in ("num_layers", "hidden_size", "vocab_size", "tokenizer_sha256"):
@@ -351,11 +351,6 @@ def _nonfinite(loss: torch.Tensor, d: Dist) -> bool:
 
 def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
     """Train a draft as `cfg` says; → TrainResult. `on_step(step, logs)` runs after each optimizer step."""
-    from eaglescope.data.shards import PreparedData
-    from eaglescope.decode.speculative import target_embedding
-    from eaglescope.target import load_target, parse_dtype
-    from eaglescope.target.loading import read_config
-
     cfg.validate()
     d, device = _setup(cfg)
     out = Path(cfg.out)

@@ -25,10 +25,16 @@ from pathlib import Path
 
 import torch
 
+from eaglescope import trace as T
 from eaglescope.config import DEFAULT_DEPTH
-from eaglescope.decode.stats import alpha_from_unconditional, predicted_accept_length
+from eaglescope.data.chat import read_conversations, render
+from eaglescope.data.shards import PreparedData
+from eaglescope.decode.loop import generate_speculative
+from eaglescope.decode.speculative import Eagle3Proposer
+from eaglescope.decode.stats import SpecStats, alpha_from_unconditional, predicted_accept_length
 from eaglescope.detective.findings import Finding
 from eaglescope.errors import EagleScopeError
+from eaglescope.train.metrics import Batch, evaluate
 
 # Chain depth at which eaglescope serves and predicts: SGLang's default num_steps for Llama-family drafts.
 # α_1 at least this means the first draft step learned something, so a collapse after it is informative
@@ -277,9 +283,6 @@ def from_trace(trace) -> Acceptance | None:
     Like an engine log's numbers (from_engine) this is what the engine served, so it carries no `reached`: a
     short trace's deep positions are thin evidence, which is why doctor uses it only for NO_TTT, a cause the
     contract's TTT length must corroborate."""
-    from eaglescope import trace as T
-    from eaglescope.decode.stats import SpecStats
-
     stats = SpecStats()
     for rnd in trace.rounds():
         if rnd == 0 or (T.VERIFY_PARENTS, rnd) not in trace or (T.VERIFY_ACCEPTED, rnd) not in trace:
@@ -337,15 +340,11 @@ def load_samples(data: Path | str, tokenizer, limit: int, max_length: int = 1024
     data = Path(data)
     out: list[tuple[list[int], list[int]]] = []
     if data.is_dir():
-        from eaglescope.data.shards import PreparedData
-
         pd = PreparedData.open(data, verify=False)
         for i in range(min(limit, len(pd))):
             s = pd.sample(i)
             out.append((s["input_ids"][:max_length].tolist(), s["loss_mask"][:max_length].tolist()))
     elif data.is_file():
-        from eaglescope.data.chat import read_conversations, render
-
         if tokenizer is None:
             raise EagleScopeError("--data is a JSONL of conversations but the target has no tokenizer to render it")
         for conv in read_conversations(data):
@@ -371,8 +370,6 @@ def prompt_of(ids: list[int], mask: list[int]) -> list[int] | None:
 @torch.inference_mode()
 def predict_on_data(target, draft, samples, depth: int = DEFAULT_DEPTH) -> Acceptance:
     """Teacher-forced α_k of a `depth`-step TTT unroll over the samples (train.metrics.evaluate)."""
-    from eaglescope.train.metrics import Batch, evaluate
-
     dev = draft.fc.weight.device
 
     def batches():
@@ -395,10 +392,6 @@ def predict_on_data(target, draft, samples, depth: int = DEFAULT_DEPTH) -> Accep
 @torch.inference_mode()
 def serve_with_decoder(target, draft, prompts, max_new_tokens: int, depth: int = DEFAULT_DEPTH) -> Acceptance:
     """Served α_k and τ of eaglescope's own greedy chain decoder over the prompts."""
-    from eaglescope.decode.loop import generate_speculative
-    from eaglescope.decode.speculative import Eagle3Proposer
-    from eaglescope.decode.stats import SpecStats
-
     stats = SpecStats()
     for p in prompts:
         max_len = len(p) + max_new_tokens + 1

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from eaglescope.errors import EagleScopeError
+import torch
+
+from eaglescope.detective.replay import replay
+from eaglescope.draft import load_draft
+from eaglescope.target import load_target, parse_device, parse_dtype
 
 
 def cmd_replay(args) -> int:
-    import torch
-
-    from eaglescope.detective.replay import replay
-    from eaglescope.draft import load_draft
-    from eaglescope.target import load_target, parse_device, parse_dtype
-
     device = parse_device(args.device)
     # The golden reference defaults to float32: it is the yardstick, precision is not where to save.
     dtype = parse_dtype(args.dtype, device) if args.dtype != "auto" else torch.float32
@@ -20,6 +18,3 @@ def cmd_replay(args) -> int:
     out = replay(target, loaded, args.trace, args.out, mode=args.trace_mode)
     print(f"golden trace written to {out}")
     return 0
-
-
-__all__ = ["cmd_replay", "EagleScopeError"]

@@ -18,6 +18,11 @@ import sys
 import warnings
 from pathlib import Path
 
+import torch
+
+from eaglescope.data.chat import read_conversations
+from eaglescope.data.shards import PreparedData
+from eaglescope.decode.speculative import target_embedding
 from eaglescope.detective.behaviour import (
     DEFAULT_DEPTH,
     Acceptance,
@@ -30,20 +35,21 @@ from eaglescope.detective.behaviour import (
     read_training_metrics,
     serve_with_decoder,
 )
+from eaglescope.detective.diagnose import diagnose_trace
 from eaglescope.detective.engine_logs import read_engine_log
-from eaglescope.detective.findings import CODES, DoctorReport, Finding, rank
+from eaglescope.detective.findings import CODES, DoctorReport, rank
+from eaglescope.detective.report import REPORT, first_divergent_stage, write_html
 from eaglescope.detective.static import DEFAULT_ENGINES, static_checks
+from eaglescope.draft import load_draft
 from eaglescope.errors import EagleScopeError
+from eaglescope.outputs import check_destination
+from eaglescope.target import load_target, parse_device, parse_dtype
+from eaglescope.target.loading import check_dir, read_config
+from eaglescope.trace import TraceError, load_trace
 
 
 def _load_models(target_dir, draft_dir, device, dtype, backend):
     """(target with the draft's taps set, LoadedDraft with an embedding), as eaglescope's decoder serves them."""
-    import torch
-
-    from eaglescope.decode.speculative import target_embedding
-    from eaglescope.draft import load_draft
-    from eaglescope.target import load_target, parse_device, parse_dtype
-
     device = parse_device(device)
     dt = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, device)
     target = load_target(target_dir, device=device, dtype=dt, backend=backend)
@@ -54,19 +60,6 @@ def _load_models(target_dir, draft_dir, device, dtype, backend):
         loaded.model.load_target_embedding(target_embedding(target).detach())
     target.set_taps(loaded.contract.taps)
     return target, loaded
-
-
-def _run_trace(target, loaded, trace_dir) -> tuple[list[Finding], dict, str | None]:
-    try:
-        from eaglescope.detective.diagnose import diagnose_trace
-    except ImportError:
-        return [], {}, "trace comparison is not available in this build (eaglescope.detective.diagnose missing)"
-    out = diagnose_trace(target, loaded, trace_dir)
-    if isinstance(out, DoctorReport):
-        return list(out.findings), dict(out.context), None
-    if isinstance(out, tuple):  # (findings, context)
-        return list(out[0]), dict(out[1] or {}), None
-    return list(out), dict(getattr(diagnose_trace, "last_context", None) or {}), None
 
 
 def run_doctor(
@@ -96,8 +89,6 @@ def run_doctor(
     notes: list[str] = []
     loaded_trace = None
     if trace is not None:
-        from eaglescope.trace import TraceError, load_trace
-
         try:  # a bad trace path is the user's input: say so before minutes of loading
             loaded_trace = load_trace(trace)
         except TraceError as e:
@@ -105,8 +96,6 @@ def run_doctor(
     if data is not None and not Path(data).exists():
         raise EagleScopeError(f"--data {data} does not exist")
     served_engine = read_engine_log(engine_log) if engine_log is not None else None
-    from eaglescope.target.loading import check_dir, read_config
-
     for path, what in ((target_dir, "target"), (draft_dir, "draft")):
         read_config(check_dir(path, what))  # input errors come before the first progress line
     if data is not None:
@@ -146,12 +135,10 @@ def run_doctor(
 
     if trace is not None and loaded is not None:
         say(f"comparing trace {trace} with the golden replay")
-        f, ctx, note = _run_trace(target, loaded, trace)
+        f, ctx = diagnose_trace(target, loaded, trace)
         findings += f
         context.update(ctx)
-        if note:
-            notes.append(note)
-        if not f and not note and data is None and served_engine is None:
+        if not f and data is None and served_engine is None:
             # The trace replays clean, so the wiring is right; its own verify decisions are then what was served.
             # Without a teacher-forced reference only NO_TTT can be told from them (the contract's TTT length
             # corroborates it); the other behavioural causes need --data or --engine-log.
@@ -230,8 +217,6 @@ def format_report(report: DoctorReport) -> str:
                 tau = a.get("accept_length")
                 t = f"τ {tau:.2f}" if isinstance(tau, (int, float)) else "τ -"
                 lines.append(f"{key:<10} {a['source']}: {t}, α_k [{_fmt_alpha(a.get('alpha'))}]")
-    from eaglescope.detective.report import first_divergent_stage
-
     if fds := first_divergent_stage(report.context):
         lines.append(f"first divergent stage: {fds}")
     lines += [f"note: {n}" for n in report.context.get("notes", [])]
@@ -245,21 +230,14 @@ def report_json(report: DoctorReport) -> str:
 def check_data(data: Path) -> None:
     """--data is read minutes into the run; a broken file is the user's input and is refused at once."""
     if data.is_dir():
-        from eaglescope.data.shards import PreparedData
-
         PreparedData.open(data, verify=False)
     else:
-        from eaglescope.data.chat import read_conversations
-
         if not any(True for _ in read_conversations(data)):
             raise EagleScopeError(f"--data {data} holds no conversations")
 
 
 def cmd_doctor(args) -> int:
     if args.html:  # refused before the minutes of checks, not after
-        from eaglescope.detective.report import REPORT
-        from eaglescope.outputs import check_destination
-
         check_destination(args.html, REPORT, flag="--html")
     report = run_doctor(
         args.target,
@@ -278,8 +256,6 @@ def cmd_doctor(args) -> int:
         progress=True,  # on stderr: --json on stdout stays parseable
     )
     if args.html:
-        from eaglescope.detective.report import write_html
-
         write_html(report, args.html)
     print(report_json(report) if args.json else format_report(report))
     if args.html and not args.json:

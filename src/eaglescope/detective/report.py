@@ -17,7 +17,8 @@ import math
 import os
 from pathlib import Path
 
-from eaglescope.detective.findings import CODES, DoctorReport
+from eaglescope.detective.behaviour import MIN_REACHED
+from eaglescope.detective.findings import CODES, DoctorReport, stage_rank
 from eaglescope.figures import png_data_uri, pyplot
 from eaglescope.outputs import OutputKind, check_destination, write_file
 
@@ -67,7 +68,6 @@ def _num(x) -> float:
 # -- figures -----------------------------------------------------------------------------------------------------
 def _alpha_shown(a: dict) -> list[float]:
     """α_k to plot: positions reached by fewer than MIN_REACHED rounds are noise, so they are left out."""
-    from eaglescope.detective.behaviour import MIN_REACHED
 
     ys = [_num(x) for x in a.get("alpha") or []]
     reached = a.get("reached") or []
@@ -169,7 +169,6 @@ def norms_figure(norms: dict | None) -> str | None:
 
 
 def _stage_key(stage: str):
-    from eaglescope.detective.findings import stage_rank
 
     return stage_rank(stage), stage
 

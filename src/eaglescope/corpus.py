@@ -79,7 +79,7 @@ def code_prefixes(files: list[Path], tok, n: int, seed: int, length: int, chunk_
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, chat_template: str | None = None):
     """Byte-level BPE trained with `tokenizers`, saved as a transformers fast tokenizer in `out_dir`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # seconds to import: only when a tokenizer is trained
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

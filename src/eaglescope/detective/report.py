@@ -17,6 +17,8 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
+
 from eaglescope.detective.behaviour import MIN_REACHED
 from eaglescope.detective.findings import CODES, DoctorReport, stage_rank
 from eaglescope.figures import png_data_uri, pyplot
@@ -95,7 +97,7 @@ def acceptance_figure(acc: dict | None) -> str | None:
         tau = _num(a.get("accept_length"))
         label = f"{key}: {a.get('source', key)}" + ("" if math.isnan(tau) else f" (τ {tau:.2f})")
         ax.plot(range(1, len(ys) + 1), ys, style, label=label, linewidth=2, markersize=6)
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # matplotlib loads only when a figure is drawn (figures.pyplot)
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("draft position k")
@@ -184,7 +186,6 @@ def divergence_figure(table: list[dict] | None) -> str | None:
     rounds = sorted({int(r.get("round") or 0) for r in rows})
     si = {s: i for i, s in enumerate(stages)}
     ri = {r: i for i, r in enumerate(rounds)}
-    import numpy as np
 
     grid = np.full((len(stages), len(rounds)), np.nan)
     bad = np.zeros_like(grid, dtype=bool)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from eaglescope.errors import EagleScopeError
 from eaglescope.taps import TapContract
@@ -58,7 +60,6 @@ def _cache_kwarg(model: nn.Module) -> str:
 
 
 def _new_cache(config):
-    from transformers import DynamicCache
 
     try:
         return DynamicCache(config=config)
@@ -69,7 +70,6 @@ def _new_cache(config):
 def _check_cache_supported(config) -> None:
     """Only plain full-attention layers can be cropped and index-selected position by position."""
     cache = _new_cache(config)
-    from transformers.cache_utils import DynamicLayer
 
     for i, layer in enumerate(getattr(cache, "layers", [])):
         if not isinstance(layer, DynamicLayer) or getattr(layer, "is_sliding", False):
@@ -131,7 +131,6 @@ class HFTarget(Target):
         trust_remote_code: bool = False,
         attn_implementation: str = "sdpa",
     ) -> HFTarget:
-        from transformers import AutoConfig, AutoModelForCausalLM
 
         model_dir = check_dir(model_dir)
         raw = read_config(model_dir)

@@ -112,7 +112,7 @@ def load_tokenizer(model_dir: Path):
     """The checkpoint's tokenizer through transformers, or None when the directory has none."""
     if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # seconds to import: only for checkpoints that have a tokenizer
 
     try:
         with warnings.catch_warnings():

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from eaglescope.config import RESUME_KEYS, TrainConfig
 from eaglescope.data.prepare import warn_unservable
@@ -454,8 +455,6 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
 
     fwd: nn.Module = _Unroll(draft, cfg.ttt_length)
     if W > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         # Buffers (vocab map, frozen embedding) are identical on every rank by construction.
         fwd = DDP(fwd, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     autocast = torch.autocast("cuda", dtype=dtype) if amp else contextlib.nullcontext()
@@ -472,7 +471,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
         last_ckpt = (work / STATE_DIR, last_ckpt_step)
     writer = None
     if d.main:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard (about a second): rank 0 only
 
         log_dir = cfg.log_dir or str(work / "tb")
         writer = SummaryWriter(log_dir, purge_step=step + 1 if saved is not None else None)

@@ -1,0 +1,336 @@
+"""The cases the independent engine puts to `eaglescope doctor`: clean runs (healthy expected) and one run per
+injected fault (the named cause expected first, at the first stage the fault changes). Shared by
+tests/test_independent_engine.py and tests/engines/fault_table.py.
+
+`doctor_today` records, per trace mode, what doctor says where it is wrong today: the test marks those cases
+xfail(strict) so they flip to failures when doctor is fixed, and the table shows them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from engines.plain_eagle3 import PlainEagle3
+from engines.tiny import greedy_reference, make_draft, make_target
+
+UNEXPLAINED = "DIVERGENCE_UNEXPLAINED"
+TREE = {"depth": 3, "top_k": 3, "total_tokens": 8}
+CHAIN = {"depth": 3, "chain": True}
+MAX_NEW = 14
+
+
+@dataclass
+class Setup:
+    target_dir: Path
+    draft_dir: Path
+    prompt: list[int]
+    guide: list[int]  # prompt + the target's greedy continuation
+
+
+def build_setups(root: Path) -> dict[str, Setup]:
+    """a: 8 layers x 64; b: 12 layers x 96 (6 heads, 3 kv heads); ls: a's target, a draft with logit_scale 2."""
+    root = Path(root)
+    ta = make_target(root / "target-a", seed=0)
+    tb = make_target(
+        root / "target-b",
+        seed=1,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=12,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+    )
+    pa, pb = list(range(5, 15)), [3, 17, 29, 41, 53, 7, 11, 19, 23, 31, 37, 43]
+    ga = pa + greedy_reference(ta, pa, MAX_NEW + 16)
+    gb = pb + greedy_reference(tb, pb, MAX_NEW + 16)
+    return {
+        "a": Setup(ta, make_draft(root / "draft-a", ta, seed=0), pa, ga),
+        "b": Setup(tb, make_draft(root / "draft-b", tb, seed=1, draft_vocab_size=64), pb, gb),
+        "ls": Setup(ta, make_draft(root / "draft-ls", ta, seed=2, logit_scale=2.0), pa, ga),
+    }
+
+
+@dataclass
+class Case:
+    id: str
+    fault: str | None = None
+    expected: tuple[str, ...] = ()  # acceptable top codes; () = healthy
+    stage: str | None = None  # the first divergent stage (the top finding's stage)
+    round: int | None = None
+    setup: str = "a"
+    engine: dict = field(default_factory=dict)  # PlainEagle3 options
+    run: dict = field(default_factory=lambda: dict(TREE))  # generate options
+    guided: bool = True
+    mode: str = "full"
+    doctor_today: str | None = None  # what doctor says when it gets this case wrong (→ xfail strict)
+    catalogue: bool = True  # False: no code names this fault; DIVERGENCE_UNEXPLAINED is the right answer
+
+    @property
+    def healthy(self) -> bool:
+        return not self.expected
+
+
+def record(case: Case, setups: dict[str, Setup], out: Path) -> Path:
+    S = setups[case.setup]
+    engine = PlainEagle3(S.target_dir, S.draft_dir, fault=case.fault, **case.engine)
+    engine.generate(S.prompt, MAX_NEW, trace=out, mode=case.mode, guide=S.guide if case.guided else None, **case.run)
+    return out
+
+
+def diagnose(case: Case, setups: dict[str, Setup], out: Path):
+    """(doctor's report, seconds doctor took) for the case's trace."""
+    from eaglescope.detective.doctor import run_doctor
+
+    S = setups[case.setup]
+    trace = record(case, setups, out)
+    t0 = time.perf_counter()
+    report = run_doctor(S.target_dir, S.draft_dir, trace=trace, device="cpu")
+    return report, time.perf_counter() - t0
+
+
+def verdict(case: Case, report) -> tuple[bool, str]:
+    """(doctor right?, what it said in one line)."""
+    if report.healthy:
+        return case.healthy, "healthy"
+    top = report.findings[0]
+    said = f"{top.code}@{top.stage} r{top.round}"
+    if case.healthy:
+        return False, said
+    ok = top.code in case.expected and top.stage == case.stage and top.round == case.round
+    if not case.catalogue:
+        ok = ok and all(f.code == UNEXPLAINED for f in report.findings)
+    return ok, said
+
+
+def _bf16(**kw) -> dict:
+    return {"dtype": torch.bfloat16, **kw}
+
+
+_BF16_FP = "DIVERGENCE_UNEXPLAINED@draft.fc.out r1: a fingerprinted row's bf16 error reads above the 0.05 tolerance"
+_REORDER = (
+    "two frontier rows hold the same token under different parents, so embed_in matches row for row and the reordering "
+    "goes unseen until hidden_in"
+)
+_LOGPROBS = (
+    "POSITION_OFFSET@draft.step0.hidden_out r1 ('catch-up offset by +1'): the divergence is in step 0's log-probs, and "
+    "the position hypothesis, tried on step 0's hidden_out, matches because shifting every catch-up position alike "
+    "changes nothing (RoPE is relative)"
+)
+
+
+# -- clean runs: healthy expected -------------------------------------------------------------------------------------
+CLEAN = [
+    Case("tree", guided=False),
+    Case("chain", run=dict(CHAIN), guided=False),
+    Case("chain5", run={"depth": 5, "chain": True}, guided=False),
+    Case("wide-tree", run={"depth": 4, "top_k": 4, "total_tokens": 12}, guided=False),
+    Case("tree-accepting"),
+    Case("chain-accepting", run=dict(CHAIN)),
+    Case("tree-fingerprint", guided=False, mode="fingerprint"),
+    Case("chain-fingerprint", run=dict(CHAIN), guided=False, mode="fingerprint"),
+    Case("tree-accepting-fingerprint", mode="fingerprint"),
+    Case("bf16-tree", engine=_bf16(), guided=False),
+    Case("bf16-chain-accepting", engine=_bf16(), run=dict(CHAIN)),
+    Case("bf16-tree-accepting", engine=_bf16()),
+    # bf16 rounding moves rows by 2-4% here (0.05 is the tolerance); a fingerprint's 16-dim projections estimate a row's
+    # error within tens of percent, so some rows read above 0.05
+    Case("bf16-fingerprint", engine=_bf16(), mode="fingerprint", doctor_today=_BF16_FP),
+    Case(
+        "bf16-chain-fingerprint",
+        engine=_bf16(),
+        run=dict(CHAIN),
+        guided=False,
+        mode="fingerprint",
+        doctor_today=_BF16_FP,
+    ),
+    Case(
+        "12layers-bf16-fingerprint",
+        setup="b",
+        engine=_bf16(),
+        mode="fingerprint",
+        doctor_today="EMBEDDING_MISMATCH@draft.step1.embed_in r1: a bf16 near-tie (0.02 nats) puts step 0's top-3 in "
+        "another order; the replay follows the ids but, the log-probs being fingerprinted, ranks them by its own "
+        "values, so the step-1 frontier rows are permuted, which a fingerprinted embed_in cannot be checked for",
+    ),
+    Case("12layers-tree", setup="b", guided=False),
+    Case("12layers-chain-accepting", setup="b", run=dict(CHAIN)),
+    Case("12layers-fingerprint", setup="b", mode="fingerprint"),
+    Case("12layers-bf16", setup="b", engine=_bf16()),
+    Case("logit-scale-tree", setup="ls", guided=False),
+    Case("logit-scale-accepting-fingerprint", setup="ls", mode="fingerprint"),
+    Case("all-layers-tapped", engine={"record_taps": "all"}),
+    Case("no-per-tap-stages", engine={"record_taps": "none"}),
+    Case("creation-order-chain", engine={"frontier": "creation"}, run=dict(CHAIN)),
+    Case(
+        "creation-order-tree",
+        engine={"frontier": "creation"},
+        guided=False,
+        doctor_today=f"DIVERGENCE_UNEXPLAINED@draft.step2.hidden_in r3: {_REORDER}",
+    ),
+    Case("creation-order-tree-accepting", engine={"frontier": "creation"}),
+    Case(
+        "creation-order-wide",
+        engine={"frontier": "creation"},
+        run={"depth": 4, "top_k": 4, "total_tokens": 12},
+        doctor_today=f"DIVERGENCE_UNEXPLAINED@draft.step2.hidden_in r4: {_REORDER}",
+    ),
+    Case(
+        "creation-order-fingerprint",
+        engine={"frontier": "creation"},
+        mode="fingerprint",
+        doctor_today="EMBEDDING_MISMATCH@draft.step2.embed_in r2: the frontier rows are in another order and a "
+        "fingerprinted embed_in cannot be checked for a row permutation",
+    ),
+    Case(
+        "creation-order-12layers",
+        setup="b",
+        engine={"frontier": "creation"},
+        doctor_today=f"DIVERGENCE_UNEXPLAINED@draft.step2.hidden_in r1: {_REORDER}",
+    ),
+    # docs/trace-format.md's worked example: top-k of every step-0 row (n = m), not of the root's row only
+    Case(
+        "step0-topk-every-row",
+        engine={"step0_topk_rows": "all"},
+        doctor_today="VOCAB_MAP@draft.step0.topk r1: the replay records the top-k of the root's row only ([1, K]), so "
+        "[m, K] ids differ in shape, and any top-k ids mismatch is named VOCAB_MAP",
+    ),
+    # the manifest example's `decoding` key without `settings` (both are documented as what eaglescope reads)
+    Case(
+        "meta-decoding-only",
+        engine={"meta_keys": "decoding"},
+        doctor_today="VOCAB_MAP@draft.step0.topk r1: the replay reads the tree shape from meta.settings only; "
+        "without it it drafts the default 7,10,60 tree and its top-10 ids differ in shape from the trace's top-3",
+    ),
+]
+
+
+# -- faults: (id, fault, expected codes, stage, round, options) -------------------------------------------------------
+def _fault(id, fault, expected, stage, rnd, **kw) -> list[Case]:
+    today = kw.pop("doctor_today", {})
+    if isinstance(today, str):
+        today = {"full": today, "fingerprint": today}
+    out = []
+    for mode in ("full", "fingerprint"):
+        out.append(
+            Case(f"{id}-{mode}", fault, tuple(expected), stage, rnd, mode=mode, doctor_today=today.get(mode), **kw)
+        )
+    return out
+
+
+_OFFSET = "POSITION_OFFSET"
+FAULT_CASES: list[Case] = [
+    *_fault("tap_plus_one", "tap_plus_one", ["TAP_OFF_BY_ONE"], "target.aux", 0),
+    *_fault("tap_plus_one-from-round2", "tap_plus_one", ["TAP_OFF_BY_ONE"], "target.aux", 2, engine={"fault_from": 2}),
+    *_fault("tap_minus_one-12layers", "tap_minus_one", ["TAP_OFF_BY_ONE"], "target.aux", 0, setup="b"),
+    *_fault("tap_wrong_layer", "tap_wrong_layer", ["TAP_WRONG_LAYER"], "target.aux", 0),
+    *_fault("tap_order", "tap_order", ["TAP_ORDER"], "target.aux", 0),
+    *_fault("tap_embedding", "tap_embedding", ["TAP_EMBEDDING"], "target.aux", 0),
+    *_fault("tap_normed-12layers", "tap_normed", ["TAP_NORMED"], "target.aux", 0, setup="b"),
+    *_fault(
+        "eagle2_wiring",
+        "eagle2_wiring",
+        ["FC_SKIPPED"],
+        "target.aux",
+        0,
+        doctor_today="DIVERGENCE_UNEXPLAINED@target.aux r0: 'target.aux has shape [10, 64], the contract needs 3 "
+        "taps of width 64' (the final normed state is not among its candidates)",
+    ),
+    *_fault("fc_skipped", "fc_skipped", ["FC_SKIPPED"], "draft.fc.out", 1),
+    *_fault(
+        "fc_repeated",
+        "fc_repeated",
+        ["FC_REPEATED"],
+        "draft.step1.hidden_in",
+        1,
+        doctor_today="DIVERGENCE_UNEXPLAINED@draft.step1.hidden_in r1: its FC_REPEATED hypothesis tiles the H-wide "
+        "output three times; fc over the zero-padded output is not among its candidates",
+    ),
+    *_fault("feedback_target", "feedback_target", ["FEEDBACK_TARGET_FEATURES"], "draft.step1.hidden_in", 1),
+    *_fault("feedback_postnorm", "feedback_postnorm", ["FEEDBACK_POSTNORM"], "draft.step1.hidden_in", 1),
+    *_fault(
+        "feedback_postnorm-chain-from-round3",
+        "feedback_postnorm",
+        ["FEEDBACK_POSTNORM"],
+        "draft.step1.hidden_in",
+        3,
+        engine={"fault_from": 3},
+        run=dict(CHAIN),
+    ),
+    *_fault("stale_first_rows", "stale_first_rows", ["STALE_ACCEPTED"], "next.hidden_in", 1),
+    *_fault(
+        "stale_first_rows-12layers-from-round2",
+        "stale_first_rows",
+        ["STALE_ACCEPTED"],
+        "next.hidden_in",
+        2,
+        setup="b",
+        engine={"fault_from": 2},
+    ),
+    # the emitted tokens' own positions: which code is "right" is a matter of naming (the rows are not the accepted
+    # positions; equivalently each feature sits one position after the token it is paired with)
+    *_fault(
+        "own_position_features",
+        "own_position_features",
+        ["STALE_ACCEPTED", "SHIFT_OFF_BY_ONE"],
+        "next.hidden_in",
+        1,
+        doctor_today="DIVERGENCE_UNEXPLAINED@next.hidden_in r1: its STALE_ACCEPTED candidates "
+        "are all tree rows, the first rows and the previous round's features, not the rows one position on",
+    ),
+    *_fault("rope_tree_offset", "rope_tree_offset", [_OFFSET], "draft.step1.hidden_out", 1),
+    # RoPE is relative: a catch-up pass shifted as a whole (queries and committed keys alike) computes the same
+    # step 0; the first stage it changes is tree step 1, whose queries are not shifted
+    *_fault("rope_catchup_offset", "rope_catchup_offset", [_OFFSET], "draft.step1.hidden_out", 1),
+    *_fault(
+        "rope_catchup_offset-from-round2",
+        "rope_catchup_offset",
+        [_OFFSET],
+        "draft.step0.hidden_out",
+        2,
+        engine={"fault_from": 2},
+    ),
+    *_fault("pairing_shift", "pairing_shift", ["SHIFT_OFF_BY_ONE"], "draft.step0.embed_in", 1),
+    *_fault("other_embedding", "other_embedding", ["EMBEDDING_MISMATCH"], "draft.step0.embed_in", 1),
+    *_fault("vocab_map_lost", "vocab_map_lost", ["VOCAB_MAP"], "draft.step0.topk", 1),
+    *_fault(
+        "vocab_map_lost-chain-from-round2",
+        "vocab_map_lost",
+        ["VOCAB_MAP"],
+        "draft.step0.topk",
+        2,
+        engine={"fault_from": 2},
+        run=dict(CHAIN),
+    ),
+    *_fault("d2t_arange", "d2t_arange", ["VOCAB_MAP"], "draft.step0.topk", 1),
+    *_fault(
+        "logit_scale_ignored",
+        "logit_scale_ignored",
+        ["EAGLE31_IGNORED"],
+        "draft.step0.topk",
+        1,
+        setup="ls",
+        doctor_today=_LOGPROBS,
+    ),
+    # no code names a skipped final norm: unexplained is the right answer
+    *_fault(
+        "final_norm_skipped",
+        "final_norm_skipped",
+        [UNEXPLAINED],
+        "draft.step0.topk",
+        1,
+        catalogue=False,
+        doctor_today=_LOGPROBS,
+    ),
+    # outside the catalogue (invented here)
+    *_fault("rms_eps_wrong", "rms_eps_wrong", [UNEXPLAINED], "draft.step0.hidden_out", 1, catalogue=False),
+    *_fault("kv_swapped", "kv_swapped", [UNEXPLAINED], "draft.step0.hidden_out", 1, catalogue=False),
+    *_fault("draft_kv_leak", "draft_kv_leak", [UNEXPLAINED], "draft.step0.hidden_out", 2, catalogue=False),
+    *_fault("gqa_mapping", "gqa_mapping", [UNEXPLAINED], "draft.step0.hidden_out", 1, catalogue=False),
+    *_fault("rope_base_wrong", "rope_base_wrong", [UNEXPLAINED], "draft.step0.hidden_out", 1, catalogue=False),
+    *_fault("residual_dropped", "residual_dropped", [UNEXPLAINED], "draft.step0.hidden_out", 1, catalogue=False),
+    *_fault("rope_interleaved", "rope_interleaved", [UNEXPLAINED], "draft.step0.hidden_out", 1, catalogue=False),
+    *_fault("concat_order", "concat_order", [UNEXPLAINED], "draft.step0.hidden_out", 1, catalogue=False),
+]

@@ -1,0 +1,183 @@
+"""eaglescope doctor against an engine it did not write (issue 18): tests/engines/plain_eagle3.py, a plain EAGLE-3
+decoder built from the checkpoint and trace formats alone, its faults injected as code changes in that engine.
+
+(a) the engine is lossless: its greedy output is transformers' greedy `generate`, chain and tree;
+(b) doctor calls its clean traces healthy (chain, tree, another frontier order, fingerprints, bf16, …);
+(c) each injected fault's code is doctor's top finding at the first divergent stage; faults no code names give
+    DIVERGENCE_UNEXPLAINED there, never a named cause.
+Where doctor is wrong today the case is xfail(strict): it turns into a failure the day doctor is fixed.
+`python tests/engines/fault_table.py` prints the same cases as a table (tests/engines/FAULT_TABLE.md).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from engines.cases import CHAIN, CLEAN, FAULT_CASES, TREE, UNEXPLAINED, build_setups, diagnose, verdict
+from engines.plain_eagle3 import FAULTS, PlainEagle3
+from engines.tiny import greedy_reference
+
+from eaglescope import trace as T
+
+ENGINES = Path(__file__).parent / "engines"
+TRACE_PY = Path(__file__).parents[1] / "src" / "eaglescope" / "trace.py"
+
+
+@pytest.fixture(scope="module")
+def setups(tmp_path_factory):
+    return build_setups(tmp_path_factory.mktemp("independent-engine"))
+
+
+# -- independence -----------------------------------------------------------------------------------------------------
+# the engine's dependencies, and the standard library's plumbing it uses
+ALLOWED = set("torch safetensors json transformers __future__ importlib math sys dataclasses pathlib".split())
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            out.add("." if node.level else node.module.split(".")[0])
+    return out
+
+
+@pytest.mark.parametrize("name", ["plain_eagle3.py", "tiny.py"])
+def test_engine_imports_nothing_of_eaglescope(name):
+    # torch, safetensors, json, transformers and the standard library's plumbing; eaglescope's recorder is loaded by
+    # file path (what an engine that copied trace.py does), never imported as a package
+    mods = _imports(ENGINES / name)
+    assert mods <= ALLOWED, sorted(mods - ALLOWED)
+    src = (ENGINES / name).read_text()
+    assert "import_module" not in src and "__import__" not in src  # no import the ast walk cannot see
+    assert src.count("spec_from_file_location") == (1 if name == "plain_eagle3.py" else 0)
+    if name == "plain_eagle3.py":
+        from engines import plain_eagle3
+
+        assert plain_eagle3._TRACE_PY == TRACE_PY.resolve()  # the one file it loads: the recorder
+
+
+_ISOLATED = r"""
+import sys
+sys.modules["eaglescope"] = None  # an engine's environment: importing eaglescope fails
+sys.path.insert(0, sys.argv[1])
+from engines.plain_eagle3 import PlainEagle3
+e = PlainEagle3(sys.argv[2], sys.argv[3])
+res = e.generate(list(range(5, 15)), 6, depth=3, top_k=3, total_tokens=8, trace=sys.argv[4], mode="fingerprint")
+bad = sorted(m for m in sys.modules if m.startswith("eaglescope."))
+assert not bad, bad
+print(",".join(map(str, res.token_ids)))
+"""
+
+
+def test_engine_runs_where_eaglescope_is_not_installed(setups, tmp_path):
+    S = setups["a"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _ISOLATED,
+            str(ENGINES.parent),
+            str(S.target_dir),
+            str(S.draft_dir),
+            str(tmp_path / "t"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert [int(x) for x in res.stdout.strip().split(",")] == greedy_reference(S.target_dir, S.prompt, 6)
+    assert T.load_trace(tmp_path / "t").mode == "fingerprint"
+
+
+def test_trace_holds_every_canonical_stage(setups, tmp_path):
+    S = setups["a"]
+    PlainEagle3(S.target_dir, S.draft_dir).generate(S.prompt, 8, trace=tmp_path / "t", guide=S.guide, **TREE)
+    tr = T.load_trace(tmp_path / "t")
+    families = {T.parse_stage(s)[0] for s in tr.stages()}
+    want = {
+        "target.tap",
+        T.TARGET_AUX,
+        T.DRAFT_FC_OUT,
+        "draft.embed_in",
+        "draft.hidden_in",
+        "draft.hidden_out",
+        "draft.topk",
+        T.VERIFY_TOKENS,
+        T.VERIFY_PARENTS,
+        T.VERIFY_ACCEPTED,
+        T.VERIFY_BONUS,
+        T.NEXT_HIDDEN_IN,
+    }
+    assert families == want and all(T.is_canonical(s) for s in tr.stages())
+    assert tr.get(T.TARGET_AUX, 0).shape == (len(S.prompt), 3 * 64)
+    assert sum(tr.get(T.VERIFY_ACCEPTED, r).numel() for r in tr.rounds() if r) >= 4  # the guided trees accept
+
+
+# -- (a) lossless -----------------------------------------------------------------------------------------------------
+LOSSLESS = [
+    ("chain", "a", {}, dict(CHAIN)),
+    ("chain5", "a", {}, {"depth": 5, "chain": True}),
+    ("tree", "a", {}, dict(TREE)),
+    ("wide-tree", "a", {}, {"depth": 4, "top_k": 4, "total_tokens": 12}),
+    ("creation-order-tree", "a", {"frontier": "creation"}, dict(TREE)),
+    ("12layers-tree", "b", {}, dict(TREE)),
+    ("12layers-chain", "b", {}, dict(CHAIN)),
+]
+
+
+@pytest.mark.parametrize("setup,engine,run", [x[1:] for x in LOSSLESS], ids=[x[0] for x in LOSSLESS])
+def test_greedy_output_is_vanilla_greedy(setups, setup, engine, run):
+    S = setups[setup]
+    want = greedy_reference(S.target_dir, S.prompt, 24)
+    e = PlainEagle3(S.target_dir, S.draft_dir, **engine)
+    assert e.generate(S.prompt, 24, **run).token_ids == want
+    guided = e.generate(S.prompt, 24, guide=S.guide, **run)
+    assert guided.token_ids == want and guided.accepted_total >= 8  # and when the trees do accept
+
+
+# -- (b) clean traces, (c) faults -------------------------------------------------------------------------------------
+def _params(cases):
+    out = []
+    for c in cases:
+        marks = [pytest.mark.xfail(strict=True, reason=f"doctor today: {c.doctor_today}")] if c.doctor_today else []
+        out.append(pytest.param(c, id=c.id, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("case", _params(CLEAN))
+def test_clean_trace_is_healthy(setups, tmp_path, case):
+    report, _ = diagnose(case, setups, tmp_path / "trace")
+    ok, said = verdict(case, report)
+    assert ok, f"{said}: {report.findings[0].verdict if report.findings else ''}"
+
+
+def test_enough_clean_traces_pass_today():
+    assert sum(1 for c in CLEAN if c.doctor_today is None) >= 20
+
+
+@pytest.mark.parametrize("case", _params(FAULT_CASES))
+def test_fault_is_the_top_finding(setups, tmp_path, case):
+    report, _ = diagnose(case, setups, tmp_path / "trace")
+    ok, said = verdict(case, report)
+    want = "|".join(case.expected) + f"@{case.stage} r{case.round}"
+    if not case.catalogue:
+        named = [f.code for f in report.findings if f.code != UNEXPLAINED]
+        assert not named, f"a named cause for a fault no code covers: {named}"
+    assert ok, f"expected {want}, doctor says {said}: {report.findings[0].verdict if report.findings else ''}"
+
+
+def test_every_fault_is_exercised():
+    assert {c.fault for c in FAULT_CASES} == set(FAULTS)
+    assert sum(1 for c in FAULT_CASES if not c.catalogue and c.mode == "full") >= 6
+    assert {c.mode for c in FAULT_CASES} == {"full", "fingerprint"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -113,3 +114,22 @@ def test_vllm_conversion_recovers_decoder_alpha(intervals):
     assert r.accept_length == pytest.approx(all_stats.accept_length, abs=1e-5)
     for got, want in zip(r.alpha, all_stats.alpha + [math.nan] * 4, strict=False):
         assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, abs=1e-4)
+
+
+def test_request_prompt_lengths_are_read_where_the_engine_prints_them():
+    # what tells --data's traffic from another workload: the mean prompt length of the served requests
+    sglang = parse_engine_log(SGLANG + "[2025-06-01 10:00:08] Prefill batch. #new-seq: 2, #new-token: 30, "
+                              "#cached-token: 13, token usage: 0.00, #running-req: 1, #queue-req: 0\n")  # fmt: skip
+    assert (sglang.requests, sglang.prompt_tokens) == (3, 57 + 30 + 13)
+    assert sglang.prompt_mean == pytest.approx(100 / 3)
+    metrics = [
+        {"name": "vllm:spec_decode_num_drafts", "labels": {}, "value": 40},
+        {"name": "vllm:spec_decode_num_accepted_tokens", "labels": {}, "value": 30},
+        {"name": "vllm:spec_decode_num_accepted_tokens_per_pos", "labels": {}, "values": [20, 10]},
+        {"name": "vllm:request_prompt_tokens", "labels": {}, "count": 4, "sum": 410.0, "buckets": {"+Inf": 4}},
+    ]
+    v = parse_engine_log(json.dumps(metrics))
+    assert v.prompt_mean == pytest.approx(102.5)
+    # drafts behind each position: all 40 reach position 1, the 20 that accepted it reach position 2
+    assert v.position_counts() == ([40, 20], [20, 10])
+    assert parse_engine_log(VLLM).prompt_mean is None  # vLLM's log lines say nothing about requests

@@ -24,6 +24,7 @@ from eaglescope.data.chat import read_conversations
 from eaglescope.data.shards import PreparedData
 from eaglescope.decode.speculative import target_embedding
 from eaglescope.detective.behaviour import (
+    AGREEMENT_MIN,
     DEFAULT_DEPTH,
     Acceptance,
     diagnose_behaviour,
@@ -34,6 +35,7 @@ from eaglescope.detective.behaviour import (
     prompt_of,
     read_training_metrics,
     serve_with_decoder,
+    traffic,
 )
 from eaglescope.detective.diagnose import diagnose_trace
 from eaglescope.detective.engine_logs import read_engine_log
@@ -146,7 +148,8 @@ def run_doctor(
             if served_trace is not None:
                 ttt = static_ctx.get("contract", {}).get("ttt_length")
                 training = read_training_metrics(draft_dir)
-                findings += [x for x in diagnose_behaviour(served_trace, None, training, ttt) if x.code == "NO_TTT"]
+                verdict = diagnose_behaviour(served_trace, None, training, ttt)
+                findings += [x for x in verdict.findings if x.code == "NO_TTT"]
                 context["acceptance"] = {
                     "served": served_trace.to_dict(),
                     "predicted": None,
@@ -156,38 +159,67 @@ def run_doctor(
                 }
 
     if data is not None or served_engine is not None:
-        served: Acceptance | None = from_engine(served_engine) if served_engine is not None else None
-        predicted = None
-        if data is not None and loaded is not None:
-            samples = load_samples(data, getattr(target, "tokenizer", None), max(eval_samples, prompts))
-            say(f"teacher-forced acceptance on {min(eval_samples, len(samples))} samples of {data}")
-            predicted = predict_on_data(target, loaded.model, samples[:eval_samples], depth)
-            if served is None:
-                ps = [p for p in (prompt_of(i, m) for i, m in samples) if p][:prompts]
-                if not ps:
-                    notes.append("no sample of --data has a prompt before its first assistant token; not served")
-                else:
-                    say(f"serving {len(ps)} prompts with eaglescope's decoder (chain of {depth})")
-                    served = serve_with_decoder(target, loaded.model, ps, max_new_tokens, depth)
-        training = read_training_metrics(draft_dir)
-        ttt = static_ctx.get("contract", {}).get("ttt_length")
-        behaviour = diagnose_behaviour(served, predicted, training, ttt)
-        if findings and predicted is None and training is None:
-            # With nothing teacher-forced to compare with, UNDERTRAINED only says "served acceptance is low"; when a
-            # static or trace finding already explains that, naming undertraining as a cause too would mislead.
-            behaviour = [x for x in behaviour if x.code != "UNDERTRAINED"]
-        findings += behaviour
-        context["acceptance"] = {
-            "served": served.to_dict() if served else None,
-            "predicted": predicted.to_dict() if predicted else None,
-            "training": training.to_dict() if training else None,
-            "ttt_length": ttt,
-            "depth": depth,
-        }
-        if served_engine is not None:
-            context["acceptance"]["engine_log"] = served_engine.to_dict()
+        findings += _behaviour(target, loaded, draft_dir, data, served_engine, static_ctx, findings, prompts,
+                               max_new_tokens, depth, eval_samples, say, context, notes)  # fmt: skip
     ranked = rank(findings)
     return DoctorReport(healthy=not ranked, findings=ranked, context=context)
+
+
+def _behaviour(target, loaded, draft_dir, data, served_engine, static_ctx, findings, prompts, max_new_tokens, depth,
+               eval_samples, say, context, notes) -> list:  # fmt: skip
+    """Served acceptance against what a correct server gets on the same positions, and --data against training
+    (behaviour.py): the findings, with context["acceptance"] and the notes filled in."""
+    served: Acceptance | None = from_engine(served_engine) if served_engine is not None else None
+    expected = predicted = traffic_check = agreement = None
+    if data is not None and loaded is not None:
+        # an engine drafts as deep as its log says (vLLM's per-position rates); the simulation must reach as deep
+        engine_depth = len(served.alpha) if served is not None and served.alpha else None
+        eval_depth = max(depth, engine_depth or 0)
+        samples = load_samples(data, getattr(target, "tokenizer", None), max(eval_samples, prompts))
+        say(f"teacher-forced acceptance on {min(eval_samples, len(samples))} samples of {data}")
+        pred = predict_on_data(target, loaded.model, samples[:eval_samples], eval_depth)
+        predicted, agreement = pred.predicted, pred.agreement
+        if served is None:
+            ps = [p for p in (prompt_of(i, m) for i, m in samples) if p][:prompts]
+            if not ps:
+                notes.append("no sample of --data has a prompt before its first assistant token; not served")
+            else:
+                say(f"serving {len(ps)} prompts with eaglescope's decoder (chain of {depth})")
+                run = serve_with_decoder(target, loaded.model, ps, max_new_tokens, depth)
+                served, expected = run.acceptance, run.expected
+                context["paired_rounds_agree"] = run.agree
+        else:
+            expected = pred.rounds
+            traffic_check = traffic(served_engine.prompt_mean, served_engine.requests, pred.prompt_lengths)
+        if agreement is not None and agreement < AGREEMENT_MIN:
+            notes.append(
+                f"only {agreement:.0%} of --data's answer tokens are the target's own greedy choice: it is not text "
+                "this target writes, so acceptance measured on it is not what serving sees (regenerate it: "
+                "eaglescope prepare --regenerate)"
+            )
+    training = read_training_metrics(draft_dir)
+    ttt = static_ctx.get("contract", {}).get("ttt_length")
+    verdict = diagnose_behaviour(served, predicted, training, ttt, expected, traffic_check, agreement)
+    behaviour = verdict.findings
+    notes += verdict.notes
+    if findings and predicted is None and training is None:
+        # With nothing teacher-forced to compare with, UNDERTRAINED only says "served acceptance is low"; when a
+        # static or trace finding already explains that, naming undertraining as a cause too would mislead.
+        behaviour = [x for x in behaviour if x.code != "UNDERTRAINED"]
+    context["acceptance"] = {
+        "served": served.to_dict() if served else None,
+        "expected": expected.to_dict() if expected else None,
+        "predicted": predicted.to_dict() if predicted else None,
+        "training": training.to_dict() if training else None,
+        "ttt_length": ttt,
+        "depth": depth,
+        "comparisons": verdict.comparisons,
+        "traffic": traffic_check,
+        "agreement": agreement,
+    }
+    if served_engine is not None:
+        context["acceptance"]["engine_log"] = served_engine.to_dict()
+    return behaviour
 
 
 # -- output ----------------------------------------------------------------------------------------------------
@@ -195,6 +227,23 @@ def _fmt_alpha(xs) -> str:
     if not xs:
         return "-"
     return " ".join("-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}" for x in xs)
+
+
+def _fmt_counts(xs) -> str:
+    return " ".join("-" if x is None else f"{x:.0f}" for x in xs)
+
+
+def contract_line(static: dict) -> str | None:
+    """The training contract as doctor read it, labelled INFERRED when config.json has no eaglescope section (the
+    taps are then the engines' reading of its ids, not a record of training)."""
+    c = static.get("contract")
+    if not c:
+        return None
+    taps = static.get("taps")
+    if c.get("inferred"):
+        return (f"contract   INFERRED from the {c.get('inferred_from') or 'engine default'} (config.json has no "
+                f"eaglescope section): taps {taps}; the real training taps and TTT length are unknown")  # fmt: skip
+    return f"contract   recorded: taps {taps}, TTT length {c.get('ttt_length')}"
 
 
 def format_report(report: DoctorReport) -> str:
@@ -209,14 +258,22 @@ def format_report(report: DoctorReport) -> str:
         lines.append(f"{i}. {f.code}  [{where}, confidence {f.confidence:.2f}]")
         lines.append(f"   {f.verdict}")
         lines.append(f"   fix: {f.fix}")
+    if (c := contract_line(report.context.get("static") or {})) is not None:
+        lines.append(c)
     acc = report.context.get("acceptance")
     if acc:
-        for key in ("served", "predicted", "training"):
+        for key in ("served", "expected", "predicted", "training"):
             a = acc.get(key)
             if a:
                 tau = a.get("accept_length")
                 t = f"τ {tau:.2f}" if isinstance(tau, (int, float)) else "τ -"
-                lines.append(f"{key:<10} {a['source']}: {t}, α_k [{_fmt_alpha(a.get('alpha'))}]")
+                if a.get("accept_length_interval"):
+                    lo, hi = a["accept_length_interval"]
+                    t += f" [{lo:.2f}, {hi:.2f}]"
+                line = f"{key:<10} {a['source']}: {t}, α_k [{_fmt_alpha(a.get('alpha'))}]"
+                if a.get("reached"):
+                    line += f" over [{_fmt_counts(a['reached'])}] reached"
+                lines.append(line)
     if fds := first_divergent_stage(report.context):
         lines.append(f"first divergent stage: {fds}")
     lines += [f"note: {n}" for n in report.context.get("notes", [])]

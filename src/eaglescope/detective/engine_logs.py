@@ -29,6 +29,15 @@ vLLM's counters, exact and cumulative (vllm/v1/spec_decode/metrics.py SpecDecodi
   τ = 1 + accepted / drafts; per-position rate_k = accepted_per_pos[k] / drafts (unconditional, as above). Series
   of several engines (data parallel) are summed; in Prometheus text a series given twice keeps its last value
   (several scrapes in one file: the latest counts).
+
+Counts. Where the engine says how many drafts stand behind its rates (vLLM), position k's conditional α_k rests on
+the drafts that accepted k-1 positions (drafts × rate_{k-1}): `position_counts` gives them, so a position reached by
+a handful of rounds carries a handful's weight. SGLang prints no round counts, only τ.
+
+Traffic. What the log says about the requests themselves, to tell whether --data is the served traffic: the mean
+prompt length, from vLLM's request_prompt_tokens histogram (sum / count; Prometheus text or get_metrics() JSON)
+and from SGLang's prefill lines ("Prefill batch. #new-seq: n, #new-token: t, #cached-token: c": t + c prompt
+tokens for n new requests; a prompt prefilled in chunks counts once per chunk, so long prompts read shorter).
 """
 
 from __future__ import annotations
@@ -46,12 +55,16 @@ _NUM = r"([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?|nan)"
 # "block accept len" (SGLang's ragged verify) is another quantity: never τ.
 _SGLANG = re.compile(r"(?<!block )(?:#\s*)?accept(?:[ _]len(?:gth)?|ance[ _]length)\s*[:=]\s*" + _NUM, re.IGNORECASE)
 _SGLANG_RUNNING = re.compile(r"#running-req:\s*([0-9]+)")
+_SGLANG_PREFILL = re.compile(
+    r"Prefill batch.*?#new-seq:\s*([0-9]+),\s*#new-token:\s*([0-9]+)(?:,\s*#cached-token:\s*([0-9]+))?"
+)
 _VLLM_TAU = re.compile(r"Mean acceptance length:\s*" + _NUM)
 _VLLM_DRAFTED = re.compile(r"Drafted:\s*([0-9]+)\s*tokens")
 _VLLM_ACCEPTED = re.compile(r"Accepted:\s*([0-9]+)\s*tokens")
 _VLLM_POS = re.compile(r"Per-position acceptance rate:\s*((?:[0-9.]+(?:,\s*)?)+)")
 _PROM = re.compile(
-    r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens|accepted_tokens_per_pos))(?:_total)?"
+    r"^(vllm:(?:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens|accepted_tokens_per_pos)(?:_total)?"
+    r"|request_prompt_tokens_(?:sum|count)))"
     r"(?:\{([^}]*)\})?\s+(" + _NUM + r"|NaN|[+-]Inf)\s*(?:[0-9]+)?$"
 )
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -70,10 +83,24 @@ class EngineAcceptance:
     lines: int  # metric lines used
     drafts: float | None  # verify rounds behind the numbers, when the log says
     kind: str = "log"  # "log" (periodic lines) or "metrics" (vLLM's counters: Prometheus text or get_metrics JSON)
+    prompt_tokens: float | None = None  # prompt tokens of the requests the log saw, when it says
+    requests: float | None = None  # how many requests those were
 
     @property
     def source(self) -> str:
         return f"{self.engine} {self.kind}"
+
+    @property
+    def prompt_mean(self) -> float | None:
+        return self.prompt_tokens / self.requests if self.prompt_tokens is not None and self.requests else None
+
+    def position_counts(self) -> tuple[list[float], list[float]] | None:
+        """(reached, accepted) per position: drafts that reached position k (all drafts for k = 1, those that
+        accepted k-1 after) and those that accepted k. None unless the engine gave drafts and per-position rates."""
+        if not self.drafts or not self.per_position:
+            return None
+        accepted = [r * self.drafts for r in self.per_position]
+        return [self.drafts, *accepted[:-1]], accepted
 
     def to_dict(self) -> dict:
         def clean(xs):
@@ -87,6 +114,8 @@ class EngineAcceptance:
             "per_position": clean(self.per_position),
             "lines": self.lines,
             "drafts": self.drafts,
+            "prompt_tokens": self.prompt_tokens,
+            "requests": self.requests,
         }
 
 
@@ -121,7 +150,12 @@ def parse_engine_log(text: str) -> EngineAcceptance:
         return metrics
     sg: list[tuple[float, int | None]] = []
     vl: list[tuple[float, list[float] | None, float | None]] = []
+    requests = prompt_tokens = 0
     for line in text.splitlines():
+        if (p := _SGLANG_PREFILL.search(line)) is not None:
+            requests += int(p.group(1))
+            prompt_tokens += int(p.group(2)) + int(p.group(3) or 0)
+            continue
         if (v := _vllm_line(line)) is not None:
             if not math.isnan(v[0]) and not (v[2] == 0):  # an interval with no drafts says nothing
                 vl.append(v)
@@ -135,7 +169,10 @@ def parse_engine_log(text: str) -> EngineAcceptance:
         )
     if len(vl) >= len(sg):
         return _merge_vllm(vl)
-    return _merge_sglang(sg)
+    out = _merge_sglang(sg)
+    if requests:
+        out.prompt_tokens, out.requests = float(prompt_tokens), float(requests)
+    return out
 
 
 def _sglang_line(line: str) -> tuple[float, int | None] | None:
@@ -205,7 +242,7 @@ def _vllm_metrics(text: str) -> EngineAcceptance | None:
     if not series:
         return None
     for (name, labels), value in series.items():
-        short = name.removeprefix("vllm:spec_decode_")
+        short = name.removeprefix("vllm:spec_decode_").removeprefix("vllm:").removesuffix("_total")
         if short == "num_accepted_tokens_per_pos":
             pos = dict(labels).get("position")
             if pos is not None and pos.isdigit():
@@ -213,7 +250,10 @@ def _vllm_metrics(text: str) -> EngineAcceptance | None:
         else:
             totals[short] = totals.get(short, 0.0) + value
     counts = [per_pos.get(k, 0.0) for k in range(max(per_pos) + 1)] if per_pos else []
-    return _from_counters(totals, counts, "Prometheus text")
+    out = _from_counters(totals, counts, "Prometheus text")
+    if "request_prompt_tokens_count" in totals:
+        out.prompt_tokens, out.requests = totals.get("request_prompt_tokens_sum"), totals["request_prompt_tokens_count"]
+    return out
 
 
 def _from_metrics_json(obj) -> EngineAcceptance | None:
@@ -234,7 +274,17 @@ def _from_metrics_json(obj) -> EngineAcceptance | None:
                       for k in range(max(len(counts), len(vals)))]  # fmt: skip
         elif short in _COUNTERS and isinstance(m.get("value"), (int, float)):
             totals[short] = totals.get(short, 0.0) + float(m["value"])
-    return _from_counters(totals, counts, "get_metrics() JSON") if found else None
+    for m in items:  # vLLM's Histogram dataclass: count and sum of the requests' prompt lengths
+        if isinstance(m, dict) and m.get("name") == "vllm:request_prompt_tokens":
+            if isinstance(m.get("count"), (int, float)) and isinstance(m.get("sum"), (int, float)):
+                totals["request_prompt_tokens_count"] = totals.get("request_prompt_tokens_count", 0.0) + m["count"]
+                totals["request_prompt_tokens_sum"] = totals.get("request_prompt_tokens_sum", 0.0) + m["sum"]
+    if not found:
+        return None
+    out = _from_counters(totals, counts, "get_metrics() JSON")
+    if "request_prompt_tokens_count" in totals:
+        out.prompt_tokens, out.requests = totals["request_prompt_tokens_sum"], totals["request_prompt_tokens_count"]
+    return out
 
 
 def _from_counters(totals: dict[str, float], counts: list[float], form: str) -> EngineAcceptance:

@@ -42,6 +42,8 @@ CODES: dict[str, str] = {
     "NO_TTT": "step 1 is healthy but steps k>=2 collapse (teacher-forced acc_k, served alpha_k): trained without TTT",
     "SERVING_MISMATCH": "teacher-forced acceptance predicts far more than is served: a wiring or serving problem",
     "UNDERTRAINED": "acceptance is low everywhere, predicted and served: data or capacity",
+    "OVERFIT_OR_OTHER_TRAFFIC": "acceptance on --data is far below training's held-out: the draft fits only its "
+    "training data, or --data is other traffic than it was trained for",
     "DIVERGENCE_UNEXPLAINED": "the trace diverges from the golden replay but no named hypothesis explains it",
 }
 

@@ -82,7 +82,7 @@ def acceptance_figure(acc: dict | None) -> str | None:
     if not acc:
         return None
     series = []
-    for key, style in (("served", "o-"), ("predicted", "s--"), ("training", "^:")):
+    for key, style in (("served", "o-"), ("expected", "D-."), ("predicted", "s--"), ("training", "^:")):
         a = acc.get(key)
         if a and any(not math.isnan(y) for y in _alpha_shown(a)):
             series.append((key, a, style))
@@ -285,18 +285,26 @@ def html_of(report: DoctorReport, title: str = "eaglescope doctor") -> str:
         parts.append("</table>")
     acc = ctx.get("acceptance")
     if acc:
-        parts.append("<h2>Acceptance</h2><table><tr><th></th><th>source</th><th>τ</th><th>α_k</th><th>acc_k</th></tr>")
-        for key in ("served", "predicted", "training"):
+        parts.append(
+            "<h2>Acceptance</h2><table><tr><th></th><th>source</th><th>τ [95%]</th><th>α_k</th>"
+            "<th>reached k</th><th>acc_k</th></tr>"
+        )
+        for key in ("served", "expected", "predicted", "training"):
             a = acc.get(key)
             if not a:
                 continue
             tau = _num(a.get("accept_length"))
+            shown = "-" if math.isnan(tau) else f"{tau:.2f}"
+            if a.get("accept_length_interval"):
+                lo, hi = a["accept_length_interval"]
+                shown += f" [{lo:.2f}, {hi:.2f}]"
             alpha = " ".join("-" if math.isnan(_num(x)) else f"{_num(x):.2f}" for x in a.get("alpha") or [])
             accs = " ".join("-" if math.isnan(_num(x)) else f"{_num(x):.2f}" for x in a.get("acc") or [])
+            reached = " ".join(f"{_num(x):.0f}" for x in a.get("reached") or [])
             parts.append(
                 f"<tr><td>{key}</td><td>{_e(a.get('source', ''))}</td>"
-                f"<td>{'-' if math.isnan(tau) else f'{tau:.2f}'}</td><td><code>{_e(alpha or '-')}</code></td>"
-                f"<td><code>{_e(accs or '-')}</code></td></tr>"
+                f"<td>{_e(shown)}</td><td><code>{_e(alpha or '-')}</code></td>"
+                f"<td><code>{_e(reached or '-')}</code></td><td><code>{_e(accs or '-')}</code></td></tr>"
             )
         parts.append("</table>")
     src, err = _safe(acceptance_figure, acc)
@@ -315,7 +323,15 @@ def html_of(report: DoctorReport, title: str = "eaglescope doctor") -> str:
         taps = static.get("taps")
         if taps is not None:
             names = "; ".join(static.get("tap_names") or [])
-            parts.append(f"<tr><th>taps</th><td><code>{_e(taps)}</code> {_e(names)}</td></tr>")
+            contract = static.get("contract") or {}
+            # a contract read from no eaglescope section is the engines' reading of the config, not a record
+            label = (
+                f" <b>INFERRED</b> from the {_e(contract.get('inferred_from') or 'engine default')} (config.json "
+                "has no eaglescope section; the real training taps are unknown)"
+                if contract.get("inferred")
+                else " (recorded by training)"
+            )
+            parts.append(f"<tr><th>taps</th><td><code>{_e(taps)}</code> {_e(names)}{label}</td></tr>")
         for eng, r in (static.get("engines") or {}).items():
             if isinstance(r, dict):
                 mark = "ok" if r.get("matches_contract") else "MISMATCH"

@@ -256,3 +256,44 @@ def test_mla_draft_served_as_llama_and_vllm_ignoring_norm_before_fc_are_named(tm
 
     findings, _ = static_checks(t, rewrite(d, edit_cfg=as_llama))
     assert findings[0].code == "DRAFT_ARCH_MISMATCH" and "MLA" in findings[0].verdict
+
+
+def test_an_inferred_contract_is_labelled_inferred_wherever_it_is_shown(tmp_path, capsys):
+    """A checkpoint without an eaglescope section (official EAGLE, SpecForge): its taps are the engines' reading of
+    its config, not a record of training. doctor (text, JSON, HTML), inspect and export say so, never "the draft
+    was trained on [...]", and an export keeps the label in the section it writes (issue 18)."""
+    from eaglescope.cli import main
+    from eaglescope.detective.doctor import format_report, run_doctor
+    from eaglescope.detective.report import html_of
+
+    target = make_checkpoint("llama", tmp_path / "t", num_hidden_layers=8)
+    model, contract = draft_for(target, taps=(3, 4, 6))
+    # SpecForge's "output of layer i" ids, and no eaglescope section: the ids are all there is
+    d = rewrite(save_draft(model, contract, tmp_path / "d", tap_ids=[2, 3, 5]), edit_cfg=lambda c: c.pop("eaglescope"))
+    findings, ctx = static_checks(target, d)
+    assert ctx["contract"]["inferred"] is True and ctx["taps"] == [3, 4, 6]
+    tap_findings = [f for f in findings if f.stage == "target.aux"]
+    assert tap_findings  # vLLM reads SpecForge's ids one layer early
+    for f in tap_findings:
+        assert "INFERRED" in f.verdict and "was trained on" not in f.verdict, f.verdict
+
+    report = run_doctor(target, d)
+    text = format_report(report)
+    assert "contract   INFERRED from the specforge convention" in text and "was trained on" not in text
+    assert "INFERRED" in html_of(report)
+
+    assert main(["inspect", str(d), "--target", str(target)]) == 0
+    shown = capsys.readouterr().out
+    assert "INFERRED from the specforge convention" in shown and "training   unknown" in shown
+    assert "was trained on" not in shown
+
+    out = tmp_path / "vllm"
+    assert main(["export", "--draft", str(d), "--to", "vllm", "--out", str(out), "--target", str(target)]) == 0
+    shown = capsys.readouterr().out
+    assert "= INFERRED taps" in shown and "trained taps" not in shown
+    section = json.loads((out / "config.json").read_text())["eaglescope"]
+    assert section["inferred"] is True and section["taps"]["layers"] == [3, 4, 6]
+    # read back, the exported checkpoint is still an inferred contract, not a record
+    _, ctx = static_checks(target, out)
+    assert ctx["contract"]["inferred"] is True
+    assert "contract   INFERRED" in format_report(run_doctor(target, out))

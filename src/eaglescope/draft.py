@@ -55,18 +55,21 @@ class DraftContract:
             "ttt_length": self.ttt_length,
             "loss_mask_shift": self.loss_mask_shift,
             "draft_vocab_source": self.draft_vocab_source,
+            # an inferred contract written out (export) stays labelled as one, never becomes a record of training
+            **({"inferred": True} if self.inferred else {}),
             **self.extra,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> DraftContract:
-        known = {"format_version", "taps", "target", "ttt_length", "loss_mask_shift", "draft_vocab_source"}
+        known = {"format_version", "taps", "target", "ttt_length", "loss_mask_shift", "draft_vocab_source", "inferred"}
         return cls(
             taps=TapContract.from_dict(d["taps"]),
             target=TargetFingerprint.from_dict(d["target"]) if d.get("target") else None,
             ttt_length=d.get("ttt_length"),
             loss_mask_shift=d.get("loss_mask_shift"),
             draft_vocab_source=d.get("draft_vocab_source"),
+            inferred=bool(d.get("inferred", False)),
             extra={k: v for k, v in d.items() if k not in known},
         )
 

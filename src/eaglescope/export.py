@@ -25,7 +25,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from eaglescope.data.vocab import validate_vocab_map
-from eaglescope.draft import LoadedDraft, check_draft_matches_target, eaglescope_section, load_draft, weight_names
+from eaglescope.draft import (
+    DraftContract,
+    LoadedDraft,
+    check_draft_matches_target,
+    eaglescope_section,
+    load_draft,
+    weight_names,
+)
 from eaglescope.errors import EagleScopeError
 from eaglescope.outputs import check_destination, dir_kind, staged_dir
 from eaglescope.taps import (
@@ -69,6 +76,17 @@ def _names(indices: list[int], num_layers: int) -> list[str]:
 
 # -- choosing ids ----------------------------------------------------------------------------------
 SPECULATORS_VERSION = "0.9.0"
+
+
+def trained_on(contract: DraftContract) -> str:
+    """What the draft was trained on, as the rest of a sentence "… but the draft …": a fact only when the checkpoint
+    records it. An inferred contract's taps are the engines' reading of its config and are said to be inferred
+    wherever they are shown (inspect, export, doctor; issue 18: doctor stated such a guess as fact)."""
+    taps = list(contract.taps.layers)
+    if contract.inferred:
+        source = contract.extra.get("inferred_from", "engine default")
+        return f"records no training taps: {taps} is INFERRED from the {source} (config.json has no eaglescope section)"
+    return f"was trained on {taps}"
 
 
 def _sglang_rule(convention: str) -> str:
@@ -314,7 +332,7 @@ def describe_draft(
             fix = f"{engine} cannot capture these taps ({e})"
         warns.append(
             f"ENGINE_TAP_CONVENTION: {engine} will capture {cap} ({'; '.join(_names(cap, L))}) but the draft "
-            f"was trained on {list(taps.layers)}; {fix}"
+            f"{trained_on(ct)}; {fix}"
         )
     saved = saved_weight_names(loaded.path)
     vocab, vocab_warns = _vocab_map_report(loaded, saved)
@@ -410,10 +428,13 @@ def format_description(d: dict) -> str:
         )
     else:
         lines.append("trained on (no target fingerprint recorded)")
-    lines.append(
-        f"training   TTT length {ct['ttt_length']}, loss mask {ct['loss_mask_shift']}, "
-        f"draft vocab from {ct['draft_vocab_source']}"
-    )
+    if ct["inferred"]:
+        lines.append("training   unknown: no eaglescope section records it (the taps above are INFERRED)")
+    else:
+        lines.append(
+            f"training   TTT length {ct['ttt_length']}, loss mask {ct['loss_mask_shift']}, "
+            f"draft vocab from {ct['draft_vocab_source']}"
+        )
     lines.append(
         f"config     hidden {c['hidden_size']}, heads {c['num_heads']} ({c['num_kv_heads']} kv, dim {c['head_dim']}), "
         f"FFN {c['intermediate_size']}, fc {c['num_aux']}×{c['target_hidden_size']} → {c['hidden_size']}, "
@@ -610,6 +631,11 @@ def export_draft(
         raise RuntimeError(f"export chose ids {ids} that {rule} reads as {captures[rule]}")
     if loaded.has_embedding and not with_embedding:
         warns.append("the source checkpoint's saved embedding was dropped: engines use the target's own")
+    if loaded.contract.inferred:
+        warns.append(
+            f"the draft {trained_on(loaded.contract)}: the ids written are for those taps, and the exported "
+            "eaglescope section keeps them marked as inferred"
+        )
     kwargs = speculators_kwargs(loaded)
     argv = speculators_command(out, target_dir, kwargs)
     problems = speculators_problems(loaded, with_embedding)
@@ -624,6 +650,7 @@ def export_draft(
         "tap_ids": ids,
         "tap_ids_omitted": ids is None,
         "taps": list(loaded.contract.taps.layers),
+        "taps_inferred": loaded.contract.inferred,
         "default_taps": list(default_tap_layers(L)),
         "captures": captures,
         "captures_names": {e: _names(cap, L) for e, cap in captures.items()},
@@ -650,8 +677,9 @@ def format_export_report(r: dict) -> str:
         + (f"omitted (taps are the engines' default {r['default_taps']})" if ids is None else str(ids)),
     ]
     rule = r["sglang_rule"]
+    which = "INFERRED taps" if r.get("taps_inferred") else "trained taps"
     for e, cap in r["captures"].items():
-        mark = "= trained taps" if cap == r["taps"] else f"≠ trained taps {r['taps']}"
+        mark = f"= {which}" if cap == r["taps"] else f"≠ {which} {r['taps']}"
         who = ""
         if rule is not None:
             applies = e == rule["convention"]

@@ -17,7 +17,14 @@ from eaglescope.detective.findings import Finding
 from eaglescope.draft import DraftContract, infer_contract
 from eaglescope.drafts import DraftConfig
 from eaglescope.errors import EagleScopeError
-from eaglescope.export import choose_engine_ids, config_tap_ids, engine_options, load_target_embedding, tap_name
+from eaglescope.export import (
+    choose_engine_ids,
+    config_tap_ids,
+    engine_options,
+    load_target_embedding,
+    tap_name,
+    trained_on,
+)
 from eaglescope.taps import ENGINES, TapContract, engine_capture
 from eaglescope.target.base import TargetFingerprint
 from eaglescope.target.loading import check_dir, fingerprint_of, load_state_dict, read_config
@@ -79,11 +86,17 @@ def check_contract(contract: DraftContract, fp: TargetFingerprint, fc_in: int) -
     # Only the architecture name differing (e.g. a re-saved checkpoint's class name) is weak evidence.
     conf = 0.5 if set(diffs) == {"architecture"} else 1.0
     what = ", ".join(f"{k} {v[0]} vs {v[1]}" for k, v in diffs.items())
+    # Without a record (an inferred contract) the draft's own fc width is the evidence, not a training record.
+    said = (
+        f"the draft does not fit this target ({what}; the draft's fc vs its INFERRED taps on this target)"
+        if contract.inferred
+        else f"the draft was trained for a different target ({what}; draft's record vs this target)"
+    )
     return [
         Finding(
             "CONTRACT_MISMATCH",
             "static",
-            f"the draft was trained for a different target ({what}; draft's record vs this target)",
+            said,
             {"differs": diffs, "recorded": rec.to_dict() if rec else None, "target": fp.to_dict()},
             "serve the draft with the target it was trained on, or retrain it on this target",
             conf,
@@ -147,20 +160,21 @@ def check_engines(
             "offset": shift[0] if len(shift) == 1 else None,
             "contract_inferred": contract.inferred,
         }
-        # An inferred contract only guesses the training taps, so the mismatch is a guess too.
+        # An inferred contract only guesses the training taps, so the mismatch is a guess too, and is worded as one.
         conf = 0.5 if contract.inferred else 0.95
         verdict = (
             f"{engine} reads eagle_aux_hidden_state_layer_ids {ids} as taps {cap} ({names}), "
-            f"but the draft was trained on {list(taps.layers)}"
+            f"but the draft {trained_on(contract)}"
         )
         # Ids that some engine's convention reads as the trained taps (or no ids at all) were written for another
         # engine: a convention mix-up. Ids that no convention reads as them are simply wrong ids, named by what
         # they make this engine capture.
+        which = "inferred" if contract.inferred else "trained"
         right_for = [e for e in ENGINES if e != engine and _capture_or_none(ids, e, L) == list(taps.layers)]
         evidence["ids_right_for"] = right_for
         if ids is not None and not right_for and cap is not None and len(cap) == len(taps.layers):
             code = "TAP_OFF_BY_ONE" if all(abs(c - t) <= 1 for c, t in zip(cap, taps.layers)) else "TAP_WRONG_LAYER"
-            findings.append(Finding(code, "target.aux", verdict + "; no engine reads these ids as the trained taps",
+            findings.append(Finding(code, "target.aux", verdict + f"; no engine reads these ids as the {which} taps",
                                     evidence, fix, conf))  # fmt: skip
             continue
         if right_for:
@@ -300,7 +314,11 @@ def static_checks(
     findings += check_template(contract, fp)
     ctx: dict = {
         "target": fp.to_dict(),
-        "contract": contract.to_dict() | {"inferred": contract.inferred},
+        "contract": contract.to_dict()
+        | {
+            "inferred": contract.inferred,
+            "inferred_from": contract.extra.get("inferred_from") if contract.inferred else None,
+        },
         "taps": list(contract.taps.layers),
         "tap_names": contract.taps.describe(),
     }
@@ -318,5 +336,5 @@ def static_checks(
 
 
 def contract_taps(draft_dir: Path | str, num_layers: int) -> TapContract:
-    """The taps the draft was trained on (from its contract, or inferred)."""
+    """The taps the draft was trained on (from its contract, or inferred: `.inferred` of read_draft_raw's contract)."""
     return read_draft_raw(draft_dir, num_layers)[2].taps

@@ -202,6 +202,12 @@ def add_demo(sub) -> None:
         "--workdir", default=None, help="artifact cache (default: $EAGLESCOPE_HOME/demo or ~/.cache/eaglescope/demo)"
     )
     p.add_argument("--fast", action="store_true", help="a smaller, quicker run")
+    p.add_argument(
+        "--scenario",
+        default="default",
+        choices=["default", "seed"],
+        help="default: the healthy pipeline; seed: taps [0, 3, L-2] and a TTT-1 draft, which doctor names NO_TTT",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pretrain-steps", type=int, default=None, help="target pretraining steps (default 600; 200 fast)")
     p.add_argument(

@@ -5,6 +5,10 @@
     EAGLE-3 draft with TTT → decode held-out prefixes with and without speculation (outputs must be
     identical) → τ, α_k, tokens/s, speedup → doctor with an HTML report.
 
+`--scenario seed` builds README's seed scenario on the same target and prefixes: taps [0, 3, L-2] (the
+embedding output among them) and a draft trained with TTT length 1, then runs the same doctor stage, which
+must name NO_TTT.
+
 Every stage caches its output under --workdir, keyed by a hash of its settings and inputs, so a second
 run reuses them.
 """
@@ -27,7 +31,7 @@ from eaglescope.data.prepare import PrepareConfig, prepare
 from eaglescope.decode.loop import generate_speculative, generate_vanilla
 from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
 from eaglescope.decode.stats import SpecStats
-from eaglescope.detective.doctor import run_doctor
+from eaglescope.detective.doctor import format_report, run_doctor
 from eaglescope.detective.report import write_html
 from eaglescope.draft import check_draft_matches_target, load_draft
 from eaglescope.errors import EagleScopeError
@@ -36,6 +40,16 @@ from eaglescope.pretrain import PretrainConfig, pretrain, save_target
 from eaglescope.target import load_target
 from eaglescope.target.loading import load_tokenizer
 from eaglescope.train.loop import TrainConfig, train
+
+# The seed scenario (README's doctor report, docs/doctor-report.png): the embedding output (tap 0) among the taps and
+# a draft trained without training-time test. The demo's doctor stage must name NO_TTT on it.
+SCENARIOS = ("default", "seed")
+SEED_TTT_LENGTH = 1
+
+
+def seed_taps(num_layers: int) -> str:
+    """The seed scenario's taps: [embedding output, layer 3, L-2]."""
+    return f"0,3,{num_layers - 2}"
 
 
 @dataclass
@@ -65,8 +79,11 @@ class DemoConfig:
     eval_prompts: int = 12
     eval_new_tokens: int = 96
     chain: int = 4
+    scenario: str = "default"  # "default": the healthy pipeline; "seed": taps [0, 3, L-2], a TTT-1 draft
 
     def __post_init__(self) -> None:
+        if self.scenario not in SCENARIOS:
+            raise EagleScopeError(f"--scenario must be one of {', '.join(SCENARIOS)}, got {self.scenario!r}")
         if self.fast:
             self.pretrain_steps, self.pretrain_budget_s, self.conversations, self.draft_steps = 200, 150.0, 96, 100
             self.eval_prompts, self.eval_new_tokens = 6, 64
@@ -105,8 +122,8 @@ DEMO_MARKER = ".eaglescope-demo"
 
 
 def _demo_kind():
-    names = ["target", "tokenizer", "prepared", "draft*", "conversations.jsonl", "trace", "doctor-report.html"]
-    return dir_kind("demo work directory", markers=[DEMO_MARKER], entries=[*names, "demo-results.json", DEMO_MARKER])
+    names = ["target", "tokenizer", "prepared*", "draft*", "conversations.jsonl", "trace", "doctor-report*.html"]
+    return dir_kind("demo work directory", markers=[DEMO_MARKER], entries=[*names, "demo-results*.json", DEMO_MARKER])
 
 
 def open_workdir(work: Path) -> None:
@@ -227,9 +244,10 @@ def _prefixes(cfg: DemoConfig, files: list[Path], tok, n: int, seed: int, length
     return code_prefixes(files, tok, n, seed, length, chunk_chars=1500)
 
 
-def build_data(cfg: DemoConfig, work: Path, target_dir: Path) -> Path:
-    key = cfg.stage_key("data", DATA_FIELDS, (target_dir / ".eaglescope-stage").read_text())
-    out = work / "prepared"
+def build_data(cfg: DemoConfig, work: Path, target_dir: Path, taps: str | None = None, name: str = "prepared") -> Path:
+    """The target's own continuations of code prefixes, with its tap features at `taps` (None: the default)."""
+    key = cfg.stage_key("data", DATA_FIELDS, (target_dir / ".eaglescope-stage").read_text() + str(taps))
+    out = work / name
     if _cached(out, key):
         _say(f"[2/5] data: cached at {out}")
         return out
@@ -254,7 +272,7 @@ def build_data(cfg: DemoConfig, work: Path, target_dir: Path) -> Path:
             )
     _say(
         f"[2/5] data: {len(prefixes)} code prefixes; the target writes its own continuations, then its tap "
-        "features are stored"
+        f"features{'' if taps is None else f' at taps [{taps}]'} are stored"
     )
     prepare(
         PrepareConfig(
@@ -264,6 +282,7 @@ def build_data(cfg: DemoConfig, work: Path, target_dir: Path) -> Path:
             regenerate=True,
             regen_max_new_tokens=cfg.regen_tokens,
             hidden_states=True,
+            taps=taps,
             max_length=cfg.seq_len * 2,
             device="cpu",
             dtype="float32",
@@ -408,7 +427,7 @@ def record_trace(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: Path)
 
 
 def run_doctor_stage(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: Path, data_dir: Path) -> dict:
-    _say("[5/5] doctor: static checks, trace vs golden replay, served vs predicted acceptance, HTML report")
+    _say("[5/5] doctor: static checks, trace vs golden replay, served vs expected acceptance, HTML report")
     trace_dir = record_trace(cfg, work, target_dir, draft_dir)
     report = run_doctor(
         str(target_dir),
@@ -421,11 +440,15 @@ def run_doctor_stage(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: P
         dtype=torch.float32,
         depth=cfg.chain,
     )
-    html = write_html(report, work / "doctor-report.html")
+    name = "doctor-report.html" if cfg.scenario == "default" else f"doctor-report-{cfg.scenario}.html"
+    html = write_html(report, work / name)
     if report.healthy:
         _say("      healthy: no findings")
     for f in report.findings[:3]:
-        _say(f"      {f.code}: {f.verdict}")
+        _say(f"      {f.code} ({f.confidence:.2f}): {f.verdict}")
+    for line in format_report(report).splitlines():  # the numbers behind the verdict, and what could not be judged
+        if line.startswith(("served ", "expected ", "predicted ", "training ", "note: ")):
+            _say(f"      {line}")
     _say(f"      report: {html}")
     return report.to_dict()
 
@@ -435,18 +458,25 @@ def run_demo(cfg: DemoConfig) -> dict:
     open_workdir(work)
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
-    _say(f"eaglescope demo ({'fast' if cfg.fast else 'full'}) — artifacts in {work}")
+    what = "" if cfg.scenario == "default" else f", {cfg.scenario} scenario"
+    _say(f"eaglescope demo ({'fast' if cfg.fast else 'full'}{what}) — artifacts in {work}")
     target_dir = build_target(cfg, work)
-    data_dir = build_data(cfg, work, target_dir)
-    draft_dir = build_draft(cfg, work, target_dir, data_dir)
-    results = evaluate(cfg, work, target_dir, draft_dir)
+    if cfg.scenario == "seed":
+        data_dir = build_data(cfg, work, target_dir, taps=seed_taps(cfg.num_layers), name="prepared-seed")
+        draft_dir = build_draft(cfg, work, target_dir, data_dir, ttt_length=SEED_TTT_LENGTH, name="draft-seed")
+        results = {"identical": True}  # the decode table is the default scenario's; here doctor is the point
+    else:
+        data_dir = build_data(cfg, work, target_dir)
+        draft_dir = build_draft(cfg, work, target_dir, data_dir)
+        results = evaluate(cfg, work, target_dir, draft_dir)
     results["doctor"] = run_doctor_stage(cfg, work, target_dir, draft_dir, data_dir)
     results["seconds"] = time.perf_counter() - t0
     results["config"] = asdict(cfg)
     # what ran, not what was asked: the time cap may have cut pretraining short
     results["target"] = (json.loads((target_dir / "eaglescope_pretrain.json").read_text()) or {}).get("stats")
 
-    write_file(work / "demo-results.json", json.dumps(results, indent=2, default=str) + "\n")
+    name = "demo-results.json" if cfg.scenario == "default" else f"demo-results-{cfg.scenario}.json"
+    write_file(work / name, json.dumps(results, indent=2, default=str) + "\n")
     _say(
         f"done in {results['seconds']:.0f}s. Try: eaglescope generate --target {target_dir} --draft {draft_dir} "
         "--prompt 'def read_config(path):' --chain 4 --json"
@@ -456,7 +486,7 @@ def run_demo(cfg: DemoConfig) -> dict:
 
 def cmd_demo(args) -> int:
     workdir = args.workdir or str(default_workdir())
-    cfg = DemoConfig(workdir=workdir, fast=args.fast, seed=args.seed)
+    cfg = DemoConfig(workdir=workdir, fast=args.fast, seed=args.seed, scenario=getattr(args, "scenario", "default"))
     if args.pretrain_steps is not None:
         if args.pretrain_steps < 10:
             raise EagleScopeError(f"--pretrain-steps must be >= 10, got {args.pretrain_steps}")

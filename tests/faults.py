@@ -1,6 +1,7 @@
-"""Fault injection for the trace diagnosis: each helper plants exactly one wiring mistake.
+"""Fault injection for the formula tests of the trace diagnosis (tests/test_doctor_faults.py): each helper plants
+exactly one wiring mistake into eaglescope's own decoding.
 
-Three ways in, as the doctor meets them in the field:
+Three ways in:
 - a target wrapper (`TapFault`) whose taps are mis-wired the way an engine's capture code can be:
   the wrong layer, the RMS-normed state, segments in the wrong order; per-tap stages keep the
   contract's labels, as an engine that believes it taps the right layers records them;
@@ -9,9 +10,13 @@ Three ways in, as the doctor meets them in the field:
 - a trace editor (`edit_trace`) that rewrites one recorded tensor, for mistakes a proposer cannot
   make without breaking the decoding loop itself (e.g. every tree row handed to the next round).
 
+Some plants use the formula a hypothesis tests (`tile_project` is diagnose's tiled fc, the normed tap its `normed`
+candidate): they test that formula, nothing more. Whether doctor names a fault made in an engine it did not write is
+tests/test_independent_engine.py's claim, on tests/engines/plain_eagle3.py.
+
 `oracle(cls, sequence)` makes any proposer send a tree that contains the target's own greedy
 continuation next to distractor siblings, so that rounds accept several tokens at tree positions
-other than the first rows: what STALE_ACCEPTED and the position bookkeeping need to be visible.
+other than the first rows: what the position bookkeeping needs to be visible.
 """
 
 from __future__ import annotations
@@ -119,16 +124,11 @@ def tile_project(p: Eagle3Proposer, x: torch.Tensor) -> torch.Tensor:
     return p.draft.project(torch.cat([x] * n, dim=-1))
 
 
-def perturbed_embedding(p: Eagle3Proposer, kind: str) -> torch.Tensor:
-    """A token table that is not the target's: 'random' (another model's), 'scaled' (x sqrt(H)), 'noisy'."""
+def scaled_embedding(p: Eagle3Proposer) -> torch.Tensor:
+    """The target's token table times sqrt(H): an embedding scaled as Gemma-style models scale theirs, applied where
+    the draft was trained without it."""
     w = p.draft.embed_tokens.weight
-    if kind == "random":
-        g = torch.Generator().manual_seed(123)
-        return torch.randn(w.shape, generator=g).to(w) * w.std()
-    if kind == "scaled":
-        return w * w.shape[1] ** 0.5
-    g = torch.Generator().manual_seed(7)
-    return w + 0.5 * w.std() * torch.randn(w.shape, generator=g).to(w)
+    return w * w.shape[1] ** 0.5
 
 
 class OwnPositionTokens(RoundCounting):

@@ -1,9 +1,14 @@
-"""Fault injection: every trace-path code is planted (into a decoding run, a recorded trace or a checkpoint)
-and the diagnosis names it first, at the right stage and round; the same runs without a fault give no finding.
+"""Formula tests of the trace diagnosis: each case plants the mistake one hypothesis describes into eaglescope's own
+decoding run, recorded trace or checkpoint, and checks that the hypothesis recognises it, at the right stage and
+round; the same runs without a fault give no finding.
 
-Faults vary in where they sit (which tap segment, which draft step, the round they start in), in the
-model (8 layers x 64 wide, 12 layers x 96 wide, native and transformers backends), in the tree (chain,
-top-k tree, trees that accept) and in the trace mode (full tensors, fingerprints).
+Several plants are built with the very formula the hypothesis tests (the tiled fc is diagnose's `_tile_fc`, every
+tree row handed on is one of its STALE_ACCEPTED candidates, the normed tap is its `normed` candidate): such a case
+shows the formula works, not that doctor finds the fault in an engine it did not write. That claim rests on
+tests/test_independent_engine.py, whose faults are code changes in a separate engine (tests/engines/); the cases
+kept here are the ones that engine does not cover: the transformers backend, a contract that taps the embedding,
+single segments and later rounds, negative offsets, a scaled embedding and a checkpoint that ships another one, an
+off-by-one map, and the formulas themselves.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from faults import (
     edit_trace,
     fault,
     permute_segments,
-    perturbed_embedding,
     record,
+    scaled_embedding,
     tile_project,
 )
 from models import make_checkpoint
@@ -108,13 +113,6 @@ def _H(p) -> int:
     return p.draft.embed_tokens.weight.shape[1]
 
 
-class StaleFirstRows(RoundCounting):
-    """Hands on the first len(path) tree rows (tree order) instead of the accepted path."""
-
-    def next_round_features(self, verify_out, result):
-        return verify_out.aux[: len(result.path)]
-
-
 def offset(kind: str, delta: int, from_round: int = 1):
     if kind == "tree":
         return fault("tree_position", lambda p, r, lvl: r + lvl - 1 + delta, from_round)
@@ -135,73 +133,46 @@ def aux_of_round(r: int):
     return {(T.NEXT_HIDDEN_IN, r): lambda x, tr: tr.get(T.TARGET_AUX, round=r)}
 
 
-# (code, variant, setup, make(S, out) -> trace dir, stage family, round where it first shows)
+# (code, variant, setup, make(S, out) -> trace dir, stage family, round where it first shows); "formula" in a variant
+# marks a plant made with the hypothesis's own formula
 CASES = [
     # taps: the engine's capture code, labels kept as the contract's
-    ("TAP_OFF_BY_ONE", "all+1-sglang", "a", taps({0: ("hs", 3), 1: ("hs", 5), 2: ("hs", 6)}), "target.aux", 0),
     ("TAP_OFF_BY_ONE", "seg1-1", "a", taps({1: ("hs", 3)}), "target.aux", 0),
-    ("TAP_OFF_BY_ONE", "seg2+1-12layers", "b", taps({2: ("hs", 10)}), "target.aux", 0),
     ("TAP_OFF_BY_ONE", "all+1-hf", "hf", taps({0: ("hs", 3), 1: ("hs", 5), 2: ("hs", 6)}), "target.aux", 0),
-    ("TAP_OFF_BY_ONE", "from-round2", "a", taps({0: ("hs", 3)}, from_round=2), "target.aux", 2),
-    ("TAP_OFF_BY_ONE", "fingerprint", "a", taps({0: ("hs", 1)}, mode="fingerprint"), "target.aux", 0),
-    ("TAP_WRONG_LAYER", "seg2-to-7", "a", taps({2: ("hs", 7)}), "target.aux", 0),
-    ("TAP_WRONG_LAYER", "seg1-to-3-12layers", "b", taps({1: ("hs", 3)}), "target.aux", 0),
     ("TAP_WRONG_LAYER", "seg0-to-6-hf", "hf", taps({0: ("hs", 6)}), "target.aux", 0),
-    ("TAP_WRONG_LAYER", "fingerprint", "b", taps({0: ("hs", 11)}, mode="fingerprint"), "target.aux", 0),
-    ("TAP_ORDER", "swap01", "a", taps({0: ("hs", 4), 1: ("hs", 2)}), "target.aux", 0),
-    ("TAP_ORDER", "reversed-12layers", "b", taps({0: ("hs", 9), 2: ("hs", 2)}), "target.aux", 0),
     ("TAP_ORDER", "swap12-hf", "hf", taps({1: ("hs", 5), 2: ("hs", 4)}), "target.aux", 0),
-    ("TAP_ORDER", "edited-rotate", "a", edited({(T.TARGET_AUX, 0): permute_segments([1, 2, 0])}), "target.aux", 0),
     ("TAP_ORDER", "edited-round3", "b", edited({(T.TARGET_AUX, 3): permute_segments([0, 2, 1])}), "target.aux", 3),
-    ("TAP_ORDER", "fingerprint", "a", taps({0: ("hs", 5), 2: ("hs", 2)}, mode="fingerprint"), "target.aux", 0),
-    ("TAP_EMBEDDING", "seg0-is-embedding", "a", taps({0: ("hs", 0)}), "target.aux", 0),
-    ("TAP_EMBEDDING", "seg1-is-embedding-12layers", "b", taps({1: ("hs", 0)}), "target.aux", 0),
     ("TAP_EMBEDDING", "hf", "hf", taps({0: ("hs", 0)}), "target.aux", 0),
     ("TAP_EMBEDDING", "layer1-where-embedding-expected", "e", taps({0: ("hs", 1)}), "target.aux", 0),
     ("TAP_EMBEDDING", "layer2-where-embedding-expected", "e", taps({0: ("hs", 2)}, from_round=1), "target.aux", 1),
-    ("TAP_NORMED", "seg1", "a", taps({1: ("normed", 4)}), "target.aux", 0),
-    ("TAP_NORMED", "seg2-12layers", "b", taps({2: ("normed", 9)}), "target.aux", 0),
-    ("TAP_NORMED", "seg0-hf", "hf", taps({0: ("normed", 2)}), "target.aux", 0),
-    ("TAP_NORMED", "from-round2", "a", taps({2: ("normed", 5)}, from_round=2), "target.aux", 2),
-    ("TAP_NORMED", "fingerprint", "b", taps({0: ("normed", 2)}, mode="fingerprint"), "target.aux", 0),
+    ("TAP_NORMED", "formula-seg0-hf", "hf", taps({0: ("normed", 2)}), "target.aux", 0),
+    ("TAP_NORMED", "formula-from-round2", "a", taps({2: ("normed", 5)}, from_round=2), "target.aux", 2),
     # fc
-    ("FC_SKIPPED", "last-tap", "a", hook("features", lambda p, aux: aux[:, -_H(p) :]), "draft.fc.out", 1),
-    ("FC_SKIPPED", "first-tap-12layers", "b", hook("features", lambda p, aux: aux[:, : _H(p)]), "draft.fc.out", 1),
-    ("FC_SKIPPED", "from-round3", "a", hook("features", lambda p, aux: aux[:, : _H(p)], 3), "draft.fc.out", 3),
+    (
+        "FC_SKIPPED",
+        "first-tap-from-round3",
+        "a",
+        hook("features", lambda p, aux: aux[:, : _H(p)], 3),
+        "draft.fc.out",
+        3,
+    ),
     (
         "FC_REPEATED",
-        "step0",
+        "formula-step0",
         "a",
         hook("features", lambda p, aux: tile_project(p, p.draft.project(aux))),
         "draft.fc.out",
         1,
     ),
-    ("FC_REPEATED", "steps-k", "a", hook("child_hidden", lambda p, h: tile_project(p, h)), "draft.hidden_in", 1),
     (
         "FC_REPEATED",
-        "steps-k-12layers-chain",
-        "b",
-        hook("child_hidden", lambda p, h: tile_project(p, h), shape=CHAIN),
+        "formula-steps-k",
+        "a",
+        hook("child_hidden", lambda p, h: tile_project(p, h)),
         "draft.hidden_in",
         1,
-    ),
-    (
-        "FC_REPEATED",
-        "step0-from-round2",
-        "b",
-        hook("features", lambda p, aux: tile_project(p, p.draft.project(aux)), 2),
-        "draft.fc.out",
-        2,
     ),
     # feedback between draft steps
-    (
-        "FEEDBACK_TARGET_FEATURES",
-        "fc-of-root",
-        "a",
-        hook("child_hidden", lambda p, h: p.features(p.pending_aux)[-1:].expand(h.shape[0], -1)),
-        "draft.hidden_in",
-        1,
-    ),
     (
         "FEEDBACK_TARGET_FEATURES",
         "raw-last-tap-chain",
@@ -218,65 +189,10 @@ CASES = [
         "draft.hidden_in",
         2,
     ),
-    (
-        "FEEDBACK_TARGET_FEATURES",
-        "fingerprint",
-        "a",
-        hook("child_hidden", lambda p, h: p.features(p.pending_aux)[-1:].expand(h.shape[0], -1), mode="fingerprint"),
-        "draft.hidden_in",
-        1,
-    ),
-    ("FEEDBACK_POSTNORM", "tree", "a", hook("child_hidden", lambda p, h: p.draft.norm(h)), "draft.hidden_in", 1),
-    (
-        "FEEDBACK_POSTNORM",
-        "chain-12layers",
-        "b",
-        hook("child_hidden", lambda p, h: p.draft.norm(h), shape=CHAIN),
-        "draft.hidden_in",
-        1,
-    ),
-    (
-        "FEEDBACK_POSTNORM",
-        "from-round3",
-        "a",
-        hook("child_hidden", lambda p, h: p.draft.norm(h), 3),
-        "draft.hidden_in",
-        3,
-    ),
-    (
-        "FEEDBACK_POSTNORM",
-        "fingerprint",
-        "b",
-        hook("child_hidden", lambda p, h: p.draft.norm(h), mode="fingerprint"),
-        "draft.hidden_in",
-        1,
-    ),
-    # what is handed to the next round
-    ("STALE_ACCEPTED", "first-rows", "a", proposer(StaleFirstRows, accept=True), "next.hidden_in", 1),
-    ("STALE_ACCEPTED", "first-rows-12layers", "b", proposer(StaleFirstRows, accept=True), "next.hidden_in", 1),
-    (
-        "STALE_ACCEPTED",
-        "first-rows-from-round2",
-        "a",
-        hook("next_round_features", lambda p, o, r: o.aux[: len(r.path)], 2, accept=True),
-        "next.hidden_in",
-        2,
-    ),
-    ("STALE_ACCEPTED", "all-rows-edited", "a", edited(aux_of_round(1), accept=True), "next.hidden_in", 1),
-    ("STALE_ACCEPTED", "all-rows-edited-round2", "b", edited(aux_of_round(2)), "next.hidden_in", 2),
-    (
-        "STALE_ACCEPTED",
-        "first-rows-fingerprint",
-        "a",
-        proposer(StaleFirstRows, accept=True, mode="fingerprint"),
-        "next.hidden_in",
-        1,
-    ),
+    # what is handed to the next round: every tree row, a mistake a proposer cannot make without breaking the loop
+    ("STALE_ACCEPTED", "formula-all-rows-edited-round2", "b", edited(aux_of_round(2)), "next.hidden_in", 2),
     # positions
-    ("POSITION_OFFSET", "tree+1", "a", proposer(offset("tree", 1)), "draft.hidden_out", 1),
     ("POSITION_OFFSET", "tree-1-12layers", "b", proposer(offset("tree", -1)), "draft.hidden_out", 1),
-    ("POSITION_OFFSET", "catch-up+1", "a", proposer(offset("catchup", 1)), "draft.hidden_out", 1),
-    ("POSITION_OFFSET", "tree+1-from-round2", "a", proposer(offset("tree", 1, 2), accept=True), "draft.hidden_out", 2),
     (
         "POSITION_OFFSET",
         "catch-up-1-from-round3-chain",
@@ -285,42 +201,15 @@ CASES = [
         "draft.hidden_out",
         3,
     ),
-    (
-        "POSITION_OFFSET",
-        "tree+1-fingerprint",
-        "a",
-        proposer(offset("tree", 1), mode="fingerprint"),
-        "draft.hidden_out",
-        1,
-    ),
     # token pairing and embedding
-    ("SHIFT_OFF_BY_ONE", "tree", "a", proposer(shifted(1)), "draft.embed_in", 1),
-    ("SHIFT_OFF_BY_ONE", "chain-12layers", "b", proposer(shifted(1), shape=CHAIN), "draft.embed_in", 1),
-    ("SHIFT_OFF_BY_ONE", "from-round2-accepting", "a", proposer(shifted(2), accept=True), "draft.embed_in", 2),
     ("SHIFT_OFF_BY_ONE", "from-round3-accepting", "b", proposer(shifted(3), accept=True), "draft.embed_in", 3),
-    (
-        "EMBEDDING_MISMATCH",
-        "random-table",
-        "a",
-        hook("embed", lambda p, ids: perturbed_embedding(p, "random")[ids]),
-        "draft.embed_in",
-        1,
-    ),
     (
         "EMBEDDING_MISMATCH",
         "scaled-12layers",
         "b",
-        hook("embed", lambda p, ids: perturbed_embedding(p, "scaled")[ids]),
+        hook("embed", lambda p, ids: scaled_embedding(p)[ids]),
         "draft.embed_in",
         1,
-    ),
-    (
-        "EMBEDDING_MISMATCH",
-        "noisy-from-round2",
-        "a",
-        hook("embed", lambda p, ids: perturbed_embedding(p, "noisy")[ids], 2),
-        "draft.embed_in",
-        2,
     ),
     (
         "EMBEDDING_MISMATCH",
@@ -331,16 +220,7 @@ CASES = [
         1,
     ),
     # vocabulary map
-    ("VOCAB_MAP", "unmapped", "a", hook("to_target_ids", lambda p, ids: ids), "draft.topk", 1),
     ("VOCAB_MAP", "off-by-one-map-12layers", "b", hook("to_target_ids", _shift_map), "draft.topk", 1),
-    (
-        "VOCAB_MAP",
-        "unmapped-chain-from-round2",
-        "a",
-        hook("to_target_ids", lambda p, ids: ids, 2, shape=CHAIN),
-        "draft.topk",
-        2,
-    ),
 ]
 
 
@@ -356,16 +236,12 @@ def test_injected_fault_is_the_top_finding(setups, tmp_path, code, variant, setu
     )
 
 
+# the clean counterpart of every setup the cases above use (each fault means something only against a clean run)
 HEALTHY = [
     ("tree", "a", {}),
-    ("chain", "a", {"shape": CHAIN}),
-    ("accepting", "a", {"accept": True}),
-    ("12layers", "b", {}),
     ("12layers-accepting-chain", "b", {"accept": True, "shape": CHAIN}),
     ("hf", "hf", {}),
     ("embedding-tap-contract", "e", {}),
-    ("fingerprint", "a", {"mode": "fingerprint"}),
-    ("fingerprint-12layers-accepting", "b", {"mode": "fingerprint", "accept": True}),
 ]
 
 
@@ -380,11 +256,8 @@ def test_uninjected_run_gives_no_finding(setups, tmp_path, variant, setup, kw):
         assert sum(res.stats.accepted) >= 4  # the oracle trees really do accept
 
 
-@pytest.mark.parametrize(
-    "shape,accept", [(TREE, False), (CHAIN, True), ((4, 4, 12), True)], ids=["tree", "chain", "wide"]
-)
-def test_bf16_run_against_float32_replay_gives_no_finding(setups, tmp_path, shape, accept):
-    trace_dir, _ = record(setups["unit-bf16"], tmp_path / "trace", shape=shape, accept=accept, dtype=torch.bfloat16)
+def test_bf16_run_against_float32_replay_gives_no_finding(setups, tmp_path):
+    trace_dir, _ = record(setups["unit-bf16"], tmp_path / "trace", shape=TREE, dtype=torch.bfloat16)
     assert T.load_trace(trace_dir).get(T.TARGET_AUX, 0).dtype == torch.bfloat16
     findings, ctx = diagnose(setups["unit"], trace_dir)
     assert findings == [], [(f.code, f.stage, f.round, f.verdict) for f in findings]
@@ -392,30 +265,11 @@ def test_bf16_run_against_float32_replay_gives_no_finding(setups, tmp_path, shap
     assert max(r["rel_err"] or 0.0 for r in ctx["stage_table"] if r["stage"] == T.TARGET_AUX) > 1e-3
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        c
-        for c in CASES
-        if c[1] in ("swap12-hf", "first-rows", "fingerprint")
-        and c[0] in ("TAP_ORDER", "STALE_ACCEPTED", "FEEDBACK_POSTNORM")
-    ],
-    ids=lambda c: f"{c[0]}-{c[1]}",
-)
-def test_doctor_names_the_injected_fault_first(setups, tmp_path, case):
-    code, _, setup, make, family, rnd = case
+def test_doctor_on_the_transformers_backend_names_the_injected_fault_first(setups, tmp_path):
+    # run_doctor's own replay on the transformers backend (the independent engine's cases use the native one)
+    code, _, setup, make, family, rnd = next(c for c in CASES if c[1] == "swap12-hf")
     S = setups[setup]
-    trace_dir = make(S, tmp_path / "trace")
-    report = run_doctor(
-        S.target_dir, S.draft_dir, trace=trace_dir, device="cpu", backend="hf" if setup == "hf" else "auto"
-    )
+    report = run_doctor(S.target_dir, S.draft_dir, trace=make(S, tmp_path / "trace"), device="cpu", backend="hf")
     assert not report.healthy
     top = report.findings[0]
     assert (top.code, T.parse_stage(top.stage)[0], top.round) == (code, family, rnd), top.verdict
-
-
-def test_doctor_on_a_healthy_trace_is_healthy(setups, tmp_path):
-    S = setups["a"]
-    trace_dir, _ = record(S, tmp_path / "trace", accept=True)
-    report = run_doctor(S.target_dir, S.draft_dir, trace=trace_dir, device="cpu")
-    assert report.healthy and report.findings == [], [(f.code, f.verdict) for f in report.findings]

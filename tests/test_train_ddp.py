@@ -1,17 +1,27 @@
-"""Data-parallel training under torchrun (gloo, CPU) gives the weights of one process with the same global batch."""
+"""Data-parallel training under torchrun (gloo, CPU): the weights of one process with the same global batch, ranks
+that disagree on their inputs stop at once with one line each, only rank 0 writes, and a job that lost a rank to
+SIGKILL stops and resumes to the weights of a job that was never interrupted."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from test_train import shared_env
+
+from eaglescope.outputs import partial_dir
+from eaglescope.train.loop import TrainConfig, train
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
@@ -24,15 +34,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(args: list[str], nproc: int) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-        cmd += ["--master-port", str(free_port()), "-m", "eaglescope.cli", "train", *args]
-    else:
+RANK_SCRIPT = Path(__file__).with_name("ddp_rank.py")  # `{rank}` in the arguments, and a record of writes
+
+
+def command(args: list[str], nproc: int, per_rank: bool = False, logs: Path | None = None) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "eaglescope.cli", "train", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd += ["--master-port", str(free_port())]
+    if logs is not None:  # each rank's stdout and stderr in a file of its own
+        cmd += ["--log-dir", str(logs), "--redirects", "3"]
+    return cmd + ([str(RANK_SCRIPT)] if per_rank else ["-m", "eaglescope.cli"]) + ["train", *args]
+
+
+def environment(nproc: int, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+    if nproc == 1:
         env = {k: v for k, v in env.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-        cmd = [sys.executable, "-m", "eaglescope.cli", "train", *args]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return env
+
+
+def run(args: list[str], nproc: int, per_rank: bool = False, **extra: str) -> None:
+    res = subprocess.run(
+        command(args, nproc, per_rank), env=environment(nproc, **extra), capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
 
 
@@ -69,3 +94,133 @@ def test_torchrun_ranks_agree_on_a_timed_runs_length(tmp_path_factory, tmp_path)
     run(args, 2)
     state = json.loads((out / "training_state" / "state.json").read_text())
     assert state["fit"]["fitted"] and 5 <= state["step"] == state["fit"]["total"] < 100000
+
+
+def rank_logs(logs: Path) -> dict[int, list[str]]:
+    """torchrun --log-dir: each rank's non-empty stderr lines."""
+    files = sorted(logs.glob("*/attempt_0/*/stderr.log"))
+    return {int(f.parent.name): [x for x in f.read_text().splitlines() if x.strip()] for f in files}
+
+
+@pytest.mark.parametrize("differs", ["data", "setting", "missing"])
+def test_ranks_that_disagree_stop_before_training_with_one_line_each(tmp_path_factory, tmp_path, differs):
+    env = shared_env(tmp_path_factory)
+    # Each rank reads "its" copy, as ranks on different machines do. "data": rank 1's holds other data (the same
+    # conversations, prepared without hidden states), which without the check would train silently; "missing":
+    # rank 1 has none.
+    rank1_data = {"data": env["prep"], "setting": env["prep_hidden"], "missing": tmp_path / "nowhere"}[differs]
+    (tmp_path / "data0").symlink_to(env["prep_hidden"])
+    (tmp_path / "data1").symlink_to(rank1_data)
+    # "setting": one launch line says --max-steps 31, the other 30 (without the check: a hang at step 31)
+    steps = "3{rank}" if differs == "setting" else "30"
+    args = ["--target", str(env["target"]), "--data", str(tmp_path / "data{rank}"), "--out", str(tmp_path / "out")]
+    args += ["--max-steps", steps, "--batch-size", "4", "--device", "cpu", "--dtype", "float32", "--max-length", "96"]
+    logs = tmp_path / "logs"
+    res = subprocess.run(command(args, 2, per_rank=True, logs=logs), env=environment(2), capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert res.returncode != 0
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", res.stderr)]
+    lines = rank_logs(logs)
+    assert not (tmp_path / "out").exists() and not partial_dir(tmp_path / "out").exists()
+    if differs == "missing":
+        # rank 1 stops on its own input with its own line; torchrun then stops rank 0, which was waiting for it
+        assert lines[0] == [] and len(lines[1]) == 1 and lines[1][0].startswith("eaglescope: error: "), lines
+        assert "data1" in lines[1][0] and 2 in codes and set(codes) <= {2, -signal.SIGTERM}, res.stderr[-2000:]
+        return
+    assert sorted(lines) == [0, 1] and all(len(x) == 1 for x in lines.values()), lines
+    first, second = lines[0][0], lines[1][0]
+    assert first.startswith("eaglescope: error: the 2 ranks of this job disagree, so it stops before training: ")
+    assert second.startswith("eaglescope: error: rank 1 of 2 stops: the ranks disagree (")
+    listed = first.split("before training: ", 1)[1].split(". Start every rank", 1)[0].split("; ")
+    if differs == "setting":
+        assert listed == ["--max-steps 31 on rank 1, 30 on rank 0"], listed
+        assert "(--max-steps 31 on rank 1, 30 on rank 0)" in second
+    else:
+        said = re.fullmatch(r"prepared data manifest sha256 (\w+) \(--data \S+/data1\) on rank 1, manifest sha256 "
+                            r"(\w+) \(--data \S+/data0\) on rank 0", listed[0])  # fmt: skip
+        assert said and said[1] != said[2], listed
+        assert not [x for x in listed if x.startswith("--")], listed  # the settings agree
+    # every rank exits 2 (torchrun stops a rank still shutting down when the first has gone: SIGTERM, -15)
+    assert 2 in codes and set(codes) <= {2, -signal.SIGTERM}, res.stderr[-2000:]
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of torchrun's worker of `rank` (a child of the launcher with RANK=rank in its environment)."""
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == launcher and f"RANK={rank}".encode() in (p / "environ").read_bytes().split(b"\0"):
+                return int(p.name)
+        except (OSError, IndexError, ValueError):
+            continue
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").is_file(), reason="finds torchrun's workers through /proc")
+def test_rank_0_writes_alone_a_killed_rank_stops_the_job_and_resume_matches(tmp_path_factory, tmp_path):
+    env = shared_env(tmp_path_factory)
+    N = 30
+    # Rank 1 reads its own copies of the target and the data, at other paths (as on another machine): what they
+    # hold is the same, so the ranks agree.
+    for name, key in (("target", "target"), ("data", "prep_hidden")):
+        (tmp_path / f"{name}0").symlink_to(env[key])
+        shutil.copytree(env[key], tmp_path / f"{name}1")
+    common = ["--target", str(tmp_path / "target{rank}"), "--data", str(tmp_path / "data{rank}"), "--batch-size", "4"]
+    common += ["--lr", "2e-3", "--save-every", "5", "--device", "cpu", "--dtype", "float32", "--max-length", "96"]
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    watched = {"EAGLESCOPE_TEST_WATCH": str(runs)}
+    full = runs / "full"
+    run([*common, "--max-steps", str(N), "--out", str(full)], 2, per_rank=True, **watched)
+
+    # an earlier draft at --out, which the new run may replace only once it is complete
+    out = runs / "killed"
+    cfg = dict(target=str(env["target"]), data=str(env["prep_hidden"]), out=str(out), max_steps=2, batch_size=4)
+    train(TrainConfig(**cfg, device="cpu", dtype="float32", max_length=96), progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+    argv = command([*common, "--max-steps", str(N), "--out", str(out), "--overwrite"], 2, per_rank=True)
+    state = partial_dir(out) / "training_state" / "state.json"
+    proc = subprocess.Popen(argv, env=environment(2, **watched), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (state.is_file() and json.loads(state.read_text())["step"] >= 10):
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "no checkpoint at step 10 in 300 s"
+            time.sleep(0.02)
+        victim = rank_pid(proc.pid, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=120)  # torchrun tears the job down: no hang in rank 0's all-reduce
+        stopped_in = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0 and stopped_in < 60, (proc.returncode, stopped_in, err[-2000:])
+    assert re.search(r"rank\s*:\s*1 .*\n\s*exitcode\s*:\s*-9", err), err[-2000:]  # torchrun names the killed rank
+    # the earlier draft stands untouched; the interrupted run waits beside it at its last checkpoint
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    killed_at = json.loads(state.read_text())["step"]
+    assert 10 <= killed_at < N and killed_at % 5 == 0
+
+    run([*common, "--max-steps", str(N), "--out", str(out), "--resume"], 2, per_rank=True, **watched)
+    assert (
+        not partial_dir(out).exists() and json.loads((out / "training_state" / "state.json").read_text())["step"] == N
+    )
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:  # bit for bit: see docs/distributed.md (resume) for why two ranks on gloo are exact
+        assert torch.equal(a[k], b[k]), k
+
+    # Rank 0 did every write of the three runs (staging, checkpoints, the swap), rank 1 none; nothing stray is left.
+    writes = {r: (tmp_path / f"runs.rank{r}.writes").read_text().splitlines() for r in (0, 1)}
+    assert writes[1] == [], writes[1][:5]
+    assert any(w.startswith("os.rename") and "training_state" in w for w in writes[0])
+    assert any(w.startswith("os.mkdir") and ".killed.eaglescope-partial" in w for w in writes[0])
+    assert sorted(p.name for p in runs.iterdir()) == ["full", "killed"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in full.iterdir())

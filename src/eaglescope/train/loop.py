@@ -37,6 +37,7 @@ k = 1..K (as decode.stats does): alpha_1 is the first drafted token.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -124,6 +125,70 @@ def _setup(cfg: TrainConfig) -> tuple[Dist, torch.device]:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return d, device
+
+
+# Settings a rank may give differently from rank 0: paths (another machine may mount the same files elsewhere; what
+# they hold is compared instead) and the device (each rank takes its own local GPU).
+_PATHS = ("target", "data", "out", "log_dir", "device")
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(tensors.items()):
+        t = t.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"{name} {t.dtype} {t.numel()};".encode())
+        h.update(t.view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _job_facts(cfg: TrainConfig, data: PreparedData, target, draft: Eagle3Draft) -> dict[str, tuple[str, str]]:
+    """What every rank of a job must share → {what: (value compared, where it comes from)}: the settings (all but
+    the paths), the prepared data (its manifest, which holds every file's sha256), the target (fingerprint and
+    config.json) and the draft as this run starts it (initial or resumed weights, vocabulary map, the target's
+    frozen embedding)."""
+    facts = {f"--{k.replace('_', '-')}": (repr(v), "") for k, v in asdict(cfg).items() if k not in _PATHS}
+    manifest = json.dumps(data.manifest, sort_keys=True).encode()
+    facts["prepared data"] = (f"manifest sha256 {hashlib.sha256(manifest).hexdigest()[:12]}", f"--data {cfg.data}")
+    config = (Path(cfg.target) / "config.json").read_bytes()
+    fp = json.dumps([target.fingerprint.to_dict(), hashlib.sha256(config).hexdigest()], sort_keys=True).encode()
+    facts["target"] = (f"fingerprint sha256 {hashlib.sha256(fp).hexdigest()[:12]}", f"--target {cfg.target}")
+    facts["draft's starting weights"] = (f"sha256 {_digest(draft.state_dict())[:12]}", "")
+    return facts
+
+
+def _check_ranks_agree(facts: dict[str, tuple[str, str]], d: Dist) -> None:
+    """Every rank's facts against rank 0's, before the first step (a rank training on other data or settings
+    would otherwise train silently on a mixture, or hang when its step count differs). On a difference every
+    rank raises: rank 0 names each differing rank and what differs, the others what differs on them."""
+    every: list = [None] * d.world
+    dist.all_gather_object(every, facts)
+
+    def differences(r: int) -> list[str]:
+        out = []
+        for what, (value, where) in every[0].items():
+            theirs, their_where = every[r].get(what, ("missing", ""))
+            if theirs != value:
+                out.append(
+                    f"{what} {theirs}{f' ({their_where})' if their_where else ''} on rank {r}, "
+                    f"{value}{f' ({where})' if where else ''} on rank 0"
+                )
+        return out
+
+    found = [x for r in range(1, d.world) for x in differences(r)]
+    if not found:
+        return
+    # Every rank stops. all_gather_object's tensors are freed on gloo's worker thread, which takes the GIL for
+    # that; a rank exiting before it has can abort after its line ("terminate called without an active
+    # exception"). Waiting in a barrier (the GIL released) lets it finish first.
+    dist.barrier()
+    if d.main:
+        more = f" (and {len(found) - 6} more)" if len(found) > 6 else ""
+        raise EagleScopeError(
+            f"the {d.world} ranks of this job disagree, so it stops before training: {'; '.join(found[:6])}{more}. "
+            "Start every rank with the same settings, prepared data and target."
+        )
+    mine = "; ".join(differences(d.rank)) or "this rank agrees with rank 0, another does not"
+    raise EagleScopeError(f"rank {d.rank} of {d.world} stops: the ranks disagree ({mine}); rank 0 names them all.")
 
 
 class _Unroll(nn.Module):
@@ -455,7 +520,8 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
 
     fwd: nn.Module = _Unroll(draft, cfg.ttt_length)
     if W > 1:
-        # Buffers (vocab map, frozen embedding) are identical on every rank by construction.
+        _check_ranks_agree(_job_facts(cfg, data, target, draft), d)
+        # Buffers (vocab map, frozen embedding) are identical on every rank: the check above compared them.
         fwd = DDP(fwd, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     autocast = torch.autocast("cuda", dtype=dtype) if amp else contextlib.nullcontext()
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -521,8 +522,11 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
     fwd: nn.Module = _Unroll(draft, cfg.ttt_length)
     if W > 1:
         _check_ranks_agree(_job_facts(cfg, data, target, draft), d)
-        # Buffers (vocab map, frozen embedding) are identical on every rank: the check above compared them.
-        fwd = DDP(fwd, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+        # No buffer broadcast before each forward: the buffers (vocab map, RoPE tables) never change, and the check
+        # above found them equal on every rank. Newer torch (2.13 here) renamed the switch and warns about the old one.
+        renamed = "forward_sync_buffers" in inspect.signature(DDP).parameters
+        no_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
+        fwd = DDP(fwd, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
     autocast = torch.autocast("cuda", dtype=dtype) if amp else contextlib.nullcontext()
 
     # The run works in a staging directory beside OUT and swaps it in when complete: OUT (an earlier draft,

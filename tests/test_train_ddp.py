@@ -226,3 +226,102 @@ def test_rank_0_writes_alone_a_killed_rank_stops_the_job_and_resume_matches(tmp_
     assert any(w.startswith("os.mkdir") and ".killed.eaglescope-partial" in w for w in writes[0])
     assert sorted(p.name for p in runs.iterdir()) == ["full", "killed"]
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in full.iterdir())
+
+
+# -- what one rank holds: the MLA draft for a 7168-wide target, on the meta device (docs/distributed.md) -----------
+MLA_7168 = dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, q_lora_rank=1536,
+                kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_hidden_layers=61,
+                rms_norm_eps=1e-6, max_position_embeddings=163840, rope_theta=10000.0)  # fmt: skip
+TARGETS = {"DeepSeek-V3": dict(num_attention_heads=128, vocab_size=129280),
+           "Kimi-K2": dict(num_attention_heads=64, vocab_size=163840)}  # fmt: skip
+
+
+def mla_draft_on_meta(target: str, draft_vocab: int):
+    from eaglescope.draft import Eagle3Draft
+    from eaglescope.drafts.config import DraftConfig
+    from eaglescope.taps import TapContract
+
+    cfg = {**MLA_7168, **TARGETS[target]}
+    c = DraftConfig.for_target(cfg, TapContract.default(cfg["num_hidden_layers"]), draft_vocab, arch="mla")
+    with torch.device("meta"):
+        return Eagle3Draft(c)
+
+
+def mla_counts(H: int, I: int, n: int, V: int, Vd: int, q=1536, kv=512, nope=128, rope=64, vh=128) -> dict:
+    """The parameters by the layer's description (drafts/mla.py: q, kv read the 2H input), not by its modules."""
+    attention = 2 * H * q + q + q * n * (nope + rope) + 2 * H * (kv + rope) + kv + kv * n * (nope + vh) + n * vh * H
+    return {"fc": 3 * H * H, "attention": attention, "mlp": 3 * H * I, "norms": 4 * H, "lm_head": H * Vd,
+            "embedding": V * H}  # fmt: skip
+
+
+def grouped(draft) -> dict:
+    groups = {"fc.": "fc", "midlayer.self_attn.": "attention", "midlayer.mlp.": "mlp", "lm_head.": "lm_head",
+              "embed_tokens.": "embedding"}  # fmt: skip
+    out = dict.fromkeys([*groups.values(), "norms"], 0)
+    for name, p in draft.named_parameters():
+        out[next((g for prefix, g in groups.items() if name.startswith(prefix)), "norms")] += p.numel()
+    return out
+
+
+def saved_per_token(draft, T: int, K: int, monkeypatch) -> dict[str, float]:
+    """Bytes per token that one TTT micro-batch (batch 1, T tokens, K steps) keeps for its backward: the unroll's
+    saved tensors, the loss's, and the draft logits themselves; on the meta device, the draft in bf16 (what autocast
+    computes in), attention as the memory-efficient SDPA kernel keeps it (q, k, v, out, logsumexp, mask)."""
+    from eaglescope.train import ttt
+
+    class EfficientAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, mask):
+            out, lse = q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse, mask)
+            return out
+
+    draft = draft.to(torch.bfloat16)
+    draft.midlayer.self_attn.attention_impl = EfficientAttention.apply
+    # ttt_loss reads its metrics with float()/int(), which meta tensors cannot answer: 0 for them
+    monkeypatch.setattr(ttt, "float", lambda x: 0.0 if isinstance(x, torch.Tensor) else float(x), raising=False)
+    monkeypatch.setattr(ttt, "int", lambda x: 0 if isinstance(x, torch.Tensor) else int(x), raising=False)
+    params = {p.untyped_storage()._cdata for p in draft.parameters()}
+    seen: set = set()
+    part = {"unroll": 0, "loss": 0}
+    now = ["unroll"]
+
+    def pack(x):
+        s = x.untyped_storage()
+        if s._cdata not in params and s._cdata not in seen:
+            seen.add(s._cdata)
+            part[now[0]] += s.nbytes()
+        return x
+
+    c = draft.config
+    with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        ids, ones = torch.zeros(1, T, dtype=torch.long), torch.ones(1, T, dtype=torch.long)
+        aux = torch.zeros(1, T, c.num_aux * c.target_hidden_size, dtype=torch.bfloat16)
+        unrolled = ttt.ttt_unroll(draft, ids, aux, K)
+        now[0] = "loss"
+        target_logits = torch.zeros(1, T, c.vocab_size, dtype=torch.bfloat16)  # the target's head, bf16
+        ttt.ttt_loss(draft, unrolled, target_logits, ones, ones, per_sample=True)
+    logits = sum(x.untyped_storage().nbytes() for x in unrolled.logits)
+    return {"unroll": part["unroll"] / T, "loss": part["loss"] / T, "logits": logits / T}
+
+
+DOC = Path(__file__).parents[1] / "docs" / "distributed.md"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_mla_draft_sized_in_the_docs_has_the_parameters_and_activations_they_give(target, monkeypatch):
+    """docs/distributed.md's memory table, recomputed: the parameters of the draft built at full width on the meta
+    device equal the closed form, and the table quotes them and the measured bytes per token."""
+    doc = DOC.read_text()
+    n, V = TARGETS[target]["num_attention_heads"], TARGETS[target]["vocab_size"]
+    for Vd in (32000, V):
+        draft = mla_draft_on_meta(target, Vd)
+        counts = grouped(draft)
+        assert counts == mla_counts(MLA_7168["hidden_size"], MLA_7168["intermediate_size"], n, V, Vd)
+        assert not draft.embed_tokens.weight.requires_grad
+        trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+        assert trainable == sum(counts.values()) - counts["embedding"]
+        assert f"{trainable:,}" in doc, (target, Vd, f"{trainable:,}")
+        per_token = saved_per_token(draft, 2048, 7, monkeypatch)
+        for what, b in per_token.items():
+            assert f"{b / 1e6:.2f}" in doc, (target, Vd, what, f"{b / 1e6:.2f}")

@@ -325,3 +325,20 @@ def test_the_mla_draft_sized_in_the_docs_has_the_parameters_and_activations_they
         per_token = saved_per_token(draft, 2048, 7, monkeypatch)
         for what, b in per_token.items():
             assert f"{b / 1e6:.2f}" in doc, (target, Vd, what, f"{b / 1e6:.2f}")
+
+
+def test_more_ranks_than_gpus_is_one_clear_error(monkeypatch):
+    # torchrun --nproc-per-node 2 on a one-GPU node: local rank 1 has no GPU of its own. The check runs before any
+    # CUDA call, so a CPU machine can test it with a node that reports one GPU.
+    from eaglescope.config import TrainConfig
+    from eaglescope.errors import EagleScopeError
+    from eaglescope.train import loop
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(loop, "parse_device", lambda _: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda _: pytest.fail("set_device on a GPU that is not there"))
+    with pytest.raises(EagleScopeError, match=r"local rank 1 on a node with 1 visible GPU.*--nproc-per-node"):
+        loop._setup(TrainConfig(target="t", data="d", out="o", device="cuda"))

@@ -120,6 +120,13 @@ def _setup(cfg: TrainConfig) -> tuple[Dist, torch.device]:
         return Dist(), parse_device(cfg.device)
     d = Dist(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
     kind = parse_device(cfg.device).type
+    if kind == "cuda" and d.local_rank >= torch.cuda.device_count():
+        # Each process trains on its own GPU; NCCL refuses two ranks on one device, and CUDA's own error for a
+        # missing ordinal names neither torchrun nor the fix.
+        raise EagleScopeError(
+            f"torchrun started local rank {d.local_rank} on a node with {torch.cuda.device_count()} visible GPU(s): "
+            "--nproc-per-node must be at most the number of GPUs"
+        )
     device = torch.device("cuda", d.local_rank) if kind == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -530,7 +530,10 @@ def test_inspect_and_export_know_what_each_engine_does_with_eagle31_and_mla(tmp_
     model, contract = full_vocab_draft(ds, draft_vocab_size=48, arch="mla", fc_norm=True, norm_output=True)
     report = export_draft(load_draft(save_draft(model, contract, tmp_path / "mla")), "vllm", tmp_path / "out")
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert cfg["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and cfg["model_type"] == "deepseek_v3"
+    assert cfg["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and (cfg["model_type"], cfg["n_routed_experts"]) == (
+        "deepseek_v2",
+        0,
+    )
     assert cfg["fc_norm"] is True and cfg["norm_output"] is True and cfg["kv_lora_rank"] == 16
     assert {"fc_norm.0.weight", "midlayer.self_attn.kv_a_proj_with_mqa.weight"} <= set(report["weights"])
     back = load_draft(tmp_path / "out").model

@@ -179,7 +179,11 @@ class DraftConfig:
     def to_hf_config(self, tap_ids: list[int] | None) -> dict:
         cfg = {
             "architectures": [self.architecture],
-            "model_type": "deepseek_v3" if self.arch == "mla" else "llama",
+            # deepseek_v2, not v3, for an MLA draft: vLLM 0.32 rewrites every deepseek_v3 draft config into DeepSeek
+            # MTP whatever the method (config/speculative.py, SpeculativeConfig.hf_config_override), and then looks
+            # for an "Eagle3DeepSeekMTPModel" no model implements; deepseek_v2 it leaves alone and still reads as
+            # MLA. eaglescope tells MLA by kv_lora_rank, not by model_type.
+            "model_type": "deepseek_v2" if self.arch == "mla" else "llama",
             "num_hidden_layers": 1,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -202,8 +206,9 @@ class DraftConfig:
         }
         if self.arch == "mla":
             cfg |= self.mla.to_hf_config()
-            # one dense layer: DeepSeek configs count MoE layers from first_k_dense_replace
-            cfg |= {"first_k_dense_replace": 1, "n_routed_experts": None, "moe_layer_freq": 1}
+            # one dense layer: DeepSeek configs count MoE layers from first_k_dense_replace; no experts is 0, not
+            # null: transformers' DeepseekV2Config types n_routed_experts int, and vLLM's config parser refuses null
+            cfg |= {"first_k_dense_replace": 1, "n_routed_experts": 0, "moe_layer_freq": 1}
         eagle_config: dict = {"use_aux_hidden_state": True}
         if tap_ids is not None:
             eagle_config["eagle_aux_hidden_state_layer_ids"] = list(tap_ids)

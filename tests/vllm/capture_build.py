@@ -1,27 +1,22 @@
-"""What tests/vllm/test_vllm_capture.py serves in vLLM: a tiny target, two trained drafts, and the five faults made
-the way users make them (in the files vLLM serves, never in a trace). Runs in eaglescope's environment.
+"""What tests/vllm/test_vllm_capture.py serves in vLLM: a tiny target, three trained drafts (one EAGLE 3.1), and the
+six faults made the way users make them (in the files vLLM serves, never in a trace). Runs in eaglescope's environment.
 
-The target and data are test_vllm_serving.py's (a Llama trained on an order-2 Markov chain, head dim 32 for vLLM's
-CPU attention); the drafts tap [2, 4, 6], not the engines' default, so that the exported config names its ids and
-the id conventions of the engines matter.
+The target and data are test_vllm_serving.py's, built once for both modules (test_vllm_serving.base: a Llama trained
+on an order-2 Markov chain, head dim 32 for vLLM's CPU attention); the drafts tap [2, 4, 6], not the engines' default,
+so that the exported config names its ids and the id conventions of the engines matter.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import warnings
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
-from test_vllm_serving import LAYERS, MAX_LEN, REDUCED_VOCAB, SYMBOLS, VOCAB, cli, order2_chain
+from test_vllm_serving import REDUCED_VOCAB, cli, order2_chain
 
-from eaglescope.config import PrepareConfig, TrainConfig
-from eaglescope.corpus import COMPLETION_TEMPLATE, train_tokenizer
-from eaglescope.data.prepare import prepare
-from eaglescope.pretrain import PretrainConfig, pretrain, save_target
+from eaglescope.config import TrainConfig
 from eaglescope.train.loop import train
 
 TAPS = [2, 4, 6]
@@ -33,21 +28,33 @@ OTHER_TEMPLATE = (
 )
 # vLLM prefills a prompt longer than its token budget in chunks, batched with the other request's prefill
 CHUNKED = {"max_num_batched_tokens": 16, "max_num_seqs": 4}
-# fault → the code doctor must name first
+# The EAGLE 3.1 draft: norm_before_fc (the option SGLang issue 32226 lost) and norm_output. Not fc_norm: a per-tap
+# RMSNorm after the skipped one would normalise its scale away, and only input_norm's trained weights' spread (a few %
+# after 80 steps) would tell the fault from the clean draft.
+EAGLE31 = {"norm_before_fc": True, "norm_output": True}
+# the runs served without a fault (doctor must find them healthy)
+CLEAN = ("clean", "clean-eagle31")
+# fault → the code doctor must name first from its vLLM trace (doctor given the draft the user has: `doctor_draft`)
 FAULTS = {
     "tap-ids-shifted": "TAP_OFF_BY_ONE",  # (a) eagle_aux_hidden_state_layer_ids one layer late in the served config
     "sglang-legacy-export": "ENGINE_TAP_CONVENTION",  # (b) `export --to sglang-legacy` served in vLLM
     "no-vocab-map": "VOCAB_MAP",  # (c) d2t/t2d dropped from a reduced-vocabulary export
     "ttt-1": "NO_TTT",  # (d) `train --ttt-length 1`
     "other-template": "TEMPLATE_MISMATCH",  # (e) the served target's chat template is not the trained one
+    # (f) the served config lost norm_before_fc (top level and eagle_config) but the weights keep input_norm.weight:
+    # vLLM then builds no input_norm and drops the weight (llama_eagle3.py load_weights maps "input_norm." to None),
+    # SGLang issue 32226 / PR 32334 in vLLM. doctor gets the 3.1 draft as trained: the trace shows fc without the norm.
+    "eagle31-flag-lost": "EAGLE31_NORM",
 }
+# fault → the code doctor must name first from vLLM's metrics alone, doctor given the served draft directory
+METRICS_FAULTS = FAULTS | {"eagle31-flag-lost": "EAGLE31_IGNORED"}  # (f): config and weights disagree (static)
 
 
-def _train(root: Path, target: Path, name: str, ttt: int) -> Path:
+def _train(root: Path, target: Path, prep: Path, name: str, ttt: int, **options) -> Path:
     out = root / f"train-{name}"
     cfg = TrainConfig(
         target=str(target),
-        data=str(root / "prep"),
+        data=str(prep),
         out=str(out),
         taps=",".join(map(str, TAPS)),
         draft_vocab_size=REDUCED_VOCAB,
@@ -59,6 +66,7 @@ def _train(root: Path, target: Path, name: str, ttt: int) -> Path:
         max_length=64,
         device="cpu",
         dtype="float32",
+        **options,
     )
     train(cfg, progress=False)
     return out
@@ -86,63 +94,16 @@ def _edited(src: Path, out: Path, config=None, weights=None) -> Path:
     return out
 
 
-def build(root: Path, prompts: int = 2) -> dict:
-    """{"runs": {name: {"target", "draft"}}, "conversations", "targets", "trained"}: the clean pair and each fault."""
-    rng = random.Random(0)
-    perm = [rng.sample(range(len(SYMBOLS)), len(SYMBOLS)) for _ in SYMBOLS]
-    tok = train_tokenizer([SYMBOLS], VOCAB, root / "tokenizer", COMPLETION_TEMPLATE)
-
-    def ids(text: str) -> torch.Tensor:
-        return torch.tensor(tok(text)["input_ids"])
-
-    pcfg = PretrainConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_layers=LAYERS,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-        max_position_embeddings=MAX_LEN,
-        seq_len=64,
-        batch_size=16,
-        steps=300,
-        lr=2e-3,
-        warmup=20,
-        seed=0,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    model, stats = pretrain(
-        pcfg, ids(order2_chain(rng, perm, 40_000)), ids(order2_chain(rng, perm, 4000)), "cpu", False
-    )
-    target = save_target(model, pcfg, root / "target", root / "tokenizer", extra={"stats": stats})
-    rows = [
-        {
-            "messages": [
-                {"role": "user", "content": order2_chain(rng, perm, rng.randint(8, 16))},
-                {"role": "assistant", "content": "a"},
-            ]
-        }
-        for _ in range(48)
-    ]
-    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    prepare(
-        PrepareConfig(
-            target=str(target),
-            data=str(root / "data.jsonl"),
-            out=str(root / "prep"),
-            max_length=64,
-            draft_vocab_size=REDUCED_VOCAB,
-            regenerate=True,
-            regen_max_new_tokens=40,
-            device="cpu",
-            dtype="float32",
-        ),
-        progress=False,
-    )
-    clean_trained = _train(root, target, "clean", K)
-    ttt1_trained = _train(root, target, "ttt-1", 1)
+def build(root: Path, b: dict, prompts: int = 2) -> dict:
+    """{"runs": {name: {"target", "draft", "doctor_draft"}}, "conversations", "long_conversations", "trained"}: the
+    clean pairs and each fault, from test_vllm_serving.base's target and data (`b`); `doctor_draft` is the draft the
+    user hands doctor (the served one unless a fault is made in the served copy of a correct draft)."""
+    rng, perm, target = b["rng"], b["perm"], b["target"]
+    clean_trained = _train(root, target, b["prep"], "clean", K)
+    ttt1_trained = _train(root, target, b["prep"], "ttt-1", 1)
+    eagle31_trained = _train(root, target, b["prep"], "clean-eagle31", K, **EAGLE31)
     clean = _export(clean_trained, target, "vllm", root / "vllm-clean")
+    clean31 = _export(eagle31_trained, target, "vllm", root / "vllm-clean-eagle31")
 
     # (e) the same weights and tokenizer under another chat template
     other = root / "target-other-template"
@@ -159,20 +120,28 @@ def build(root: Path, prompts: int = 2) -> dict:
     def drop_map(sd: dict) -> None:
         del sd["d2t"], sd["t2d"]
 
+    def drop_norm_before_fc(cfg: dict) -> None:
+        del cfg["norm_before_fc"], cfg["eagle_config"]["norm_before_fc"]
+
+    flag_lost = _edited(clean31, root / "vllm-eagle31-flag-lost", config=drop_norm_before_fc)
     runs = {
         "clean": (target, clean),
+        "clean-eagle31": (target, clean31),
         "tap-ids-shifted": (target, _edited(clean, root / "vllm-tap-ids-shifted", config=shift_ids)),
         "sglang-legacy-export": (target, _export(clean_trained, target, "sglang-legacy", root / "sglang-legacy")),
         "no-vocab-map": (target, _edited(clean, root / "vllm-no-vocab-map", weights=drop_map)),
         "ttt-1": (target, _export(ttt1_trained, target, "vllm", root / "vllm-ttt-1")),
         "other-template": (other, clean),
+        "eagle31-flag-lost": (target, flag_lost, clean31),
     }
     conversations = [[{"role": "user", "content": order2_chain(rng, perm, rng.randint(8, 16))}] for _ in range(prompts)]
     # prompts long enough for vLLM to prefill in several chunks (CHUNKED engine arguments)
     long = [[{"role": "user", "content": order2_chain(rng, perm, rng.randint(30, 48))}] for _ in range(prompts)]
     return {
-        "runs": {name: {"target": str(t), "draft": str(d)} for name, (t, d) in runs.items()},
+        "runs": {
+            name: {"target": str(r[0]), "draft": str(r[1]), "doctor_draft": str(r[-1])} for name, r in runs.items()
+        },
         "conversations": conversations,
         "long_conversations": long,
-        "trained": {"clean": str(clean_trained), "ttt-1": str(ttt1_trained)},
+        "trained": {"clean": str(clean_trained), "ttt-1": str(ttt1_trained), "clean-eagle31": str(eagle31_trained)},
     }

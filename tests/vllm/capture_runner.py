@@ -28,6 +28,9 @@ import sys
 import time
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# One OpenMP thread for the in-process engine, as in vllm_runner.py (the tiny models gain nothing from a second, and on
+# a busy 2-core machine every parallel region waits for it). vLLM's worker processes bind their own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", "0.001")  # vLLM's periodic "SpecDecoding metrics" line, each step
 SPEC_WAIT_S = 600
 

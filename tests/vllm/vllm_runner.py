@@ -4,15 +4,19 @@
     python vllm_runner.py SPEC.json OUT.json
 
 SPEC: {"target": DIR, "prompts": [[ids]], "max_tokens": N, "num_speculative_tokens": K, "max_model_len": M,
-       "runs": [{"name": str, "draft": DIR | null}]}   (draft null = vanilla decoding)
-OUT:  {"vllm_version", "import_seconds", "runs": {name: {"error", "load_seconds", "generate_seconds", "outputs",
-       "spec": [per prompt {num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_pos}] | null,
+       "runs": [{"name": str, "draft": DIR | null, "target": DIR (optional, default SPEC's),
+                 "engine_args": {LLM keyword: value} (optional),
+                 "speculative_args": {speculative_config key: value} (optional)}]}   (draft null = vanilla decoding)
+OUT:  {"vllm_version", "import_seconds", "runs": {name: {"error", "message", "load_seconds", "generate_seconds",
+       "outputs", "spec": [per prompt {num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_pos}] | null,
        "engine": {"aux_layers", "draft_id_to_target_id", "draft_shares_target_embedding", ...} | null}}}
 
 Every run gets its own engine, one after the other in this one process (engine start-up is most of the cost, the
-import of vllm a fixed ~5-8 s on top). A run whose engine fails to load records the error and the others go on.
-OUT is rewritten after every run, so a crash leaves the runs before it. Exit codes: 0 done (errors are per run),
-3 vLLM does not import (OUT holds {"import_error": ...}), 2 bad arguments.
+import of vllm a fixed ~5-8 s on top). SPEC may appear after the start: vllm is imported first, then the runner waits
+up to SPEC_WAIT_S for the file, so the caller can build the models meanwhile. A run whose engine fails to load
+records the error and the others go on. OUT is rewritten after every run, so a crash leaves the runs before it.
+Exit codes: 0 done (errors are per run), 3 vLLM does not import (OUT holds {"import_error": ...}), 2 bad arguments or
+no SPEC in time.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ import traceback
 # of RAM the tiny test models never need.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# One OpenMP thread (read when torch loads; the in-process engine binds none itself). With one per core, beside the
+# test process (eaglescope decodes while vLLM serves) and anything else on 2 cores, every parallel region waits for a
+# descheduled thread: the tiny DeepSeek-V3 target's matmuls took ~3 ms each, a 16-token request 3.3 s instead of 0.1 s.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+SPEC_WAIT_S = 600
 
 
 def write(path: str, obj: dict) -> None:
@@ -71,13 +80,31 @@ def engine_facts(worker) -> dict:
     if drafter is not None:
         draft = drafter.model
         d2t = draft.draft_id_to_target_id
+        inner = draft.model
+        input_norm, fc_norm = getattr(inner, "input_norm", None), getattr(inner, "fc_norm", None)
+        layer = inner.layers[0]
         facts |= {
             "draft_class": type(draft).__name__,
             "draft_id_to_target_id": None if d2t is None else [int(x) for x in d2t.detach().cpu()],
-            "draft_shares_target_embedding": draft.model.embed_tokens is target.model.embed_tokens,
+            "draft_shares_target_embedding": inner.embed_tokens is target.model.embed_tokens,
             "draft_shares_target_lm_head": draft.lm_head is getattr(target, "lm_head", None),
-            "fc_input_size": int(draft.model.fc_input_size),
+            "fc_input_size": int(inner.fc.input_size),
+            # EAGLE 3.1: the modules vLLM built (None = not built) and the weights it loaded into them
+            "norm_before_fc": getattr(inner, "norm_before_fc", None),
+            "input_norm": None if input_norm is None else [float(x) for x in input_norm.weight.detach().cpu()],
+            "fc_norm": None if fc_norm is None else [[float(x) for x in n.weight.detach().cpu()] for n in fc_norm],
+            "norm_output": bool(inner.norm_output),
+            "draft_layer_attention": type(layer.self_attn).__name__,
+            # the softmax scale (MLA: with YaRN's mscale²) and the rotary embedding the draft's attention uses
+            "draft_attention_scale": float(layer.self_attn.scaling),
+            "draft_rotary": type(layer.self_attn.rotary_emb).__name__,
+            "draft_attention_backends": sorted(
+                {m.attn_backend.get_name() for m in draft.modules() if hasattr(m, "attn_backend")}
+            ),
         }
+    facts["target_attention_backends"] = sorted(
+        {m.attn_backend.get_name() for m in target.modules() if hasattr(m, "attn_backend")}
+    )
     return facts
 
 
@@ -85,7 +112,6 @@ def main(argv: list[str]) -> int:
     if len(argv) != 3:
         print("usage: vllm_runner.py SPEC.json OUT.json", file=sys.stderr)
         return 2
-    spec = json.loads(open(argv[1]).read())
     out_path = argv[2]
     t0 = time.perf_counter()
     try:
@@ -98,6 +124,13 @@ def main(argv: list[str]) -> int:
         write(out_path, {"import_error": f"{type(e).__name__}: {e}".splitlines()[0]})
         return 3
     result: dict = {"vllm_version": vllm.__version__, "import_seconds": time.perf_counter() - t0, "runs": {}}
+    deadline = time.monotonic() + SPEC_WAIT_S
+    while not os.path.exists(argv[1]):  # written (atomically) once the caller has built what it names
+        if time.monotonic() > deadline:
+            print(f"vllm_runner: no {argv[1]} after {SPEC_WAIT_S} s", file=sys.stderr)
+            return 2
+        time.sleep(0.1)
+    spec = json.loads(open(argv[1]).read())
     write(out_path, result)
     k = int(spec["num_speculative_tokens"])
     params = SamplingParams(temperature=0.0, max_tokens=int(spec["max_tokens"]))
@@ -106,12 +139,13 @@ def main(argv: list[str]) -> int:
         result["runs"][run["name"]] = rec
         kw = {}
         if run["draft"] is not None:
-            kw["speculative_config"] = {"method": "eagle3", "model": run["draft"], "num_speculative_tokens": k}
+            kw["speculative_config"] = {"method": "eagle3", "model": run["draft"], "num_speculative_tokens": k,
+                                        **run.get("speculative_args", {})}  # fmt: skip
         t = time.perf_counter()
         llm = None
         try:
             llm = LLM(
-                model=spec["target"],
+                model=run.get("target", spec["target"]),
                 dtype="float32",
                 enforce_eager=True,
                 max_model_len=int(spec["max_model_len"]),
@@ -121,6 +155,7 @@ def main(argv: list[str]) -> int:
                 # served from scratch, as eaglescope generate does.
                 enable_prefix_caching=False,
                 **kw,
+                **run.get("engine_args", {}),
             )
             rec["load_seconds"] = time.perf_counter() - t
             try:
@@ -140,6 +175,7 @@ def main(argv: list[str]) -> int:
         except Exception as e:  # noqa: BLE001 - recorded for the test to judge; the next run still goes
             lines = [ln for ln in f"{type(e).__name__}: {e}".splitlines() if ln.strip()]
             rec["error"] = lines[0] if lines else type(e).__name__
+            rec["message"] = f"{type(e).__name__}: {e}"[:4000]  # the first line of a pydantic error says little
             rec["traceback"] = traceback.format_exc()[-4000:]
         finally:
             del llm

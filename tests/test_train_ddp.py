@@ -81,9 +81,25 @@ def test_torchrun_two_processes_match_one_process(tmp_path_factory, tmp_path, gr
             assert torch.equal(a[k], b[k]), k
     # and training moved the weights: RMSNorm gains start at exactly 1
     assert not torch.equal(a["norm.weight"], torch.ones_like(a["norm.weight"]))
+    # the logged curve is the global batch's, not rank 0's half of it: the same loss and acc_k at every step
+    logged_one, logged_two = logged(one / "tb"), logged(two / "tb")
+    assert logged_one.keys() == logged_two.keys() and len(logged_one["train/loss"]) == 4
+    for tag, values in logged_one.items():
+        assert logged_two[tag] == pytest.approx(values, rel=1e-4, abs=1e-6), tag
     # only rank 0 wrote: one set of TensorBoard events, no stray temp directories
     assert len(list((two / "tb").iterdir())) == 1
     assert not [p for p in two.iterdir() if p.name.startswith(".")]
+
+
+def logged(tb: Path) -> dict[str, list[float]]:
+    """The training curves a run logged to TensorBoard: loss and acc_k, step by step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = tb.glob("**/events.out.tfevents.*")
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    tags = [t for t in acc.Tags()["scalars"] if t == "train/loss" or t.startswith("train/acc_")]
+    return {t: [e.value for e in acc.Scalars(t)] for t in tags}
 
 
 def test_torchrun_ranks_agree_on_a_timed_runs_length(tmp_path_factory, tmp_path):

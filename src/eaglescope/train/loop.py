@@ -113,6 +113,17 @@ class Dist:
             torch.distributed.barrier()
 
 
+def _summed_over_ranks(loss_sum: float, n: int, loss_k: list[float], hits_k: list[float], count_k: list[int],
+                       device: torch.device) -> tuple[float, int, list[float], list[float], list[int]]:  # fmt: skip
+    """A step's logged sums over the whole global batch, not rank 0's share of it: the loss and acc_k a job logs
+    are then the ones one process with the same global batch logs (float64, so the sums of counts stay exact)."""
+    K = len(loss_k)
+    t = torch.tensor([loss_sum, n, *loss_k, *hits_k, *count_k], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    v = t.tolist()
+    return v[0], int(v[1]), v[2 : 2 + K], v[2 + K : 2 + 2 * K], [int(x) for x in v[2 + 2 * K :]]
+
+
 def _setup(cfg: TrainConfig) -> tuple[Dist, torch.device]:
     """Under torchrun (WORLD_SIZE > 1): one process per device, gloo on CPU, nccl on GPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -592,7 +603,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
                 group["lr"] = lr
             indices = global_batch(step)
             K = cfg.ttt_length
-            loss_sum, n_samples = 0.0, 0
+            loss_sum, n_samples = 0.0, 0  # per-sample losses summed over this rank's samples, and their count
             loss_k, hits_k, count_k = [0.0] * K, [0.0] * K, [0] * K
             for a in range(A):
                 mine = indices[a * B * W + d.rank * B : a * B * W + (d.rank + 1) * B]
@@ -620,7 +631,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
                     if _nonfinite(loss, d):
                         raise fail("loss", loss.detach())
                     loss.backward()
-                loss_sum += float(loss.detach()) * A
+                loss_sum += float(res.loss.detach()) * len(mine)
                 n_samples += len(mine)
             if cfg.clip > 0:
                 norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
@@ -642,9 +653,13 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
                 if new_total >= 0:
                     total, warmup, fitted = new_total, warmup_for(new_total), True
                     bar.set_total(total)
+            if W > 1:
+                loss_sum, n_samples, loss_k, hits_k, count_k = _summed_over_ranks(
+                    loss_sum, n_samples, loss_k, hits_k, count_k, device
+                )
             logs = {
                 "step": step,
-                "loss": loss_sum / A,
+                "loss": loss_sum / max(1, n_samples),
                 "loss_k": [x / max(1, n_samples) for x in loss_k],
                 "acc": [h / c if c else math.nan for h, c in zip(hits_k, count_k, strict=True)],
                 "lr": lr,

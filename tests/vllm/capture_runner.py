@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import os
 import sys
 import time
@@ -32,14 +31,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # a busy 2-core machine every parallel region waits for it). vLLM's worker processes bind their own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", "0.001")  # vLLM's periodic "SpecDecoding metrics" line, each step
-SPEC_WAIT_S = 600
 
 
-def write(path: str, obj) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+from runner_common import wait_for_spec, write  # noqa: E402 - after the environment is set
 
 
 def main(argv: list[str]) -> int:
@@ -54,13 +48,9 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # noqa: BLE001 - any import failure means "no usable vLLM here"
         write(os.path.join(out_dir, "result.json"), {"import_error": f"{type(e).__name__}: {e}".splitlines()[0]})
         return 3
-    deadline = time.monotonic() + SPEC_WAIT_S
-    while not os.path.exists(argv[1]):  # written (atomically) once the caller has built what it names
-        if time.monotonic() > deadline:
-            print(f"capture_runner: no {argv[1]} after {SPEC_WAIT_S} s", file=sys.stderr)
-            return 2
-        time.sleep(0.1)
-    spec = json.loads(open(argv[1]).read())
+    spec = wait_for_spec(argv[1], "capture_runner")
+    if spec is None:
+        return 2
     result: dict = {"vllm_version": vllm.__version__, "pid": os.getpid(), "runs": {}}
     params = SamplingParams(temperature=0.0, max_tokens=int(spec["max_tokens"]))
     for run in spec["runs"]:

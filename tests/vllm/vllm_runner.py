@@ -22,7 +22,6 @@ no SPEC in time.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 import time
@@ -37,14 +36,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # test process (eaglescope decodes while vLLM serves) and anything else on 2 cores, every parallel region waits for a
 # descheduled thread: the tiny DeepSeek-V3 target's matmuls took ~3 ms each, a 16-token request 3.3 s instead of 0.1 s.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-SPEC_WAIT_S = 600
 
 
-def write(path: str, obj: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+from runner_common import wait_for_spec, write  # noqa: E402 - after the environment is set
 
 
 def spec_counts(llm) -> dict:
@@ -124,13 +118,9 @@ def main(argv: list[str]) -> int:
         write(out_path, {"import_error": f"{type(e).__name__}: {e}".splitlines()[0]})
         return 3
     result: dict = {"vllm_version": vllm.__version__, "import_seconds": time.perf_counter() - t0, "runs": {}}
-    deadline = time.monotonic() + SPEC_WAIT_S
-    while not os.path.exists(argv[1]):  # written (atomically) once the caller has built what it names
-        if time.monotonic() > deadline:
-            print(f"vllm_runner: no {argv[1]} after {SPEC_WAIT_S} s", file=sys.stderr)
-            return 2
-        time.sleep(0.1)
-    spec = json.loads(open(argv[1]).read())
+    spec = wait_for_spec(argv[1], "vllm_runner")
+    if spec is None:
+        return 2
     write(out_path, result)
     k = int(spec["num_speculative_tokens"])
     params = SamplingParams(temperature=0.0, max_tokens=int(spec["max_tokens"]))

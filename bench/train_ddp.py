@@ -68,7 +68,10 @@ def run_one(nproc: int, target: Path, data: Path, out: Path, batch: int, steps: 
     res = subprocess.run(argv, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     row: dict = {"nproc": nproc, "rc": res.returncode, "wall_s": wall, "argv": argv[1:]}
-    row["stderr_tail"] = [x for x in res.stderr.splitlines() if x.strip()][-6:]
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    # eaglescope's own lines (its errors are one line each, per rank) and the end of torchrun's summary
+    row["eaglescope_lines"] = [x for x in lines if x.startswith("eaglescope:") and "%|" not in x][-8:]
+    row["stderr_tail"] = lines[-6:]
     if res.returncode != 0:
         return row
     metrics = json.loads((out / "training_metrics.json").read_text())
@@ -125,7 +128,7 @@ def main() -> int:
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "runs"} | {
         "runs": [{k: r.get(k) for k in ("nproc", "rc", "wall_s", "tokens_per_s_per_gpu", "predicted_accept_length",
-                                        "stderr_tail")} for r in rows]}, indent=2))  # fmt: skip
+                                        "eaglescope_lines")} for r in rows]}, indent=2))  # fmt: skip
     return 0
 
 

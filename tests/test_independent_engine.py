@@ -27,6 +27,7 @@ from engines.plain_eagle3 import FAULTS, PlainEagle3
 from engines.tiny import greedy_reference
 
 from eaglescope import trace as T
+from eaglescope.detective.diagnose import Head, _resolve_ties, _tie_aware_pairs
 from eaglescope.detective.replay import match_rows, tree_shape
 
 ENGINES = Path(__file__).parent / "engines"
@@ -201,6 +202,20 @@ def test_rows_are_paired_by_content():
     assert match_rows(fp, {"e": emb, "h": hid}) == [order.index(j) for j in range(4)]
     # rows that match in no order (a fault) stay in the engine's order
     assert match_rows({"e": torch.randn(4, 8, generator=g)}, {"e": emb}) == [0, 1, 2, 3]
+
+
+def test_a_fitted_map_places_entries_that_tie_outside_the_top_k():
+    # draft ids 2 and 3 score within the tolerance of each other; the top-2 holds one of them: which one is open
+    lp = torch.tensor([[-1.0, -5.0, -2.0, -2.01, -6.0]])
+    head = Head(lp, lambda i: i.long() + 10, nats=0.05)
+    pairs, ties = _tie_aware_pairs(head, torch.tensor([[40, 47]]))
+    assert pairs == [(0, 40)] and ties == [([2, 3], [47])]
+    f = dict(pairs)
+    assert _resolve_ties(f, ties) and f == {0: 40, 2: 47}
+    # an increasing map cannot send a later draft id to a smaller target id
+    assert not _resolve_ties({0: 50}, [([2, 3], [47])])
+    # a target id the map already gives another draft id must come from the tie
+    assert not _resolve_ties({0: 40, 4: 47}, [([2, 3], [47])])
 
 
 # -- (b) clean traces, (c) faults -------------------------------------------------------------------------------------

@@ -1140,8 +1140,9 @@ def _tie_aware_pairs(head: Head, ids: torch.Tensor) -> tuple[list[tuple[int, int
                 continue
             if j == K and K < len(v) and v[K - 1] - v[K] <= head.nats:
                 # the group's last member ties with a candidate the top-k left out: every draft id that ties with it
+                # (best first; the first `start` are the groups above this one, apart by more than the tolerance)
                 tied = (head.lp[r] >= v[K - 1] - head.nats).nonzero().flatten()
-                tied = tied[head.lp[r][tied].argsort(descending=True)].tolist()
+                tied = tied[head.lp[r][tied].argsort(descending=True)].tolist()[start:]
                 ambiguous.append((tied, t[start:K]))
                 break
             pairs += list(zip(sorted(d[start:j]), sorted(t[start:j])))

@@ -257,3 +257,13 @@ def test_every_fault_is_exercised():
     assert {c.fault for c in FAULT_CASES} == set(FAULTS)
     assert sum(1 for c in FAULT_CASES if not c.catalogue and c.mode == "full") >= 6
     assert {c.mode for c in FAULT_CASES} == {"full", "fingerprint"}
+
+
+def test_clean_runs_cover_what_issue_18_asks():
+    # at least 20 clean traces, among them chains, trees, sampling, another frontier order and bf16
+    assert len(CLEAN) >= 20
+    assert any(c.run.get("chain") for c in CLEAN) and any(not c.run.get("chain") for c in CLEAN)
+    assert any(c.run.get("temperature", 0) > 0 for c in CLEAN)
+    assert any(c.engine.get("frontier") == "creation" for c in CLEAN)
+    assert any(c.engine.get("dtype") == torch.bfloat16 for c in CLEAN)
+    assert any(c.mode == "fingerprint" for c in CLEAN)

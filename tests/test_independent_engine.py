@@ -1,10 +1,13 @@
 """eaglescope doctor against an engine it did not write (issue 18): tests/engines/plain_eagle3.py, a plain EAGLE-3
 decoder built from the checkpoint and trace formats alone, its faults injected as code changes in that engine.
 
-(a) the engine is lossless: its greedy output is transformers' greedy `generate`, chain and tree;
-(b) doctor calls its clean traces healthy (chain, tree, another frontier order, fingerprints, bf16, …);
-(c) each injected fault's code is doctor's top finding at the first divergent stage; faults no code names give
-    DIVERGENCE_UNEXPLAINED there, never a named cause.
+(a) the engine is lossless: its greedy output is transformers' greedy `generate`, chain and tree, and its sampled
+    output is vanilla sampling's with the same generator;
+(b) doctor calls its clean traces healthy (chain, tree, another frontier order, fingerprints, bf16, sampling,
+    shallow traces, …);
+(c) each injected fault's code is doctor's top finding at the first divergent stage, with the reproduction that
+    named it; faults no code names give DIVERGENCE_UNEXPLAINED there, never a named cause; a shallow trace that
+    cannot decide says which stages it lacks.
 Where doctor is wrong today the case is xfail(strict): it turns into a failure the day doctor is fixed.
 `python tests/engines/fault_table.py` prints the same cases as a table (tests/engines/FAULT_TABLE.md).
 """
@@ -18,11 +21,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from engines.cases import CHAIN, CLEAN, FAULT_CASES, TREE, UNEXPLAINED, build_setups, diagnose, verdict
 from engines.plain_eagle3 import FAULTS, PlainEagle3
 from engines.tiny import greedy_reference
 
 from eaglescope import trace as T
+from eaglescope.detective.diagnose import Head, _resolve_ties, _tie_aware_pairs
+from eaglescope.detective.replay import match_rows, tree_shape
 
 ENGINES = Path(__file__).parent / "engines"
 TRACE_PY = Path(__file__).parents[1] / "src" / "eaglescope" / "trace.py"
@@ -146,6 +152,72 @@ def test_greedy_output_is_vanilla_greedy(setups, setup, engine, run):
     assert guided.token_ids == want and guided.accepted_total >= 8  # and when the trees do accept
 
 
+def test_sampled_output_is_vanilla_sampling(setups):
+    # one draw per emitted token from the engine's generator, at each node of the accepted path: the same draws, in
+    # the same order, as sampling the target token by token
+    S = setups["a"]
+    e = PlainEagle3(S.target_dir, S.draft_dir)
+    g, seq = torch.Generator().manual_seed(7), list(S.prompt)
+    with torch.no_grad():
+        for _ in range(16):
+            logits = e.target(input_ids=torch.tensor([seq])).logits[0, -1]
+            seq.append(int(torch.multinomial(torch.softmax(logits.float() / 0.8, -1), 1, generator=g)))
+    want = seq[len(S.prompt) :]
+    assert want != greedy_reference(S.target_dir, S.prompt, 16)  # the temperature does sample
+    for run in (TREE, CHAIN):
+        assert e.generate(S.prompt, 16, temperature=0.8, seed=7, guide=S.guide, **run).token_ids == want
+
+
+# -- what the replay reads ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "meta,shape",
+    [
+        ({"settings": {"chain": 3, "tree": None}}, (3, 1, 4)),
+        ({"settings": {"chain": None, "tree": "4,2,9"}}, (4, 2, 9)),
+        ({"settings": {"chain": None, "tree": None}}, (7, 10, 60)),  # eaglescope's own default tree
+        ({"decoding": {"temperature": 0.0, "tree": {"depth": 5, "topk": 4, "total_tokens": 8}}}, (5, 4, 8)),
+        ({"decoding": {"chain": 2}}, (2, 1, 3)),
+    ],
+)
+def test_tree_shape_from_either_meta_key(meta, shape):
+    assert tree_shape(meta) == shape
+
+
+def test_tree_shape_from_the_stages_when_meta_has_none(setups, tmp_path):
+    S = setups["a"]
+    PlainEagle3(S.target_dir, S.draft_dir, meta_keys="decoding").generate(S.prompt, 6, trace=tmp_path / "t", **TREE)
+    tr = T.load_trace(tmp_path / "t")
+    assert tree_shape({}, tr) == (TREE["depth"], TREE["top_k"], max(tr.get(T.VERIFY_TOKENS, r).numel() for r in
+                                                                        tr.rounds() if r))  # fmt: skip
+
+
+def test_rows_are_paired_by_content():
+    g = torch.Generator().manual_seed(0)
+    emb, hid = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    emb[2] = emb[1]  # two nodes with the same token under different parents: the parent's features tell them apart
+    order = [3, 2, 0, 1]  # the trace's rows are the replay's rows 3, 2, 0, 1
+    theirs = {"e": emb[order], "h": hid[order]}
+    assert match_rows(theirs, {"e": emb, "h": hid}) == [order.index(j) for j in range(4)]
+    fp = {k: T.fingerprint(v) for k, v in theirs.items()}
+    assert match_rows(fp, {"e": emb, "h": hid}) == [order.index(j) for j in range(4)]
+    # rows that match in no order (a fault) stay in the engine's order
+    assert match_rows({"e": torch.randn(4, 8, generator=g)}, {"e": emb}) == [0, 1, 2, 3]
+
+
+def test_a_fitted_map_places_entries_that_tie_outside_the_top_k():
+    # draft ids 2 and 3 score within the tolerance of each other; the top-2 holds one of them: which one is open
+    lp = torch.tensor([[-1.0, -5.0, -2.0, -2.01, -6.0]])
+    head = Head(lp, lambda i: i.long() + 10, nats=0.05)
+    pairs, ties = _tie_aware_pairs(head, torch.tensor([[40, 47]]))
+    assert pairs == [(0, 40)] and ties == [([2, 3], [47])]
+    f = dict(pairs)
+    assert _resolve_ties(f, ties) and f == {0: 40, 2: 47}
+    # an increasing map cannot send a later draft id to a smaller target id
+    assert not _resolve_ties({0: 50}, [([2, 3], [47])])
+    # a target id the map already gives another draft id must come from the tie
+    assert not _resolve_ties({0: 40, 4: 47}, [([2, 3], [47])])
+
+
 # -- (b) clean traces, (c) faults -------------------------------------------------------------------------------------
 def _params(cases):
     out = []
@@ -175,9 +247,23 @@ def test_fault_is_the_top_finding(setups, tmp_path, case):
         named = [f.code for f in report.findings if f.code != UNEXPLAINED]
         assert not named, f"a named cause for a fault no code covers: {named}"
     assert ok, f"expected {want}, doctor says {said}: {report.findings[0].verdict if report.findings else ''}"
+    top = report.findings[0]
+    if top.code != UNEXPLAINED:
+        # named because a re-run with that mistake reproduced the divergent tensor, and the clean path did not
+        assert top.evidence.get("reproduced_by") and top.evidence["clean_score"] > 1.0 >= top.evidence["score"]
 
 
 def test_every_fault_is_exercised():
     assert {c.fault for c in FAULT_CASES} == set(FAULTS)
     assert sum(1 for c in FAULT_CASES if not c.catalogue and c.mode == "full") >= 6
     assert {c.mode for c in FAULT_CASES} == {"full", "fingerprint"}
+
+
+def test_clean_runs_cover_what_issue_18_asks():
+    # at least 20 clean traces, among them chains, trees, sampling, another frontier order and bf16
+    assert len(CLEAN) >= 20
+    assert any(c.run.get("chain") for c in CLEAN) and any(not c.run.get("chain") for c in CLEAN)
+    assert any(c.run.get("temperature", 0) > 0 for c in CLEAN)
+    assert any(c.engine.get("frontier") == "creation" for c in CLEAN)
+    assert any(c.engine.get("dtype") == torch.bfloat16 for c in CLEAN)
+    assert any(c.mode == "fingerprint" for c in CLEAN)

@@ -31,7 +31,8 @@ class Setup:
 
 
 def build_setups(root: Path) -> dict[str, Setup]:
-    """a: 8 layers x 64; b: 12 layers x 96 (6 heads, 3 kv heads); ls: a's target, a draft with logit_scale 2."""
+    """a: 8 layers x 64; b: 12 layers x 96 (6 heads, 3 kv heads); ls: a's target, a draft with logit_scale 2; id: a's
+    target, a draft over the whole vocabulary (its d2t is the identity)."""
     root = Path(root)
     ta = make_target(root / "target-a", seed=0)
     tb = make_target(
@@ -50,6 +51,7 @@ def build_setups(root: Path) -> dict[str, Setup]:
         "a": Setup(ta, make_draft(root / "draft-a", ta, seed=0), pa, ga),
         "b": Setup(tb, make_draft(root / "draft-b", tb, seed=1, draft_vocab_size=64), pb, gb),
         "ls": Setup(ta, make_draft(root / "draft-ls", ta, seed=2, logit_scale=2.0), pa, ga),
+        "id": Setup(ta, make_draft(root / "draft-id", ta, seed=3, draft_vocab_size=96), pa, ga),
     }
 
 
@@ -67,6 +69,7 @@ class Case:
     mode: str = "full"
     doctor_today: str | None = None  # what doctor says when it gets this case wrong (→ xfail strict)
     catalogue: bool = True  # False: no code names this fault; DIVERGENCE_UNEXPLAINED is the right answer
+    needs: tuple[str, ...] = ()  # stages an unexplained finding must say the trace lacks (a shallow trace)
 
     @property
     def healthy(self) -> bool:
@@ -102,6 +105,8 @@ def verdict(case: Case, report) -> tuple[bool, str]:
     ok = top.code in case.expected and top.stage == case.stage and top.round == case.round
     if not case.catalogue:
         ok = ok and all(f.code == UNEXPLAINED for f in report.findings)
+    if case.needs:
+        ok = ok and set(case.needs) <= set(top.evidence.get("missing_stages") or ())
     return ok, said
 
 
@@ -109,24 +114,19 @@ def _bf16(**kw) -> dict:
     return {"dtype": torch.bfloat16, **kw}
 
 
-_BF16_FP = "DIVERGENCE_UNEXPLAINED@draft.fc.out r1: a fingerprinted row's bf16 error reads above the 0.05 tolerance"
-_REORDER = (
-    "two frontier rows hold the same token under different parents, so embed_in matches row for row and the reordering "
-    "goes unseen until hidden_in"
-)
-_LOGPROBS = (
-    "POSITION_OFFSET@draft.step0.hidden_out r1 ('catch-up offset by +1'): the divergence is in step 0's log-probs, and "
-    "the position hypothesis, tried on step 0's hidden_out, matches because shifting every catch-up position alike "
-    "changes nothing (RoPE is relative)"
-)
+def _sampled(run: dict, temperature: float, seed: int) -> dict:
+    return {**run, "temperature": temperature, "seed": seed}
 
+
+_WIDE = {"depth": 4, "top_k": 4, "total_tokens": 12}
+_SHALLOW = {"stages": "shallow"}
 
 # -- clean runs: healthy expected -------------------------------------------------------------------------------------
 CLEAN = [
     Case("tree", guided=False),
     Case("chain", run=dict(CHAIN), guided=False),
     Case("chain5", run={"depth": 5, "chain": True}, guided=False),
-    Case("wide-tree", run={"depth": 4, "top_k": 4, "total_tokens": 12}, guided=False),
+    Case("wide-tree", run=dict(_WIDE), guided=False),
     Case("tree-accepting"),
     Case("chain-accepting", run=dict(CHAIN)),
     Case("tree-fingerprint", guided=False, mode="fingerprint"),
@@ -135,75 +135,45 @@ CLEAN = [
     Case("bf16-tree", engine=_bf16(), guided=False),
     Case("bf16-chain-accepting", engine=_bf16(), run=dict(CHAIN)),
     Case("bf16-tree-accepting", engine=_bf16()),
-    # bf16 rounding moves rows by 2-4% here (0.05 is the tolerance); a fingerprint's 16-dim projections estimate a row's
-    # error within tens of percent, so some rows read above 0.05
-    Case("bf16-fingerprint", engine=_bf16(), mode="fingerprint", doctor_today=_BF16_FP),
-    Case(
-        "bf16-chain-fingerprint",
-        engine=_bf16(),
-        run=dict(CHAIN),
-        guided=False,
-        mode="fingerprint",
-        doctor_today=_BF16_FP,
-    ),
-    Case(
-        "12layers-bf16-fingerprint",
-        setup="b",
-        engine=_bf16(),
-        mode="fingerprint",
-        doctor_today="EMBEDDING_MISMATCH@draft.step1.embed_in r1: a bf16 near-tie (0.02 nats) puts step 0's top-3 in "
-        "another order; the replay follows the ids but, the log-probs being fingerprinted, ranks them by its own "
-        "values, so the step-1 frontier rows are permuted, which a fingerprinted embed_in cannot be checked for",
-    ),
+    # bf16 rounding moves rows by 2-5% here: a fingerprint's 16-dim projections estimate a row's error within tens of
+    # percent, which the fingerprint comparison allows for
+    Case("bf16-fingerprint", engine=_bf16(), mode="fingerprint"),
+    Case("bf16-chain-fingerprint", engine=_bf16(), run=dict(CHAIN), guided=False, mode="fingerprint"),
+    # a bf16 near-tie puts step 0's top-3 in another order than the float32 replay's: the replay follows the ids in
+    # their recorded rank order, and the frontier rows are paired by content
+    Case("12layers-bf16-fingerprint", setup="b", engine=_bf16(), mode="fingerprint"),
     Case("12layers-tree", setup="b", guided=False),
     Case("12layers-chain-accepting", setup="b", run=dict(CHAIN)),
     Case("12layers-fingerprint", setup="b", mode="fingerprint"),
     Case("12layers-bf16", setup="b", engine=_bf16()),
     Case("logit-scale-tree", setup="ls", guided=False),
     Case("logit-scale-accepting-fingerprint", setup="ls", mode="fingerprint"),
+    Case("identity-map-tree", setup="id"),
     Case("all-layers-tapped", engine={"record_taps": "all"}),
     Case("no-per-tap-stages", engine={"record_taps": "none"}),
+    # another frontier order (creation order): the rows of a tree step are the same nodes in another order
     Case("creation-order-chain", engine={"frontier": "creation"}, run=dict(CHAIN)),
-    Case(
-        "creation-order-tree",
-        engine={"frontier": "creation"},
-        guided=False,
-        doctor_today=f"DIVERGENCE_UNEXPLAINED@draft.step2.hidden_in r3: {_REORDER}",
-    ),
+    Case("creation-order-tree", engine={"frontier": "creation"}, guided=False),
     Case("creation-order-tree-accepting", engine={"frontier": "creation"}),
+    Case("creation-order-wide", engine={"frontier": "creation"}, run=dict(_WIDE)),
+    Case("creation-order-fingerprint", engine={"frontier": "creation"}, mode="fingerprint"),
+    Case("creation-order-12layers", setup="b", engine={"frontier": "creation"}),
     Case(
-        "creation-order-wide",
-        engine={"frontier": "creation"},
-        run={"depth": 4, "top_k": 4, "total_tokens": 12},
-        doctor_today=f"DIVERGENCE_UNEXPLAINED@draft.step2.hidden_in r4: {_REORDER}",
-    ),
-    Case(
-        "creation-order-fingerprint",
-        engine={"frontier": "creation"},
-        mode="fingerprint",
-        doctor_today="EMBEDDING_MISMATCH@draft.step2.embed_in r2: the frontier rows are in another order and a "
-        "fingerprinted embed_in cannot be checked for a row permutation",
-    ),
-    Case(
-        "creation-order-12layers",
-        setup="b",
-        engine={"frontier": "creation"},
-        doctor_today=f"DIVERGENCE_UNEXPLAINED@draft.step2.hidden_in r1: {_REORDER}",
+        "creation-order-bf16-wide-fingerprint", engine=_bf16(frontier="creation"), run=dict(_WIDE), mode="fingerprint"
     ),
     # docs/trace-format.md's worked example: top-k of every step-0 row (n = m), not of the root's row only
-    Case(
-        "step0-topk-every-row",
-        engine={"step0_topk_rows": "all"},
-        doctor_today="VOCAB_MAP@draft.step0.topk r1: the replay records the top-k of the root's row only ([1, K]), so "
-        "[m, K] ids differ in shape, and any top-k ids mismatch is named VOCAB_MAP",
-    ),
+    Case("step0-topk-every-row", engine={"step0_topk_rows": "all"}),
     # the manifest example's `decoding` key without `settings` (both are documented as what eaglescope reads)
-    Case(
-        "meta-decoding-only",
-        engine={"meta_keys": "decoding"},
-        doctor_today="VOCAB_MAP@draft.step0.topk r1: the replay reads the tree shape from meta.settings only; "
-        "without it it drafts the default 7,10,60 tree and its top-10 ids differ in shape from the trace's top-3",
-    ),
+    Case("meta-decoding-only", engine={"meta_keys": "decoding"}),
+    # sampling: the engine draws each token from the target at a temperature; the replay follows its decisions
+    Case("sampled-tree", run=_sampled(TREE, 1.0, 1), guided=False),
+    Case("sampled-chain-accepting", run=_sampled(CHAIN, 0.5, 2)),
+    Case("sampled-wide-fingerprint", run=_sampled(_WIDE, 1.0, 3), mode="fingerprint"),
+    Case("sampled-bf16-creation-order", engine=_bf16(frontier="creation"), run=_sampled(TREE, 0.8, 4)),
+    Case("sampled-12layers", setup="b", run=_sampled(TREE, 1.0, 5)),
+    # shallow traces: target.aux, top-k and the tree only
+    Case("shallow-tree", engine=dict(_SHALLOW)),
+    Case("shallow-identity-map-fingerprint", setup="id", engine=dict(_SHALLOW), mode="fingerprint"),
 ]
 
 
@@ -235,8 +205,6 @@ FAULT_CASES: list[Case] = [
         ["FC_SKIPPED"],
         "target.aux",
         0,
-        doctor_today="DIVERGENCE_UNEXPLAINED@target.aux r0: 'target.aux has shape [10, 64], the contract needs 3 "
-        "taps of width 64' (the final normed state is not among its candidates)",
     ),
     *_fault("fc_skipped", "fc_skipped", ["FC_SKIPPED"], "draft.fc.out", 1),
     *_fault(
@@ -245,8 +213,6 @@ FAULT_CASES: list[Case] = [
         ["FC_REPEATED"],
         "draft.step1.hidden_in",
         1,
-        doctor_today="DIVERGENCE_UNEXPLAINED@draft.step1.hidden_in r1: its FC_REPEATED hypothesis tiles the H-wide "
-        "output three times; fc over the zero-padded output is not among its candidates",
     ),
     *_fault("feedback_target", "feedback_target", ["FEEDBACK_TARGET_FEATURES"], "draft.step1.hidden_in", 1),
     *_fault("feedback_postnorm", "feedback_postnorm", ["FEEDBACK_POSTNORM"], "draft.step1.hidden_in", 1),
@@ -277,8 +243,6 @@ FAULT_CASES: list[Case] = [
         ["STALE_ACCEPTED", "SHIFT_OFF_BY_ONE"],
         "next.hidden_in",
         1,
-        doctor_today="DIVERGENCE_UNEXPLAINED@next.hidden_in r1: its STALE_ACCEPTED candidates "
-        "are all tree rows, the first rows and the previous round's features, not the rows one position on",
     ),
     *_fault("rope_tree_offset", "rope_tree_offset", [_OFFSET], "draft.step1.hidden_out", 1),
     # RoPE is relative: a catch-up pass shifted as a whole (queries and committed keys alike) computes the same
@@ -294,6 +258,7 @@ FAULT_CASES: list[Case] = [
     ),
     *_fault("pairing_shift", "pairing_shift", ["SHIFT_OFF_BY_ONE"], "draft.step0.embed_in", 1),
     *_fault("other_embedding", "other_embedding", ["EMBEDDING_MISMATCH"], "draft.step0.embed_in", 1),
+    *_fault("embedding_other_version", "embedding_other_version", ["EMBEDDING_MISMATCH"], "draft.step0.embed_in", 1),
     *_fault("vocab_map_lost", "vocab_map_lost", ["VOCAB_MAP"], "draft.step0.topk", 1),
     *_fault(
         "vocab_map_lost-chain-from-round2",
@@ -305,24 +270,87 @@ FAULT_CASES: list[Case] = [
         run=dict(CHAIN),
     ),
     *_fault("d2t_arange", "d2t_arange", ["VOCAB_MAP"], "draft.step0.topk", 1),
+    *_fault("d2t_regenerated", "d2t_regenerated", ["LM_HEAD_MAP_MISALIGNED"], "draft.step0.topk", 1),
+    *_fault("logit_scale_ignored", "logit_scale_ignored", ["EAGLE31_IGNORED"], "draft.step0.topk", 1, setup="ls"),
+    *_fault("final_norm_skipped", "final_norm_skipped", ["DRAFT_FINAL_NORM_SKIPPED"], "draft.step0.topk", 1),
+    # other frontier orders, bf16 and sampling under a fault
     *_fault(
-        "logit_scale_ignored",
-        "logit_scale_ignored",
-        ["EAGLE31_IGNORED"],
+        "feedback_postnorm-creation-order-wide",
+        "feedback_postnorm",
+        ["FEEDBACK_POSTNORM"],
+        "draft.step1.hidden_in",
+        1,
+        engine={"frontier": "creation"},
+        run=dict(_WIDE),
+    ),
+    *_fault(
+        "rope_tree_offset-creation-order-wide",
+        "rope_tree_offset",
+        [_OFFSET],
+        "draft.step1.hidden_out",
+        1,
+        engine={"frontier": "creation"},
+        run=dict(_WIDE),
+    ),
+    *_fault("tap_order-bf16", "tap_order", ["TAP_ORDER"], "target.aux", 0, engine=_bf16()),
+    *_fault(
+        "fc_repeated-bf16-chain",
+        "fc_repeated",
+        ["FC_REPEATED"],
+        "draft.step1.hidden_in",
+        1,
+        engine=_bf16(),
+        run=dict(CHAIN),
+    ),
+    *_fault(
+        "feedback_target-sampled",
+        "feedback_target",
+        ["FEEDBACK_TARGET_FEATURES"],
+        "draft.step1.hidden_in",
+        1,
+        run=_sampled(TREE, 1.0, 6),
+    ),
+    # shallow traces (target.aux, top-k, the tree): causes reproducible from the top-k are named there; others are
+    # unexplained at the first top-k that differs, naming the stages the trace would need
+    *_fault("vocab_map_lost-shallow", "vocab_map_lost", ["VOCAB_MAP"], "draft.step0.topk", 1, engine=dict(_SHALLOW)),
+    *_fault(
+        "final_norm_skipped-shallow",
+        "final_norm_skipped",
+        ["DRAFT_FINAL_NORM_SKIPPED"],
         "draft.step0.topk",
         1,
-        setup="ls",
-        doctor_today=_LOGPROBS,
+        engine=dict(_SHALLOW),
     ),
-    # no code names a skipped final norm: unexplained is the right answer
+    # (a RoPE offset moves step 1's log-probs by less than a bf16 tie here: a shallow trace does not show it at all)
     *_fault(
-        "final_norm_skipped",
-        "final_norm_skipped",
+        "feedback_postnorm-shallow",
+        "feedback_postnorm",
+        [UNEXPLAINED],
+        "draft.step1.topk",
+        1,
+        engine=dict(_SHALLOW),
+        needs=("draft.step1.hidden_in",),
+    ),
+    *_fault(
+        "stale_first_rows-shallow",
+        "stale_first_rows",
+        [UNEXPLAINED],
+        "draft.step0.topk",
+        2,
+        engine=dict(_SHALLOW),
+        needs=("draft.fc.out", "draft.step0.hidden_out"),
+    ),
+    # the draft's map is the identity: a top-k that differs is no evidence about the map
+    *_fault(
+        "kv_swapped-shallow-identity-map",
+        "kv_swapped",
         [UNEXPLAINED],
         "draft.step0.topk",
         1,
+        setup="id",
+        engine=dict(_SHALLOW),
         catalogue=False,
-        doctor_today=_LOGPROBS,
+        needs=("draft.step0.hidden_out",),
     ),
     # outside the catalogue (invented here)
     *_fault("rms_eps_wrong", "rms_eps_wrong", [UNEXPLAINED], "draft.step0.hidden_out", 1, catalogue=False),

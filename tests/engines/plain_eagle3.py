@@ -21,7 +21,14 @@ expands the tree frontier in creation order (parent row, then child rank) instea
 
 Choices the trace format leaves to the engine: `step0_topk_rows` "root" records step 0's top-k for the row that
 proposes (what eaglescope records), "all" for every step-0 row (n = m, as the format's worked example computes it);
-`meta_keys` writes the tree shape as `settings`, `decoding` or both; `record_taps` "contract" | "all" | "none".
+`meta_keys` writes the tree shape as `settings`, `decoding` or both; `record_taps` "contract" | "all" | "none";
+`stages` "all" records every canonical stage, "shallow" only the easy ones an engine records first (target.aux, the
+draft's top-k, the verified tree and its decision: no draft hidden tensor, no per-tap stage, no next.hidden_in).
+
+`generate(..., temperature=T)` samples (T > 0): each tree node's next token is drawn from the target's distribution
+at temperature T; the walk goes on to the child holding that token, and a token no child holds is the bonus token.
+One draw per emitted token from a generator seeded with `seed`: the output is a sample of the target's own
+distribution whatever the draft proposes (lossless), the same sequence vanilla sampling draws with that generator.
 """
 
 from __future__ import annotations
@@ -76,8 +83,12 @@ FAULTS: dict[str, str] = {
     "rope_catchup_offset": "catch-up (step 0) uses RoPE position p + 1 for the feature of position p",
     "pairing_shift": "step-0 rows pair the feature of position p with the token at p (not p + 1)",
     "other_embedding": "the draft embeds tokens with another model's table",
+    "embedding_other_version": "the draft embeds tokens with another version of the target's table (each row moved by "
+    "about 20%, as fine-tuning moves it)",
     "vocab_map_lost": "draft ids used as target ids (d2t ignored)",
     "d2t_arange": "d2t taken as arange(draft_vocab) under the offset convention (target id = 2 * draft id)",
+    "d2t_regenerated": "the draft's ids mapped through a regenerated hot-token map (another sorted set of target "
+    "tokens, as an engine's own token map file gives) while lm_head's rows were trained for the checkpoint's",
     "final_norm_skipped": "lm_head applied to the layer output without the final norm",
     "logit_scale_ignored": "the draft's logit_scale not applied",
     # outside the catalogue
@@ -221,6 +232,7 @@ class PlainEagle3:
         step0_topk_rows: str = "root",
         meta_keys: str = "both",
         record_taps: str = "contract",
+        stages: str = "all",
     ) -> None:
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
@@ -230,6 +242,9 @@ class PlainEagle3:
         self.fault_from = fault_from if fault_from is not None else _FIRST_ROUND.get(fault or "", 1)
         self.frontier, self.step0_topk_rows, self.meta_keys = frontier, step0_topk_rows, meta_keys
         self.record_taps = record_taps
+        if stages not in ("all", "shallow"):
+            raise ValueError("stages is 'all' or 'shallow' (target.aux, top-k and the tree only)")
+        self.shallow = stages == "shallow"
         self.dtype = dtype
         self.target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
         tc = self.target.config
@@ -240,6 +255,10 @@ class PlainEagle3:
             g = torch.Generator().manual_seed(4321)
             e = self.embedding.float()
             self.embedding = (torch.randn(e.shape, generator=g) * e.std() + e.mean()).to(dtype)
+        elif fault == "embedding_other_version":
+            g = torch.Generator().manual_seed(4322)
+            e = self.embedding.float()
+            self.embedding = (e + 0.2 * e.std() * torch.randn(e.shape, generator=g)).to(dtype)
         w = self.d.w
         self.k_w, self.v_w = w["midlayer.self_attn.k_proj.weight"], w["midlayer.self_attn.v_proj.weight"]
         if fault == "kv_swapped":
@@ -251,7 +270,12 @@ class PlainEagle3:
         self.kv_of_head = heads % self.d.n_kv if fault == "gqa_mapping" else heads // rep
         d2t = w["d2t"]
         self.d2t = torch.arange(d2t.shape[0]) if fault == "d2t_arange" else d2t
+        if fault == "d2t_regenerated":  # another hot-token set, sorted, as a map built from other data lists it
+            n = d2t.shape[0]
+            hot = torch.randperm(self.V, generator=torch.Generator().manual_seed(77))[:n].sort().values
+            self.d2t = hot - torch.arange(n)
         self.round = 0
+        self.temperature, self.gen = 0.0, torch.Generator().manual_seed(0)
 
     def on(self, name: str) -> bool:
         return self.fault == name and self.round >= self.fault_from
@@ -351,16 +375,21 @@ class PlainEagle3:
         mode: str = "full",
         guide: list[int] | None = None,
         guide_len: int = 2,
+        temperature: float = 0.0,
+        seed: int = 0,
     ) -> Result:
-        """Greedy speculative decoding; `chain` means top_k 1 and depth + 1 nodes. With `trace`, every canonical
-        stage is recorded (`mode` "full" or "fingerprint"). `guide`: the target's greedy sequence (prompt +
-        continuation); each tree then also carries its next `guide_len` tokens and one wrong token after them."""
+        """Speculative decoding, greedy or sampled at `temperature` (generator seeded with `seed`); `chain` means top_k
+        1 and depth + 1 nodes. With `trace`, every canonical stage is recorded (`mode` "full" or "fingerprint").
+        `guide`: the target's greedy sequence (prompt + continuation); each tree then also carries its next
+        `guide_len` tokens and one wrong token after them."""
         if chain:
             top_k, total_tokens = 1, depth + 1
+        self.temperature = float(temperature)
+        self.gen = torch.Generator().manual_seed(int(seed))
         rec = rt.TraceRecorder(trace, mode=mode, producer="plain-eagle3 (tests/engines)") if trace else None
         if rec is not None:
             settings = {"chain": depth} if chain else {"tree": f"{depth},{top_k},{total_tokens}"}
-            decoding = {"temperature": 0.0, "top_k": None, "top_p": None, "max_new_tokens": max_new_tokens}
+            decoding = {"temperature": temperature, "top_k": None, "top_p": None, "max_new_tokens": max_new_tokens}
             decoding |= (
                 {"chain": depth} if chain else {"tree": {"depth": depth, "topk": top_k, "total_tokens": total_tokens}}
             )
@@ -384,9 +413,19 @@ class PlainEagle3:
     def _segments(self, feats: torch.Tensor) -> int:
         return feats.shape[-1] // self.d.H  # taps concatenated (1 for the EAGLE-2 wiring's H-wide state)
 
+    # what a shallow trace records: the target's capture, the draft's proposals and the tree with its decision
+    _SHALLOW = ("target.aux", "draft.topk", "verify.tokens", "verify.parents", "verify.accepted", "verify.bonus")
+
     def _rec(self, rec, stage, x, **kw) -> None:
-        if rec is not None:
+        if rec is not None and (not self.shallow or rt.parse_stage(stage)[0] in self._SHALLOW):
             rec.record(stage, x, **kw)
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        """The target's token after a position: its argmax, or with a temperature a draw from its distribution."""
+        if self.temperature <= 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.gen))
 
     def _decode(self, rec, prompt, max_new, depth, top_k, total, guide, guide_len) -> Result:
         d = self.d
@@ -396,7 +435,7 @@ class PlainEagle3:
         per_tap, aux = self.capture(hs)
         self._record_taps(rec, per_tap, hs)
         self._rec(rec, rt.TARGET_AUX, aux, segments=self._segments(aux))
-        first = int(logits[-1].argmax())
+        first = self.next_token(logits[-1])
         self._rec(rec, rt.VERIFY_BONUS, torch.tensor([first]))
         seq = prompt + [first]
         pending = aux  # target features of positions [0, len(prompt))
@@ -518,7 +557,7 @@ class PlainEagle3:
             self._rec(rec, rt.TARGET_AUX, aux, segments=self._segments(aux))
             accepted, node = [], 0
             while True:
-                want = int(rows_logits[node].argmax())
+                want = self.next_token(rows_logits[node])
                 nxt_node = next((c for c in kids[node] if tokens[c] == want), None)
                 if nxt_node is None:
                     bonus = want

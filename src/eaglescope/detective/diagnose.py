@@ -2,15 +2,24 @@
 
 Walk the replay's events in order; the first canonical stage whose trace tensor differs is where
 the wiring first goes wrong (later stages inherit the error, so they are not diagnosed). At that
-stage, each named hypothesis builds the tensor a specific mistake would have produced, from the
-replay's own tensors, and asks whether the trace matches it. Hypotheses that match become
-findings; a divergence that none explains is reported as such, with its numbers.
+stage each named hypothesis is a *re-run of the golden path with that one mistake*: it builds the
+tensor the mistake would have produced there (from the replay's own tensors, or by replaying again
+with the mistake in the proposer). A cause is named only if its tensor reproduces the trace's at the
+first divergent stage (within tolerance) while the clean path's does not; its confidence comes from
+that test (how much closer the mistake gets than the clean path and than the next-best other cause).
+A divergence no hypothesis reproduces is reported as DIVERGENCE_UNEXPLAINED at that stage, with the
+rows that differ, by how much, and the stages the trace would need to locate it better.
+
+Rows of a tree step are compared by content (the node each row holds, as the replay paired them:
+replay.step<k>.trace_rows), so an engine that keeps its frontier in another order is not a divergence.
 """
 
 from __future__ import annotations
 
+import math
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,43 +27,226 @@ import torch
 from eaglescope import trace as T
 from eaglescope.decode.speculative import Eagle3Proposer
 from eaglescope.detective.findings import Finding, rank
-from eaglescope.detective.replay import REPLAY_HS, replay, replay_hs
+from eaglescope.detective.replay import (
+    REPLAY_FINAL,
+    REPLAY_PREFIX,
+    comparable_rows,
+    pairwise_row_errors,
+    replay,
+    replay_hs,
+    replay_rows,
+    row_norms,
+)
 from eaglescope.draft import LoadedDraft
 from eaglescope.errors import EagleScopeError
 from eaglescope.target.base import Target
 
-# Relative L2 error under which two tensors count as the same. bf16 engines against a float32
-# replay land around 1e-2 on activations; wiring mistakes land at 0.3 and above.
-DEFAULT_TOL = 0.05
+
+@dataclass(frozen=True)
+class Precision:
+    """How far a correct engine's values may lie from the replay's: `rel`, the relative error of a hidden state;
+    `nats`, the absolute error of a log-prob (relative error is meaningless for log-probs near 0; candidates this
+    close may also swap ranks)."""
+
+    rel: float
+    nats: float
+
+
+# By the coarsest float the traced run or the replay computed in. A 32-bit engine against the 32-bit replay differs
+# by summation order only (~1e-6; TF32 matmuls ~1e-3). bf16 engines against a float32 replay land around 1e-2 on a
+# trained model's activations and up to 0.05 on the test suite's random 8-layer target (tests/engines), and their
+# draft log-probs within ~0.1-0.25 nats (logits of a few units, 8-bit mantissas). Wiring mistakes land at 0.3 and
+# above, RoPE position mistakes at 0.05-0.1 on the rows they move: a 16-bit trace cannot show those.
+PRECISION_32 = Precision(rel=0.02, nats=0.05)
+PRECISION_16 = Precision(rel=0.08, nats=0.3)
 # Stages the replay copies from the trace (it follows the trace's decisions): never evidence.
 FORCED = {T.VERIFY_TOKENS, T.VERIFY_PARENTS, T.VERIFY_ACCEPTED, T.VERIFY_BONUS}
-# Draft log-probs of a bf16 engine land within ~0.1-0.25 nats of a float32 replay's (logits of a few units,
-# 8-bit mantissas, 1-3% error on the hidden state): candidates this close may swap ranks, and top-k log-probs
-# are compared with this absolute tolerance (relative error is meaningless for log-probs near 0).
-TIE_NATS = 0.3
+# A fingerprint's error is a Johnson-Lindenstrauss estimate: ||(a-b) P||² / ||a-b||² is χ²(d)/d for d projected
+# dimensions (P's entries are N(0, 1/16)). A row is called different only when its estimate exceeds what a row at
+# the tolerance reads at this many standard deviations (one clean row in ~10^4 reads above it).
+FP_Z = 3.7
+
+
+def fp_slack(dof: int) -> float:
+    """How far above the true error a χ²(dof) projection estimate reads at FP_Z (Wilson-Hilferty's quantile)."""
+    c = 2.0 / (9.0 * max(dof, 1))
+    return math.sqrt(max(1.0 - c + FP_Z * math.sqrt(c), 1.0) ** 3)
+
+
+# -- comparing one observation with one reference ------------------------------------------------------------------
+@dataclass
+class Cmp:
+    """How an observation compares with a reference: `score` is the worst error over its tolerance (≤ 1: the
+    same; None: shapes differ), `err` the headline error (relative L2; nats for log-probs; the share of
+    unexplained ids for top-k ids), `bad_rows` the rows beyond tolerance and `row_err` every row's error."""
+
+    score: float | None
+    err: float | None
+    bad_rows: list[int] = field(default_factory=list)
+    row_err: list[float] = field(default_factory=list)
+
+    @property
+    def match(self) -> bool:
+        return self.score is not None and self.score <= 1.0
+
+
+_NO_SHAPE = Cmp(None, None)
+
+
+def precision_of(*dtypes: torch.dtype | str | None) -> Precision:
+    """The precision of values computed in these dtypes (the coarsest decides; None and non-float dtypes are ignored).
+    A trace's log-probs are float32 even from a bf16 engine: its precision is that of its coarsest tensor."""
+    names = [str(d).removeprefix("torch.") for d in dtypes if d is not None]
+    coarse = any(n in ("bfloat16", "float16", "half") or n.startswith("float8") for n in names)
+    return PRECISION_16 if coarse else PRECISION_32
+
+
+def compare_rows(obs, ref: torch.Tensor, tol: float, absolute: bool = False) -> Cmp:
+    """`obs` (tensor or fingerprint) against the reference tensor `ref`, row by row. Relative errors by default;
+    `absolute`: absolute differences (log-probs, in nats: a full row's max |diff|, a fingerprint's its L2 norm over
+    the row's K values, bounded by K^½ times the max). Row norms are exact even in a fingerprint; the rest is the
+    projections' estimate, compared with the tolerance widened by `fp_slack`."""
+    if tuple(obs.shape) != tuple(ref.shape):
+        return _NO_SHAPE
+    a, b = comparable_rows(obs, ref), comparable_rows(ref, obs)
+    if a.shape[0] == 0 or a.numel() == 0:
+        return Cmp(0.0, 0.0)
+    fp = isinstance(obs, T.Fingerprint)
+    dof = a.shape[1]
+    row_tol = tol * (fp_slack(dof) if fp else 1.0)
+    d = a - b
+    if absolute:
+        width = ref.shape[-1] if ref.dim() else 1
+        row_err = d.norm(dim=-1) if fp else d.abs().max(dim=-1).values
+        row_tol = row_tol * (math.sqrt(width) if fp else 1.0)
+        err = float(row_err.max())
+        bad = row_err > row_tol
+        score = err / row_tol
+    else:
+        bn, an = row_norms(ref), row_norms(obs)
+        # the denominator is the reference row's exact norm (a fingerprint keeps it): only ||a - b|| is estimated
+        row_err = T._rel(d, bn[:, None], dim=-1)
+        err = float(T._rel(d, bn))
+        ratio_dev = (T._ratio(an, bn) - 1.0).abs()
+        bad = (row_err > row_tol) | (ratio_dev > tol)
+        all_tol = tol * (fp_slack(dof * a.shape[0]) if fp else 1.0)
+        score = max(err / all_tol, float(row_err.max()) / row_tol, float(ratio_dev.max()) / tol)
+    return Cmp(score, err, [int(i) for i in torch.nonzero(bad).flatten().tolist()], [float(x) for x in row_err])
 
 
 @dataclass
-class Match:
-    name: str
-    rel_l2: float | None
-    match: bool
+class Head:
+    """One way of turning a draft step's rows into top-k target ids: log-probs over the draft vocabulary [n, Vd]
+    and the map from draft ids to target ids."""
+
+    lp: torch.Tensor
+    to_target: Callable[[torch.Tensor], torch.Tensor]
+    nats: float  # the log-prob tolerance (Precision.nats)
+
+    def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        vals, ids = self.lp.topk(min(k, self.lp.shape[-1]), dim=-1)
+        return self.to_target(ids), vals
+
+    def draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """The draft id this head maps to each target id (-1 where none does)."""
+        table = self.to_target(torch.arange(self.lp.shape[-1])).long()
+        hi = int(max(int(table.max()), int(target_ids.max()))) + 1
+        inverse = torch.full((hi,), -1, dtype=torch.long)
+        mapped = torch.nonzero(table >= 0).flatten().flip(0)  # draft ids the map places (a fitted map may leave some)
+        inverse[table[mapped]] = mapped  # written last to first: the first id wins on collisions
+        t = target_ids.long()
+        return torch.where(t >= 0, inverse[t.clamp_min(0)], torch.full_like(t, -1))
+
+    def compare(self, obs: dict, only: str | None = None) -> Cmp:
+        """The trace's top-k parts (`ids` [n, K] in full, `logprobs` [n, K] tensor or fingerprint) against this head
+        (`only`: score that part alone). Ids may differ only between candidates this head scores within `nats` (a
+        precision tie); log-probs are compared with the head's values of the ids the trace chose."""
+        ids, vals = obs.get(T.TOPK_IDS), obs.get(T.TOPK_LOGPROBS)
+        shape = tuple((ids if ids is not None else vals).shape)
+        if len(shape) != 2 or shape[0] != self.lp.shape[0]:
+            return _NO_SHAPE
+        mine, mine_vals = self.topk(shape[1])
+        if tuple(mine.shape) != shape:
+            return _NO_SHAPE
+        scores, errs, bad = [], [], set()
+        chosen = None
+        if ids is not None:
+            ids = ids.long()
+            obs_d = self.draft_ids(ids)
+            diff = ids != mine
+            ok = ~diff
+            if bool(diff.any()):
+                my_d = self.draft_ids(mine)
+                valid = obs_d >= 0
+                gap = (self.lp.gather(-1, obs_d.clamp_min(0)) - self.lp.gather(-1, my_d.clamp_min(0))).abs()
+                ok = ok | (valid & (gap <= self.nats))
+                ok = ok & ~_repeats(ids)
+            share = float((~ok).double().mean())
+            if only in (None, T.TOPK_IDS):
+                scores.append(0.0 if share == 0 else 1.0 + share)
+                errs.append(share)
+                bad |= {int(r) for r in torch.nonzero(~ok.all(dim=-1)).flatten().tolist()}
+            if bool((obs_d >= 0).all()):
+                chosen = self.lp.gather(-1, obs_d)
+        if vals is not None and only in (None, T.TOPK_LOGPROBS):
+            c = compare_rows(vals, chosen if chosen is not None else mine_vals, self.nats, absolute=True)
+            if c.score is None:
+                return _NO_SHAPE
+            scores.append(c.score)
+            errs.append(c.err)
+            bad |= set(c.bad_rows)
+        if not scores:
+            return _NO_SHAPE
+        return Cmp(max(scores), max(errs), sorted(bad))
 
 
+def _repeats(ids: torch.Tensor) -> torch.Tensor:
+    """[n, K] bool: an id that occurs earlier in its row (top-k ids are distinct: a repeat is never a tie)."""
+    eq = ids[:, :, None] == ids[:, None, :]
+    return torch.tril(eq, diagonal=-1).any(-1)
+
+
+def golden_value(golden: T.Trace, stage: str, rnd: int, part: str | None = None):
+    """A replay's value of `stage` in round `rnd` (None if it has none), a tree step's rows put in the trace's order:
+    replay row j holds the node the trace keeps in row replay.step<k>.trace_rows[j]."""
+    try:
+        v = golden.get(stage, rnd, part=part) if part else golden.get(stage, rnd)
+    except KeyError:
+        return None
+    step = T.parse_stage(stage)[1] if stage.startswith("draft.step") else None
+    if not step or not isinstance(v, torch.Tensor):
+        return v
+    try:
+        rows = golden.get(replay_rows(step), rnd).long()
+    except KeyError:
+        return v
+    if rows.numel() != v.shape[0] or not torch.equal(rows.sort().values, torch.arange(rows.numel())):
+        return v
+    out = torch.empty_like(v)
+    out[rows] = v
+    return out
+
+
+# -- the evidence at hand -------------------------------------------------------------------------------------------
 class Evidence:
     """Access to the trace, the replay and the models at one (round, stage)."""
 
-    def __init__(self, target: Target, loaded: LoadedDraft, trace: T.Trace, golden: T.Trace, tol: float):
-        self.target, self.loaded, self.trace, self.golden, self.tol = target, loaded, trace, golden, tol
+    def __init__(self, target: Target, loaded: LoadedDraft, trace: T.Trace, golden: T.Trace, tol: float | None):
+        self.target, self.loaded, self.trace, self.golden, self.fixed_tol = target, loaded, trace, golden, tol
         self.draft = loaded.model
         self.taps = loaded.contract.taps
         self.H = target.hidden_size
+        self._trace_keys = {(e.stage, e.round, e.part) for e in trace.events}
+        floats = {e.dtype for e in trace.events if e.dtype.startswith(("float", "bfloat"))}
+        self.precision = precision_of(*floats, trace.meta.get("dtype"), target.dtype)
+        self.tried: dict[str, float | None] = {}  # every hypothesis tested ("CODE: name" → its score), for the report
+
+    def has(self, stage: str, rnd: int) -> bool:
+        return any((stage, rnd, p) in self._trace_keys for p in (None, T.TOPK_IDS, T.TOPK_LOGPROBS))
 
     def g(self, stage: str, rnd: int, part: str | None = None):
-        try:
-            return self.golden.get(stage, rnd, part=part) if part else self.golden.get(stage, rnd)
-        except KeyError:
-            return None
+        """The golden value, its rows in the trace's order (tree steps are paired by content)."""
+        return golden_value(self.golden, stage, rnd, part)
 
     def t(self, stage: str, rnd: int, part: str | None = None):
         try:
@@ -62,19 +254,50 @@ class Evidence:
         except KeyError:
             return None
 
-    def same(self, candidate: torch.Tensor, observed, segments: int | None = None) -> Match:
-        c = _compare(observed, candidate.detach().float().cpu(), segments or 1, self.tol)
-        return Match("", c["rel_l2"], c["match"])
+    def topk_obs(self, stage: str, rnd: int) -> dict:
+        return {p: v for p in (T.TOPK_IDS, T.TOPK_LOGPROBS) if (v := self.t(stage, rnd, p)) is not None}
+
+    def compare(self, observed, reference: torch.Tensor) -> Cmp:
+        return compare_rows(observed, reference.detach().float().cpu(), self.tol(observed))
+
+    def tol(self, observed) -> float:
+        """The relative tolerance for `observed`: the caller's, else the trace's precision."""
+        return self.fixed_tol if self.fixed_tol is not None else self.precision.rel
 
     def best(self, candidates: dict[str, torch.Tensor], observed) -> tuple[str | None, dict[str, float | None]]:
-        """Name of the candidate the observation matches (lowest error among matches) and all errors."""
-        errors, hits = {}, []
+        """Name of the candidate the observation matches (lowest score among matches) and every candidate's score."""
+        scores, hits = {}, []
         for name, cand in candidates.items():
-            m = self.same(cand, observed)
-            errors[name] = m.rel_l2
-            if m.match:
-                hits.append((m.rel_l2 or 0.0, name))
-        return (min(hits)[1] if hits else None), errors
+            c = self.compare(observed, cand)
+            scores[name] = c.score
+            if c.match:
+                hits.append((c.score, name))
+        return (min(hits)[1] if hits else None), scores
+
+    # -- the draft's head ---------------------------------------------------------------------------------------
+    def head_rows(self, step: int, rnd: int, n: int, source: T.Trace | None = None) -> torch.Tensor | None:
+        """The golden (or `source` replay's) pre-norm outputs of step `step` behind the trace's n top-k rows."""
+        h = golden_value(source if source is not None else self.golden, T.draft_hidden_out(step), rnd)
+        if h is None:
+            return None
+        if step == 0 and h.shape[0] != n:
+            h = h[-n:]  # only the last row (the root's) proposes; an engine may record every row's top-k
+        return h if h.shape[0] == n else None
+
+    @torch.no_grad()
+    def head(self, h: torch.Tensor, variant: str | None = None, to_target=None) -> Head:
+        """The draft's head over pre-norm outputs `h` [n, H], or with one head mistake (`variant`)."""
+        d = self.draft
+        x = h.to(d.fc.weight)
+        if variant == "final norm skipped":
+            y = d.lm_head(x)
+            y = y * d.config.logit_scale if d.config.logit_scale != 1.0 else y
+        elif variant == "logit_scale not applied":
+            y = d.lm_head(x if d.config.norm_output else d.norm(x))
+        else:
+            y = d.logits(x)
+        lp = torch.log_softmax(y.float(), dim=-1).cpu()
+        return Head(lp, to_target or (lambda i: d.to_target_ids(i.to(d.d2t.device)).cpu()), self.precision.nats)
 
     @torch.no_grad()
     def normed(self, i: int, hs: torch.Tensor) -> torch.Tensor | None:
@@ -97,6 +320,69 @@ class Evidence:
         return out
 
 
+# -- hypotheses are judged by one rule -------------------------------------------------------------------------
+@dataclass
+class Hypothesis:
+    """One named mistake: `score()` compares what it would have produced at the first divergent stage with what the
+    trace holds there (≤ 1: reproduced). Tiers are tried in order, a later one only when no earlier one reproduces:
+    0 the specific mistakes, 1 a general form fitted to the observation (what remains when no specific one fits),
+    2 the costly ones (a replay each)."""
+
+    code: str
+    name: str
+    verdict: str
+    fix: str
+    score: Callable[[], float | None]
+    tier: int = 0
+    evidence: dict = field(default_factory=dict)
+    # A hypothesis that is only what remains once the others are ruled out (nothing to reproduce the tensor from)
+    # is capped lower than one whose tensor was reproduced.
+    max_confidence: float = 0.95
+
+
+def judge(
+    ev: Evidence, stage: str, rnd: int, clean: Cmp, hypotheses: list[Hypothesis], extra: dict | None = None
+) -> list[Finding]:
+    """The finding of the hypothesis that reproduces the observation best, if any does while the clean path does
+    not. Confidence 0.5-0.95: 0.5 + 0.45 x how far below both the clean path's score and the best other code's
+    score the hypothesis's is (1 - best/other; an exact reproduction against a clear divergence gives 0.95)."""
+    if clean.match:
+        return []
+    scores: dict[str, float | None] = {}
+    hits: list[tuple[float, int, Hypothesis]] = []
+    for tier in sorted({h.tier for h in hypotheses}):
+        if hits:
+            break
+        for i, h in enumerate(x for x in hypotheses if x.tier == tier):
+            s = h.score()
+            scores[h.name] = ev.tried[f"{h.code}: {h.name}"] = s
+            if s is not None and s <= 1.0:
+                hits.append((s, i, h))
+    if not hits:
+        return []
+    best_score, _, best = min(hits, key=lambda x: (x[0], x[1]))
+    others = [s for s, _, h in hits if h.code != best.code]
+    seps = [1.0 - best_score / max(clean.score or math.inf, 1e-12)]
+    if others:
+        seps.append(1.0 - best_score / max(min(others), 1e-12))
+    confidence = min(0.5 + 0.45 * max(0.0, min(seps)), best.max_confidence)
+    evidence = {
+        "reproduced_by": best.name,
+        "score": best_score,
+        "clean_score": clean.score,
+        "clean_error": clean.err,
+        "rows": clean.bad_rows[:16],
+        "scores": scores,
+        **best.evidence,
+        **(extra or {}),
+    }
+    return [Finding(best.code, stage, best.verdict, evidence, best.fix, confidence, rnd)]
+
+
+def _tensor_hypothesis(ev: Evidence, observed, code, name, verdict, fix, candidate, **evidence) -> Hypothesis:
+    return Hypothesis(code, name, verdict, fix, lambda: ev.compare(observed, candidate).score, evidence=evidence)
+
+
 def _segments(observed, count: int, H: int) -> list:
     if isinstance(observed, T.Fingerprint):
         return [observed.segment(j) for j in range(count)] if observed.segments == count else []
@@ -105,7 +391,7 @@ def _segments(observed, count: int, H: int) -> list:
     return [observed[..., j * H : (j + 1) * H] for j in range(count)]
 
 
-# -- hypotheses, by stage family ----------------------------------------------------------------------
+# -- taps --------------------------------------------------------------------------------------------------------
 def diagnose_taps(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]:
     """Which hidden state each captured segment holds, judged over the round's whole capture.
 
@@ -116,57 +402,99 @@ def diagnose_taps(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]
     contract = list(ev.taps.layers)
     views: list[tuple[str, list[int], list]] = []
     aux = observed if stage == T.TARGET_AUX else ev.t(T.TARGET_AUX, rnd)
-    if aux is not None:
-        segs = _segments(aux, len(contract), ev.H)
-        if segs:
-            views.append((T.TARGET_AUX, contract, segs))
-        elif stage == T.TARGET_AUX:
-            shape = list(aux.shape)
-            return [
-                Finding(
-                    "DIVERGENCE_UNEXPLAINED",
-                    stage,
-                    f"{stage} has shape {shape}, the contract needs {len(contract)} taps of width {ev.H}",
-                    {"shape": shape, "taps": contract},
-                    "record the concatenation of exactly the contract's taps",
-                    0.5,
-                    rnd,
-                )
-            ]
-    present = [(i, ev.t(T.target_tap(i), rnd)) for i in contract]
-    present = [(i, x) for i, x in present if x is not None]
-    if present:
-        views.append(("taps", [i for i, _ in present], [x for _, x in present]))
-    if stage != T.TARGET_AUX and T.parse_stage(stage)[1] not in contract:
-        views.append((stage, [T.parse_stage(stage)[1]], [observed]))
     candidates: dict[str, torch.Tensor] = {}
     for i, h in ev.hidden_states(rnd).items():
         candidates[f"hs{i}"] = h
         n = ev.normed(i, h)
         if n is not None:
             candidates[f"normed{i}"] = n
+    final = ev.g(REPLAY_FINAL, rnd)
+    if final is not None:
+        candidates["final"] = final.float()
+    if aux is not None:
+        segs = _segments(aux, len(contract), ev.H)
+        if segs:
+            views.append((T.TARGET_AUX, contract, segs))
+        elif stage == T.TARGET_AUX:
+            return _aux_of_other_width(ev, rnd, stage, aux, candidates, contract)
+    present = [(i, ev.t(T.target_tap(i), rnd)) for i in contract]
+    present = [(i, x) for i, x in present if x is not None]
+    if present:
+        views.append(("taps", [i for i, _ in present], [x for _, x in present]))
+    if stage != T.TARGET_AUX and T.parse_stage(stage)[1] not in contract:
+        views.append((stage, [T.parse_stage(stage)[1]], [observed]))
     for where, expected, segs in views:
-        found, errs = [], []
+        found, scores = [], []
         for seg in segs:
-            name, e = ev.best(candidates, seg)
+            name, s = ev.best(candidates, seg)
             found.append(name)
-            errs.append(e)
+            scores.append(s)
         if all(f == f"hs{x}" for f, x in zip(found, expected)):
             continue  # this view is right: the divergence is elsewhere (e.g. precision)
         if where == "taps":
             where = next(T.target_tap(x) for f, x in zip(found, expected) if f != f"hs{x}")
+        # The reproduction test, per segment that is not the contract's tap: what it holds against the clean tap.
+        wrong = [(s.get(f) or 0.0, s.get(f"hs{x}") or math.inf) for f, x, s in zip(found, expected, scores)
+                 if f is not None and f != f"hs{x}"]  # fmt: skip
+        seps = [1.0 - mine / max(clean, 1e-12) for mine, clean in wrong]
         evidence = {
             "stage": where,
             "expected_taps": expected,
             "found": found,
-            "rel_err_vs_expected": [e.get(f"hs{x}") for e, x in zip(errs, expected)],
+            "score_vs_expected": [s.get(f"hs{x}") for s, x in zip(scores, expected)],
+            "reproduced_by": "the segments holding " + ", ".join(str(f) for f in found),
+            "score": max((m for m, _ in wrong), default=None),
+            "clean_score": min((c for _, c in wrong), default=None),
         }
-        return [_classify_taps(where, expected, found, evidence, rnd)]
+        confidence = 0.5 + 0.45 * max(0.0, min(seps)) if seps else 0.5
+        return [_classify_taps(where, expected, found, evidence, rnd, confidence)]
     return []
 
 
-def _classify_taps(stage: str, expected: list[int], found: list[str | None], evidence: dict, rnd: int) -> Finding:
-    """Name the capture mistake from what each segment holds (found: "hs<i>", "normed<i>" or None)."""
+def _aux_of_other_width(ev: Evidence, rnd: int, stage: str, aux, candidates: dict, contract: list[int]):
+    """target.aux of another width than the contract's taps. H wide: the draft received one hidden state, which its fc
+    (nH → H) cannot take; an engine that checks widths then skips fc (EAGLE-2 wiring hands on the final normed
+    state)."""
+    shape = list(aux.shape)
+    if shape[-1] == ev.H:
+        h = _tensor_hypothesis
+        named = {"final": "the target's final normed state (EAGLE-2's wiring)"}
+        hyps = [
+            h(
+                ev,
+                aux,
+                "FC_SKIPPED",
+                what,
+                f"{stage} is {what}, {ev.H} wide, not the {len(contract)} taps "
+                f"{contract}: the draft's fc ({len(contract)}x{ev.H} → {ev.H}) cannot apply to it and was skipped",
+                "capture the contract's taps (the residual stream entering each tap layer), concatenate them and "
+                "apply fc: an EAGLE-3 draft does not read the final normed state",
+                cand,
+            )
+            for key, cand in candidates.items()
+            if (what := named.get(key) or (f"hidden state {key[2:]} alone" if key.startswith("hs") else None))
+        ]
+        clean = Cmp(math.inf, None)  # no clean tensor has this width
+        found = judge(ev, stage, rnd, clean, hyps)
+        if found:
+            return found
+    return [
+        Finding(
+            "DIVERGENCE_UNEXPLAINED",
+            stage,
+            f"{stage} has shape {shape}, the contract needs {len(contract)} taps of width {ev.H}",
+            {"shape": shape, "taps": contract},
+            "record the concatenation of exactly the contract's taps",
+            0.5,
+            rnd,
+        )
+    ]
+
+
+def _classify_taps(
+    stage: str, expected: list[int], found: list[str | None], evidence: dict, rnd: int, confidence: float
+) -> Finding:
+    """Name the capture mistake from what each segment holds (found: "hs<i>", "normed<i>", "final" or None)."""
     fix_conv = (
         "check the tap contract and the engine's layer-id convention (eaglescope inspect shows what SGLang "
         "and vLLM capture)"
@@ -183,7 +511,18 @@ def _classify_taps(stage: str, expected: list[int], found: list[str | None], evi
             f"{what} {j} of {stage} is the RMS-normed input of layer {layer}{where}, not the raw residual stream",
             evidence,
             "capture the hidden state entering the layer (before input_layernorm)",
-            0.95,
+            confidence,
+            rnd,
+        )
+    if "final" in found:
+        j = found.index("final")
+        return Finding(
+            "TAP_WRONG_LAYER",
+            stage,
+            f"{what} {j} of {stage} is the target's final normed state, not tap {expected[j]}",
+            evidence,
+            fix_conv,
+            confidence,
             rnd,
         )
     if None not in raw and sorted(raw) == sorted(expected) and raw != expected:
@@ -193,7 +532,7 @@ def _classify_taps(stage: str, expected: list[int], found: list[str | None], evi
             f"{stage} holds the right taps in the order {raw} instead of {expected}",
             evidence,
             "concatenate taps from low to high layer",
-            0.95,
+            confidence,
             rnd,
         )
     emb = [j for j, (r, e) in enumerate(zip(raw, expected)) if r is not None and (r == 0) != (e == 0)]
@@ -206,7 +545,7 @@ def _classify_taps(stage: str, expected: list[int], found: list[str | None], evi
             f"{what} {j} of {stage} is {held}; the contract expects tap {expected[j]}",
             evidence,
             fix_conv,
-            0.95,
+            confidence,
             rnd,
         )
     if None not in raw and all(abs(r - e) <= 1 for r, e in zip(raw, expected)):
@@ -217,67 +556,95 @@ def _classify_taps(stage: str, expected: list[int], found: list[str | None], evi
             f"{stage} holds taps {raw} instead of {expected} (off by {', '.join(f'{d:+d}' for d in deltas)})",
             evidence,
             fix_conv + "; SGLang adds +1 to explicit ids",
-            0.95,
+            confidence,
             rnd,
         )
     if None not in raw:
         return Finding(
-            "TAP_WRONG_LAYER", stage, f"{stage} holds taps {raw} instead of {expected}", evidence, fix_conv, 0.9, rnd
+            "TAP_WRONG_LAYER",
+            stage,
+            f"{stage} holds taps {raw} instead of {expected}",
+            evidence,
+            fix_conv,
+            confidence,
+            rnd,
         )
-    return Finding(
-        "DIVERGENCE_UNEXPLAINED",
+    return _unexplained_finding(
         stage,
+        rnd,
         f"{stage} matches no hidden state of the target (segments found: {found})",
         evidence,
         "compare the engine's capture code with the contract",
-        0.5,
-        rnd,
     )
 
 
-def _tile_fc(ev: Evidence, x: torch.Tensor) -> torch.Tensor:
-    """fc applied to an H-wide input tiled to the fc's width: what re-projecting projected features gives."""
-    d = ev.draft
+# -- fc -----------------------------------------------------------------------------------------------------------
+def _fc_again(ev: Evidence, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """fc applied to the draft's own H-wide features again, as engines that re-project do it: tiled to fc's width,
+    or placed in one tap's segment with the others zero (an H-wide state padded to nH)."""
+    d, n = ev.draft, ev.taps.count
+    out = {}
     with torch.no_grad():
-        tiled = torch.cat([x] * ev.taps.count, dim=-1).to(d.fc.weight.dtype)
-        return d.project(tiled).float().cpu()
+        w = d.fc.weight
+        out["tiled to fc's width"] = d.project(torch.cat([x] * n, dim=-1).to(w)).float().cpu()
+        for j in range(n):
+            parts = [x if i == j else torch.zeros_like(x) for i in range(n)]
+            out[f"zero-padded to fc's width (in segment {j})"] = d.project(torch.cat(parts, -1).to(w)).float().cpu()
+    return out
 
 
 def diagnose_fc(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]:
+    """fc's output (or step 0's features): fc skipped, fc applied twice, an EAGLE 3.1 norm decision changed, or fc over
+    stale features."""
     pending = ev.g(T.NEXT_HIDDEN_IN, rnd - 1)
     fc_out = ev.g(T.DRAFT_FC_OUT, rnd)
-    if pending is None or fc_out is None:
+    gold = ev.g(stage, rnd)
+    if gold is None:
         return []
-    cands = {f"raw_tap{i}": seg for i, seg in zip(ev.taps.layers, _segments(pending.float(), ev.taps.count, ev.H))}
-    cands["raw_aux"] = pending.float()
-    cands["fc_twice"] = _tile_fc(ev, fc_out.float())
-    name, errs = ev.best(cands, observed)
-    evidence = {"rel_err": errs}
-    if name is None:
-        return []
-    if name == "fc_twice":
-        return [
-            Finding(
-                "FC_REPEATED",
-                stage,
-                f"{stage} equals fc applied to already-projected features",
-                evidence,
-                "apply fc once, to the target's concatenated taps only",
-                0.9,
-                rnd,
+    clean = ev.compare(observed, gold)
+    hyps: list[Hypothesis] = []
+    skip_fix = "apply fc to the concatenated taps before the first draft step"
+    if pending is not None:
+        pf = pending.float()
+        for i, seg in zip(ev.taps.layers, _segments(pf, ev.taps.count, ev.H)):
+            hyps.append(
+                _tensor_hypothesis(
+                    ev,
+                    observed,
+                    "FC_SKIPPED",
+                    f"raw tap {i}",
+                    f"{stage} is the target's raw tap {i} without the fc projection",
+                    skip_fix,
+                    seg,
+                )
             )
-        ]
-    return [
-        Finding(
-            "FC_SKIPPED",
-            stage,
-            f"{stage} is the target's {name.replace('_', ' ')} without the fc projection",
-            evidence,
-            "apply fc to the concatenated taps before the first draft step",
-            0.9,
-            rnd,
+        hyps.append(
+            _tensor_hypothesis(
+                ev,
+                observed,
+                "FC_SKIPPED",
+                "raw aux",
+                f"{stage} is the target's concatenated taps without the fc projection",
+                skip_fix,
+                pf,
+            )
         )
-    ]
+    if fc_out is not None:
+        for how, cand in _fc_again(ev, fc_out.float()).items():
+            hyps.append(
+                _tensor_hypothesis(
+                    ev,
+                    observed,
+                    "FC_REPEATED",
+                    f"fc twice ({how})",
+                    f"{stage} equals fc applied to already-projected features ({how})",
+                    "apply fc once, to the target's concatenated taps only",
+                    cand,
+                )
+            )
+    hyps += _eagle31_hypotheses(ev, rnd, stage, observed)
+    hyps += _stale_fc_hypotheses(ev, rnd, stage, observed)
+    return judge(ev, stage, rnd, clean, hyps)
 
 
 def _fc_variants(d, aux: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -311,68 +678,117 @@ def _fc_variants(d, aux: torch.Tensor) -> dict[str, torch.Tensor]:
         return {k: d.fc(v).float().cpu() for k, v in out.items()}
 
 
-def diagnose_eagle31(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]:
-    """fc's output disagrees with the golden one: does fc over the trace's own features, with one EAGLE 3.1 norm
-    decision changed, reproduce it (and the draft's trained decision not)?"""
+def _eagle31_hypotheses(ev: Evidence, rnd: int, stage: str, observed) -> list[Hypothesis]:
+    """fc over the trace's own features (else the replay's) with one EAGLE 3.1 norm decision changed."""
     aux = ev.t(T.NEXT_HIDDEN_IN, rnd - 1)
     if aux is None or not isinstance(aux, torch.Tensor):
         aux = ev.g(T.NEXT_HIDDEN_IN, rnd - 1)
-    rows = observed.shape[0] if isinstance(observed, torch.Tensor) else observed.row_norm.shape[0]
-    if aux is None or aux.shape[0] != rows:
+    if aux is None or aux.shape[0] != observed.shape[0]:
         return []
-    trained = _fc_variants_reference(ev.draft, aux)
-    if ev.same(trained, observed).match:
-        return []  # the trained computation explains it: not a norm decision
-    name, errs = ev.best(_fc_variants(ev.draft, aux.float()), observed)
-    if name is None:
-        return []
+    with torch.no_grad():
+        trained = ev.draft.project(aux.to(ev.draft.fc.weight.dtype)).float().cpu()
+    if ev.compare(observed, trained).match:
+        return []  # the trained computation over these features explains it: not a norm decision
+    c = ev.draft.config
+    fix = (
+        "serve the draft's EAGLE 3.1 options as its config.json states them (norm_before_fc in eagle_config and "
+        "at the top level, fc_norm per tap segment), with an engine version that implements them"
+    )
     return [
-        Finding(
+        _tensor_hypothesis(
+            ev,
+            observed,
             "EAGLE31_NORM",
-            stage,
+            name,
             f"{stage} is fc over the target's features with {name}: the draft was trained with "
-            f"norm_before_fc={ev.draft.config.norm_before_fc}, fc_norm={ev.draft.config.fc_norm}",
-            {"rel_err": errs},
-            "serve the draft's EAGLE 3.1 options as its config.json states them (norm_before_fc in eagle_config and "
-            "at the top level, fc_norm per tap segment), with an engine version that implements them",
-            0.9,
-            rnd,
+            f"norm_before_fc={c.norm_before_fc}, fc_norm={c.fc_norm}",
+            fix,
+            cand,
         )
+        for name, cand in _fc_variants(ev.draft, aux.float()).items()
     ]
 
 
-def _fc_variants_reference(d, aux: torch.Tensor) -> torch.Tensor:
+def _stale_fc_hypotheses(ev: Evidence, rnd: int, stage: str, observed) -> list[Hypothesis]:
+    """An engine that records no next.hidden_in shows wrongly selected features first at fc.out."""
+    if ev.has(T.NEXT_HIDDEN_IN, rnd - 1) or rnd <= 1:
+        return []
+    aux = ev.g(T.TARGET_AUX, rnd - 1)
+    if aux is None:
+        return []
     with torch.no_grad():
-        return d.project(aux.to(d.fc.weight.dtype)).float().cpu()
+        w = ev.draft.fc.weight
+        rules = _feature_rules(ev, rnd - 1, aux.float(), observed.shape[0])
+        return [
+            _tensor_hypothesis(
+                ev,
+                observed,
+                code,
+                name,
+                f"the draft's features are fc of the {name}, not of the accepted positions",
+                fix,
+                ev.draft.project(rows.to(w)).float().cpu(),
+            )
+            for name, (code, rows, fix) in rules.items()
+        ]
+
+
+# -- what is handed to the next round --------------------------------------------------------------------------
+_STALE_FIX = "feed hidden_states[accepted_indices] (root + accepted nodes) to the next draft pass"
+
+
+def _feature_rules(ev: Evidence, rnd: int, aux: torch.Tensor, n: int) -> dict[str, tuple[str, torch.Tensor, str]]:
+    """Round `rnd`'s next-round features as wrongly selecting engines compute them: name → (code, rows, fix)."""
+    out = {
+        "all tree positions": ("STALE_ACCEPTED", aux, _STALE_FIX),
+        "first rows in tree order": ("STALE_ACCEPTED", aux[:n], _STALE_FIX),
+    }
+    acc, parents = ev.g(T.VERIFY_ACCEPTED, rnd), ev.g(T.VERIFY_PARENTS, rnd)
+    if acc is not None and parents is not None and aux.shape[0] == parents.numel():
+        path = [0] + [int(i) for i in acc.flatten().tolist()]
+        kids = [i for i, p in enumerate(parents.tolist()) if p == path[-1]]
+        # The features of the emitted tokens' own positions: the root's dropped, each accepted node's kept, and for
+        # the bonus token (not in the tree) some row after the path: a child of its last node, or that node again.
+        for after in kids + [path[-1]]:
+            rows = path[1:] + [after]
+            out[f"emitted tokens' own positions (rows {rows})"] = (
+                "SHIFT_OFF_BY_ONE",
+                aux[torch.tensor(rows)],
+                "hand on the features of the root and the accepted nodes (each paired with the token after it), not "
+                "those at the emitted tokens' own positions",
+            )
+    return out
 
 
 def diagnose_stale(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]:
     aux = ev.g(T.TARGET_AUX, rnd)
-    if aux is None:
+    gold = ev.g(T.NEXT_HIDDEN_IN, rnd)
+    if aux is None or gold is None:
         return []
-    good = ev.g(T.NEXT_HIDDEN_IN, rnd)
     n = observed.shape[0]
-    cands = {"all tree positions": aux.float(), "first rows in tree order": aux.float()[:n]}
+    rules = _feature_rules(ev, rnd, aux.float(), n)
     prev = ev.g(T.NEXT_HIDDEN_IN, rnd - 1)
     if prev is not None:
-        cands["previous round's features"] = prev.float()
-    name, errs = ev.best(cands, observed)
-    if name is None:
-        return []
-    return [
-        Finding(
-            "STALE_ACCEPTED",
-            stage,
-            f"next-round features are the {name}, not the accepted positions "
-            f"({good.shape[0] if good is not None else '?'} rows expected, {n} given)",
-            {"rel_err": errs, "rows_expected": None if good is None else good.shape[0], "rows_given": n},
-            "feed hidden_states[accepted_indices] (root + accepted nodes) to the next draft pass",
-            0.9,
-            rnd,
+        rules["previous round's features"] = ("STALE_ACCEPTED", prev.float(), _STALE_FIX)
+    hyps = [
+        _tensor_hypothesis(
+            ev,
+            observed,
+            code,
+            name,
+            f"next-round features are the {name}, not the accepted "
+            f"positions ({gold.shape[0]} rows expected, {n} given)",
+            fix,
+            rows,
+            rows_expected=gold.shape[0],
+            rows_given=n,
         )
+        for name, (code, rows, fix) in rules.items()
     ]
+    return judge(ev, stage, rnd, ev.compare(observed, gold), hyps)
 
 
+# -- token embeddings -------------------------------------------------------------------------------------------
 def _sequence(ev: Evidence) -> list[int]:
     """The emitted sequence the traced run followed: prompt, first token, then each round's tokens."""
     seq = list(ev.golden.meta.get("prompt_ids", []))
@@ -388,65 +804,125 @@ def _sequence(ev: Evidence) -> list[int]:
     return seq
 
 
+def _tokens_of(emb: torch.Tensor, rows: torch.Tensor) -> list[int] | None:
+    """The token whose embedding each row is (the golden rows are the target's table exactly), or None."""
+    table = emb.detach().double().cpu()
+    d = torch.cdist(rows.double().cpu(), table)
+    best = d.min(dim=-1)
+    ok = best.values <= 1e-3 * table[best.indices].norm(dim=-1).clamp_min(1e-12)
+    return [int(i) for i in best.indices.tolist()] if bool(ok.all()) else None
+
+
 def diagnose_embed(ev: Evidence, rnd: int, stage: str, observed, step: int) -> list[Finding]:
     gold = ev.g(stage, rnd)
     if gold is None:
         return []
     emb = ev.draft.embed_tokens.weight
-    findings: list[Finding] = []
+    clean = ev.compare(observed, gold)
+    hyps: list[Hypothesis] = []
     if step == 0:
         seq = _sequence(ev)
         P = gold.shape[0]
         # pending features sit at positions [start, start+P) and pair with the token after each position
         prompt_len = len(ev.golden.meta.get("prompt_ids", []))
         start = _committed_before(ev, rnd, prompt_len)
-        cands = {}
         for delta, name in ((0, "the token at the feature's own position"), (2, "the token two ahead")):
             ids = [seq[p + delta] if 0 <= p + delta < len(seq) else 0 for p in range(start, start + P)]
-            cands[name] = emb[torch.tensor(ids, device=emb.device)].float().cpu()
-        name, errs = ev.best(cands, observed)
-        if name is not None:
-            findings.append(
-                Finding(
+            cand = emb[torch.tensor(ids, device=emb.device)].float().cpu()
+            hyps.append(
+                _tensor_hypothesis(
+                    ev,
+                    observed,
                     "SHIFT_OFF_BY_ONE",
-                    stage,
+                    name,
                     f"step-0 inputs pair each feature with {name} instead of the next token",
-                    {"rel_err": errs},
                     "pair features at position t with the embedding of token t+1",
-                    0.9,
-                    rnd,
+                    cand,
                 )
             )
-            return findings
-    if (other := _other_tokens(emb, gold, observed, ev.tol)) is not None:
+    found = judge(ev, stage, rnd, clean, hyps)
+    if found:
+        return found
+    if (other := _other_tokens(emb, gold, observed, ev.tol(observed))) is not None:
         rows, fed, want = other
         return [
-            Finding(
-                "DIVERGENCE_UNEXPLAINED",
+            _unexplained_finding(
                 stage,
+                rnd,
                 f"{stage} rows {rows} are the target's embedding of tokens {fed}, not of {want}: the embedding is "
                 "right but other tokens were fed at those rows (no named hypothesis covers that)",
                 {"rows": rows, "fed_tokens": fed, "expected_tokens": want},
                 "pair each position's features with the token after it at every row (vLLM 0.32's padded drafter "
                 "batch pairs the last row of a prefill chunk with the prompt's last token: disable_padded_drafter_"
                 "batch, or prefill unchunked)",
-                0.5,
-                rnd,
             )
         ]
-    m = ev.same(gold.float(), observed)
-    norm_ratio = None
-    if isinstance(observed, torch.Tensor) and observed.shape == gold.shape:
-        norm_ratio = float(observed.float().norm() / gold.float().norm().clamp_min(1e-12))
+    return judge(ev, stage, rnd, clean, _other_table_hypotheses(ev, rnd, stage, observed, gold))
+
+
+def _other_table_hypotheses(ev: Evidence, rnd: int, stage: str, observed, gold: torch.Tensor) -> list[Hypothesis]:
+    """EMBEDDING_MISMATCH reproduced from the trace itself: every row is the engine's embedding of its (right) token as
+    the engine embeds that token wherever else it recurs in the trace from this round on (another row, step or round),
+    and none is the target's. An engine that embeds with another table (another model, another version of it) passes;
+    one whose rows vary for the same token, or that feeds other tokens, does not."""
+    emb = ev.draft.embed_tokens.weight
+    tokens = _tokens_of(emb, gold) or []
+    here = comparable_rows(observed, observed)
+    elsewhere: dict[int, list[torch.Tensor]] = {}  # token → the trace's comparable rows of it at other places
+    for e in ev.trace.events:
+        # before this round the engine's embeddings matched the target's (the divergence starts here)
+        if not tokens or T.parse_stage(e.stage)[0] != "draft.embed_in" or e.round < rnd:
+            continue
+        g = ev.g(e.stage, e.round)
+        toks = _tokens_of(emb, g) if g is not None else None
+        rows = comparable_rows(ev.trace.load(e), observed)
+        if toks is None or rows.shape[1] != here.shape[1]:
+            continue
+        for i, t in enumerate(toks):
+            elsewhere.setdefault(t, []).append((e.stage, e.round, i, rows[i]))
+    norms = row_norms(observed)
+    errors = [
+        float((here[j] - row).norm() / norms[j].clamp_min(1e-30))
+        for j, t in enumerate(tokens)
+        for where_stage, where_round, i, row in elsewhere.get(t, [])
+        if (where_stage, where_round, i) != (stage, rnd, j)
+    ]
+    checked = sum(1 for j, t in enumerate(tokens) if len(elsewhere.get(t, [])) > 1)
+    slack = fp_slack(here.shape[1]) if isinstance(observed, T.Fingerprint) else 1.0
+
+    def score() -> float | None:
+        # nothing else in the trace to reproduce these rows from: the hypothesis cannot be tested
+        return max(errors) / (ev.tol(observed) * slack) if errors else None
+
+    fix = "use the target's embed_tokens in the draft (do not ship or load another embedding, nor another version's)"
+    reproduced = Hypothesis(
+        "EMBEDDING_MISMATCH",
+        "another embedding table",
+        f"{stage} differs from the target's embedding of the same tokens, and the engine embeds each token the same "
+        f"way wherever it recurs in the trace ({checked} of {len(tokens)} rows checked against {len(errors)} other "
+        "occurrences): another table",
+        fix,
+        score,
+        evidence={"rows_checked": checked, "rows": len(tokens), "occurrences": len(errors)},
+    )
+    if errors:
+        return [reproduced]
+
+    def no_token_of_the_table() -> float | None:
+        # no row is any token's row of the target's table (the tokens are not merely other ones)
+        err = pairwise_row_errors(observed, emb.detach().float().cpu())
+        return None if err is None or float(err.min()) <= ev.tol(observed) * slack else 0.0
+
     return [
-        Finding(
+        Hypothesis(
             "EMBEDDING_MISMATCH",
-            stage,
-            f"{stage} differs from the target's embedding of the same tokens",
-            {"rel_err": m.rel_l2, "norm_ratio": norm_ratio},
-            "use the target's embed_tokens in the draft (do not ship or load a different embedding)",
-            0.8,
-            rnd,
+            "another embedding table (unconfirmed)",
+            f"{stage} differs from the target's embedding of the same tokens and no row is any token's row of the "
+            "target's table: another table, by elimination (no token recurs in the trace to confirm that the engine "
+            "embeds it the same way each time)",
+            fix,
+            no_token_of_the_table,
+            max_confidence=0.6,
         )
     ]
 
@@ -486,61 +962,73 @@ def _committed_before(ev: Evidence, rnd: int, prompt_len: int) -> int:
     return pos
 
 
+# -- feedback between draft steps -------------------------------------------------------------------------------
 def diagnose_feedback(ev: Evidence, rnd: int, stage: str, observed, step: int) -> list[Finding]:
     gold = ev.g(stage, rnd)
     fc_out = ev.g(T.DRAFT_FC_OUT, rnd)
     if gold is None:
         return []
     m = gold.shape[0]
-    cands = {}
+    h = _tensor_hypothesis
     with torch.no_grad():
-        cands["postnorm"] = ev.draft.norm(gold.to(ev.draft.fc.weight)).float().cpu()
+        postnorm = ev.draft.norm(gold.to(ev.draft.fc.weight)).float().cpu()
+    hyps = [
+        h(
+            ev,
+            observed,
+            "FEEDBACK_POSTNORM",
+            "postnorm",
+            f"draft step {step} received the normed output of step {step - 1} instead of its pre-norm output",
+            "feed the layer's output before the final norm to the next step",
+            postnorm,
+        )
+    ]
+    target_fix = "after step 0, feed the draft's own pre-norm output, not the target's hidden states"
+    target_verdict = f"draft step {step} received the target's features instead of the draft's own output"
     if fc_out is not None:
-        cands["target"] = fc_out.float()[-1:].expand(m, -1)
-        cands["fc_again"] = _tile_fc(ev, gold.float())
+        hyps.append(
+            h(
+                ev,
+                observed,
+                "FEEDBACK_TARGET_FEATURES",
+                "fc of the root's target features",
+                target_verdict,
+                target_fix,
+                fc_out.float()[-1:].expand(m, -1),
+            )
+        )
+        for how, cand in _fc_again(ev, gold.float()).items():
+            hyps.append(
+                h(
+                    ev,
+                    observed,
+                    "FC_REPEATED",
+                    f"fc again ({how})",
+                    f"draft step {step} applied fc again to the draft's own output ({how})",
+                    "apply fc only to the target's features at step 0",
+                    cand,
+                )
+            )
     pending = ev.g(T.NEXT_HIDDEN_IN, rnd - 1)
     if pending is not None:
         for i, seg in zip(ev.taps.layers, _segments(pending.float(), ev.taps.count, ev.H)):
-            cands[f"raw_tap{i}"] = seg[-1:].expand(m, -1)
-    name, errs = ev.best(cands, observed)
-    evidence = {"rel_err": errs, "step": step}
-    if name == "postnorm":
-        return [
-            Finding(
-                "FEEDBACK_POSTNORM",
-                stage,
-                f"draft step {step} received the normed output of step {step - 1} instead of its pre-norm output",
-                evidence,
-                "feed the layer's output before the final norm to the next step",
-                0.9,
-                rnd,
+            hyps.append(
+                h(
+                    ev,
+                    observed,
+                    "FEEDBACK_TARGET_FEATURES",
+                    f"raw tap {i} of the root",
+                    target_verdict,
+                    target_fix,
+                    seg[-1:].expand(m, -1),
+                )
             )
-        ]
-    if name is not None and (name == "target" or name.startswith("raw_tap")):
-        return [
-            Finding(
-                "FEEDBACK_TARGET_FEATURES",
-                stage,
-                f"draft step {step} received the target's features instead of the draft's own output",
-                evidence,
-                "after step 0, feed the draft's own pre-norm output, not the target's hidden states",
-                0.9,
-                rnd,
-            )
-        ]
-    if name == "fc_again":
-        return [
-            Finding(
-                "FC_REPEATED",
-                stage,
-                f"draft step {step} applied fc again to the draft's own output",
-                evidence,
-                "apply fc only to the target's features at step 0",
-                0.85,
-                rnd,
-            )
-        ]
-    return []
+    return judge(ev, stage, rnd, ev.compare(observed, gold), hyps, {"step": step})
+
+
+# -- positions ---------------------------------------------------------------------------------------------------
+# A hypothesis tested on top-k alone is tested on this many rounds after the first divergent one too.
+_TOPK_ROUNDS = 2
 
 
 class _Offset(Eagle3Proposer):
@@ -564,80 +1052,293 @@ class _CatchUpOffset(_Offset):
         return super().catch_up_positions(start, count) + self._shift()
 
 
-def diagnose_positions(ev: Evidence, rnd: int, stage: str, observed, step: int, trace_dir, tmp: Path):
-    """Re-run the replay with the draft's positions shifted and see whether the trace matches that instead."""
-    variants = []
+def _position_hypotheses(
+    ev: Evidence, rnd: int, stage: str, part: str | None, observed, step: int, trace_dir, tmp: Path
+) -> list[Hypothesis]:
+    """Re-run the replay with the draft's positions shifted; each variant's tensor at the first divergent stage (and
+    part: a top-k compares ids and log-probs) is what that offset would have produced there."""
+    out = []
     for cls, deltas in ((_TreeOffset, (1, -1, 2)), (_CatchUpOffset, (1, -1))):
         if step == 0 and cls is _TreeOffset:
             continue
+        tree = cls is _TreeOffset
         for d in deltas:
             # the first divergent round is where the offset starts (an earlier start would have shown earlier)
-            variants.append(
-                (type(f"{cls.__name__}{d}", (cls,), {"delta": d, "from_round": rnd}), d, cls is _TreeOffset)
-            )
-    errors = {}
-    for cls, d, tree in variants:
-        out = tmp / f"pos{'tree' if tree else 'catchup'}{d:+d}"
-        alt = T.load_trace(replay(ev.target, ev.loaded, trace_dir, out, proposer_cls=cls, until_round=rnd))
-        try:
-            cand = alt.get(stage, rnd)
-        except KeyError:
-            continue
-        m = ev.same(cand.float(), observed)
-        errors[f"{'tree' if tree else 'catch-up'} {d:+d}"] = m.rel_l2
-        if m.match:
+            variant = type(f"{cls.__name__}{d}", (cls,), {"delta": d, "from_round": rnd})
             where = f"tree step {step}" if tree else "the catch-up pass"
-            return [
-                Finding(
+            name = f"{'tree' if tree else 'catch-up'} {d:+d}"
+
+            def score(variant=variant, name=name) -> float | None:
+                path = tmp / f"pos-{name.replace(' ', '')}"
+                last = rnd + _TOPK_ROUNDS if T.parse_stage(stage)[0] == "draft.topk" else rnd
+                alt_dir = replay(ev.target, ev.loaded, trace_dir, path, proposer_cls=variant, until_round=last)
+                alt = T.load_trace(alt_dir)
+                if T.parse_stage(stage)[0] != "draft.topk":
+                    cand = golden_value(alt, stage, rnd, part)
+                    return None if cand is None else ev.compare(observed, cand.float()).score
+                # a few top-k rows say little: the offset must reproduce every later top-k of this and the next rounds
+                places = [
+                    (e.stage, e.round)
+                    for e in ev.trace.events
+                    if e.part == T.TOPK_IDS and rnd <= e.round <= last
+                    and (e.round > rnd or T.parse_stage(e.stage)[1] >= step)
+                ]  # fmt: skip
+                scores = []
+                for s, r in places:
+                    obs = ev.topk_obs(s, r)
+                    h = ev.head_rows(T.parse_stage(s)[1], r, obs[T.TOPK_IDS].shape[0], source=alt)
+                    scores.append(None if h is None else ev.head(h).compare(obs).score)
+                return _worst(scores)
+
+            out.append(
+                Hypothesis(
                     "POSITION_OFFSET",
-                    stage,
+                    name,
                     f"RoPE positions in {where} are offset by {d:+d}",
-                    {"rel_err": errors, "offset": d},
                     "draft step k uses position (feature position + k), continuing the committed cache",
-                    0.85,
-                    rnd,
+                    score,
+                    tier=2,
+                    evidence={"offset": d},
                 )
-            ]
-    return []
+            )
+    return out
 
 
-def diagnose_topk(ev: Evidence, rnd: int, stage: str, observed_ids) -> list[Finding]:
-    gold_ids = ev.g(stage, rnd, part=T.TOPK_IDS)
-    if gold_ids is None or not isinstance(observed_ids, torch.Tensor):
-        return []
-    # draft ids of the golden target ids: invert the offset map
-    t2d_rank = torch.cumsum(ev.draft.t2d.cpu().long(), 0) - 1
-    raw = t2d_rank[gold_ids.long()]
-    evidence = {
-        "observed_first": observed_ids.flatten()[:8].tolist(),
-        "expected_first": gold_ids.flatten()[:8].tolist(),
+# -- the draft's head: top-k ids and log-probs ------------------------------------------------------------------
+def _map_variants(ev: Evidence) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The draft→target id maps of engines that read d2t wrongly (each differs from the checkpoint's map)."""
+    d = ev.draft
+    d2t = d.d2t.detach().long().cpu()
+    n = d2t.shape[0]
+    maps: dict[str, Callable] = {
+        "d2t not applied (draft ids used as target ids)": lambda i: i.long().cpu(),
+        "d2t written as arange(draft_vocab) under the offset convention (target id = 2 x draft id)": lambda i: (
+            2 * i.long().cpu()
+        ),
+        "d2t applied twice": lambda i: i.long().cpu() + 2 * d2t[i.long().cpu()],
+        "the map read one row late": lambda i: (i.long().cpu() + 1) % n + d2t[(i.long().cpu() + 1) % n],
+        "the map read one row early": lambda i: (i.long().cpu() - 1) % n + d2t[(i.long().cpu() - 1) % n],
     }
-    if observed_ids.shape == raw.shape and torch.equal(observed_ids.long(), raw):
-        verdict = "draft token ids reached the target unmapped (d2t not applied)"
-    else:
-        verdict = "draft token ids map to different target ids than the checkpoint's d2t says"
-    return [
-        Finding(
-            "VOCAB_MAP",
-            stage,
-            verdict,
-            evidence,
-            "map draft ids with target_id = draft_id + d2t[draft_id]; ship d2t/t2d with the checkpoint",
-            0.9,
-            rnd,
+    clean = d.to_target_ids(torch.arange(n, device=d.d2t.device)).cpu()
+    return {k: f for k, f in maps.items() if not torch.equal(f(torch.arange(n)), clean)}
+
+
+def _tie_aware_pairs(head: Head, ids: torch.Tensor) -> tuple[list[tuple[int, int]], list[tuple[list[int], list[int]]]]:
+    """(draft id, the target id the trace gave it) for each top-k entry, and the entries no single draft id explains.
+    Candidates this head scores within its tolerance (a precision tie) may come in either order: within such a group
+    both sides are paired in sorted order, which an increasing map preserves. A group that ties with candidates the
+    top-k left out is ambiguous: its target ids came from some of those draft ids, which ones is open (returned as
+    (the draft ids in the tie, best first; the target ids))."""
+    K = ids.shape[1]
+    vals, draft = head.lp.topk(min(K + 1, head.lp.shape[-1]), dim=-1)
+    pairs, ambiguous = [], []
+    for r in range(ids.shape[0]):
+        v, d, t = vals[r].tolist(), draft[r].tolist(), ids[r].tolist()
+        start = 0
+        for j in range(1, K + 1):
+            if j < K and v[j - 1] - v[j] <= head.nats:
+                continue
+            if j == K and K < len(v) and v[K - 1] - v[K] <= head.nats:
+                # the group's last member ties with a candidate the top-k left out: every draft id that ties with it
+                # (best first; the first `start` are the groups above this one, apart by more than the tolerance)
+                tied = (head.lp[r] >= v[K - 1] - head.nats).nonzero().flatten()
+                tied = tied[head.lp[r][tied].argsort(descending=True)].tolist()[start:]
+                ambiguous.append((tied, t[start:K]))
+                break
+            pairs += list(zip(sorted(d[start:j]), sorted(t[start:j])))
+            start = j
+    return pairs, ambiguous
+
+
+def _increasing(f: dict[int, int]) -> bool:
+    order = sorted(f)
+    return len(set(f.values())) == len(f) and all(f[a] < f[b] for a, b in zip(order, order[1:]))
+
+
+def _resolve_ties(f: dict[int, int], ambiguous: list[tuple[list[int], list[int]]]) -> bool:
+    """Extend the map `f` (draft id → target id) with the tie groups' entries where the map allows it: a target id
+    the map already has must come from a draft id in the tie; each other one from a tied draft id the map has not
+    placed, the best-scored ones first, paired in sorted order (an increasing map keeps it). False when a group
+    cannot be placed so that the map stays one-to-one and increasing."""
+    for tied, targets in ambiguous:
+        inverse = {t: d for d, t in f.items()}
+        if any(t in inverse and inverse[t] not in tied for t in targets):
+            return False
+        new = sorted(t for t in targets if t not in inverse)
+        free = sorted([d for d in tied if d not in f][: len(new)])
+        if len(free) < len(new):
+            return False
+        f.update(zip(free, new))
+        if not _increasing(f):
+            return False
+    return True
+
+
+def _relabelling(ev: Evidence, stage: str, rnd: int, head: Head, obs: dict) -> Hypothesis | None:
+    """LM_HEAD_MAP_MISALIGNED: the log-probs are the draft's own, but its top-k reach the target as other tokens, and
+    consistently so: from this round on, each draft id always becomes the same target id, no two draft ids the same
+    one, in the draft ids' order (as a d2t built from another sorted hot-token list maps them: a map regenerated
+    after training, or an engine's own token map such as SGLang's --speculative-token-map), inside the target's
+    vocabulary."""
+    if obs.get(T.TOPK_IDS) is None:
+        return None
+    step = T.parse_stage(stage)[1]
+    seen: dict[int, list[int]] = {}  # draft id → the target ids the trace gave it
+    ties: list[tuple[list[int], list[int]]] = []  # entries that one of several tied draft ids explains
+    for r in sorted(ev.trace.rounds()):
+        o = obs if r == rnd else ev.topk_obs(stage, r)
+        ids = o.get(T.TOPK_IDS)
+        if r < rnd or ids is None or ids.dim() != 2:
+            continue
+        h = ev.head_rows(step, r, ids.shape[0])
+        if h is None:
+            continue
+        own = ev.head(h)
+        values = own.topk(ids.shape[1])[1]  # the draft's own best values, whichever tokens the map makes of them
+        if T.TOPK_LOGPROBS in o and not compare_rows(o[T.TOPK_LOGPROBS], values, own.nats, absolute=True).match:
+            continue  # another ranking than the draft's own: no evidence about the map
+        pairs, ambiguous = _tie_aware_pairs(own, ids.long())
+        for d, t in pairs:
+            seen.setdefault(d, []).append(t)
+        ties += ambiguous
+    f = {d: ts[0] for d, ts in seen.items() if len(set(ts)) == 1}
+    vocab = int(getattr(ev.target, "vocab_size", 0) or 0)
+    consistent = bool(f) and len(f) == len(seen) and _increasing(f)
+    # the tied entries are placed last, where the entries one draft id explains leave room for them
+    consistent = consistent and _resolve_ties(f, ties)
+    consistent = consistent and all(0 <= t and (not vocab or t < vocab) for t in f.values())
+
+    repeated = sum(len(ts) > 1 for ts in seen.values())
+
+    def to_target(i: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([f.get(int(x), -1) for x in i.flatten().tolist()], dtype=torch.long).view(i.shape)
+
+    relabelled = Head(head.lp, to_target, head.nats)
+    return Hypothesis(
+        "LM_HEAD_MAP_MISALIGNED",
+        "another valid vocabulary map",
+        f"the draft's own ranking reached the target through another vocabulary map than the checkpoint's d2t "
+        f"({len(seen)} draft ids seen, each always mapped to one target id, in order; {len(f) - len(seen)} more placed "
+        "among tied candidates): lm_head's rows were trained for "
+        "the checkpoint's hot tokens and are read as other tokens",
+        "serve the d2t/t2d the draft was trained with (the checkpoint's), not a regenerated hot-token map; if the map "
+        "must change, retrain lm_head with it",
+        lambda: relabelled.compare(obs).score if consistent else None,
+        tier=1,
+        evidence={"draft_ids_seen": len(seen), "placed_from_ties": len(f) - len(seen), "seen_more_than_once": repeated},
+        # fitted to what was seen: as sure as the draft ids that recurred with the same target id make it
+        max_confidence=0.6 + 0.35 * min(1.0, repeated / 5),
+    )
+
+
+def _head_events(ev: Evidence, stage: str, rnd: int) -> list[tuple[dict, torch.Tensor]]:
+    """(the trace's top-k parts, the golden step outputs behind them) at the first divergent top-k and at step 0's of
+    every round from there on. A head or map mistake acts on every top-k the engine computes; step 0's rows are the
+    same in the trace and the replay whatever the trees did (its inputs are the verified features and tokens), so
+    they test a hypothesis on more than the few rows of one stage."""
+    out, step = [], T.parse_stage(stage)[1]
+    places = [(stage, rnd)] + [(T.draft_topk(0), r) for r in sorted(ev.trace.rounds()) if r >= rnd]
+    for s, r in dict.fromkeys(places):
+        obs = ev.topk_obs(s, r)
+        if not obs:
+            continue
+        h = ev.head_rows(T.parse_stage(s)[1] if s != stage else step, r, next(iter(obs.values())).shape[0])
+        if h is not None:
+            out.append((obs, h))
+    return out
+
+
+def _worst(scores) -> float | None:
+    """The worst score of a hypothesis over several places (None if it could not be computed at one)."""
+    scores = list(scores)
+    return None if not scores or any(x is None for x in scores) else max(scores)
+
+
+def diagnose_topk(ev: Evidence, rnd: int, stage: str, trace_dir, tmp: Path) -> list[Finding]:
+    """Top-k ids or log-probs differ: the vocabulary map, the head (final norm, logit_scale), or a position offset
+    upstream, each re-run over the golden step outputs and compared at this stage (ids and log-probs together) and,
+    for the map and the head, at every later step 0 (`_head_events`)."""
+    step = T.parse_stage(stage)[1]
+    events = _head_events(ev, stage, rnd)
+    if not events:
+        return []
+    obs, h = events[0]
+    clean_head = ev.head(h)
+    clean = clean_head.compare(obs)
+    heads = [(o, ev.head(x)) for o, x in events]
+    hyps: list[Hypothesis] = []
+    map_fix = "map draft ids with target_id = draft_id + d2t[draft_id]; ship d2t/t2d with the checkpoint"
+    for name, f in _map_variants(ev).items():
+        hyps.append(
+            Hypothesis(
+                "VOCAB_MAP",
+                name,
+                f"draft token ids reached the target through a wrong map: {name}",
+                map_fix,
+                lambda f=f: _worst(Head(hd.lp, f, hd.nats).compare(o).score for o, hd in heads),
+            )
         )
-    ]
+    c = ev.draft.config
+    variants = {
+        "final norm skipped": (
+            "DRAFT_FINAL_NORM_SKIPPED",
+            "lm_head applied to the layer's output without the draft's final norm",
+            "apply the draft's norm (norm.weight) before lm_head",
+        )
+    }
+    if c.norm_output:
+        variants.pop("final norm skipped")  # its step output is already normed: there is no separate final norm
+    if c.logit_scale != 1.0:
+        variants["logit_scale not applied"] = (
+            "EAGLE31_IGNORED",
+            f"the draft's logits were not multiplied by its logit_scale ({c.logit_scale:g})",
+            "apply logit_scale from the draft's config.json to its logits (an engine version that implements it)",
+        )
+    for variant, (code, verdict, fix) in variants.items():
+        score = lambda v=variant: _worst(ev.head(x, v).compare(o).score for o, x in events)  # noqa: E731
+        hyps.append(Hypothesis(code, variant, verdict, fix, score, evidence={"places": len(events)}))
+    if (relabel := _relabelling(ev, stage, rnd, clean_head, obs)) is not None:
+        hyps.append(relabel)
+    hyps += _position_hypotheses(ev, rnd, stage, None, obs, step, trace_dir, tmp)
+    return judge(ev, stage, rnd, clean, hyps)
 
 
-# -- the walk ------------------------------------------------------------------------------------------
+# -- the walk ------------------------------------------------------------------------------------------------------
+def _observed_layout(ev: Evidence, e: T.TraceEvent, obs):
+    """The golden value of event `e` in the layout the trace recorded it in (None: not comparable)."""
+    gold = ev.g(e.stage, e.round, part=e.part)
+    family, step = T.parse_stage(e.stage)
+    if family == "draft.hidden_in" and step == 0 and gold is not None and obs.shape[-1] != gold.shape[-1]:
+        # an engine that fuses fc into the layer records step 0's nH-wide input: the features handed in
+        pending = ev.g(T.NEXT_HIDDEN_IN, e.round - 1)
+        if pending is not None and tuple(pending.shape) == tuple(obs.shape):
+            return pending
+    return gold
+
+
+def _compare_event(ev: Evidence, e: T.TraceEvent, obs, gold) -> Cmp:
+    family, step = T.parse_stage(e.stage)
+    if family == "draft.topk":
+        n = obs.shape[0] if len(obs.shape) else 0
+        h = ev.head_rows(step, e.round, n)
+        if h is None:
+            return _NO_SHAPE
+        return ev.head(h).compare(ev.topk_obs(e.stage, e.round), only=e.part)
+    if isinstance(gold, torch.Tensor) and not gold.is_floating_point():
+        same = isinstance(obs, torch.Tensor) and obs.shape == gold.shape and torch.equal(obs.long(), gold.long())
+        return Cmp(0.0, 0.0) if same else Cmp(2.0, 1.0)
+    return ev.compare(obs, gold)
+
+
 def diagnose_trace(
     target: Target,
     loaded: LoadedDraft,
     trace_dir: Path | str,
     golden_dir: Path | str | None = None,
-    tol: float = DEFAULT_TOL,
+    tol: float | None = None,
 ) -> tuple[list[Finding], dict]:
-    """Findings (most likely first) and context: stage_table, first_divergence, segment_norms."""
+    """Findings (most likely first) and context: stage_table, first_divergence, segment_norms. `tol`: the relative
+    tolerance of every comparison of hidden states (default: by the trace's precision, `precision_of`)."""
     try:
         trace = T.load_trace(trace_dir)
     except T.TraceError as e:
@@ -650,109 +1351,24 @@ def diagnose_trace(
         ev = Evidence(target, loaded, trace, golden, tol)
         table, first = [], None
         trace_keys = {(e.stage, e.round, e.part) for e in trace.events}
-        reordered: dict[int, int] = {}  # round -> first draft step whose frontier the traced run ordered otherwise
         for e in golden.events:
-            if e.stage.startswith(REPLAY_HS) or e.stage in FORCED or (e.stage, e.round, e.part) not in trace_keys:
+            if e.stage.startswith(REPLAY_PREFIX) or e.stage in FORCED or (e.stage, e.round, e.part) not in trace_keys:
                 continue
-            family, step = T.parse_stage(e.stage)
-            if family.startswith("draft.") and step is not None and step >= reordered.get(e.round, 1 << 30):
-                continue
-            gold = golden.get(e.stage, e.round, part=e.part) if e.part else golden.get(e.stage, e.round)
             obs = trace.get(e.stage, e.round, part=e.part) if e.part else trace.get(e.stage, e.round)
-            if isinstance(gold, torch.Tensor) and not gold.is_floating_point():
-                ok = isinstance(obs, torch.Tensor) and obs.shape == gold.shape and torch.equal(obs.long(), gold.long())
-                if not ok and e.part == T.TOPK_IDS:
-                    ok = _near_tie(ev, e.round, e.stage, obs, gold)
-                row = {"round": e.round, "stage": e.stage, "part": e.part, "rel_err": 0.0 if ok else 1.0, "match": ok}
-            elif e.part == T.TOPK_LOGPROBS and isinstance(obs, torch.Tensor) and obs.shape == gold.shape:
-                err = float((obs.float() - gold.float()).abs().max()) if obs.numel() else 0.0
-                row = {"round": e.round, "stage": e.stage, "part": e.part, "rel_err": err, "match": err <= TIE_NATS}
-            else:
-                c = _compare(obs, gold, e.segments, tol)
-                row = {"round": e.round, "stage": e.stage, "part": e.part, "rel_err": c["rel_l2"], "match": c["match"]}
-                if not row["match"] and family == "draft.embed_in" and step and _is_permutation(obs, gold, tol):
-                    # Exactly tied candidates (bf16) put the same frontier in another row order: this step and
-                    # the later ones of the round are not comparable row by row, and nothing is wrong.
-                    reordered[e.round] = step
-                    row["match"], row["note"] = True, "frontier reordered (tie)"
-            table.append(row)
-            if not row["match"] and first is None:
-                first = (e, obs)
+            gold = _observed_layout(ev, e, obs)
+            c = _compare_event(ev, e, obs, gold) if gold is not None else _NO_SHAPE
+            table.append({"round": e.round, "stage": e.stage, "part": e.part, "rel_err": c.err, "match": c.match})
+            if not c.match and first is None:
+                first = (e, obs, c)
         context = {"stage_table": table, "first_divergence": None, "segment_norms": _segment_norms(ev)}
         if first is None:
             return [], context
-        e, obs = first
+        e, obs, c = first
         context["first_divergence"] = {"round": e.round, "stage": e.stage, "part": e.part}
         findings = _explain(ev, e, obs, trace_dir, tmp)
     if not findings:
-        row = next(r for r in table if not r["match"])
-        findings = [
-            Finding(
-                "DIVERGENCE_UNEXPLAINED",
-                e.stage,
-                f"the trace first diverges from the golden replay at "
-                f"{e.stage} (round {e.round}); no named hypothesis explains it",
-                {"rel_err": row["rel_err"], "round": e.round},
-                "compare this stage's inputs and code path with eaglescope's reference",
-                0.5,
-                e.round,
-            )
-        ]
+        findings = [_unexplained(ev, e, c)]
     return rank(findings), context
-
-
-def _compare(obs, gold, segments: int, tol: float) -> dict:
-    """T.compare's rel_l2 and match; two full tensors are compared directly (no fingerprints: much faster)."""
-    if not (isinstance(obs, torch.Tensor) and isinstance(gold, torch.Tensor)):
-        c = T.compare(obs, gold, segments=segments, tol=tol)
-        return {"rel_l2": c["rel_l2"], "match": bool(c["match"])}
-    if obs.shape != gold.shape:
-        return {"rel_l2": None, "match": False}
-    a, b = T._rows(obs).double(), T._rows(gold).double()
-    rel = float(T._rel(a - b, b)) if a.numel() else 0.0
-    row_err = T._rel(a - b, b, dim=-1)
-    ratio = T._ratio(a.norm(dim=-1), b.norm(dim=-1))
-    ok = rel <= tol and bool((row_err <= tol).all()) and bool(((ratio - 1).abs() <= tol).all())
-    return {"rel_l2": rel, "match": ok}
-
-
-def _is_permutation(obs, gold, tol: float) -> bool:
-    """Rows of `obs` are the rows of `gold` in another order (each matched once, within tol)."""
-    if not isinstance(obs, torch.Tensor) or obs.shape != gold.shape or obs.dim() != 2:
-        return False
-    a, b = obs.double(), gold.double()
-    err = (a[:, None] - b[None]).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)[None]  # [n, n]
-    free = set(range(b.shape[0]))
-    for i in range(a.shape[0]):
-        j = next((j for j in sorted(free, key=lambda j: float(err[i, j])) if err[i, j] <= tol), None)
-        if j is None:
-            return False
-        free.discard(j)
-    return True
-
-
-def _near_tie(ev: Evidence, rnd: int, stage: str, obs, gold: torch.Tensor) -> bool:
-    """True when top-k ids differ only between candidates the replay itself scores within TIE_NATS:
-    a precision tie (the replay follows the traced run's choice afterwards), not a wiring fault."""
-    step = T.parse_stage(stage)[1]
-    h = ev.g(T.draft_hidden_out(step), rnd)
-    if step == 0 and h is not None:
-        h = h[-1:]  # step 0 runs over every pending position; only the root's row proposes
-    if not isinstance(obs, torch.Tensor) or obs.shape != gold.shape or h is None or h.shape[0] != obs.shape[0]:
-        return False
-    d = ev.draft
-    t2d = d.t2d.cpu()
-    rank = torch.cumsum(t2d.long(), 0) - 1
-    obs, gold = obs.long(), gold.long()
-    if int(obs.min()) < 0 or int(obs.max()) >= t2d.shape[0] or not bool(t2d[obs].all()):
-        return False
-    with torch.no_grad():
-        lp = torch.log_softmax(d.logits(h.to(d.fc.weight)).float(), dim=-1).cpu()  # [n, Vd]
-    d_obs, d_gold = rank[obs], rank[gold]
-    if not torch.equal(d.to_target_ids(d_obs.to(d.d2t.device)).cpu(), obs):
-        return False
-    gap = (lp.gather(-1, d_obs) - lp.gather(-1, d_gold)).abs()
-    return bool((gap[obs != gold] <= TIE_NATS).all())
 
 
 def _explain(ev: Evidence, e: T.TraceEvent, obs, trace_dir, tmp: Path) -> list[Finding]:
@@ -762,59 +1378,92 @@ def _explain(ev: Evidence, e: T.TraceEvent, obs, trace_dir, tmp: Path) -> list[F
         return diagnose_taps(ev, rnd, e.stage, obs)
     if e.stage == T.NEXT_HIDDEN_IN:
         return diagnose_stale(ev, rnd, e.stage, obs)
-    if e.stage == T.DRAFT_FC_OUT:
-        return (
-            diagnose_fc(ev, rnd, e.stage, obs)
-            or diagnose_eagle31(ev, rnd, e.stage, obs)
-            or diagnose_stale_fc(ev, rnd, e.stage, obs)
-        )
+    if e.stage == T.DRAFT_FC_OUT or (family == "draft.hidden_in" and idx == 0):
+        return diagnose_fc(ev, rnd, e.stage, obs)
     if family == "draft.embed_in":
         return diagnose_embed(ev, rnd, e.stage, obs, idx)
     if family == "draft.hidden_in":
-        if idx == 0:
-            return diagnose_fc(ev, rnd, e.stage, obs)
         return diagnose_feedback(ev, rnd, e.stage, obs, idx)
     if family == "draft.hidden_out":
-        return diagnose_positions(ev, rnd, e.stage, obs, idx, trace_dir, tmp)
+        gold = ev.g(e.stage, rnd)
+        if gold is None:
+            return []
+        hyps = _position_hypotheses(ev, rnd, e.stage, None, obs, idx, trace_dir, tmp)
+        return judge(ev, e.stage, rnd, ev.compare(obs, gold), hyps)
     if family == "draft.topk":
-        if e.part == T.TOPK_IDS:
-            return diagnose_topk(ev, rnd, e.stage, obs)
-        return (
-            diagnose_positions(
-                ev, rnd, T.draft_hidden_out(idx), ev.t(T.draft_hidden_out(idx), rnd), idx, trace_dir, tmp
-            )
-            if ev.t(T.draft_hidden_out(idx), rnd) is not None
-            else []
-        )
+        return diagnose_topk(ev, rnd, e.stage, trace_dir, tmp)
     return []
 
 
-def diagnose_stale_fc(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]:
-    """An engine that records no next.hidden_in shows stale features first at fc.out."""
-    aux = ev.g(T.TARGET_AUX, rnd - 1) if rnd > 1 else None
-    if aux is None:
-        return []
-    n = observed.shape[0]
-    with torch.no_grad():
-        w = ev.draft.fc.weight
-        cands = {
-            "all tree positions": ev.draft.project(aux.to(w)).float().cpu(),
-            "first rows in tree order": ev.draft.project(aux[:n].to(w)).float().cpu(),
-        }
-    name, errs = ev.best(cands, observed)
-    if name is None:
-        return []
-    return [
-        Finding(
-            "STALE_ACCEPTED",
-            stage,
-            f"the draft's features are fc of the {name}, not of the accepted positions",
-            {"rel_err": errs},
-            "feed hidden_states[accepted_indices] to the next draft pass",
-            0.85,
-            rnd,
+# Stages upstream of each draft stage, in pipeline order: what a trace needs to say where a divergence starts.
+def _upstream(ev: Evidence, e: T.TraceEvent) -> list[str]:
+    """Canonical stages of the same round that come before `e` in the replay and that the trace did not record (and
+    for a round's first draft stage, the previous round's next.hidden_in)."""
+    missing = []
+    for g in ev.golden.events:
+        if g.round == e.round and (g.stage, g.part) == (e.stage, e.part):
+            break
+        if g.round != e.round or g.stage in FORCED or g.stage.startswith(REPLAY_PREFIX):
+            continue
+        if not T.is_canonical(g.stage) or g.stage.startswith("target.tap"):
+            continue
+        if not ev.has(g.stage, g.round) and g.stage not in missing:
+            missing.append(g.stage)
+    if e.stage.startswith("draft.") and e.round > 0 and not ev.has(T.NEXT_HIDDEN_IN, e.round - 1):
+        missing.insert(0, f"{T.NEXT_HIDDEN_IN} (round {e.round - 1})")
+    return missing
+
+
+def _unexplained_finding(stage: str, rnd: int, verdict: str, evidence: dict, fix: str) -> Finding:
+    return Finding("DIVERGENCE_UNEXPLAINED", stage, verdict, evidence, fix, 0.5, rnd)
+
+
+def _unexplained(ev: Evidence, e: T.TraceEvent, c: Cmp) -> Finding:
+    """The first divergence with its evidence: which stage, which rows, by how much, and what the trace lacks."""
+    where = e.stage + (f"/{e.part}" if e.part else "")
+    rows = c.bad_rows
+    unit = "nats" if e.part == T.TOPK_LOGPROBS else "share of ids" if e.part == T.TOPK_IDS else "relative L2"
+    total = len(c.row_err) or "?"
+    if c.err is None:
+        how = "the shapes differ"
+    elif rows:
+        worst = max((c.row_err[r] for r in rows if r < len(c.row_err)), default=None)
+        how = f"rows {rows[:8]}{' …' if len(rows) > 8 else ''} of {total} differ" + (
+            f" (worst {worst:.3g})" if worst is not None else ""
         )
-    ]
+        how += f", overall {c.err:.3g} {unit}"
+    else:
+        how = f"no row alone is beyond tolerance, all {total} together differ by {c.err:.3g} {unit}"
+    missing = _upstream(ev, e)
+    need = (
+        f"; the trace does not record {', '.join(missing)}, so the divergence may start there: record them (full or "
+        "fingerprint) to locate it, and to tell a fault in the draft's layer from one in its head"
+        if missing
+        else ""
+    )
+    evidence = {
+        "stage": e.stage,
+        "part": e.part,
+        "round": e.round,
+        "rel_err": c.err,
+        "unit": unit,
+        "rows": rows[:32],
+        "row_err": [c.row_err[r] for r in rows[:32] if r < len(c.row_err)],
+        "rows_total": len(c.row_err) or None,
+        "missing_stages": missing,
+        "tried": ev.tried,
+    }
+    closest = min(((v, k) for k, v in ev.tried.items() if v is not None), default=None)
+    if closest is not None:
+        how += f"; {len(ev.tried)} hypotheses tried, the closest ({closest[1]}) at {closest[0]:.3g}x the tolerance"
+    return _unexplained_finding(
+        e.stage,
+        e.round,
+        f"the trace first diverges from the golden replay at {where} (round {e.round}): {how}; no named hypothesis "
+        f"reproduces it{need}",
+        evidence,
+        "compare this stage's inputs and code path with eaglescope's reference",
+    )
 
 
 def _segment_norms(ev: Evidence) -> dict | None:

@@ -30,6 +30,9 @@ CODES: dict[str, str] = {
     "SHIFT_OFF_BY_ONE": "draft inputs pair token t with features of the wrong position (loss mask / shift off by one)",
     "EMBEDDING_MISMATCH": "the draft's token embedding differs from the target's",
     "VOCAB_MAP": "the draft→target vocabulary map (d2t) is missing, identity on a reduced vocabulary, or invalid",
+    "LM_HEAD_MAP_MISALIGNED": "the draft's lm_head rows are read through another valid vocabulary map than the one "
+    "they were trained with (a regenerated d2t / hot-token map)",
+    "DRAFT_FINAL_NORM_SKIPPED": "the draft's lm_head is applied to the layer's output without the draft's final norm",
     "EAGLE31_NORM": "an EAGLE 3.1 norm before fc (norm_before_fc, fc_norm) was skipped, added, or applied in the "
     "other form than the draft was trained with",
     "EAGLE31_IGNORED": "the serving engine ignores one of the draft's EAGLE 3.1 options (or another layer option)",

@@ -8,11 +8,15 @@ A stage where the trace and the replay disagree is therefore a wiring difference
 path (nor a near-tie that another precision broke the other way).
 
 Besides the canonical stages the replay records, per target forward, every hidden state
-`replay.hs.<i>` (i = 0..L-1): what the diagnoses need to say *which* tensor an engine tapped.
+`replay.hs.<i>` (i = 0..L-1) and the final normed state `replay.final` (what lm_head reads): what the
+diagnoses need to say *which* tensor an engine tapped. Per tree step k >= 1 it records
+`replay.step<k>.trace_rows`: for each of its frontier rows, the trace's row holding the same tree node. Engines
+order a frontier as they like (best first, creation order); rows are matched by content, not position.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -21,7 +25,7 @@ from eaglescope import trace as T
 from eaglescope.decode.generation import SamplingConfig, check_prompt
 from eaglescope.decode.loop import ReferenceRunner, decode
 from eaglescope.decode.speculative import Eagle3Proposer, parse_tree_shape, target_embedding
-from eaglescope.decode.tree import DraftTree
+from eaglescope.decode.tree import EAGLE_DEFAULT_TREE, DraftTree
 from eaglescope.decode.verify import VerifyResult
 from eaglescope.draft import LoadedDraft
 from eaglescope.errors import EagleScopeError
@@ -29,39 +33,132 @@ from eaglescope.taps import TapContract
 from eaglescope.target.base import Target, TargetOutput
 
 REPLAY_HS = "replay.hs"  # replay.hs.<i>: hidden state i of every target forward (all layers)
+REPLAY_FINAL = "replay.final"  # the target's final normed state (lm_head's input) of every target forward
+REPLAY_PREFIX = "replay."  # every replay-only stage: never compared with the trace
 
 
 def replay_hs(i: int) -> str:
     return f"{REPLAY_HS}.{i}"
 
 
-def _tree_shape(settings: dict) -> tuple[int, int, int]:
-    chain = settings.get("chain")
-    tree = settings.get("tree")
-    if isinstance(tree, (list, tuple)):
+def replay_rows(k: int) -> str:
+    """[n] int64: for each replay row of tree step k, the index of the trace's row that holds the same node."""
+    return f"replay.step{int(k)}.trace_rows"
+
+
+# -- the tree shape ----------------------------------------------------------------------------------------------
+def _shape_of(chain, tree) -> tuple[int, int, int]:
+    if isinstance(tree, dict):  # docs/trace-format.md's form: {"depth", "topk", "total_tokens"}
+        tree = f"{tree['depth']},{tree['topk']},{tree['total_tokens']}"
+    elif isinstance(tree, (list, tuple)):
         tree = ",".join(str(x) for x in tree)
     return parse_tree_shape(int(chain) if chain is not None else None, tree)
 
 
+def tree_shape(meta: dict, trace: T.Trace | None = None) -> tuple[int, int, int]:
+    """(depth, top_k, total_tokens) of the traced run: `meta.settings` (eaglescope's own traces: chain and tree both
+    null mean its default tree), else `meta.decoding` (the format's manifest example), else what the trace's stages
+    show (the deepest draft step, the width of its top-k, the largest verified tree)."""
+    settings = meta.get("settings")
+    if isinstance(settings, dict) and ("chain" in settings or "tree" in settings):
+        return _shape_of(settings.get("chain"), settings.get("tree"))
+    decoding = meta.get("decoding")
+    if isinstance(decoding, dict) and (decoding.get("chain") is not None or decoding.get("tree") is not None):
+        return _shape_of(decoding.get("chain"), decoding.get("tree"))
+    if trace is not None and (shape := _shape_from_stages(trace)) is not None:
+        return shape
+    return EAGLE_DEFAULT_TREE
+
+
+def _shape_from_stages(trace: T.Trace) -> tuple[int, int, int] | None:
+    steps = [k for s in trace.stages() if (k := T.parse_stage(s)[1]) is not None and s.startswith("draft.")]
+    widths = [ev.shape[-1] for ev in trace.events if ev.part == T.TOPK_IDS and len(ev.shape) == 2]
+    nodes = [int(math.prod(ev.shape)) for ev in trace.events if ev.stage == T.VERIFY_TOKENS]
+    if not steps or not widths or not nodes:
+        return None
+    depth, top_k, total = max(steps) + 1, max(widths), max(nodes)
+    return (depth, 1, depth + 1) if top_k == 1 else (depth, top_k, max(total, 2))
+
+
+# -- rows compared by content -----------------------------------------------------------------------------------------
+def comparable_rows(x: torch.Tensor | T.Fingerprint, like: torch.Tensor | T.Fingerprint) -> torch.Tensor:
+    """`x` as rows [R, D'] that can be subtracted from `like`'s: raw rows when neither is a fingerprint, else the
+    fingerprints' per-segment projections [R, S*16] (a tensor is fingerprinted with the other side's segments and
+    seed). ||row difference|| then estimates the true one (exactly, or by Johnson-Lindenstrauss)."""
+    ref = x if isinstance(x, T.Fingerprint) else like if isinstance(like, T.Fingerprint) else None
+    if ref is None:
+        return T._rows(x).double()
+    fp = x if isinstance(x, T.Fingerprint) else T.fingerprint(x, ref.segments, ref.seed)
+    return fp.proj.double().reshape(fp.rows, -1)
+
+
+def row_norms(x: torch.Tensor | T.Fingerprint) -> torch.Tensor:
+    """Exact row norms [R] (a fingerprint stores them)."""
+    return x.row_norm.double() if isinstance(x, T.Fingerprint) else T._rows(x).double().norm(dim=-1)
+
+
+def pairwise_row_errors(trace_value: torch.Tensor | T.Fingerprint, own: torch.Tensor) -> torch.Tensor | None:
+    """[n_trace, n_own]: ||trace row r - own row j|| / ||own row j|| (None when the widths differ)."""
+    if tuple(trace_value.shape[-1:]) != tuple(own.shape[-1:]):
+        return None
+    a, b = comparable_rows(trace_value, own), comparable_rows(own, trace_value)
+    return torch.cdist(a, b) / row_norms(own).clamp_min(1e-30)[None, :]
+
+
+def match_rows(trace_rows: dict[str, torch.Tensor | T.Fingerprint], own_rows: dict[str, torch.Tensor]) -> list[int]:
+    """For each own row j of one tree step, the trace row r that holds the same node: the assignment of least total
+    cost over the signals both sides recorded (the token's embedding, the parent's features, the step's output, its
+    top-k ids and log-probs), each a row error clipped at 1. Greedy from the cheapest pair (ties: the same index),
+    which is the optimum when the right pairs are far cheaper than the wrong ones, as for the same node recomputed."""
+    n = next(iter(own_rows.values())).shape[0] if own_rows else 0
+    identity = list(range(n))
+    cost = torch.zeros(n, n, dtype=torch.float64)
+    used = 0
+    for stage, own in own_rows.items():
+        obs = trace_rows.get(stage)
+        if obs is None or obs.shape[0] != n:
+            continue
+        if not own.is_floating_point():  # top-k ids: the share of ids two rows do not have in common
+            o, t = own.long(), obs.long()
+            same = (t[:, None, :, None] == o[None, :, None, :]).any(-1).double().mean(-1)
+            cost += 1.0 - same
+        else:
+            err = pairwise_row_errors(obs, own)
+            if err is None:
+                continue
+            cost += err.clamp(max=1.0)
+        used += 1
+    if not used or n < 2:
+        return identity
+    order = sorted((float(cost[r, j]), r != j, r, j) for r in range(n) for j in range(n))
+    pairing, taken = [-1] * n, set()
+    for _, _, r, j in order:
+        if pairing[j] < 0 and r not in taken:
+            pairing[j] = r
+            taken.add(r)
+    # Take the pairing only where it is clearly better than the recorded order on the rows it moves (half the cost or
+    # less): under a fault every pairing is about as bad, and the rows are then compared in the engine's order.
+    moved = [j for j in range(n) if pairing[j] != j]
+    ours = sum(float(cost[pairing[j], j]) for j in moved)
+    theirs = sum(float(cost[j, j]) for j in moved)
+    return pairing if moved and ours <= 0.5 * theirs else identity
+
+
+# -- following the trace -------------------------------------------------------------------------------------------
 class _Forced:
     """The trace's target-side decisions, round by round."""
 
     def __init__(self, trace: T.Trace) -> None:
         self.trace = trace
+        self._idx = {(e.stage, e.round) for e in trace.events}
 
     def get(self, stage: str, rnd: int) -> torch.Tensor | None:
-        if (stage, rnd) not in self._index:
+        if (stage, rnd) not in self._idx:
             return None
         obj = self.trace.get(stage, rnd)
         if not isinstance(obj, torch.Tensor):
             raise EagleScopeError(f"trace stage {stage} (round {rnd}) must be stored in full to be replayed")
         return obj
-
-    @property
-    def _index(self) -> set[tuple[str, int]]:
-        if not hasattr(self, "_idx"):
-            self._idx = {(e.stage, e.round) for e in self.trace.events}
-        return self._idx
 
 
 def _following(proposer_cls: type[Eagle3Proposer], trace: T.Trace) -> type[Eagle3Proposer]:
@@ -69,51 +166,141 @@ def _following(proposer_cls: type[Eagle3Proposer], trace: T.Trace) -> type[Eagle
 
     A near-tie between draft candidates can go either way in another precision (bf16 against this float32
     replay); the traced run's choice decides which tokens the next draft step sees, so the replay follows
-    it (its logprobs, or failing those its ids) to keep comparing like with like. Ids that are not valid
-    outputs of the draft's vocabulary map (a VOCAB_MAP fault) are not followed: the replay keeps its own.
+    it (its logprobs, or failing those its ids in their recorded rank order) to keep comparing like with like. Ids
+    that are not valid outputs of the draft's vocabulary map (a VOCAB_MAP fault) are not followed: the replay keeps
+    its own. A tree step's rows are paired with the trace's by content (`match_rows`), so each node follows the
+    trace's choice for that node whatever order the engine keeps its frontier in; and where the trace shows which
+    candidates it expanded next (the next step's embeddings and parent features), the replay expands those, so a
+    near-tie between candidates of different rows cannot pick another frontier either.
     """
+    index = {(e.stage, e.round, e.part) for e in trace.events}
 
-    def _record_topk(self, step: int, lp: torch.Tensor) -> None:
-        proposer_cls._record_topk(self, step, lp)
-        rnd = self.rec.round if self.rec is not None else None
-        key = (T.draft_topk(step - 1), rnd)
-        if key not in index:
-            return
-        ids = trace.get(key[0], rnd, part=T.TOPK_IDS)
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != lp.shape[0]:
-            return
-        t2d = self.draft.t2d
-        ids = ids.long().to(lp.device)
-        if int(ids.min()) < 0 or int(ids.max()) >= t2d.shape[0] or not bool(t2d[ids].all()):
-            return
-        draft_ids = (torch.cumsum(t2d.long(), 0) - 1)[ids]
-        if not torch.equal(self.to_target_ids(draft_ids), ids):
-            return
-        try:
-            vals = trace.get(key[0], rnd, part=T.TOPK_LOGPROBS)
-        except KeyError:
-            vals = None
-        if not isinstance(vals, torch.Tensor) or vals.shape != ids.shape:
-            vals = lp.gather(-1, draft_ids)  # fingerprinted logprobs: the replay's own values of those ids
-        # The caller expands the tree from `lp` right after recording it: make it the traced run's choice.
-        # Exact ties (bf16 logits round to equal values) would leave the child order to topk's tie-breaking:
-        # a nudge far below any real gap keeps the recorded rank order.
-        vals = vals.to(lp) - 1e-6 * torch.arange(vals.shape[-1], device=lp.device, dtype=lp.dtype)
-        forced = torch.full_like(lp, -torch.inf)
-        forced.scatter_(-1, draft_ids, vals)
-        lp.copy_(forced)
+    def value(stage: str, rnd: int, part: str | None = None):
+        if (stage, rnd, part) not in index:
+            return None
+        return trace.get(stage, rnd, part=part) if part else trace.get(stage, rnd)
 
-    index = {(e.stage, e.round) for e in trace.events}
-    return type(f"Following{proposer_cls.__name__}", (proposer_cls,), {"_record_topk": _record_topk})
+    class Following(proposer_cls):
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw)
+            self._own_rows: dict[str, torch.Tensor] = {}  # this step's tensors, to pair its rows with the trace's
+
+        def _record(self, stage: str, tensor: torch.Tensor, **kw) -> None:
+            super()._record(stage, tensor, **kw)
+            self._own_rows[stage] = tensor
+
+        def _record_topk(self, step: int, lp: torch.Tensor) -> None:
+            k = step - 1
+            rnd = self.rec.round if self.rec is not None else None
+            ids = value(T.draft_topk(k), rnd, T.TOPK_IDS)
+            ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+            own, self._own_rows = self._own_rows, {}
+            rows = list(range(lp.shape[0]))  # own row j of `lp` follows the trace's row rows[j]
+            h0 = own.get(T.draft_hidden_out(0))
+            if k == 0 and ids is not None and h0 is not None and ids.shape[0] == h0.shape[0] > lp.shape[0]:
+                # the trace keeps step 0's top-k of every row (docs/trace-format.md allows both): so does the replay
+                super()._record_topk(step, self._logprobs(h0))
+                rows = [ids.shape[0] - 1]  # the last row (the root's) proposes
+            else:
+                super()._record_topk(step, lp)
+            if k > 0:
+                rows = self._pair_rows(k, rnd, lp, ids, own)
+                self.rec.record(replay_rows(k), torch.tensor(rows, dtype=torch.long))
+            if ids is not None and max(rows) < ids.shape[0] and (k == 0 or ids.shape[0] == lp.shape[0]):
+                self._force(lp, k, rnd, ids.long()[torch.tensor(rows)].to(lp.device), rows, own)
+
+        def _pair_rows(self, k: int, rnd: int, lp: torch.Tensor, ids, own: dict) -> list[int]:
+            mine = {s: own[s] for s in (T.draft_embed_in(k), T.draft_hidden_in(k), T.draft_hidden_out(k)) if s in own}
+            theirs = {s: v for s in mine if (v := value(s, rnd)) is not None}
+            top = lp.topk(min(self.top_k, lp.shape[-1]), dim=-1)
+            if ids is not None:
+                mine[T.TOPK_IDS], theirs[T.TOPK_IDS] = self.to_target_ids(top.indices), ids
+            if (vals := value(T.draft_topk(k), rnd, T.TOPK_LOGPROBS)) is not None:
+                mine[T.TOPK_LOGPROBS], theirs[T.TOPK_LOGPROBS] = top.values, vals
+            return match_rows(theirs, mine) if mine else list(range(lp.shape[0]))
+
+        def _force(self, lp: torch.Tensor, k: int, rnd: int, ids: torch.Tensor, rows: list[int], own: dict) -> None:
+            """Make `lp` (the caller expands the tree from it right after) the traced run's choice for these rows."""
+            t2d = self.draft.t2d
+            if int(ids.min()) < 0 or int(ids.max()) >= t2d.shape[0] or not bool(t2d[ids].all()):
+                return
+            draft_ids = (torch.cumsum(t2d.long(), 0) - 1)[ids]
+            if not torch.equal(self.to_target_ids(draft_ids), ids):
+                return
+            vals = value(T.draft_topk(k), rnd, T.TOPK_LOGPROBS)
+            if isinstance(vals, torch.Tensor) and vals.dim() == 2 and vals.shape[0] > max(rows):
+                vals = vals[torch.tensor(rows)]
+            if not isinstance(vals, torch.Tensor) or vals.shape != ids.shape:
+                # fingerprinted log-probs: the replay's own values of those ids, put in the trace's rank order (a bf16
+                # near-tie may rank them the other way here)
+                vals = lp.gather(-1, draft_ids).sort(dim=-1, descending=True).values
+            # Exact ties (bf16 logits round to equal values) would leave the child order to topk's tie-breaking:
+            # a nudge far below any real gap keeps the recorded rank order.
+            vals = vals.to(lp) - 1e-6 * torch.arange(vals.shape[-1], device=lp.device, dtype=lp.dtype)
+            if k > 0 and (chosen := self._expanded_next(k, rnd, draft_ids, own)) is not None:
+                # candidates the traced run did not expand next: far below every one it did
+                vals = torch.where(chosen, vals, vals - 1e4)
+            forced = torch.full_like(lp, -torch.inf)
+            forced.scatter_(-1, draft_ids, vals)
+            lp.copy_(forced)
+
+        def _expanded_next(self, k: int, rnd: int, draft_ids: torch.Tensor, own: dict) -> torch.Tensor | None:
+            """[n, K] bool: which of this step's candidates (own row j, its child draft_ids[j, i]) the trace's step k+1
+            rows hold, told by their embedding and their parent's features; None when the trace does not show it."""
+            emb, parent = value(T.draft_embed_in(k + 1), rnd), value(T.draft_hidden_in(k + 1), rnd)
+            out = own.get(T.draft_hidden_out(k))
+            if out is None or (emb is None and parent is None):
+                return None
+            n, K = draft_ids.shape
+            cost = torch.zeros(0)
+            with torch.inference_mode():
+                cand_emb = self.embed(self.to_target_ids(draft_ids.flatten()))  # [n*K, H]
+            cand_parent = out.repeat_interleave(K, dim=0)
+            for theirs, mine in ((emb, cand_emb), (parent, cand_parent)):
+                if theirs is None:
+                    continue
+                err = pairwise_row_errors(theirs, mine)
+                if err is None:
+                    return None
+                cost = err.clamp(max=1.0) if cost.numel() == 0 else cost + err.clamp(max=1.0)
+            best = cost.min(dim=-1)
+            picked = best.indices.tolist()
+            # every next-step row must be one candidate, clearly (the wrong ones are a token or a parent away)
+            if len(set(picked)) != len(picked) or float(best.values.max()) > 0.5:
+                return None
+            chosen = torch.zeros(n * K, dtype=torch.bool)
+            chosen[best.indices] = True
+            return chosen.view(n, K).to(draft_ids.device)
+
+    Following.__name__ = Following.__qualname__ = f"Following{proposer_cls.__name__}"
+    return Following
+
+
+def _output_head(target: Target) -> torch.nn.Module | None:
+    """The module that turns the final normed state into logits (transformers' output embedding, or lm_head)."""
+    model = getattr(target, "model", None)
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, torch.nn.Module) else getattr(model, "lm_head", None)
 
 
 def _all_layer_forward(target: Target, all_taps: TapContract, contract: TapContract, fn) -> tuple[TargetOutput, dict]:
-    """Run `fn()` with every layer tapped; return the output with the contract's aux, and all hidden states."""
+    """Run `fn()` with every layer tapped; return the output with the contract's aux, and all hidden states
+    (key REPLAY_FINAL: the final normed state, read where lm_head receives it)."""
+    final: list[torch.Tensor] = []
+    head = _output_head(target)
+    hook = head.register_forward_pre_hook(lambda m, args: final.append(args[0])) if head is not None else None
     target.set_taps(all_taps)
-    out = fn()
-    target.set_taps(contract)
+    try:
+        out = fn()
+    finally:
+        target.set_taps(contract)
+        if hook is not None:
+            hook.remove()
     H = target.hidden_size
-    hs = {i: out.aux[:, i * H : (i + 1) * H] for i in all_taps.layers}
+    hs: dict = {i: out.aux[:, i * H : (i + 1) * H] for i in all_taps.layers}
+    if final and final[-1].shape[-1] == H:
+        hs[REPLAY_FINAL] = final[-1].reshape(-1, H)
     aux = torch.cat([hs[i] for i in contract.layers], dim=-1)
     return TargetOutput(out.logits, aux), hs
 
@@ -140,7 +327,7 @@ class _ReplayRunner(ReferenceRunner):
     def _record_target(self, out: TargetOutput) -> None:
         super()._record_target(out)
         for i, h in self._hs.items():
-            self.rec.record(replay_hs(i), h)
+            self.rec.record(REPLAY_FINAL if i == REPLAY_FINAL else replay_hs(i), h)
 
     def first_token(self, prefill: TargetOutput) -> int:
         bonus = self.forced.get(T.VERIFY_BONUS, 0)
@@ -193,8 +380,7 @@ def replay(
         check_prompt(target, prompt_ids, 1)
     except EagleScopeError as e:
         raise EagleScopeError(f"trace {trace_dir} cannot be replayed on this target: {e}") from None
-    settings = meta.get("settings") or {}
-    depth, top_k, total = _tree_shape(settings)
+    depth, top_k, total = tree_shape(meta, trace)
     contract = loaded.contract.taps
     if contract.num_layers != target.num_layers:
         raise EagleScopeError(

@@ -298,6 +298,17 @@ FAULT_CASES: list[Case] = [
         run=dict(CHAIN),
     ),
     *_fault("fc_norm_as_one", "fc_norm_as_one", ["EAGLE31_NORM"], "draft.fc.out", 1, setup="fcn"),
+    *_fault(
+        "norm_before_fc_per_segment",
+        "norm_before_fc_per_segment",
+        ["EAGLE31_NORM"],
+        "draft.fc.out",
+        1,
+        setup="nbf",
+    ),
+    *_fault("norm_before_fc_assumed", "norm_before_fc_assumed", ["EAGLE31_NORM"], "draft.fc.out", 1),
+    *_fault("fc_norm_ignored", "fc_norm_ignored", ["EAGLE31_NORM"], "draft.fc.out", 1, setup="fcn"),
+    *_fault("fc_norm_assumed-12layers", "fc_norm_assumed", ["EAGLE31_NORM"], "draft.fc.out", 1, setup="b"),
     # norm_output read either way: the logits are the same, what the next step receives is not
     *_fault(
         "norm_output_other_meaning",

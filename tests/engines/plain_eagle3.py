@@ -98,6 +98,12 @@ FAULTS: dict[str, str] = {
     "32226 / PR 32334)",
     "fc_norm_as_one": "fc_norm applied as one RMSNorm over the whole concatenated taps (the segments' weights side by "
     "side) instead of one per tap segment",
+    "norm_before_fc_per_segment": "norm_before_fc applied as one RMSNorm per tap segment (input_norm's weight cut in "
+    "tap-wide pieces) instead of one over the whole concatenated taps",
+    "norm_before_fc_assumed": "a draft without norm_before_fc served with one: a fresh RMSNorm (unit weight) over the "
+    "concatenated taps before fc",
+    "fc_norm_ignored": "the draft's fc_norm ignored: fc reads the taps without their per-segment norms",
+    "fc_norm_assumed": "a draft without fc_norm served with one: fresh RMSNorms (unit weight) per tap segment",
     "norm_output_other_meaning": "norm_output read as 'norm before lm_head' (an older SpecForge's meaning): the next "
     "step receives the pre-norm output",
     "norm_output_assumed": "a draft without norm_output served as if it had it: the next step receives the post-norm "
@@ -337,15 +343,27 @@ class PlainEagle3:
         if self.on("fc_skipped"):
             return feats[:, -H:]
         w, d = self.d.w, self.d
-        if d.norm_before_fc and not self.on("norm_before_fc_ignored"):
+        n = feats.shape[-1] // H
+        ones = torch.ones(H, dtype=feats.dtype)
+
+        def per_segment(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([rms_norm(x[:, i * H : (i + 1) * H], weights[i], self.eps) for i in range(n)], -1)
+
+        if d.norm_before_fc and self.on("norm_before_fc_per_segment"):
+            feats = per_segment(feats, list(w["input_norm.weight"].split(H)))
+        elif d.norm_before_fc and not self.on("norm_before_fc_ignored"):
             feats = rms_norm(feats, w["input_norm.weight"], self.eps)
-        if d.fc_norm:
-            n = feats.shape[-1] // H
+        elif not d.norm_before_fc and self.on("norm_before_fc_assumed"):
+            feats = rms_norm(feats, ones.repeat(n), self.eps)
+        if d.fc_norm and not self.on("fc_norm_ignored"):
             weights = [w[f"fc_norm.{i}.weight"] for i in range(n)]
-            if self.on("fc_norm_as_one"):
-                feats = rms_norm(feats, torch.cat(weights), self.eps)
-            else:
-                feats = torch.cat([rms_norm(feats[:, i * H : (i + 1) * H], weights[i], self.eps) for i in range(n)], -1)
+            feats = (
+                rms_norm(feats, torch.cat(weights), self.eps)
+                if self.on("fc_norm_as_one")
+                else per_segment(feats, weights)
+            )
+        elif not d.fc_norm and self.on("fc_norm_assumed"):
+            feats = per_segment(feats, [ones] * n)
         return feats @ w["fc.weight"].T
 
     def embed(self, target_ids: torch.Tensor) -> torch.Tensor:

@@ -663,6 +663,13 @@ def _fc_variants(d, aux: torch.Tensor) -> dict[str, torch.Tensor]:
 
         if d.input_norm is not None:
             out["norm_before_fc skipped"] = x if d.fc_norm is None else per_segment(x)
+            # the one RMSNorm over all taps applied per tap segment, its weight cut in tap-wide pieces
+            parts = [
+                (s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + d.input_norm.eps)).to(x.dtype) * w
+                for s, w in zip(segs, d.input_norm.weight.chunk(c.num_aux))
+            ]
+            each = torch.cat(parts, -1)
+            out["norm_before_fc applied per tap segment"] = each if d.fc_norm is None else per_segment(each)
         if d.fc_norm is not None:
             out["fc_norm skipped"] = x if d.input_norm is None else d.input_norm(x)
             # one RMSNorm over the whole 3H with the segments' weights side by side, instead of one per segment

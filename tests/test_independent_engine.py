@@ -139,6 +139,8 @@ LOSSLESS = [
     ("creation-order-tree", "a", {"frontier": "creation"}, dict(TREE)),
     ("12layers-tree", "b", {}, dict(TREE)),
     ("12layers-chain", "b", {}, dict(CHAIN)),
+    ("eagle31-norm-before-fc-tree", "nbf", {}, dict(TREE)),
+    ("eagle31-fc-norm-output-chain", "fcn", {}, dict(CHAIN)),
 ]
 
 

@@ -32,7 +32,8 @@ class Setup:
 
 def build_setups(root: Path) -> dict[str, Setup]:
     """a: 8 layers x 64; b: 12 layers x 96 (6 heads, 3 kv heads); ls: a's target, a draft with logit_scale 2; id: a's
-    target, a draft over the whole vocabulary (its d2t is the identity)."""
+    target, a draft over the whole vocabulary (its d2t is the identity); nbf: a's target, an EAGLE 3.1 draft with
+    norm_before_fc; fcn: a's target, an EAGLE 3.1 draft with fc_norm and norm_output."""
     root = Path(root)
     ta = make_target(root / "target-a", seed=0)
     tb = make_target(
@@ -52,6 +53,8 @@ def build_setups(root: Path) -> dict[str, Setup]:
         "b": Setup(tb, make_draft(root / "draft-b", tb, seed=1, draft_vocab_size=64), pb, gb),
         "ls": Setup(ta, make_draft(root / "draft-ls", ta, seed=2, logit_scale=2.0), pa, ga),
         "id": Setup(ta, make_draft(root / "draft-id", ta, seed=3, draft_vocab_size=96), pa, ga),
+        "nbf": Setup(ta, make_draft(root / "draft-nbf", ta, seed=4, norm_before_fc=True), pa, ga),
+        "fcn": Setup(ta, make_draft(root / "draft-fcn", ta, seed=5, fc_norm=True, norm_output=True), pa, ga),
     }
 
 
@@ -171,6 +174,15 @@ CLEAN = [
     Case("sampled-wide-fingerprint", run=_sampled(_WIDE, 1.0, 3), mode="fingerprint"),
     Case("sampled-bf16-creation-order", engine=_bf16(frontier="creation"), run=_sampled(TREE, 0.8, 4)),
     Case("sampled-12layers", setup="b", run=_sampled(TREE, 1.0, 5)),
+    # EAGLE 3.1 drafts: norm_before_fc; fc_norm with norm_output (the next step receives the post-norm output)
+    Case("eagle31-norm-before-fc-tree", setup="nbf", guided=False),
+    Case("eagle31-norm-before-fc-chain-accepting", setup="nbf", run=dict(CHAIN)),
+    Case("eagle31-norm-before-fc-fingerprint", setup="nbf", mode="fingerprint"),
+    Case("eagle31-norm-before-fc-chain-fingerprint", setup="nbf", run=dict(CHAIN), mode="fingerprint"),
+    Case("eagle31-fc-norm-output-tree", setup="fcn", guided=False),
+    Case("eagle31-fc-norm-output-chain-accepting", setup="fcn", run=dict(CHAIN)),
+    Case("eagle31-fc-norm-output-fingerprint", setup="fcn", mode="fingerprint"),
+    Case("eagle31-fc-norm-output-chain-fingerprint", setup="fcn", run=dict(CHAIN), mode="fingerprint"),
     # shallow traces: target.aux, top-k and the tree only
     Case("shallow-tree", engine=dict(_SHALLOW)),
     Case("shallow-identity-map-fingerprint", setup="id", engine=dict(_SHALLOW), mode="fingerprint"),
@@ -273,6 +285,58 @@ FAULT_CASES: list[Case] = [
     *_fault("d2t_regenerated", "d2t_regenerated", ["LM_HEAD_MAP_MISALIGNED"], "draft.step0.topk", 1),
     *_fault("logit_scale_ignored", "logit_scale_ignored", ["EAGLE31_IGNORED"], "draft.step0.topk", 1, setup="ls"),
     *_fault("final_norm_skipped", "final_norm_skipped", ["DRAFT_FINAL_NORM_SKIPPED"], "draft.step0.topk", 1),
+    # EAGLE 3.1 drift: options read wrongly by the engine (SGLang issue 32226 / PR 32334 ignored norm_before_fc)
+    *_fault("norm_before_fc_ignored", "norm_before_fc_ignored", ["EAGLE31_NORM"], "draft.fc.out", 1, setup="nbf"),
+    *_fault(
+        "norm_before_fc_ignored-chain-from-round2",
+        "norm_before_fc_ignored",
+        ["EAGLE31_NORM"],
+        "draft.fc.out",
+        2,
+        setup="nbf",
+        engine={"fault_from": 2},
+        run=dict(CHAIN),
+    ),
+    *_fault("fc_norm_as_one", "fc_norm_as_one", ["EAGLE31_NORM"], "draft.fc.out", 1, setup="fcn"),
+    *_fault(
+        "norm_before_fc_per_segment",
+        "norm_before_fc_per_segment",
+        ["EAGLE31_NORM"],
+        "draft.fc.out",
+        1,
+        setup="nbf",
+    ),
+    *_fault("norm_before_fc_assumed", "norm_before_fc_assumed", ["EAGLE31_NORM"], "draft.fc.out", 1),
+    *_fault("fc_norm_ignored", "fc_norm_ignored", ["EAGLE31_NORM"], "draft.fc.out", 1, setup="fcn"),
+    *_fault("fc_norm_assumed-12layers", "fc_norm_assumed", ["EAGLE31_NORM"], "draft.fc.out", 1, setup="b"),
+    # norm_output read either way: the logits are the same, what the next step receives is not
+    *_fault(
+        "norm_output_other_meaning",
+        "norm_output_other_meaning",
+        ["EAGLE31_NORM"],
+        "draft.step0.hidden_out",
+        1,
+        setup="fcn",
+    ),
+    *_fault(
+        "norm_output_other_meaning-chain",
+        "norm_output_other_meaning",
+        ["EAGLE31_NORM"],
+        "draft.step0.hidden_out",
+        1,
+        setup="fcn",
+        run=dict(CHAIN),
+    ),
+    *_fault("norm_output_assumed", "norm_output_assumed", ["EAGLE31_NORM"], "draft.step0.hidden_out", 1),
+    *_fault(
+        "norm_output_assumed-chain-from-round3",
+        "norm_output_assumed",
+        ["EAGLE31_NORM"],
+        "draft.step0.hidden_out",
+        3,
+        engine={"fault_from": 3},
+        run=dict(CHAIN),
+    ),
     # other frontier orders, bf16 and sampling under a fault
     *_fault(
         "feedback_postnorm-creation-order-wide",
@@ -339,6 +403,17 @@ FAULT_CASES: list[Case] = [
         2,
         engine=dict(_SHALLOW),
         needs=("draft.fc.out", "draft.step0.hidden_out"),
+    ),
+    # same logits either way: a shallow trace first shows it at step 1's top-k and cannot say why
+    *_fault(
+        "norm_output_other_meaning-shallow",
+        "norm_output_other_meaning",
+        [UNEXPLAINED],
+        "draft.step1.topk",
+        1,
+        setup="fcn",
+        engine=dict(_SHALLOW),
+        needs=("draft.step0.hidden_out",),
     ),
     # the draft's map is the identity: a top-k that differs is no evidence about the map
     *_fault(

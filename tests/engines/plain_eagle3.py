@@ -1,7 +1,9 @@
 """A second, deliberately plain EAGLE-3 decoder: the reference engine the doctor tests run against.
 
 Written from two public documents only — the draft checkpoint format (config.json + model.safetensors:
-fc, one Llama-style decoder layer reading cat(embedding, hidden), norm, lm_head, d2t offsets, t2d) and the
+fc, one Llama-style decoder layer reading cat(embedding, hidden), norm, lm_head, d2t offsets, t2d; the EAGLE 3.1
+options norm_before_fc (input_norm over the concatenated taps before fc), fc_norm (fc_norm.<i> per tap segment) and
+norm_output (the next step receives the post-norm output, which lm_head reads as it is)) and the
 trace format (docs/trace-format.md) — and sharing no code with eaglescope's decoder, draft, target, train or
 detective packages (tests/test_independent_engine.py checks the imports). The target is transformers'
 `AutoModelForCausalLM` with `output_hidden_states=True`; the trace recorder is `src/eaglescope/trace.py`, loaded
@@ -91,6 +93,21 @@ FAULTS: dict[str, str] = {
     "tokens, as an engine's own token map file gives) while lm_head's rows were trained for the checkpoint's",
     "final_norm_skipped": "lm_head applied to the layer output without the final norm",
     "logit_scale_ignored": "the draft's logit_scale not applied",
+    # EAGLE 3.1 options read wrongly
+    "norm_before_fc_ignored": "the draft's norm_before_fc ignored: fc reads the raw concatenated taps (SGLang issue "
+    "32226 / PR 32334)",
+    "fc_norm_as_one": "fc_norm applied as one RMSNorm over the whole concatenated taps (the segments' weights side by "
+    "side) instead of one per tap segment",
+    "norm_before_fc_per_segment": "norm_before_fc applied as one RMSNorm per tap segment (input_norm's weight cut in "
+    "tap-wide pieces) instead of one over the whole concatenated taps",
+    "norm_before_fc_assumed": "a draft without norm_before_fc served with one: a fresh RMSNorm (unit weight) over the "
+    "concatenated taps before fc",
+    "fc_norm_ignored": "the draft's fc_norm ignored: fc reads the taps without their per-segment norms",
+    "fc_norm_assumed": "a draft without fc_norm served with one: fresh RMSNorms (unit weight) per tap segment",
+    "norm_output_other_meaning": "norm_output read as 'norm before lm_head' (an older SpecForge's meaning): the next "
+    "step receives the pre-norm output",
+    "norm_output_assumed": "a draft without norm_output served as if it had it: the next step receives the post-norm "
+    "output and lm_head reads it as it is",
     # outside the catalogue
     "rms_eps_wrong": "the draft's RMSNorms use eps 0.1 instead of the config's",
     "kv_swapped": "the draft's k_proj and v_proj weights swapped",
@@ -146,6 +163,9 @@ class DraftWeights:
     theta: float
     logit_scale: float
     norm_before_residual: bool
+    norm_before_fc: bool  # one RMSNorm (input_norm) over the concatenated taps before fc
+    fc_norm: bool  # one RMSNorm per tap segment (fc_norm.<i>) before fc
+    norm_output: bool  # the next step receives the post-norm output (lm_head reads it as it is)
 
 
 def read_draft(draft_dir: Path, num_layers: int, dtype: torch.dtype) -> DraftWeights:
@@ -153,9 +173,11 @@ def read_draft(draft_dir: Path, num_layers: int, dtype: torch.dtype) -> DraftWei
     cfg = json.loads((draft_dir / "config.json").read_text())
     sd = load_file(str(draft_dir / "model.safetensors"))
     sd = {k.removeprefix("model.").replace("layers.0.", "midlayer.", 1): v for k, v in sd.items()}
-    for opt in ("norm_before_fc", "fc_norm", "norm_output"):
-        if cfg.get(opt) or (cfg.get("eagle_config") or {}).get(opt):
-            raise ValueError(f"plain_eagle3 serves plain EAGLE-3 drafts only ({opt} is set)")
+    eagle = cfg.get("eagle_config") or {}
+    norm_before_fc = bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False)))  # eagle_config first
+    for name, on in (("input_norm.weight", norm_before_fc), ("fc_norm.0.weight", cfg.get("fc_norm"))):
+        if on and name not in sd:
+            raise ValueError(f"the draft's config sets an EAGLE 3.1 norm but its weights lack {name}")
     if cfg.get("rope_scaling"):
         raise ValueError("plain_eagle3 implements the default RoPE only")
     # taps: the eaglescope contract (HF output_hidden_states indices), else the checkpoint's ids as vLLM reads them,
@@ -184,6 +206,9 @@ def read_draft(draft_dir: Path, num_layers: int, dtype: torch.dtype) -> DraftWei
         theta=float(cfg.get("rope_theta", 10000.0)),
         logit_scale=float(cfg.get("logit_scale") or 1.0),
         norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+        norm_before_fc=norm_before_fc,
+        fc_norm=bool(cfg.get("fc_norm", False)),
+        norm_output=bool(cfg.get("norm_output", False)),
     )
 
 
@@ -317,7 +342,29 @@ class PlainEagle3:
             return feats
         if self.on("fc_skipped"):
             return feats[:, -H:]
-        return feats @ self.d.w["fc.weight"].T
+        w, d = self.d.w, self.d
+        n = feats.shape[-1] // H
+        ones = torch.ones(H, dtype=feats.dtype)
+
+        def per_segment(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([rms_norm(x[:, i * H : (i + 1) * H], weights[i], self.eps) for i in range(n)], -1)
+
+        if d.norm_before_fc and self.on("norm_before_fc_per_segment"):
+            feats = per_segment(feats, list(w["input_norm.weight"].split(H)))
+        elif d.norm_before_fc and not self.on("norm_before_fc_ignored"):
+            feats = rms_norm(feats, w["input_norm.weight"], self.eps)
+        elif not d.norm_before_fc and self.on("norm_before_fc_assumed"):
+            feats = rms_norm(feats, ones.repeat(n), self.eps)
+        if d.fc_norm and not self.on("fc_norm_ignored"):
+            weights = [w[f"fc_norm.{i}.weight"] for i in range(n)]
+            feats = (
+                rms_norm(feats, torch.cat(weights), self.eps)
+                if self.on("fc_norm_as_one")
+                else per_segment(feats, weights)
+            )
+        elif not d.fc_norm and self.on("fc_norm_assumed"):
+            feats = per_segment(feats, [ones] * n)
+        return feats @ w["fc.weight"].T
 
     def embed(self, target_ids: torch.Tensor) -> torch.Tensor:
         return self.embedding[target_ids]
@@ -353,9 +400,21 @@ class PlainEagle3:
         gate, up = m @ w["midlayer.mlp.gate_proj.weight"].T, m @ w["midlayer.mlp.up_proj.weight"].T
         return h + (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
 
+    def hands_normed(self) -> bool:
+        """Does a step hand on (and record as hidden_out) its post-norm output? norm_output, as this engine reads it."""
+        if self.on("norm_output_other_meaning") or self.on("norm_output_assumed"):
+            return not self.d.norm_output
+        return self.d.norm_output
+
+    def step_out(self, h: torch.Tensor) -> torch.Tensor:
+        """What a step hands on from the layer's output `h`: `h`, or with norm_output the final norm's output."""
+        return rms_norm(h, self.d.w["norm.weight"], self.eps) if self.hands_normed() else h
+
     def logprobs(self, h: torch.Tensor) -> torch.Tensor:
+        """Log-probs from what a step handed on: normed here unless the step already normed it."""
         w = self.d.w
-        x = h if self.on("final_norm_skipped") else rms_norm(h, w["norm.weight"], self.eps)
+        skip = self.on("final_norm_skipped") or self.hands_normed()
+        x = h if skip else rms_norm(h, w["norm.weight"], self.eps)
         logits = (x @ w["lm_head.weight"].T).float()
         if not self.on("logit_scale_ignored"):
             logits = logits * self.d.logit_scale
@@ -465,7 +524,7 @@ class PlainEagle3:
             vals = torch.cat([torch.stack(ctx_v), v]) if c else v
             mask = torch.ones(m, c + m, dtype=torch.bool)
             mask[:, c:] = torch.ones(m, m, dtype=torch.bool).tril()
-            out0 = self.layer_out(attention(q, keys, vals, mask, self.kv_of_head), res)
+            out0 = self.step_out(self.layer_out(attention(q, keys, vals, mask, self.kv_of_head), res))
             self._rec(rec, rt.draft_hidden_out(0), out0)
             ctx_k += list(k)
             ctx_v += list(v)
@@ -507,7 +566,7 @@ class PlainEagle3:
                     for j, a in enumerate(anc_ids):
                         mask[r, len(ctx_k) + j] = a in lineage
                     mask[r, len(ctx_k) + len(anc_ids) + r] = True
-                out = self.layer_out(attention(q, keys, vals, mask, self.kv_of_head), res)
+                out = self.step_out(self.layer_out(attention(q, keys, vals, mask, self.kv_of_head), res))
                 self._rec(rec, rt.draft_hidden_out(level), out)
                 for r, i in enumerate(frontier):
                     nodes[i]["out"] = out[r]

@@ -56,9 +56,16 @@ def make_draft(
     draft_vocab_size: int = 48,
     taps: list[int] | None = None,
     logit_scale: float | None = None,
+    norm_before_fc: bool = False,
+    fc_norm: bool = False,
+    norm_output: bool = False,
 ) -> Path:
     """An EAGLE-3 draft (LlamaForCausalLMEagle3) for `target_dir` with random weights (std scale/sqrt(fan_in)), a
-    reduced vocabulary map (d2t offsets, t2d mask) and the eaglescope contract section naming its taps."""
+    reduced vocabulary map (d2t offsets, t2d mask) and the eaglescope contract section naming its taps.
+
+    EAGLE 3.1 options, as the checkpoint format states them: `norm_before_fc` (one RMSNorm over the concatenated
+    taps before fc, weight `input_norm.weight`; the flag in `eagle_config` and at the top level), `fc_norm` (one
+    RMSNorm per tap segment, `fc_norm.<i>.weight`), `norm_output` (the next step receives the post-norm output)."""
     tcfg = json.loads((Path(target_dir) / "config.json").read_text())
     H, I = tcfg["hidden_size"], tcfg["intermediate_size"]
     nh, nkv = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
@@ -93,6 +100,12 @@ def make_draft(
         "d2t": hot - torch.arange(draft_vocab_size),  # offsets: target id = draft id + d2t[draft id]
         "t2d": t2d,
     }
+    # drawn after the plain draft's weights: a draft without these options is the same draft as before
+    if norm_before_fc:
+        sd["input_norm.weight"] = norm(len(taps) * H)
+    if fc_norm:
+        for i in range(len(taps)):
+            sd[f"fc_norm.{i}.weight"] = norm(H)
     cfg = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -124,6 +137,13 @@ def make_draft(
     }
     if logit_scale is not None:
         cfg["logit_scale"] = logit_scale
+    if norm_before_fc:
+        cfg["eagle_config"]["norm_before_fc"] = True
+        cfg["norm_before_fc"] = True
+    if fc_norm:
+        cfg["fc_norm"] = True
+    if norm_output:
+        cfg["norm_output"] = True
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

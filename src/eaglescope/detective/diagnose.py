@@ -16,6 +16,8 @@ replay.step<k>.trace_rows), so an engine that keeps its frontier in another orde
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import tempfile
 from collections.abc import Callable
@@ -661,6 +663,13 @@ def _fc_variants(d, aux: torch.Tensor) -> dict[str, torch.Tensor]:
 
         if d.input_norm is not None:
             out["norm_before_fc skipped"] = x if d.fc_norm is None else per_segment(x)
+            # the one RMSNorm over all taps applied per tap segment, its weight cut in tap-wide pieces
+            parts = [
+                (s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + d.input_norm.eps)).to(x.dtype) * w
+                for s, w in zip(segs, d.input_norm.weight.chunk(c.num_aux))
+            ]
+            each = torch.cat(parts, -1)
+            out["norm_before_fc applied per tap segment"] = each if d.fc_norm is None else per_segment(each)
         if d.fc_norm is not None:
             out["fc_norm skipped"] = x if d.input_norm is None else d.input_norm(x)
             # one RMSNorm over the whole 3H with the segments' weights side by side, instead of one per segment
@@ -1104,6 +1113,43 @@ def _position_hypotheses(
     return out
 
 
+def _norm_output_hypothesis(ev: Evidence, rnd: int, stage: str, observed, trace_dir, tmp: Path) -> Hypothesis:
+    """Re-run the replay with the draft's norm_output read the other way from round `rnd` on: a norm_output draft
+    whose steps hand on their pre-norm output with the norm before lm_head (an older SpecForge's meaning of the
+    flag), or a draft without it whose steps hand on the post-norm output (an engine that assumes the flag). The
+    logits are the same either way; what the next step receives (hidden_out) is not."""
+    d = ev.loaded.model
+    c = d.config
+    flipped = copy.copy(d)  # the same modules and weights, another config
+    object.__setattr__(flipped, "config", dataclasses.replace(c, norm_output=not c.norm_output))
+    loaded = dataclasses.replace(ev.loaded, model=flipped)
+
+    def score() -> float | None:
+        alt_dir = replay(ev.target, loaded, trace_dir, tmp / "norm-output-flipped", until_round=rnd)
+        cand = golden_value(T.load_trace(alt_dir), stage, rnd)
+        return None if cand is None else ev.compare(observed, cand.float()).score
+
+    if c.norm_output:
+        name = "norm_output read as 'norm before lm_head'"
+        verdict = (
+            f"{stage} is the draft layer's pre-norm output: the draft was trained with norm_output (the next step "
+            "receives the post-norm output) and the engine reads the flag as 'norm before lm_head' (an older "
+            "SpecForge's meaning), handing the pre-norm output on"
+        )
+    else:
+        name = "norm_output the draft was not trained with"
+        verdict = (
+            f"{stage} is the draft layer's post-norm output: the engine hands each step's normed output on as if the "
+            "draft had norm_output, and the draft was trained without it"
+        )
+    fix = (
+        "serve norm_output as vLLM, speculators and eaglescope read it: when config.json sets it the next step "
+        "receives the post-norm output (lm_head reads it as it is), otherwise the pre-norm output (lm_head reads "
+        "norm of it)"
+    )
+    return Hypothesis("EAGLE31_NORM", name, verdict, fix, score, tier=2, evidence={"norm_output": c.norm_output})
+
+
 # -- the draft's head: top-k ids and log-probs ------------------------------------------------------------------
 def _map_variants(ev: Evidence) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """The draft→target id maps of engines that read d2t wrongly (each differs from the checkpoint's map)."""
@@ -1389,6 +1435,7 @@ def _explain(ev: Evidence, e: T.TraceEvent, obs, trace_dir, tmp: Path) -> list[F
         if gold is None:
             return []
         hyps = _position_hypotheses(ev, rnd, e.stage, None, obs, idx, trace_dir, tmp)
+        hyps.append(_norm_output_hypothesis(ev, rnd, e.stage, obs, trace_dir, tmp))
         return judge(ev, e.stage, rnd, ev.compare(obs, gold), hyps)
     if family == "draft.topk":
         return diagnose_topk(ev, rnd, e.stage, trace_dir, tmp)

@@ -33,8 +33,8 @@ CODES: dict[str, str] = {
     "LM_HEAD_MAP_MISALIGNED": "the draft's lm_head rows are read through another valid vocabulary map than the one "
     "they were trained with (a regenerated d2t / hot-token map)",
     "DRAFT_FINAL_NORM_SKIPPED": "the draft's lm_head is applied to the layer's output without the draft's final norm",
-    "EAGLE31_NORM": "an EAGLE 3.1 norm before fc (norm_before_fc, fc_norm) was skipped, added, or applied in the "
-    "other form than the draft was trained with",
+    "EAGLE31_NORM": "an EAGLE 3.1 norm (norm_before_fc, fc_norm before fc; norm_output after the layer) was skipped, "
+    "added, or applied in the other form or meaning than the draft was trained with",
     "EAGLE31_IGNORED": "the serving engine ignores one of the draft's EAGLE 3.1 options (or another layer option)",
     "DRAFT_ARCH_MISMATCH": "the checkpoint's config names another draft layer (Llama attention / MLA) than its weights",
     # Checkpoint / serving (static).

@@ -79,6 +79,8 @@ MLA = "mla"
 MLA_FLAGS = ["--draft-arch", "mla", "--fc-norm", "--norm-output", "--lr", "5e-3"]
 MLA_VANILLA = "mla-vanilla"
 MLA_MODEL_TYPE_V3 = "mla-model-type-deepseek-v3"  # the export with model_type deepseek_v3: vLLM 0.32 refuses it
+MLA_AS_LLAMA = "mla-config-says-llama"  # the MLA weights under a Llama-attention draft's config (DRAFT_ARCH_MISMATCH)
+REFUSED = (MLA_MODEL_TYPE_V3, MLA_AS_LLAMA)  # served by vLLM only, to see what it does with them
 # On an AMX host vLLM 0.32 picks AMX_MLA, which takes bf16 weights only (amx_mla.py process_weights_after_loading:
 # "expect weight to be bfloat16, ..."); float32 needs the reference CPU_MLA backend, for the target and, by its own
 # setting (SpeculativeConfig.attention_backend), for the draft.
@@ -207,9 +209,9 @@ def build(root: Path, b: dict) -> dict:
     drafts[EAGLE31] = train_and_export(target, b["prep"], root / EAGLE31, EAGLE31_FLAGS)
     prompts = [tok(order2_chain(rng, perm, rng.randint(8, 16)))["input_ids"] for _ in range(N_PROMPTS)]
     mla = build_mla(root, tok, b["data"])
-    drafts |= {MLA: mla["export"], MLA_MODEL_TYPE_V3: mla["model_type_v3"]}
+    drafts |= {MLA: mla["export"], MLA_MODEL_TYPE_V3: mla["model_type_v3"], MLA_AS_LLAMA: mla["as_llama"]}
     targets = {name: target for name in drafts} | {"vanilla": target}
-    targets |= {name: mla["target"] for name in (MLA, MLA_MODEL_TYPE_V3, MLA_VANILLA)}
+    targets |= {name: mla["target"] for name in (MLA, *REFUSED, MLA_VANILLA)}
     return {"target": target, "targets": targets, "drafts": drafts, "prompts": prompts}
 
 
@@ -254,16 +256,29 @@ def build_mla(root: Path, tok, data: Path) -> dict:
         "target": target,
         "export": export,
         "model_type_v3": with_model_type(export, root / "vllm-mla-model-type-v3", "deepseek_v3"),
+        "as_llama": with_config(export, root / "vllm-mla-as-llama", llama_config),
     }
 
 
-def with_model_type(export: Path, out: Path, model_type: str) -> Path:
-    """A copy of the MLA export whose config names another model_type; the weights are untouched."""
+def with_config(export: Path, out: Path, edit) -> Path:
+    """A copy of an export whose config.json `edit(cfg)` changed in place; the weights are untouched."""
     shutil.copytree(export, out)
     cfg = json.loads((out / "config.json").read_text())
-    cfg["model_type"] = model_type
+    edit(cfg)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def with_model_type(export: Path, out: Path, model_type: str) -> Path:
+    return with_config(export, out, lambda cfg: cfg.update(model_type=model_type))
+
+
+def llama_config(cfg: dict) -> None:
+    """What a hand-edited or regenerated config does to an MLA draft: the Llama-attention EAGLE-3 architecture, the
+    latent shapes dropped."""
+    for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        cfg.pop(k, None)
+    cfg["architectures"], cfg["model_type"] = ["LlamaForCausalLMEagle3"], "llama"
 
 
 def with_own_embedding(export: Path, target: Path, out: Path) -> Path:
@@ -337,7 +352,7 @@ def served(tmp_path_factory, vllm_python: str) -> dict:
                 run["name"]: [eaglescope_generate(Path(run["target"]), p, run["draft"] and Path(run["draft"]))
                               for p in env["prompts"]]
                 for run in spec["runs"]
-                if run["name"] != MLA_MODEL_TYPE_V3  # served by vLLM only: it refuses it
+                if run["name"] not in REFUSED  # served by vLLM only
             }  # fmt: skip
             rc = proc.wait(timeout=RUNNER_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -498,3 +513,16 @@ def test_the_mla_export_loads_as_written_and_a_deepseek_v3_type_would_not(served
     assert served["vllm"][MLA]["error"] is None
     refused = served["vllm"][MLA_MODEL_TYPE_V3]
     assert refused["error"] is not None and "['Eagle3DeepSeekMTPModel'] are not supported" in refused["message"]
+
+
+def test_an_mla_draft_under_a_llama_config_fails_in_vllm_and_doctor_names_it_without_a_trace(served):
+    """The MLA weights under a Llama-attention draft's config.json: vLLM builds a Llama layer and cannot place the
+    latent projections, so there is no run to trace; doctor names the mismatch from the checkpoint alone."""
+    refused = served["vllm"][MLA_AS_LLAMA]
+    assert refused["error"] is not None, "vLLM served an MLA draft as a Llama-attention one"
+    draft = served["env"]["drafts"][MLA_AS_LLAMA]
+    rc, out, err = cli(["doctor", "--target", str(served["env"]["targets"][MLA_AS_LLAMA]), "--draft", str(draft),
+                        "--json"])  # fmt: skip
+    assert rc == 1, err
+    top = json.loads(out)["findings"][0]
+    assert top["code"] == "DRAFT_ARCH_MISMATCH" and "MLA" in top["verdict"], top

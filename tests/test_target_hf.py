@@ -156,6 +156,19 @@ def test_fingerprint_and_metadata(family, target):
         assert target.tokenizer is None and fp.tokenizer_sha256 is None
 
 
+def test_the_head_alone_is_the_targets_head(family, target):
+    # What `train` reads of a target when the hidden states are stored: the same fingerprint, embedding and logits
+    from eaglescope.target.head import load_target_head
+
+    path, model = family
+    head = load_target_head(path, target.device, target.dtype)
+    assert (head.fingerprint, head.max_positions) == (target.fingerprint, target.max_positions)
+    assert not model.config.tie_word_embeddings and head.lm_head is not head.embedding
+    assert torch.equal(head.embedding, model.get_input_embeddings().weight)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(head.head(x), target.head(x))
+
+
 def test_hooks_match_output_hidden_states_in_prefill(family, target):
     ids = _prompt(11, 1)
     target.reset(64)

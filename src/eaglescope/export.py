@@ -44,7 +44,7 @@ from eaglescope.taps import (
     sglang_convention,
 )
 from eaglescope.target.base import TargetFingerprint
-from eaglescope.target.loading import check_dir, fingerprint_of, load_state_dict, read_config
+from eaglescope.target.loading import check_dir, fingerprint_of, load_state_dict, load_tensors, read_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -702,28 +702,10 @@ _EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.w
 
 def load_target_embedding(target_dir: Path) -> torch.Tensor:
     """Only the target's input embedding: a 671B target need not be read whole to export a draft."""
-    single, index = target_dir / "model.safetensors", target_dir / "model.safetensors.index.json"
-    files: dict[str, Path] = {}
-    try:
-        if single.is_file():
-            with safe_open(str(single), "pt") as f:
-                files = {k: single for k in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
-        elif index.is_file():
-            files = {k: target_dir / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-        else:
-            sd = load_state_dict(target_dir)
-            files = {k: target_dir for k in sd}
-        key = next((k for k in _EMBED_KEYS if k in files), None) or next(
-            (k for k in files if k.endswith("embed_tokens.weight")), None
-        )
-        if key is None:
-            raise EagleScopeError(f"{target_dir} has no embed_tokens.weight to save with the draft")
-        if files[key].is_dir():
-            return load_state_dict(target_dir)[key]
-        with safe_open(str(files[key]), "pt") as f:
-            return f.get_tensor(key)
-    except (SafetensorError, OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-        raise EagleScopeError(f"could not read the target's embedding from {target_dir} ({e})") from None
+    found = load_tensors(target_dir, {"embedding": (*_EMBED_KEYS, ".embed_tokens.weight")})
+    if "embedding" not in found:
+        raise EagleScopeError(f"{target_dir} has no embed_tokens.weight to save with the draft")
+    return found["embedding"]
 
 
 def _target_info(target: str | None) -> tuple[Path | None, TargetFingerprint | None]:

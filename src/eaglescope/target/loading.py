@@ -7,7 +7,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from eaglescope.errors import EagleScopeError
@@ -106,6 +106,46 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
                 "running pickled code: convert it to safetensors (model.safetensors) first"
             ) from None
     raise EagleScopeError(f"{model_dir} has no weights (model.safetensors, an index, or pytorch_model.bin)")
+
+
+def _first_name(names, candidates: tuple[str, ...]) -> str | None:
+    for c in candidates:
+        if c.startswith("."):
+            hits = sorted(k for k in names if k.endswith(c))
+            if hits:
+                return hits[0]
+        elif c in names:
+            return c
+    return None
+
+
+def load_tensors(model_dir: Path, names: dict[str, tuple[str, ...]]) -> dict[str, torch.Tensor]:
+    """A few tensors of a checkpoint, each read alone from its shard: a 671B target need not be read whole for its
+    embedding or head. `names`: what → the tensor names to look for, in order; a name starting with "." matches
+    any tensor ending with it. A `what` that matches nothing is left out."""
+    single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
+    try:
+        if single.is_file():
+            with safe_open(str(single), "pt") as f:
+                files = dict.fromkeys(f.keys(), single)  # noqa: SIM118 - safe_open is not a mapping
+        elif index.is_file():
+            files = {k: _inside(model_dir, v, index) for k, v in check_index(model_dir).items()}
+        else:  # pytorch_model.bin: one file, read whole (weights_only)
+            sd = load_state_dict(model_dir)
+            files = dict.fromkeys(sd, None)
+        out: dict[str, torch.Tensor] = {}
+        for what, candidates in names.items():
+            key = _first_name(files, candidates)
+            if key is None:
+                continue
+            if files[key] is None:
+                out[what] = sd[key]
+            else:
+                with safe_open(str(files[key]), "pt") as f:
+                    out[what] = f.get_tensor(key)
+        return out
+    except (SafetensorError, OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        raise EagleScopeError(f"could not read {', '.join(names)} from {model_dir} ({e})") from None
 
 
 def load_tokenizer(model_dir: Path):

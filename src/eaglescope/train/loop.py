@@ -1,8 +1,9 @@
 """`eaglescope train`: the EAGLE-3 training loop around the TTT core (train/ttt.py).
 
     data   = PreparedData (eaglescope prepare). With stored hidden states, aux comes from disk and
-             the teacher logits are target.head(final_hidden); otherwise the target runs online on
-             each padded batch (right padding).
+             the teacher logits are the target's head on the stored final state (only the target's
+             embedding and head are read: target/head.py); otherwise the target runs online on each
+             padded batch (right padding).
     model  = Eagle3Draft with the target's frozen embedding and the prepared draft vocabulary.
     step   = ttt_unroll + ttt_loss per sample, averaged over the global batch; AdamW (0.9, 0.95),
              linear warmup + cosine decay, gradient clipping, bf16 autocast on GPU.
@@ -64,6 +65,7 @@ from eaglescope.outputs import check_destination, dir_kind, has_partial, open_pa
 from eaglescope.progress import Progress
 from eaglescope.taps import TapContract
 from eaglescope.target import load_target, parse_device, parse_dtype
+from eaglescope.target.head import TargetHead, load_target_head
 from eaglescope.target.loading import read_config
 from eaglescope.train.metrics import Batch, evaluate, format_report
 from eaglescope.train.ttt import LOSS_MASK_SHIFT, Unrolled, ttt_loss, ttt_unroll
@@ -447,7 +449,12 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
     # Every input is checked before the staging directory exists: a corrupt shard or a bad target costs nothing.
     data = PreparedData.open(cfg.data, verify=d.main)
     dtype = parse_dtype(cfg.dtype, device)
-    target = load_target(cfg.target, device=device, dtype=dtype, backend=cfg.backend)
+    # With stored hidden states only the target's embedding and head are used: read just those (a target too large
+    # for this GPU can still have its draft trained here); otherwise the whole target runs online.
+    if data.has_hidden_states:
+        target = load_target_head(cfg.target, device, dtype)
+    else:
+        target = load_target(cfg.target, device=device, dtype=dtype, backend=cfg.backend)
     taps, d2t, t2d = _resolve_data(cfg, data, target.fingerprint, target.num_layers)
     if not data.has_hidden_states:
         target.set_taps(taps)
@@ -468,7 +475,8 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
     )
     draft = Eagle3Draft(dcfg)
     draft.set_vocab_map(d2t, t2d)
-    draft.load_target_embedding(target_embedding(target).detach().float().cpu())
+    embedding = target.embedding if isinstance(target, TargetHead) else target_embedding(target)
+    draft.load_target_embedding(embedding.detach().float().cpu())
     draft = draft.to(device).train()
     m = data.manifest
     contract = DraftContract(

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
-from test_vllm_serving import REDUCED_VOCAB, cli, order2_chain
+from test_vllm_serving import REDUCED_VOCAB, TRAIN_SETTINGS, cli, order2_chain
 
 from eaglescope.config import TrainConfig
 from eaglescope.train.loop import train
@@ -59,13 +59,7 @@ def _train(root: Path, target: Path, prep: Path, name: str, ttt: int, **options)
         taps=",".join(map(str, TAPS)),
         draft_vocab_size=REDUCED_VOCAB,
         ttt_length=ttt,
-        max_steps=80,  # as in test_vllm_serving: about half the drafted tokens accepted
-        batch_size=8,
-        lr=2e-3,
-        eval_fraction=0.25,
-        max_length=64,
-        device="cpu",
-        dtype="float32",
+        **TRAIN_SETTINGS,
         **options,
     )
     train(cfg, progress=False)

@@ -53,6 +53,10 @@ LAYERS = 8  # the engines' default taps [2, L//2, L-3] = [2, 4, 5] need L >= 7
 CUSTOM_TAPS = "0,3,6"  # embedding output, a middle and a late layer input: vLLM takes the ids as-is
 REDUCED_VOCAB = 32
 K = 3  # draft tokens per round
+# Every draft here trains with these (flags win over them): 80 steps leave about half the held-out draft tokens
+# accepted, neither none nor all.
+TRAIN_SETTINGS = dict(max_steps=80, batch_size=8, lr=2e-3, eval_fraction=0.25, max_length=64, device="cpu",
+                      dtype="float32")  # fmt: skip
 MAX_NEW = 32
 MAX_LEN = 128  # the target's max_position_embeddings
 N_PROMPTS = 4
@@ -187,13 +191,7 @@ def build(root: Path, b: dict) -> dict:
             taps=taps,
             draft_vocab_size=vocab,
             ttt_length=K,
-            max_steps=80,  # about half the held-out draft tokens accepted: neither none nor all
-            batch_size=8,
-            lr=2e-3,
-            eval_fraction=0.25,
-            max_length=64,
-            device="cpu",
-            dtype="float32",
+            **TRAIN_SETTINGS,
         )
         with warnings.catch_warnings():
             # taps [0, 3, 6] cannot be written for legacy SGLang: true, and beside the point here
@@ -219,8 +217,9 @@ def train_and_export(target: Path, prep: Path, out: Path, flags: list[str]) -> P
     """`eaglescope train` with `flags` (which win over the suite's settings), then `eaglescope export --to vllm`."""
     trained = out.with_name(f"train-{out.name}")
     # the settings of the suite's other drafts (build), as command-line flags
-    common = ["--ttt-length", str(K), "--max-steps", "80", "--batch-size", "8", "--lr", "2e-3",
-              "--eval-fraction", "0.25", "--max-length", "64", "--device", "cpu", "--dtype", "float32"]  # fmt: skip
+    common = ["--ttt-length", str(K)]
+    for key, value in TRAIN_SETTINGS.items():
+        common += [f"--{key.replace('_', '-')}", str(value)]
     rc, _, err = cli(["train", "--target", str(target), "--data", str(prep), "--out", str(trained), *common, *flags])
     assert rc == 0, err
     export = out.with_name(f"vllm-{out.name}")

@@ -80,7 +80,7 @@ def _chain_rounds(alpha: list[float], n: int, rng: random.Random) -> list[int]:
 
 @pytest.mark.parametrize("groups", [8, 1], ids=["bootstrap-over-prompts", "bonferroni-wilson-box"])
 def test_tau_interval_covers_the_true_tau(groups):
-    """Rounds drawn from a chain with known α: the 95% interval of τ holds the true τ (FIELD.md's formula) in at
+    """Rounds drawn from a chain with known α: the 95% interval of τ holds the true τ (docs/field.md §5) in at
     least 90% of 80 draws (a broken interval, e.g. one ignoring the count, covers far less)."""
     rng = random.Random(1)
     covered = 0

@@ -1,6 +1,6 @@
 """Behavioural checks: served acceptance against what a correct server would get, with counts and intervals.
 
-Sources of conditional α_k (FIELD.md §5), each an `Acceptance` that keeps its counts (rounds or positions that
+Sources of conditional α_k (docs/field.md §5), each an `Acceptance` that keeps its counts (rounds or positions that
 reached position k, and how many of them accepted it):
   served     eaglescope's own decoder on prompts from --data (greedy chain), an SGLang/vLLM log, or a trace
   expected   what a correct server gets ON THE SAME POSITIONS: the teacher-forced draft at the very rounds the
@@ -14,7 +14,7 @@ decoding computes at chain depth k+1 for the prefix ending at t (tests/test_ttt_
 root the teacher-forced hits ARE the served decisions. Averaged over every position instead, the same draft looks
 better than any server sees it: a round starts only after a rejection, i.e. in the hard places, while every position
 of an easy run counts as a root of its own. On the demo that bias alone made a correct server look like 0.5-0.6x of
-"predicted" (issue 18).
+"predicted".
 
 Statistics. α_k carries a 95% Wilson interval over the rounds that reached k. τ's interval comes from a cluster
 bootstrap over prompts/samples (rounds of one prompt are not independent) where the source has at least MIN_GROUPS
@@ -74,7 +74,7 @@ ACC_COLLAPSE_RATIO = 0.7
 # Served τ below this fraction of the expected τ on the same positions, with separated intervals, is a serving
 # fault. The comparison has no selection bias left (see the module docstring): a correct server matches it within
 # its interval, up to precision (bf16 serving against a float32 replay moves τ by a few percent). Every wiring
-# fault in the catalogue cuts τ to ≤ 0.6× (served τ 1.1-1.8 against 3+ in issue 18 and tests/vllm), so 0.8 leaves
+# fault in the catalogue cuts τ to ≤ 0.6× (served τ 1.1-1.8 against 3+ in tests/engines and tests/vllm), so 0.8 leaves
 # room on both sides.
 SERVING_RATIO = 0.8
 # Against training's numbers alone (no --data) the reference counts every position as a round start and comes from

@@ -64,7 +64,7 @@ def use_matmul_attention(model: nn.Module, enable: bool = True) -> nn.Module:
 def use_batch_invariant(model: LlamaModel, enable: bool = True, sliced: bool = True) -> LlamaModel:
     """Run every product, norm and attention of `model` through the batch-invariant kernels (fast/invariant.py),
     or back with enable=False (in place); returns `model`. Float32Logits keeps float32 logits. `sliced`: large
-    products with K-sliced reductions (invariant.k_slices; bench/NOTES.md v9)."""
+    products with K-sliced reductions (invariant.k_slices)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not enable:

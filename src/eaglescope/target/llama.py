@@ -536,7 +536,7 @@ def build_native(cfg: dict, state_dict: dict[str, torch.Tensor], device, dtype) 
 def load_native(model_dir: Path, cfg: dict, state_dict, fingerprint, eos, tokenizer, device, dtype) -> NativeTarget:
     if torch.device(device).type == "cuda":
         # SDPA's cuDNN backend builds an execution plan for every new key length, and the reference decoder's key
-        # length grows by one each step: on an H200 that made a transformers decode 4x slower (bench/README.md,
-        # session 6). The flash and memory-efficient backends need no plan.
+        # length grows by one each step: on an H200 that made a transformers decode 4x slower (measured with
+        # bench/hf_generate_profile.py). The flash and memory-efficient backends need no plan.
         torch.backends.cuda.enable_cudnn_sdp(False)
     return NativeTarget(build_native(cfg, state_dict, device, dtype), fingerprint, eos, tokenizer)

@@ -1,4 +1,4 @@
-"""Held-out metrics for a draft, in the units decoding reports (FIELD.md §5).
+"""Held-out metrics for a draft, in the units decoding reports (docs/field.md §5).
 
 Indexing: TTT step k = 0..K-1 drafts token k+1 of a round, so `acc[k]` is acc_k of step k and
 `alpha[k]` is α_{k+1} (decode.stats numbers α from 1).

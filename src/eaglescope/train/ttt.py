@@ -1,6 +1,6 @@
 """Training-time test (TTT): the draft unrolled on its own outputs, exactly as decoding runs it.
 
-Alignment (FIELD.md §3). The target's features at position t (context up to token t) are paired
+Alignment (docs/field.md §3). The target's features at position t (context up to token t) are paired
 with the embedding of token t+1 and predict token t+2. Step k of the unroll, at position t:
 
     token   = ids[t + k + 1]            (ground truth shifted by k+1)

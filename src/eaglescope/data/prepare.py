@@ -18,10 +18,10 @@ loss-masked tokens, and prepare.json is written last (atomically): present means
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -56,11 +56,9 @@ from eaglescope.taps import TapContract
 from eaglescope.target import load_target, parse_device, parse_dtype
 from eaglescope.target.base import Target
 
+log = logging.getLogger(__name__)
+
 PERCENTILES = (50, 90, 99)
-
-
-def note(msg: str) -> None:
-    print(f"eaglescope: {msg}", file=sys.stderr)
 
 
 def warn_unservable(taps: TapContract, architecture: str | None = None) -> None:
@@ -267,7 +265,7 @@ def _existing(out: Path, inputs: dict, overwrite: bool) -> dict | None:
         try:
             return PreparedData.open(out, verify=True).manifest
         except EagleScopeError as e:
-            note(f"{e} Redoing what is damaged beside it; the old directory is replaced when that is complete.")
+            log.info(f"{e} Redoing what is damaged beside it; the old directory is replaced when that is complete.")
     return None
 
 
@@ -315,7 +313,7 @@ def _shard_done(out: Path, entry: dict | None) -> bool:
             if f is not None:
                 check_file(out, f, verify=True)
     except EagleScopeError as e:
-        note(f"{e} Redoing that shard.")
+        log.info(f"{e} Redoing that shard.")
         return False
     return True
 
@@ -367,7 +365,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
     inputs = _inputs(cfg, data, target, taps, template_sha, L)
     done = _existing(out, inputs, cfg.overwrite)
     if done is not None:
-        note(f"{out} is already prepared from these inputs; nothing to do.")
+        log.info(f"{out} is already prepared from these inputs; nothing to do.")
         return done
     replace = out.is_dir() and (out / MANIFEST).is_file()  # _existing allowed it: same inputs damaged, or --overwrite
     check_destination(out, PREPARED, inputs=[data, cfg.target], replace=replace or cfg.overwrite)
@@ -451,7 +449,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
             on_shard_done(k)
     bar.close()
     if resumed:
-        note(f"resumed: {resumed} of {num_shards} shards were already done.")
+        log.info(f"resumed: {resumed} of {num_shards} shards were already done.")
     try:
         manifest = _finish(part, cfg, prog, num_shards, target, taps, template_sha, data, inputs, L)
     except EagleScopeError:
@@ -477,7 +475,7 @@ def _finish(out: Path, cfg, prog, num_shards, target, taps, template_sha, data, 
         why = f"first: {first_invalid}" if first_invalid else f"no assistant turn within --max-length {L}"
         raise EagleScopeError(f"no usable sample: all {skipped} conversations have nothing to supervise ({why}).")
     if invalid:
-        note(f"{invalid} conversations could not be rendered and were skipped; first: {first_invalid}")
+        log.info(f"{invalid} conversations could not be rendered and were skipped; first: {first_invalid}")
     input_ids, loss_mask, lengths = torch.cat(ids), torch.cat(masks), torch.cat(lengths)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     samples_file = {

@@ -19,7 +19,7 @@ never depend on the context length.
 
 from __future__ import annotations
 
-import sys
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +41,8 @@ from eaglescope.fast.layers import (
     compile_layers,
 )
 from eaglescope.target.llama import LlamaModel, QKVProjection, RMSNorm, fuse_projections
+
+log = logging.getLogger(__name__)
 
 ATTENTION = {"invariant": inv.invariant_attention, "fused": attend_fused}  # the fast path's kernels
 
@@ -484,7 +486,7 @@ class FastEagle(Runner):
         return int(first)
 
     def _uncompiled(self, e: Exception) -> None:
-        print(f"FastEagle: compiled round failed ({type(e).__name__}: {e}); uncompiled", file=sys.stderr, flush=True)
+        log.warning("the compiled EAGLE-3 round failed (%s: %s); running it uncompiled", type(e).__name__, e)
         self._draft_fn, self._accept_fn, self._commit_fn = self._draft_tree, self._accept, self._commit
         self.compiled = False
 
@@ -508,7 +510,7 @@ class FastEagle(Runner):
             if self.compiled:
                 self._uncompiled(e)
                 return self.prepare(prompt_ids, budget)
-            print(f"FastEagle: CUDA graph capture failed ({e}); running rounds eagerly", file=sys.stderr, flush=True)
+            log.warning("CUDA graph capture of the EAGLE-3 round failed (%s); running rounds eagerly", e)
             self.use_graph = False
 
     def start(self, prompt_ids, budget) -> int:

@@ -21,6 +21,8 @@ rows it streams the weights at 56-80% of copy against cuBLAS's 75-92%, but the l
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from eaglescope.fast.fused_decode import (
@@ -31,6 +33,8 @@ from eaglescope.fast.fused_decode import (
     triton,
 )
 from eaglescope.target.llama import LlamaModel, attend
+
+log = logging.getLogger(__name__)
 
 if triton is not None:
     import triton.language as tl
@@ -337,7 +341,7 @@ class FusedVerify:
         except Exception as e:  # inductor failing here must not take the decoder down: the plain ops do the same
             if self._attend is _attend_products:
                 raise
-            print(f"FusedVerify: compiled attention failed ({type(e).__name__}: {e}); uncompiled", flush=True)
+            log.warning("the fused verify's compiled attention failed (%s: %s); uncompiled", type(e).__name__, e)
             self._attend = _attend_products
             out.copy_(_attend_products(q, k, v, mask))
 

@@ -39,7 +39,6 @@ blamed on the server).
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Sequence
@@ -58,6 +57,7 @@ from eaglescope.decode.speculative import Eagle3Proposer
 from eaglescope.decode.stats import SpecStats, alpha_from_unconditional, predicted_accept_length
 from eaglescope.detective.findings import Finding
 from eaglescope.errors import EagleScopeError
+from eaglescope.jsonfile import read_object_or_none
 from eaglescope.train.metrics import Batch, hit_counts, step_hits
 from eaglescope.train.ttt import ttt_unroll
 
@@ -648,10 +648,7 @@ def read_training_metrics(draft_dir: Path | str) -> Acceptance | None:
     path = Path(draft_dir) / TRAINING_METRICS
     if not path.is_file():
         return None
-    try:
-        found = _find_acc(json.loads(path.read_text()))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
+    found = _find_acc(read_object_or_none(path))
     if found is None:
         return None
     acc = [_nan(x) for x in found["acc"]]

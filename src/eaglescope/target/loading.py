@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from eaglescope.errors import EagleScopeError
+from eaglescope.jsonfile import read_object
 from eaglescope.target.base import TargetFingerprint, chat_template_of, sha256_text, tokenizer_sha256
 
 
@@ -27,13 +28,7 @@ def read_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
         raise EagleScopeError(f"{model_dir} has no config.json; is it a Hugging Face checkpoint directory?")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EagleScopeError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise EagleScopeError(f"{path} must hold a JSON object")
-    return cfg
+    return read_object(path, EagleScopeError)
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:

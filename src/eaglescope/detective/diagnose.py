@@ -42,6 +42,7 @@ from eaglescope.detective.replay import (
 from eaglescope.draft import LoadedDraft
 from eaglescope.errors import EagleScopeError
 from eaglescope.target.base import Target
+from eaglescope.target.layer_states import input_norm
 
 
 @dataclass(frozen=True)
@@ -304,11 +305,7 @@ class Evidence:
     @torch.no_grad()
     def normed(self, i: int, hs: torch.Tensor) -> torch.Tensor | None:
         """Layer i's input RMSNorm applied to hidden state i: what a 'normed tap' captures."""
-        layers = getattr(getattr(self.target, "model", None), "model", None)
-        layer_list = getattr(layers, "layers", None) or getattr(self.target, "layers", None)
-        if layer_list is None or i >= len(layer_list):
-            return None
-        norm = getattr(layer_list[i], "input_layernorm", None)
+        norm = input_norm(self.target, i)
         if norm is None:
             return None
         return norm(hs.to(self.target.dtype).to(self.target.device)).float().cpu()
@@ -411,8 +408,8 @@ def diagnose_taps(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]
         if n is not None:
             candidates[f"normed{i}"] = n
     final = ev.g(REPLAY_FINAL, rnd)
-    if final is not None:
-        candidates["final"] = final.float()
+    if final is not None:  # a fingerprint where the engine recorded it (detective/layer_taps.py)
+        candidates["final"] = final if isinstance(final, T.Fingerprint) else final.float()
     if aux is not None:
         segs = _segments(aux, len(contract), ev.H)
         if segs:

@@ -40,14 +40,18 @@ from eaglescope.detective.behaviour import (
 from eaglescope.detective.diagnose import diagnose_trace
 from eaglescope.detective.engine_logs import read_engine_log
 from eaglescope.detective.findings import CODES, DoctorReport, rank
+from eaglescope.detective.layer_taps import MODE as LAYER_MODE
+from eaglescope.detective.layer_taps import check_taps, unchecked_note
 from eaglescope.detective.report import REPORT, first_divergent_stage, write_html
-from eaglescope.detective.static import DEFAULT_ENGINES, static_checks
+from eaglescope.detective.static import DEFAULT_ENGINES, contract_taps, static_checks
 from eaglescope.draft import load_draft
 from eaglescope.errors import EagleScopeError
 from eaglescope.outputs import check_destination
 from eaglescope.target import load_target, parse_device, parse_dtype
-from eaglescope.target.loading import check_dir, read_config
+from eaglescope.target.loading import check_dir, fingerprint_of, has_decoder_layers, read_config
 from eaglescope.trace import TraceError, load_trace
+
+MODE_FULL = "full replay"  # the trace against eaglescope's golden replay of the whole target (diagnose.py)
 
 
 def _load_models(target_dir, draft_dir, device, dtype, backend):
@@ -126,7 +130,14 @@ def run_doctor(
     }
 
     target = loaded = None
-    if trace is not None or data is not None:
+    if (trace is not None or data is not None) and not has_decoder_layers(Path(target_dir)):
+        # a target whose layers are elsewhere (a head-only copy of a 1T model): nothing can run it here
+        if trace is not None:
+            say(f"checking the taps of trace {trace} against its own per-layer states (no target layers here)")
+            findings += _taps_from_fingerprints(target_dir, draft_dir, loaded_trace, context, notes)
+        if data is not None:
+            notes.append("--data needs the target's decoder layers (teacher-forced acceptance runs them): not used")
+    elif trace is not None or data is not None:
         try:
             say("loading target and draft")
             target, loaded = _load_models(target_dir, draft_dir, device, dtype, backend)
@@ -136,6 +147,7 @@ def run_doctor(
             notes.append(f"the draft does not load ({e}); the static findings explain why, runtime checks skipped")
 
     if trace is not None and loaded is not None:
+        context["mode"] = MODE_FULL
         say(f"comparing trace {trace} with the golden replay")
         f, ctx = diagnose_trace(target, loaded, trace)
         findings += f
@@ -163,6 +175,22 @@ def run_doctor(
                                max_new_tokens, depth, eval_samples, say, context, notes)  # fmt: skip
     ranked = rank(findings)
     return DoctorReport(healthy=not ranked, findings=ranked, context=context)
+
+
+def _taps_from_fingerprints(target_dir, draft_dir, trace, context: dict, notes: list[str]) -> list:
+    """Fingerprints-only mode (detective/layer_taps.py): the taps of the prefill against the engine's own per-layer
+    states, with no target forward; what it cannot name is said in the notes."""
+    fp = fingerprint_of(Path(target_dir), read_config(Path(target_dir)))
+    findings, ctx = check_taps(trace, contract_taps(draft_dir, fp.num_layers), fp.hidden_size)
+    context["mode"], context["layer_taps"] = LAYER_MODE, ctx
+    if not ctx["checked"]:
+        notes.append(unchecked_note(ctx))
+    notes.append(
+        f"{LAYER_MODE}: the target's layers are not in {target_dir}, so no stage was replayed; only the taps were "
+        "checked (against the engine's own per-layer states): causes in the draft or downstream of target.aux are "
+        "not named in this mode"
+    )
+    return findings
 
 
 def _behaviour(target, loaded, draft_dir, data, served_engine, static_ctx, findings, prompts, max_new_tokens, depth,
@@ -274,6 +302,8 @@ def format_report(report: DoctorReport) -> str:
                 if a.get("reached"):
                     line += f" over [{_fmt_counts(a['reached'])}] reached"
                 lines.append(line)
+    if mode := report.context.get("mode"):
+        lines.append(f"trace mode: {mode}")
     if fds := first_divergent_stage(report.context):
         lines.append(f"first divergent stage: {fds}")
     lines += [f"note: {n}" for n in report.context.get("notes", [])]

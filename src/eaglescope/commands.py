@@ -181,7 +181,8 @@ def add_capture(sub) -> None:
         help="record traces inside an unmodified vLLM while your own command runs (for doctor --trace)",
         description=CAPTURE_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="eaglescope capture --engine vllm --out TRACE [--mode full|fingerprint] [--requests N] -- COMMAND ...",
+        usage="eaglescope capture --engine vllm --out TRACE [--mode full|fingerprint] [--requests N] [--layers] "
+        "-- COMMAND ...",
     )
     p.add_argument("--engine", required=True, choices=["vllm"], help="the serving engine COMMAND runs")
     p.add_argument("--out", required=True, help="where the trace goes (new, empty, or an earlier capture)")
@@ -192,6 +193,12 @@ def add_capture(sub) -> None:
         help="full tensors, or compact fingerprints of float tensors for large models (default %(default)s)",
     )
     p.add_argument("--requests", type=int, default=1, help="trace the first N requests (default %(default)s)")
+    p.add_argument(
+        "--layers",
+        action="store_true",
+        help="also record fingerprints of every layer's hidden state of each prefill (target.layer.*), so that doctor "
+        "can check the taps without the target's layers",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run")
     p.set_defaults(func="eaglescope.capture.command:cmd_capture")
 

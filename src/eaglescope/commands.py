@@ -131,9 +131,12 @@ def add_doctor(sub) -> None:
     p = sub.add_parser(
         "doctor",
         help="name the cause of low acceptance: static checks, trace vs golden replay, served vs predicted α_k",
-        description="Exit status: 0 healthy, 1 findings, 2 bad input.",
+        description="With --trace, the report's 'trace mode' says how the trace was examined: 'full replay' "
+        "(--target holds the whole target: every stage against eaglescope's golden replay) or 'fingerprints only' "
+        "(--target holds no decoder layers: the taps against the trace's own per-layer states, target.layer.<i>; what "
+        "each can and cannot name: docs/doctor.md). Exit status: 0 healthy, 1 findings, 2 bad input.",
     )
-    p.add_argument("--target", required=True, help="target checkpoint directory")
+    p.add_argument("--target", required=True, help="target checkpoint directory (or a copy without its layers)")
     p.add_argument("--draft", required=True, help="EAGLE-3 draft checkpoint directory")
     p.add_argument("--data", default=None, help="held-out data: a JSONL of conversations or a prepared directory")
     p.add_argument("--trace", default=None, help="a trace directory recorded by the serving engine")

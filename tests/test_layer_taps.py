@@ -90,6 +90,35 @@ def test_tap_fault_is_named_from_per_layer_fingerprints(engine_dirs, tmp_path, f
     assert top.evidence["found"] == found and top.evidence["expected_taps"] == [2, 4, 5]
 
 
+@pytest.fixture(scope="module")
+def bf16_dirs(tmp_path_factory):
+    """A 12-layer target (taps [2, 6, 9]) run in bfloat16: the engine's states and its capture both rounded."""
+    root = tmp_path_factory.mktemp("layer-taps-bf16")
+    shape = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=12, num_attention_heads=6)
+    target = make_target(root / "target", seed=1, num_key_value_heads=3, **shape)
+    return {"target": target, "slim": head_only_copy(target, root / "slim"), "draft": make_draft(root / "d", target)}
+
+
+BF16_FOUND = {
+    "tap_plus_one": ["hs3", "hs7", "hs10"],
+    "tap_order": ["hs9", "hs6", "hs2"],
+    "tap_embedding": ["hs0", "hs6", "hs9"],
+    "tap_normed": ["normed2", "normed6", "normed9"],
+}
+
+
+@pytest.mark.parametrize("fault", [None, *BF16_FOUND])
+def test_bf16_engine_of_twelve_layers(bf16_dirs, tmp_path, fault):
+    engine = PlainEagle3(bf16_dirs["target"], bf16_dirs["draft"], torch.bfloat16, fault=fault, record_layers="all")
+    engine.generate([3, 17, 29, 41, 53, 7, 11, 19, 23, 31, 37, 43], 8, trace=tmp_path / "t", mode="fingerprint", **TREE)
+    report = run_doctor(bf16_dirs["slim"], bf16_dirs["draft"], trace=tmp_path / "t", device="cpu")
+    if fault is None:
+        assert report.healthy, [f.verdict for f in report.findings]
+        return
+    top = report.findings[0]
+    assert (top.code, top.stage, top.evidence["found"]) == (TAP_FAULTS[fault][0], "target.aux", BF16_FOUND[fault])
+
+
 def test_full_target_still_replays_the_same_trace(engine_dirs, tmp_path):
     trace = engine_trace(engine_dirs, tmp_path / "t", "tap_order")
     report = run_doctor(engine_dirs["target"], engine_dirs["draft"], trace=trace, device="cpu")

@@ -507,10 +507,10 @@ class NativeTarget(Target):
 
 
 def build_native(cfg: dict, state_dict: dict[str, torch.Tensor], device, dtype) -> LlamaModel:
+    """The native model of `cfg` holding `state_dict`'s weights (consumed) on `device` in `dtype`."""
     a = LlamaArgs.from_hf_config(cfg)
     with torch.device("meta"):
         model = LlamaModel(a)
-    model = model.to_empty(device=device).to(dtype)
     model.register_buffer("inv_freq", a.rope.inv_freq(a.head_dim, a.max_position_embeddings).to(device), False)
     sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
     if a.tie_word_embeddings:
@@ -527,7 +527,15 @@ def build_native(cfg: dict, state_dict: dict[str, torch.Tensor], device, dtype) 
             raise EagleScopeError(
                 f"weight {k!r} has shape {tuple(t.shape)} but config.json implies {tuple(expected[k].shape)}"
             )
-    model.load_state_dict(sd, strict=False, assign=False)
+    # The checkpoint's tensors become the parameters (assign=True): no second copy of the weights is allocated (an 8B
+    # target read onto its GPU is not copied there again), and each one whose dtype is not `dtype` is converted on its
+    # own. `state_dict` is consumed, so that each original is freed as soon as it is converted.
+    state_dict.clear()
+    weights = {}
+    for k in list(sd):
+        t = sd.pop(k)
+        weights[k] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    model.load_state_dict(weights, strict=False, assign=True)
     if a.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model

@@ -31,9 +31,9 @@ def read_config(model_dir: Path) -> dict:
     return read_object(path, EagleScopeError)
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _load_safetensors(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     try:
-        return load_file(str(path))
+        return load_file(str(path), device=str(device))
     except (SafetensorError, OSError, ValueError) as e:
         raise EagleScopeError(f"weight file {path} is corrupted or truncated ({e})") from None
 
@@ -71,12 +71,13 @@ def check_index(model_dir: Path) -> dict[str, str] | None:
     return weight_map
 
 
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All weights of a checkpoint: model.safetensors, a sharded index, or (weights_only) .bin."""
+def load_state_dict(model_dir: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """All weights of a checkpoint: model.safetensors, a sharded index, or (weights_only) .bin, read onto `device`
+    (straight from the file's memory map: an 8B target on a GPU is not first copied into host memory)."""
     single = model_dir / "model.safetensors"
     index = model_dir / "model.safetensors.index.json"
     if single.is_file():
-        return _load_safetensors(single)
+        return _load_safetensors(single, device)
     if index.is_file():
         weight_map = check_index(model_dir)
         sd: dict[str, torch.Tensor] = {}
@@ -84,7 +85,7 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
             shard_path = _inside(model_dir, shard, index)
             if not shard_path.is_file():
                 raise EagleScopeError(f"shard {shard} listed in {index.name} is missing")
-            sd.update(_load_safetensors(shard_path))
+            sd.update(_load_safetensors(shard_path, device))
         missing = sorted(set(weight_map) - set(sd))
         if missing:
             raise EagleScopeError(f"{index.name} lists {missing[0]!r} but no shard holds it")
@@ -92,7 +93,7 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     binary = model_dir / "pytorch_model.bin"
     if binary.is_file():
         try:
-            return torch.load(binary, map_location="cpu", weights_only=True)
+            return torch.load(binary, map_location=device, weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file for the user
             # torch's message spans lines and advises weights_only=False, i.e. running the file's code: we never do.
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -68,7 +68,15 @@ from eaglescope.target import load_target, parse_device, parse_dtype
 from eaglescope.target.head import TargetHead, load_target_head
 from eaglescope.target.loading import read_config
 from eaglescope.train.metrics import Batch, evaluate, format_report
-from eaglescope.train.ttt import LOSS_MASK_SHIFT, Unrolled, ttt_loss, ttt_unroll
+from eaglescope.train.ttt import (
+    LOSS_MASK_SHIFT,
+    Unrolled,
+    draft_vocab_ids,
+    teacher_from_head,
+    teacher_of,
+    ttt_loss,
+    ttt_unroll,
+)
 
 STATE_DIR = "training_state"
 METRICS_FILE = "training_metrics.json"
@@ -255,18 +263,24 @@ def collate(samples: list[dict[str, torch.Tensor]], max_length: int) -> dict[str
     return out
 
 
-def make_batch(target, raw: dict[str, torch.Tensor], device: torch.device, aux_dtype: torch.dtype) -> Batch:
-    """Teacher logits and aux for a collated batch: from stored hidden states or the target online."""
+def make_batch(
+    target, raw: dict[str, torch.Tensor], device: torch.device, aux_dtype: torch.dtype, vocab_ids: torch.Tensor
+) -> Batch:
+    """Teacher and aux for a collated batch: from stored hidden states or the target online (without its output head:
+    teacher_from_head applies it a chunk of rows at a time). vocab_ids: the draft vocabulary's target ids."""
     ids = raw["input_ids"].to(device)
     valid = raw["valid"].to(device)
     if "aux" in raw:
-        aux = raw["aux"].to(device)
-        logits = target.head(raw["final_hidden"].to(device))
+        aux, final, logits = raw["aux"].to(device), raw["final_hidden"].to(device), None
     else:
-        out = target.hidden_states(ids, valid)
-        aux, logits = out.aux, out.logits
+        out = target.hidden_states(ids, valid, logits=False)
+        aux, final, logits = out.aux, out.final_hidden, out.logits
+    if logits is None:
+        teacher = teacher_from_head(target.head, final, vocab_ids, target.fingerprint.vocab_size)
+    else:  # a target that computes its logits anyway (transformers' models); new tensors, outside inference mode
+        teacher = teacher_of(vocab_ids, logits)
     # The target runs under inference_mode; cloning outside it gives tensors autograd may save.
-    return Batch(ids, raw["loss_mask"].to(device), valid, aux.to(aux_dtype).clone(), logits.clone())
+    return Batch(ids, raw["loss_mask"].to(device), valid, aux.to(aux_dtype).clone(), teacher)
 
 
 # -- schedule ------------------------------------------------------------------------------------
@@ -464,8 +478,9 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
 
     # -- the draft
     torch.manual_seed(cfg.seed)
+    target_cfg = read_config(Path(cfg.target))
     dcfg = DraftConfig.for_target(
-        read_config(Path(cfg.target)),
+        target_cfg,
         taps,
         int(d2t.numel()),
         arch=cfg.draft_arch,
@@ -522,8 +537,11 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
             perm_cache[epoch] = torch.randperm(len(train_idx), generator=g).tolist()
         return [train_idx[j] for j in perm_cache[epoch][pos * G : (pos + 1) * G]]
 
+    vocab_ids = draft_vocab_ids(draft)
+
     def batch_of(indices: list[int]) -> Batch:
-        return make_batch(target, collate([data.sample(i) for i in indices], max_length), device, compute_dtype)
+        raw = collate([data.sample(i) for i in indices], max_length)
+        return make_batch(target, raw, device, compute_dtype, vocab_ids)
 
     def eval_batches(indices: list[int]):
         for i in range(0, len(indices), B):
@@ -623,7 +641,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
                     res = ttt_loss(
                         draft,
                         Unrolled(list(logits), []),
-                        batch.target_logits,
+                        batch.teacher,
                         batch.loss_mask,
                         batch.valid,
                         per_sample=True,

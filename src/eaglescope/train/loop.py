@@ -44,6 +44,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -68,6 +69,7 @@ from eaglescope.target import load_target, parse_device, parse_dtype
 from eaglescope.target.head import TargetHead, load_target_head
 from eaglescope.target.loading import read_config
 from eaglescope.train.metrics import Batch, evaluate, format_report
+from eaglescope.train.speed import FlopModel, Throughput, format_speed
 from eaglescope.train.ttt import (
     LOSS_MASK_SHIFT,
     Unrolled,
@@ -435,6 +437,12 @@ def _resolve_data(cfg: TrainConfig, data, target_fp, num_layers: int) -> tuple[T
     return taps, d2t, t2d
 
 
+def _summed(values: list[int], device: torch.device) -> list[int]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return [int(x) for x in t.tolist()]
+
+
 def _from_rank0(x: int, d: Dist, device: torch.device) -> int:
     if d.world == 1:
         return x
@@ -590,6 +598,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
         log_dir = cfg.log_dir or str(work / "tb")
         writer = SummaryWriter(log_dir, purge_step=step + 1 if saved is not None else None)
     bar = Progress(total, "train", "steps", initial=step, enabled=progress and d.main)
+    meter = Throughput(device, FlopModel.of(target, target_cfg, draft, cfg.ttt_length, not data.has_hidden_states))
     history: list[dict] = []
 
     def run_eval() -> dict:
@@ -624,6 +633,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
 
     try:
         while step < total:
+            meter.start()
             lr = cfg.lr * lr_factor(step, warmup, total)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -634,6 +644,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
             for a in range(A):
                 mine = indices[a * B * W + d.rank * B : a * B * W + (d.rank + 1) * B]
                 batch = batch_of(mine)
+                meter.add(batch.valid)
                 sync = fwd.no_sync() if (W > 1 and a < A - 1) else contextlib.nullcontext()
                 with sync:
                     with autocast:
@@ -665,6 +676,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
                     raise fail("gradient norm", norm.detach())
             opt.step()
             opt.zero_grad(set_to_none=True)
+            meter.stop()
             step += 1
             ran += 1
             if not fitted:  # --max-seconds: fit the run's length once the first steps are timed
@@ -707,8 +719,10 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
                 d.barrier()
             if step < total and cfg.save_every and step % cfg.save_every == 0:
                 checkpoint(None)
+        speed = meter.report(W, (lambda xs: _summed(xs, device)) if W > 1 else None)
         metrics = run_eval() if d.main else {}
         metrics["ttt_length"] = cfg.ttt_length
+        metrics["speed"] = speed
         checkpoint(metrics)
         if writer is not None:
             writer.close()
@@ -737,6 +751,7 @@ def cmd_train(args) -> int:
         print(f"{res.out}: {res.steps} steps; {res.metrics.get('split', 'held-out')} {format_report(res.metrics)}")
         tb = cfg.log_dir or str(res.out / "tb")
         print(f"TensorBoard logs: {tb} (view with: tensorboard --logdir {tb})")
+        print(f"eaglescope train: {format_speed(res.metrics['speed'])}", file=sys.stderr)
     return 0
 
 

@@ -192,7 +192,7 @@ def test_model_flops_per_token_match_flopcountermode_over_a_real_training_step(t
     assert saved["speed"] == speed
 
 
-def test_the_8b_shape_counts_what_docs_training_speed_gives():
+def test_the_8b_shape_counts_what_docs_training_speed_gives(monkeypatch):
     """docs/training-speed.md's worked example: the formula at Llama-3.1-8B shape, its draft on the meta device."""
     from eaglescope.draft import Eagle3Draft
     from eaglescope.drafts import DraftConfig
@@ -218,6 +218,14 @@ def test_the_8b_shape_counts_what_docs_training_speed_gives():
     doc = (Path(__file__).parents[1] / "docs" / "training-speed.md").read_text()
     for key in ("target_linear", "target_attention", "draft_forward", "draft_backward", "total"):
         assert f"{p[key] / 2048 / 1e9:.2f}" in doc, (key, f"{p[key] / 2048 / 1e9:.2f}")
+    # and the memory the draft's backward keeps per token, as tests/test_train_ddp.py measures it on the meta device
+    from test_train_ddp import saved_per_token
+
+    per_token = saved_per_token(draft, 2048, 7, monkeypatch)
+    row = " | ".join(f"{b / 1e6:.2f}" for b in [*per_token.values(), sum(per_token.values())])
+    assert f"| Llama-3.1-8B shape, draft vocabulary 32,000 | {row} |" in doc, row
+    trainable = sum(q.numel() for q in draft.parameters() if q.requires_grad)
+    assert f"{trainable / 1e6:.1f} M trainable" in doc
 
 
 def test_peak_table_names_the_hopper_parts_and_nothing_for_the_cpu(monkeypatch):

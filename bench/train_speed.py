@@ -17,6 +17,10 @@
 The JSON (OUT/train-speed-<time>.json) has one entry per run under `runs` (batch_size, tokens_per_second,
 fraction_of_peak, peak_memory_gb, model_flops_per_token, rc, ...) and the commit. A run that fails (out of memory)
 is a result too: its exit code and last stderr lines.
+
+--profile adds one more run of the first batch size, in this process through `eaglescope.train.loop.train`, under
+torch.profiler for two steps after a warm-up step: where the step's time goes, op by op (OUT/...-profile.txt, and the
+top rows under `profile` in the JSON).
 """
 
 from __future__ import annotations
@@ -131,6 +135,29 @@ def run_one(argv: list[str], out: Path, batch: int) -> dict:
     return row
 
 
+def profile_run(target: Path, data: Path, out: Path, batch: int, length: int, eval_fraction: float, device: str,
+                dtype: str) -> dict:  # fmt: skip
+    """One more train() of 4 steps in this process, steps 3 and 4 under torch.profiler → its op table (ms per step)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from eaglescope.config import TrainConfig
+    from eaglescope.train.loop import train
+
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    cfg = TrainConfig(target=str(target), data=str(data), out=str(out), ttt_length=7, max_steps=4, batch_size=batch,
+                      max_length=length, eval_fraction=eval_fraction, device=device, dtype=dtype,
+                      overwrite=True)  # fmt: skip
+    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=2)) as prof:
+        train(cfg, progress=False, on_step=lambda step, logs: prof.step())
+    shutil.rmtree(out, ignore_errors=True)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:30]
+    top = [{"op": e.key, "calls_per_step": e.count / 2, "self_ms_per_step": getattr(e, key) / 2e3} for e in events]
+    return {"batch_size": batch, "profiled_steps": 2, "sorted_by": key, "top": top,
+            "table": prof.key_averages().table(sort_by=key, row_limit=40)}  # fmt: skip
+
+
 def commit() -> str:
     # the device copy of the tree may have no .git: the caller can pass the commit in the environment
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -147,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--length", type=int, default=None, help="tokens per sample (default 2048; smoke 64)")
     ap.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary (default 32000; smoke 128)")
     ap.add_argument("--time-limit", type=float, default=450.0, help="no new run starts after this many seconds")
+    ap.add_argument("--profile", action="store_true", help="one more run of the first batch size under torch.profiler")
     args = ap.parse_args(argv)
     smoke = args.smoke
     shape = TINY if smoke else LLAMA_8B
@@ -176,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run_one(train_argv(target, data, out, b, steps, length, n_eval / n, device, dtype), out, b))
             print(json.dumps({k: runs[-1].get(k) for k in ("batch_size", "rc", "tokens_per_second",
                               "fraction_of_peak", "peak_memory_gb", "wall_s")}), file=sys.stderr)  # fmt: skip
+        profiled = None
+        if args.profile and time.perf_counter() - t_start < args.time_limit:
+            profiled = profile_run(target, data, work / "draft-profile", batches[0], length, n_eval / n, device, dtype)
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not smoke else "cpu",
@@ -196,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
     }
     path = args.out / f"train-speed-{datetime.now(UTC):%Y%m%dT%H%M%S}{'-smoke' if smoke else ''}.json"
+    if profiled is not None:
+        table = profiled.pop("table")
+        path.with_name(path.stem + "-profile.txt").write_text(table + "\n")
+        result["profile"] = profiled
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({"path": str(path), "runs": [{k: r.get(k) for k in ("batch_size", "rc", "tokens_per_second",
           "fraction_of_peak", "peak_memory_gb")} for r in runs]}, indent=2))  # fmt: skip

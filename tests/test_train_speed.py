@@ -286,9 +286,12 @@ def test_same_seed_same_heldout_acc_with_the_dense_loss(tmp_path_factory, tmp_pa
 
 def test_bench_train_speed_smoke_runs_the_product_and_reports_each_batch_size(tmp_path, capsys):
     assert train_speed.main(["--smoke", "--out", str(tmp_path), "--batch-sizes", "1,2", "--steps", "2",
-                             "--length", "32", "--work", str(tmp_path / "work")]) == 0  # fmt: skip
+                             "--length", "32", "--work", str(tmp_path / "work"), "--profile"]) == 0  # fmt: skip
     (path,) = tmp_path.glob("train-speed-*-smoke.json")
     result = json.loads(path.read_text())
+    # --profile: two steps of one more run under torch.profiler, the matrix products among the costliest ops
+    assert result["profile"]["profiled_steps"] == 2 and "aten::mm" in [r["op"] for r in result["profile"]["top"][:5]]
+    assert "aten::mm" in path.with_name(path.stem + "-profile.txt").read_text()
     assert result["commit"] and [r["batch_size"] for r in result["runs"]] == [1, 2]
     for r in result["runs"]:
         assert r["rc"] == 0, r["stderr_tail"]

@@ -501,6 +501,8 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
     embedding = target.embedding if isinstance(target, TargetHead) else target_embedding(target)
     draft.load_target_embedding(embedding.detach().float().cpu())
     draft = draft.to(device).train()
+    if amp:  # the frozen embedding holds the target's own `dtype` values: float32 would only take twice the memory
+        draft.embed_tokens.to(dtype)
     m = data.manifest
     contract = DraftContract(
         taps=taps,

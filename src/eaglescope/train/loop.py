@@ -9,7 +9,9 @@
              linear warmup + cosine decay, gradient clipping, bf16 autocast on GPU.
     out    = OUT/ is the draft checkpoint itself (config.json + model.safetensors, loadable as is),
              OUT/training_state/ holds what --resume needs, OUT/training_metrics.json the final
-             held-out acc_k / α_k / predicted τ, OUT/tb/ the TensorBoard scalars.
+             held-out acc_k / α_k / predicted τ and the run's speed (train/speed.py: tokens/s, model FLOPs,
+             fraction of the GPU's peak, peak memory; also train's closing stderr line), OUT/tb/ the
+             TensorBoard scalars.
 
 Determinism. The data order is a pure function of (seed, step): epoch e shuffles the training split
 with a generator seeded from (seed, e), and step s takes the (s mod steps_per_epoch)-th global

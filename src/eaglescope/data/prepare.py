@@ -174,7 +174,7 @@ def _hidden_for(target: Target, samples: list[list[int]], batch_size: int, acc: 
         for j, i in enumerate(idx):
             ids[j, : len(samples[i])] = torch.tensor(samples[i])
             att[j, : len(samples[i])] = 1
-        out = target.hidden_states(ids, att)
+        out = target.hidden_states(ids, att, logits=False)  # the stored states only: no full-vocabulary logits
         if out.final_hidden is None:
             raise EagleScopeError("this target backend returns no final hidden state; use --backend native.")
         for j, i in enumerate(idx):

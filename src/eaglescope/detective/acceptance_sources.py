@@ -20,7 +20,7 @@ from eaglescope.detective.acceptance import Acceptance, alpha_of, as_float, roun
 from eaglescope.errors import EagleScopeError
 from eaglescope.jsonfile import read_object_or_none
 from eaglescope.train.metrics import Batch, hit_counts, step_hits
-from eaglescope.train.ttt import ttt_unroll
+from eaglescope.train.ttt import draft_vocab_ids, teacher_of, ttt_unroll
 
 # Training's acc_k file, written next to the draft's weights.
 TRAINING_METRICS = "training_metrics.json"
@@ -147,11 +147,11 @@ def teacher_hits(target, draft, ids: list[int], mask: list[int], depth: int) -> 
         loss_mask=torch.tensor([mask], device=dev),
         valid=torch.ones_like(x, device=dev),
         aux=out.aux.to(device=dev, dtype=draft.fc.weight.dtype),
-        target_logits=out.logits.to(device=dev, dtype=torch.float32),
+        teacher=teacher_of(draft_vocab_ids(draft), out.logits.to(device=dev, dtype=torch.float32)),
     )
     unrolled = ttt_unroll(draft, batch.input_ids, batch.aux, depth)
     hits, sup = step_hits(draft, unrolled.logits, batch)
-    greedy = batch.target_logits[0, :-1].argmax(-1)
+    greedy = batch.teacher.argmax[0, :-1]
     m = batch.loss_mask[0, 1:].bool()
     agree = int((greedy == batch.input_ids[0, 1:])[m].sum())
     return hits[0].cpu(), sup[0].cpu(), agree, int(m.sum())

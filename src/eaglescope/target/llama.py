@@ -399,8 +399,9 @@ class LlamaModel(nn.Module):
         cache: KVCache | None = None,
         start: int = 0,
         taps: tuple[int, ...] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """→ logits [B, T, V], aux [B, T, nH] (None without taps), final normed state [B, T, H]."""
+        head: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """→ logits [B, T, V] (None without `head`), aux [B, T, nH] (None without taps), final normed state [B, T, H]"""
         x = self.model.embed_tokens(idx)
         cos, sin = self.rope_for(positions)
         captured = []
@@ -410,7 +411,7 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, mask, cache, i, start)
         final = self.model.norm(x)
         aux = torch.cat(captured, dim=-1) if captured else None
-        return self.lm_head(final), aux, final
+        return self.lm_head(final) if head else None, aux, final
 
 
 def _sliding_check(a: LlamaArgs, max_len: int) -> None:
@@ -485,14 +486,13 @@ class NativeTarget(Target):
         self._pending = 0
 
     @torch.inference_mode()
-    def hidden_states(self, input_ids, attention_mask=None) -> TargetOutput:
+    def hidden_states(self, input_ids, attention_mask=None, logits: bool = True) -> TargetOutput:
         # Right padding only: causal attention never lets a real token see a pad, so no pad mask is needed.
         B, T = input_ids.shape
         _sliding_check(self.args, T)
         positions = torch.arange(T, device=self.device).expand(B, T)
-        logits, aux, final = self.model(
-            input_ids.to(self.device), positions, None, None, 0, self.taps.layers if self.taps else ()
-        )
+        taps = self.taps.layers if self.taps else ()
+        logits, aux, final = self.model(input_ids.to(self.device), positions, None, None, 0, taps, head=logits)
         return TargetOutput(logits, aux, final)
 
     def truncate(self, length: int) -> None:

@@ -235,6 +235,21 @@ def fingerprint(tensor: torch.Tensor, segments: int = 1, seed: int = 0) -> Finge
     )
 
 
+def projection(tensor: torch.Tensor, segments: int = 1, seed: int = 0) -> torch.Tensor:
+    """``fingerprint(tensor, segments, seed).proj`` alone [R, S, 16] (float32, on the host), computed where ``tensor``
+    is: the part of a fingerprint by which another tensor is compared with it. One product on the tensor's own device
+    (an engine's GPU), where a whole fingerprint is several passes over a host copy: comparing a replay's tensors with
+    a fingerprinted trace cost doctor tens of seconds at 8B that way."""
+    x = tensor.detach()
+    x = x.reshape(1, 1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
+    R, D = x.shape
+    if segments < 1 or D % segments:
+        raise TraceError(f"cannot split a last dimension of {D} into {segments} equal segments")
+    w = D // segments
+    P = _projection(w, int(seed)).to(x.device)
+    return (x.float().reshape(R * segments, w) @ P).reshape(R, segments, PROJ_DIM).cpu()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Comparison
 

@@ -89,8 +89,8 @@ def comparable_rows(x: torch.Tensor | T.Fingerprint, like: torch.Tensor | T.Fing
     ref = x if isinstance(x, T.Fingerprint) else like if isinstance(like, T.Fingerprint) else None
     if ref is None:
         return T._rows(x).double()
-    fp = x if isinstance(x, T.Fingerprint) else T.fingerprint(x, ref.segments, ref.seed)
-    return fp.proj.double().reshape(fp.rows, -1)
+    proj = x.proj if isinstance(x, T.Fingerprint) else T.projection(x, ref.segments, ref.seed)
+    return proj.double().reshape(proj.shape[0], -1)
 
 
 def _host_ids(x: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from eaglescope import trace as T
 from eaglescope.decode.speculative import Eagle3Proposer
 from eaglescope.detective.findings import Finding, rank
 from eaglescope.detective.replay import (
+    REPLAY_COPIES_TARGET,
     REPLAY_FINAL,
     REPLAY_PREFIX,
     comparable_rows,
@@ -1397,8 +1398,11 @@ def diagnose_trace(
         ev = Evidence(target, loaded, trace, golden, tol)
         table, first = [], None
         trace_keys = {(e.stage, e.round, e.part) for e in trace.events}
+        copied = bool(golden.meta.get(REPLAY_COPIES_TARGET))  # a draft-side replay: target.* are the trace's own
         for e in golden.events:
             if e.stage.startswith(REPLAY_PREFIX) or e.stage in FORCED or (e.stage, e.round, e.part) not in trace_keys:
+                continue
+            if copied and e.stage.startswith("target."):
                 continue
             obs = trace.get(e.stage, e.round, part=e.part) if e.part else trace.get(e.stage, e.round)
             gold = _observed_layout(ev, e, obs)

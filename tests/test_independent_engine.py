@@ -15,6 +15,7 @@ Where doctor is wrong today the case is xfail(strict): it turns into a failure t
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import subprocess
@@ -292,6 +293,17 @@ def _target_side(case) -> bool:
 
 DRAFT_SIDE_CASES = [c for c in FAULT_CASES + CLEAN if c.mode == "full" and not _target_side(c)]
 TARGET_SIDE_CASES = [c for c in FAULT_CASES if c.mode == "full" and _target_side(c)]
+# fingerprint traces whose engine keeps target.aux in full: one case per family of draft-side cause, and clean ones
+_FP = (
+    *("fc_skipped", "fc_repeated", "feedback_target", "stale_first_rows", "rope_tree_offset", "pairing_shift"),
+    *("other_embedding", "d2t_regenerated", "final_norm_skipped", "norm_before_fc_ignored", "norm_output_assumed"),
+    *("rms_eps_wrong", "tree-accepting-fingerprint", "bf16-fingerprint", "eagle31-fc-norm-output-fingerprint"),
+)
+DRAFT_SIDE_FINGERPRINT = [
+    dataclasses.replace(c, id=f"{c.id}-aux-full", engine={**c.engine, "aux_full": True})
+    for c in FAULT_CASES + CLEAN
+    if c.mode == "fingerprint" and (c.id in _FP or c.id.removesuffix("-fingerprint") in _FP)
+]
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +319,7 @@ def _draft_side(recorded, layerless, case):
     return run_doctor(layerless[S.target_dir], S.draft_dir, trace=recorded.trace(case), device="cpu")
 
 
-@pytest.mark.parametrize("case", _params(DRAFT_SIDE_CASES))
+@pytest.mark.parametrize("case", _params(DRAFT_SIDE_CASES + DRAFT_SIDE_FINGERPRINT))
 def test_draft_side_replay_says_what_the_full_replay_says(recorded, layerless, case):
     full, ds = recorded.full(case), _draft_side(recorded, layerless, case)
     assert full.context["replay"]["mode"] == FULL and ds.context["replay"]["mode"] == DRAFT_SIDE
@@ -328,6 +340,7 @@ def test_draft_side_cases_cover_every_draft_side_fault():
     faults = {c.fault for c in DRAFT_SIDE_CASES if c.fault}
     assert faults == {c.fault for c in FAULT_CASES if not _target_side(c)} and len(faults) >= 30
     assert sum(1 for c in DRAFT_SIDE_CASES if c.healthy) >= 30
+    assert len(DRAFT_SIDE_FINGERPRINT) == len(_FP)
 
 
 @pytest.mark.parametrize("case", TARGET_SIDE_CASES, ids=[c.id for c in TARGET_SIDE_CASES])

@@ -9,8 +9,6 @@ tests/vllm/test_vllm_layers.py.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from drafts import make_draft as make_eaglescope_draft
@@ -22,7 +20,6 @@ from eaglescope import trace as T
 from eaglescope.cli import main
 from eaglescope.detective.doctor import format_report, run_doctor
 from eaglescope.draft import save_draft
-from eaglescope.target.loading import has_decoder_layers
 
 MAX_NEW = 10
 TREE = {"depth": 3, "top_k": 3, "total_tokens": 8}
@@ -58,25 +55,17 @@ def engine_trace(d: dict, out, fault=None, mode="full", record_layers="all", **r
     return out
 
 
-def test_the_copy_has_no_decoder_layers(engine_dirs, tmp_path):
-    assert has_decoder_layers(engine_dirs["target"]) and not has_decoder_layers(engine_dirs["slim"])
-    # an index that names layer shards that are not there: the layers are absent too
-    partial = tmp_path / "partial"
-    partial.mkdir()
-    index = {"weight_map": {"model.layers.0.mlp.up_proj.weight": "model-00002.safetensors"}}
-    (partial / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert not has_decoder_layers(partial)
-
-
 @pytest.mark.parametrize("mode", ["full", "fingerprint"])
 @pytest.mark.parametrize("fault", [None, *TAP_FAULTS, "eagle2_wiring"])
 def test_tap_fault_is_named_from_per_layer_fingerprints(engine_dirs, tmp_path, fault, mode):
     trace = engine_trace(engine_dirs, tmp_path / "t", fault, mode)
     report = run_doctor(engine_dirs["slim"], engine_dirs["draft"], trace=trace, device="cpu")
     ctx = report.context
-    assert ctx["mode"] == "fingerprints only" and ctx["layer_taps"]["checked"]
+    # a full trace's draft side is replayed from its target.aux as well; a fingerprinted one has nothing to replay
+    assert ctx["replay"]["mode"] == ("draft-side replay" if mode == "full" else "fingerprints only")
+    assert ctx["layer_taps"]["checked"] and ctx["replay"]["cannot_name"] == []
     assert ctx["layer_taps"]["recorded"] == {"states": list(range(8)), "final": True, "normed": list(range(8))}
-    assert "trace mode: fingerprints only" in format_report(report)
+    assert "taps       fingerprints only: target.aux matched against" in format_report(report)
     if fault is None:
         assert report.healthy, [f.verdict for f in report.findings]
         return
@@ -122,7 +111,7 @@ def test_bf16_engine_of_twelve_layers(bf16_dirs, tmp_path, fault):
 def test_full_target_still_replays_the_same_trace(engine_dirs, tmp_path):
     trace = engine_trace(engine_dirs, tmp_path / "t", "tap_order")
     report = run_doctor(engine_dirs["target"], engine_dirs["draft"], trace=trace, device="cpu")
-    assert report.context["mode"] == "full replay"
+    assert report.context["replay"]["mode"] == "full replay" and "layer_taps" not in report.context
     assert (report.findings[0].code, report.findings[0].stage) == ("TAP_ORDER", "target.aux")
 
 
@@ -138,6 +127,7 @@ def test_without_normed_states_a_normed_tap_is_not_guessed(engine_dirs, tmp_path
     codes = [f.code for f in report.findings]
     assert codes == ["DIVERGENCE_UNEXPLAINED"], codes
     assert "TAP_NORMED) cannot be told" in report.findings[0].verdict
+    assert report.context["replay"]["cannot_name"] == ["TAP_NORMED"]
 
 
 def test_neither_layers_nor_fingerprints_says_which_is_missing(engine_dirs, tmp_path):
@@ -145,9 +135,9 @@ def test_neither_layers_nor_fingerprints_says_which_is_missing(engine_dirs, tmp_
     report = run_doctor(engine_dirs["slim"], engine_dirs["draft"], trace=trace, device="cpu")
     ctx = report.context["layer_taps"]
     assert not ctx["checked"] and ctx["missing"].startswith("target.layer.<i>")
-    assert not any(f.code.startswith("TAP_") for f in report.findings)  # nothing guessed
-    note = next(n for n in report.context["notes"] if "were not checked" in n)
-    assert "decoder layers are not in --target" in note and "--trace-layers" in note
+    # the draft side replays clean from the recorded capture; what the capture holds is said to be unknown, not guessed
+    assert report.healthy and "TAP_OFF_BY_ONE" in report.context["replay"]["cannot_name"]
+    assert "per-layer fingerprints" in format_report(report)
 
 
 def test_record_layers_refuses_a_wrong_count(tmp_path):

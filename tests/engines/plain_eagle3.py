@@ -27,7 +27,8 @@ proposes (what eaglescope records), "all" for every step-0 row (n = m, as the fo
 `record_layers` "states" adds every state of the prefill (target.layer.<0..L>, fingerprints), "all" each layer's
 input_layernorm of it too (target.layer.<i>.normed);
 `stages` "all" records every canonical stage, "shallow" only the easy ones an engine records first (target.aux, the
-draft's top-k, the verified tree and its decision: no draft hidden tensor, no per-tap stage, no next.hidden_in).
+draft's top-k, the verified tree and its decision: no draft hidden tensor, no per-tap stage, no next.hidden_in);
+`aux_full` keeps target.aux in full in a fingerprint trace (what a draft-side replay plays back).
 
 `generate(..., temperature=T)` samples (T > 0): each tree node's next token is drawn from the target's distribution
 at temperature T; the walk goes on to the child holding that token, and a token no child holds is the bonus token.
@@ -260,6 +261,7 @@ class PlainEagle3:
         meta_keys: str = "both",
         record_taps: str = "contract",
         stages: str = "all",
+        aux_full: bool = False,
         record_layers: str = "none",
     ) -> None:
         if fault is not None and fault not in FAULTS:
@@ -272,6 +274,7 @@ class PlainEagle3:
         self.record_taps, self.record_layers = record_taps, record_layers
         if record_layers not in ("none", "states", "all"):
             raise ValueError("record_layers is 'none', 'states' (hs[0..L]) or 'all' (and each layer's normed input)")
+        self.aux_full = aux_full
         if stages not in ("all", "shallow"):
             raise ValueError("stages is 'all' or 'shallow' (target.aux, top-k and the tree only)")
         self.shallow = stages == "shallow"
@@ -482,7 +485,7 @@ class PlainEagle3:
 
     def _rec(self, rec, stage, x, **kw) -> None:
         if rec is not None and (not self.shallow or rt.parse_stage(stage)[0] in self._SHALLOW):
-            rec.record(stage, x, **kw)
+            rec.record(stage, x, **kw, **({"full": True} if self.aux_full and stage == rt.TARGET_AUX else {}))
 
     def next_token(self, logits: torch.Tensor) -> int:
         """The target's token after a position: its argmax, or with a temperature a draw from its distribution."""

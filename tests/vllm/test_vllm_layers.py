@@ -134,7 +134,11 @@ def test_tap_faults_in_vllm_are_named_without_the_targets_layers(captured, run):
     report, seconds = doctor(captured, captured["traces"][run])
     sys.stderr.write(f"{run}: doctor {seconds:.1f}s\n")
     ctx = report["context"]
-    assert ctx["mode"] == "fingerprints only" and ctx["layer_taps"]["checked"], ctx.get("notes")
+    # the full capture's draft side is replayed from its target.aux too; the fingerprinted ones have nothing to replay
+    fingerprinted = run.startswith("patched-")
+    assert ctx["replay"]["mode"] == ("fingerprints only" if fingerprinted else "draft-side replay"), ctx["replay"]
+    assert ctx["layer_taps"]["checked"], ctx.get("notes")
+    assert ctx["replay"]["cannot_name"] == []  # the taps were named from vLLM's own per-layer states
     expected = PATCHED[run.removeprefix("patched-")] if run.startswith("patched-") else ID_RUNS[run][1]
     if expected is None:
         assert report["healthy"], report["findings"]
@@ -146,4 +150,4 @@ def test_tap_faults_in_vllm_are_named_without_the_targets_layers(captured, run):
 
 def test_the_clean_capture_replays_healthy_on_the_full_target(captured):
     report, _ = doctor(captured, captured["traces"]["clean"], target="target")
-    assert report["context"]["mode"] == "full replay" and report["healthy"], report["findings"]
+    assert report["context"]["replay"]["mode"] == "full replay" and report["healthy"], report["findings"]

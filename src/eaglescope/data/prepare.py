@@ -174,7 +174,7 @@ def _hidden_for(target: Target, samples: list[list[int]], batch_size: int, acc: 
         for j, i in enumerate(idx):
             ids[j, : len(samples[i])] = torch.tensor(samples[i])
             att[j, : len(samples[i])] = 1
-        out = target.hidden_states(ids, att)
+        out = target.hidden_states(ids, att, logits=False)  # the stored states only: no full-vocabulary logits
         if out.final_hidden is None:
             raise EagleScopeError("this target backend returns no final hidden state; use --backend native.")
         for j, i in enumerate(idx):
@@ -339,6 +339,65 @@ def _load_target(cfg: PrepareConfig):
     return target, tok, taps, template_sha
 
 
+def _render_chunk(cfg: PrepareConfig, target, tok, chunk: list, k: int, L: int, stop_ids, bar, entry: dict):
+    """The rendered (ids, loss mask) pairs of one shard's conversations, regenerated first with --regenerate;
+    counts what was skipped, truncated, cut or invalid into `entry`."""
+    pairs: list[tuple[list[int], list[int]]] = []
+    batched = (
+        regenerate_batch(target, tok, chunk, cfg.regen_max_new_tokens, L, stop_ids, cfg.batch_size)
+        if cfg.regenerate
+        else [None] * len(chunk)
+    )
+    for j, conv in enumerate(chunk):
+        # One conversation the template rejects (e.g. "roles must alternate") is skipped and
+        # counted, not allowed to abort a long run.
+        try:
+            if cfg.regenerate:
+                conv, cut = batched[j] or regenerate_conversation(
+                    target, tok, conv, cfg.regen_max_new_tokens, L, stop_ids
+                )
+                entry["regen_cut"] += cut
+            r = render(conv, tok)
+        except EagleScopeError as e:
+            entry["invalid"] += 1
+            entry["first_invalid"] = entry["first_invalid"] or f"conversation {k * cfg.shard_samples + j}: {e}"
+            r = None
+        if cfg.regenerate:
+            bar.update(1)
+        if r is not None and len(r.input_ids) > L:
+            entry["truncated"] += 1
+            r.input_ids, r.loss_mask = r.input_ids[:L], r.loss_mask[:L]
+        if r is None or not any(r.loss_mask):
+            entry["skipped"] += 1
+            continue
+        pairs.append((r.input_ids, r.loss_mask))
+    return pairs
+
+
+def _build_shard(cfg: PrepareConfig, target, tok, chunk: list, k: int, L: int, stop_ids, part: Path, bar) -> dict:
+    """Shard k written into the staging directory: its token file (and hidden states); → its progress entry."""
+    entry = {"skipped": 0, "truncated": 0, "regen_cut": 0, "invalid": 0, "first_invalid": None}
+    pairs = _render_chunk(cfg, target, tok, chunk, k, L, stop_ids, bar, entry)
+    samples = [ids for ids, _ in pairs]
+    lengths = torch.tensor([0] + [len(s) for s in samples], dtype=torch.int64)
+    entry["num_samples"] = len(samples)
+    tokens = {
+        "input_ids": torch.tensor([t for s in samples for t in s], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for _, mask in pairs for m in mask], dtype=torch.uint8),
+        "offsets": lengths.cumsum(0),
+    }
+    entry["tokens"] = {"file": part_name(k), **save_atomic(tokens, part / part_name(k))}
+    entry["hidden"] = None
+    if cfg.hidden_states:
+        acc: dict = {}
+        tensors = _hidden_for(target, samples, cfg.batch_size, acc)
+        entry["hidden"] = {"file": shard_name(k), **save_atomic(tensors, part / shard_name(k))}
+        entry["tap_acc"] = acc
+    if not cfg.regenerate:
+        bar.update(len(chunk))
+    return entry
+
+
 def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[int], None] | None = None) -> dict:
     """Run the whole preparation into cfg.out; → the manifest. `on_shard_done(k)` runs after each new shard."""
     cfg.validate()
@@ -388,62 +447,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
             resumed += 1
             bar.update(len(chunk))
             continue
-        entry = {"skipped": 0, "truncated": 0, "regen_cut": 0, "invalid": 0, "first_invalid": None}
-        samples: list[list[int]] = []
-        masks: list[list[int]] = []
-        batched = (
-            regenerate_batch(target, tok, chunk, cfg.regen_max_new_tokens, L, stop_ids, cfg.batch_size)
-            if cfg.regenerate
-            else [None] * len(chunk)
-        )
-        for j, conv in enumerate(chunk):
-            # One conversation the template rejects (e.g. "roles must alternate") is skipped and
-            # counted, not allowed to abort a long run.
-            try:
-                if cfg.regenerate:
-                    conv, cut = batched[j] or regenerate_conversation(
-                        target, tok, conv, cfg.regen_max_new_tokens, L, stop_ids
-                    )
-                    entry["regen_cut"] += cut
-                r = render(conv, tok)
-            except EagleScopeError as e:
-                entry["invalid"] += 1
-                entry["first_invalid"] = entry["first_invalid"] or f"conversation {k * cfg.shard_samples + j}: {e}"
-                r = None
-            if cfg.regenerate:
-                bar.update(1)
-            if r is not None and len(r.input_ids) > L:
-                entry["truncated"] += 1
-                r.input_ids, r.loss_mask = r.input_ids[:L], r.loss_mask[:L]
-            if r is None or not any(r.loss_mask):
-                entry["skipped"] += 1
-                continue
-            samples.append(r.input_ids)
-            masks.append(r.loss_mask)
-        lengths = torch.tensor([0] + [len(s) for s in samples], dtype=torch.int64)
-        flat_ids = [t for s in samples for t in s]
-        flat_mask = [m for s in masks for m in s]
-        entry["num_samples"] = len(samples)
-        entry["tokens"] = {
-            "file": part_name(k),
-            **save_atomic(
-                {
-                    "input_ids": torch.tensor(flat_ids, dtype=torch.int32),
-                    "loss_mask": torch.tensor(flat_mask, dtype=torch.uint8),
-                    "offsets": lengths.cumsum(0),
-                },
-                part / part_name(k),
-            ),
-        }
-        entry["hidden"] = None
-        if cfg.hidden_states:
-            acc: dict = {}
-            tensors = _hidden_for(target, samples, cfg.batch_size, acc)
-            entry["hidden"] = {"file": shard_name(k), **save_atomic(tensors, part / shard_name(k))}
-            entry["tap_acc"] = acc
-        if not cfg.regenerate:
-            bar.update(len(chunk))
-        prog["shards"][str(k)] = entry
+        prog["shards"][str(k)] = _build_shard(cfg, target, tok, chunk, k, L, stop_ids, part, bar)
         write_json_atomic(prog, prog_path)
         if on_shard_done is not None:
             on_shard_done(k)

@@ -30,6 +30,7 @@ from eaglescope import trace as T
 from eaglescope.decode.speculative import Eagle3Proposer
 from eaglescope.detective.findings import Finding, rank
 from eaglescope.detective.replay import (
+    REPLAY_COPIES_TARGET,
     REPLAY_FINAL,
     REPLAY_PREFIX,
     comparable_rows,
@@ -74,6 +75,14 @@ def fp_slack(dof: int) -> float:
     """How far above the true error a χ²(dof) projection estimate reads at FP_Z (Wilson-Hilferty's quantile)."""
     c = 2.0 / (9.0 * max(dof, 1))
     return math.sqrt(max(1.0 - c + FP_Z * math.sqrt(c), 1.0) ** 3)
+
+
+@torch.no_grad()
+def on_model(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`fn` (a model's module) over evidence `x`. The evidence (trace and replay tensors, read from disk) stays on
+    the host, where every comparison is made; the models live on --device: `x` goes to `like`'s (a weight's) device
+    and dtype for the call, and the result comes back as host float32."""
+    return fn(x.to(like)).float().cpu()
 
 
 # -- comparing one observation with one reference ------------------------------------------------------------------
@@ -308,7 +317,7 @@ class Evidence:
         norm = input_norm(self.target, i)
         if norm is None:
             return None
-        return norm(hs.to(self.target.dtype).to(self.target.device)).float().cpu()
+        return on_model(norm, hs, norm.weight)
 
     def hidden_states(self, rnd: int) -> dict[int, torch.Tensor]:
         out = {}
@@ -585,10 +594,10 @@ def _fc_again(ev: Evidence, x: torch.Tensor) -> dict[str, torch.Tensor]:
     out = {}
     with torch.no_grad():
         w = d.fc.weight
-        out["tiled to fc's width"] = d.project(torch.cat([x] * n, dim=-1).to(w)).float().cpu()
+        out["tiled to fc's width"] = on_model(d.project, torch.cat([x] * n, dim=-1), w)
         for j in range(n):
             parts = [x if i == j else torch.zeros_like(x) for i in range(n)]
-            out[f"zero-padded to fc's width (in segment {j})"] = d.project(torch.cat(parts, -1).to(w)).float().cpu()
+            out[f"zero-padded to fc's width (in segment {j})"] = on_model(d.project, torch.cat(parts, -1), w)
     return out
 
 
@@ -652,7 +661,7 @@ def _fc_variants(d, aux: torch.Tensor) -> dict[str, torch.Tensor]:
     decision changed; a variant that reproduces the observed tensor names the drift."""
     c, out = d.config, {}
     with torch.no_grad():
-        x = aux.to(d.fc.weight.dtype)
+        x = aux.to(d.fc.weight)  # the variants are the draft's own modules: computed where they live
         segs = x.chunk(c.num_aux, -1)
 
         def per_segment(t: torch.Tensor) -> torch.Tensor:
@@ -691,8 +700,7 @@ def _eagle31_hypotheses(ev: Evidence, rnd: int, stage: str, observed) -> list[Hy
         aux = ev.g(T.NEXT_HIDDEN_IN, rnd - 1)
     if aux is None or aux.shape[0] != observed.shape[0]:
         return []
-    with torch.no_grad():
-        trained = ev.draft.project(aux.to(ev.draft.fc.weight.dtype)).float().cpu()
+    trained = on_model(ev.draft.project, aux, ev.draft.fc.weight)
     if ev.compare(observed, trained).match:
         return []  # the trained computation over these features explains it: not a norm decision
     c = ev.draft.config
@@ -733,7 +741,7 @@ def _stale_fc_hypotheses(ev: Evidence, rnd: int, stage: str, observed) -> list[H
                 name,
                 f"the draft's features are fc of the {name}, not of the accepted positions",
                 fix,
-                ev.draft.project(rows.to(w)).float().cpu(),
+                on_model(ev.draft.project, rows, w),
             )
             for name, (code, rows, fix) in rules.items()
         ]
@@ -810,13 +818,28 @@ def _sequence(ev: Evidence) -> list[int]:
     return seq
 
 
+_TABLE_CHUNK = 8192  # rows of the embedding table compared at once: a 163840 x 7168 table is 9.4 GB in float64
+
+
+def _nearest_rows(emb: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of the table row nearest to each row, ||row - that table row|| / ||that table row||), in float64, the
+    table read in chunks so that a large vocabulary is never copied whole."""
+    x = rows.detach().double().cpu()
+    best_d = torch.full((x.shape[0],), math.inf, dtype=torch.float64)
+    best_i = torch.zeros(x.shape[0], dtype=torch.long)
+    for start in range(0, emb.shape[0], _TABLE_CHUNK):
+        part = emb[start : start + _TABLE_CHUNK].detach().double().cpu()
+        d, i = torch.cdist(x, part).min(dim=-1)
+        closer = d < best_d
+        best_d, best_i = torch.where(closer, d, best_d), torch.where(closer, i + start, best_i)
+    norms = emb[best_i].detach().double().cpu().norm(dim=-1)
+    return best_i, best_d / norms.clamp_min(1e-12)
+
+
 def _tokens_of(emb: torch.Tensor, rows: torch.Tensor) -> list[int] | None:
     """The token whose embedding each row is (the golden rows are the target's table exactly), or None."""
-    table = emb.detach().double().cpu()
-    d = torch.cdist(rows.double().cpu(), table)
-    best = d.min(dim=-1)
-    ok = best.values <= 1e-3 * table[best.indices].norm(dim=-1).clamp_min(1e-12)
-    return [int(i) for i in best.indices.tolist()] if bool(ok.all()) else None
+    idx, rel = _nearest_rows(emb, rows)
+    return [int(i) for i in idx.tolist()] if bool((rel <= 1e-3).all()) else None
 
 
 def diagnose_embed(ev: Evidence, rnd: int, stage: str, observed, step: int) -> list[Finding]:
@@ -916,8 +939,13 @@ def _other_table_hypotheses(ev: Evidence, rnd: int, stage: str, observed, gold: 
 
     def no_token_of_the_table() -> float | None:
         # no row is any token's row of the target's table (the tokens are not merely other ones)
-        err = pairwise_row_errors(observed, emb.detach().float().cpu())
-        return None if err is None or float(err.min()) <= ev.tol(observed) * slack else 0.0
+        nearest = math.inf
+        for start in range(0, emb.shape[0], _TABLE_CHUNK):
+            err = pairwise_row_errors(observed, emb[start : start + _TABLE_CHUNK].detach().float().cpu())
+            if err is None:
+                return None
+            nearest = min(nearest, float(err.min()))
+        return None if nearest <= ev.tol(observed) * slack else 0.0
 
     return [
         Hypothesis(
@@ -943,13 +971,10 @@ def _other_tokens(emb: torch.Tensor, gold, observed, tol: float) -> tuple[list[i
     rows = [int(i) for i in torch.nonzero(err > tol).flatten().tolist()]
     if not rows or len(rows) == a.shape[0]:  # every row differs: a table or a shift, not a few wrong tokens
         return None
-    table = emb.detach().double().cpu()
 
     def lookup(x: torch.Tensor) -> list[int] | None:
-        d = torch.cdist(x, table)  # [rows, V]
-        best = d.min(dim=-1)
-        ok = best.values <= tol * table[best.indices].norm(dim=-1)
-        return [int(i) for i in best.indices.tolist()] if bool(ok.all()) else None
+        idx, rel = _nearest_rows(emb, x)
+        return [int(i) for i in idx.tolist()] if bool((rel <= tol).all()) else None
 
     fed, want = lookup(a[rows]), lookup(b[rows])
     if fed is None or want is None:
@@ -976,8 +1001,7 @@ def diagnose_feedback(ev: Evidence, rnd: int, stage: str, observed, step: int) -
         return []
     m = gold.shape[0]
     h = _tensor_hypothesis
-    with torch.no_grad():
-        postnorm = ev.draft.norm(gold.to(ev.draft.fc.weight)).float().cpu()
+    postnorm = on_model(ev.draft.norm, gold, ev.draft.fc.weight)
     hyps = [
         h(
             ev,
@@ -1394,8 +1418,11 @@ def diagnose_trace(
         ev = Evidence(target, loaded, trace, golden, tol)
         table, first = [], None
         trace_keys = {(e.stage, e.round, e.part) for e in trace.events}
+        copied = bool(golden.meta.get(REPLAY_COPIES_TARGET))  # a draft-side replay: target.* are the trace's own
         for e in golden.events:
             if e.stage.startswith(REPLAY_PREFIX) or e.stage in FORCED or (e.stage, e.round, e.part) not in trace_keys:
+                continue
+            if copied and e.stage.startswith("target."):
                 continue
             obs = trace.get(e.stage, e.round, part=e.part) if e.part else trace.get(e.stage, e.round)
             gold = _observed_layout(ev, e, obs)

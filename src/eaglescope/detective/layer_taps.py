@@ -110,7 +110,7 @@ def _observed(trace: T.Trace, taps: TapContract):
 def check_taps(trace: T.Trace, taps: TapContract, hidden_size: int) -> tuple[list[Finding], dict]:
     """Findings about the taps from the trace's per-layer states alone, and context["layer_taps"]: whether they were
     checked, what the trace records, and why not (`missing`) when they were not."""
-    ctx: dict = {"mode": MODE, "checked": False, "missing": None, "recorded": None}
+    ctx: dict = {"mode": MODE, "checked": False, "missing": None, "recorded": None, "can_name": []}
     layers = engine_layers(trace, taps.num_layers)
     stage, observed = _observed(trace, taps)
     if layers is None:
@@ -123,7 +123,7 @@ def check_taps(trace: T.Trace, taps: TapContract, hidden_size: int) -> tuple[lis
     if observed.shape[0] != layers.rows:
         ctx["missing"] = f"a prefill of {layers.rows} rows in {stage} (it has {observed.shape[0]})"
         return [], ctx
-    ctx["checked"] = True
+    ctx["checked"], ctx["can_name"] = True, can_name(layers)
     ev = LayerEvidence(trace, taps, hidden_size, layers)
     findings = diagnose_taps(ev, 0, stage, observed)
     if not layers.normed:
@@ -137,9 +137,36 @@ def check_taps(trace: T.Trace, taps: TapContract, hidden_size: int) -> tuple[lis
 
 
 def unchecked_note(ctx: dict) -> str:
-    """The one line doctor prints when the taps could not be checked without the target's layers."""
+    """The note when the trace has per-layer states but they could not be matched with its capture."""
     return (
-        f"the target's decoder layers are not in --target and the trace lacks {ctx['missing']}: the taps "
-        f"(TAP_OFF_BY_ONE, TAP_WRONG_LAYER, TAP_ORDER, TAP_EMBEDDING, TAP_NORMED) were not checked; give doctor the "
-        f"full target, or {RECORD_HINT}"
+        f"the trace records per-layer states but lacks {ctx['missing']}: the taps (TAP_*) were not checked from them; "
+        "give doctor the full target for a full replay"
     )
+
+
+def can_name(layers: EngineLayers) -> list[str]:
+    """The codes the check can name from what the trace records (see the module docstring)."""
+    codes = ["TAP_OFF_BY_ONE", "TAP_WRONG_LAYER", "TAP_ORDER", "TAP_EMBEDDING"]
+    if layers.final is not None:
+        codes.append("FC_SKIPPED")  # an H-wide target.aux that is the final normed state (EAGLE-2 wiring)
+    if layers.normed:
+        codes.append("TAP_NORMED")
+    return codes
+
+
+def taps_line(ctx: dict) -> str:
+    """The report's line for a check that ran."""
+    names = ctx["can_name"]
+    missing = [c for c in ("FC_SKIPPED", "TAP_NORMED") if c not in names]
+    text = (
+        f"taps       {MODE}: target.aux matched against the trace's own per-layer states of the prefill "
+        f"(target.layer.<i>), no target forward: {', '.join(names)} can be named"
+    )
+    if missing:
+        text += f"; {' and '.join(missing)} cannot (the trace lacks target.layer.<L> or target.layer.<i>.normed)"
+    return text
+
+
+def aux_in_full(trace: T.Trace) -> bool:
+    """Whether every target.aux of the trace is a full tensor (what a draft-side replay plays back)."""
+    return all(e.kind == "full" for e in trace.events if e.stage == T.TARGET_AUX)

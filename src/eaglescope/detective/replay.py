@@ -35,6 +35,7 @@ from eaglescope.target.layer_states import forward_all_layers
 REPLAY_HS = "replay.hs"  # replay.hs.<i>: hidden state i of every target forward (all layers)
 REPLAY_FINAL = "replay.final"  # the target's final normed state (lm_head's input) of every target forward
 REPLAY_PREFIX = "replay."  # every replay-only stage: never compared with the trace
+REPLAY_COPIES_TARGET = "replay_copies_target"  # meta key: target.* stages are the trace's own (a draft-side replay)
 
 
 def replay_hs(i: int) -> str:
@@ -84,12 +85,19 @@ def _shape_from_stages(trace: T.Trace) -> tuple[int, int, int] | None:
 def comparable_rows(x: torch.Tensor | T.Fingerprint, like: torch.Tensor | T.Fingerprint) -> torch.Tensor:
     """`x` as rows [R, D'] that can be subtracted from `like`'s: raw rows when neither is a fingerprint, else the
     fingerprints' per-segment projections [R, S*16] (a tensor is fingerprinted with the other side's segments and
-    seed). ||row difference|| then estimates the true one (exactly, or by Johnson-Lindenstrauss)."""
+    seed), float64 on the host whatever device `x` is on. ||row difference|| then estimates the true one (exactly, or
+    by Johnson-Lindenstrauss)."""
     ref = x if isinstance(x, T.Fingerprint) else like if isinstance(like, T.Fingerprint) else None
     if ref is None:
         return T._rows(x).double()
-    fp = x if isinstance(x, T.Fingerprint) else T.fingerprint(x, ref.segments, ref.seed)
-    return fp.proj.double().reshape(fp.rows, -1)
+    proj = x.proj if isinstance(x, T.Fingerprint) else T.projection(x, ref.segments, ref.seed)
+    return proj.double().reshape(proj.shape[0], -1)
+
+
+def _host_ids(x: torch.Tensor) -> torch.Tensor:
+    """Integer rows as `comparable_rows` gives float ones: on the host (the replay's own on --device, the trace's
+    read from disk), where the cost of pairing them is summed."""
+    return x.detach().to("cpu", torch.long)
 
 
 def row_norms(x: torch.Tensor | T.Fingerprint) -> torch.Tensor:
@@ -119,7 +127,7 @@ def match_rows(trace_rows: dict[str, torch.Tensor | T.Fingerprint], own_rows: di
         if obs is None or obs.shape[0] != n:
             continue
         if not own.is_floating_point():  # top-k ids: the share of ids two rows do not have in common
-            o, t = own.long(), obs.long()
+            o, t = _host_ids(own), _host_ids(obs)
             same = (t[:, None, :, None] == o[None, :, None, :]).any(-1).double().mean(-1)
             cost += 1.0 - same
         else:
@@ -291,6 +299,8 @@ class _ReplayRunner(ReferenceRunner):
 
     def target_forward(self, tokens, positions=None, tree_mask=None) -> TargetOutput:
         fn = lambda: self.target.forward(tokens, positions=positions, tree_mask=tree_mask)  # noqa: E731
+        if not self.target.computes_layers:  # the trace's own capture played back (draft_replay.py): nothing to tap
+            return fn()
         out, states, final = forward_all_layers(self.target, fn, self.contract)
         self._hs = {replay_hs(i): h for i, h in enumerate(states)}
         if final is not None:
@@ -370,7 +380,9 @@ def replay(
     biggest = max((int(t.numel()) for r in rounds if (t := forced.get(T.VERIFY_TOKENS, r)) is not None), default=0)
     max_len = len(prompt_ids) + budget + total + 2
     rec = T.TraceRecorder(out_dir, mode=mode, producer="eaglescope-replay", inputs=(trace_dir,), flag="--out")
-    rec.set_meta(**{**meta, "replay_of": str(trace_dir), "taps": contract.to_dict()})
+    # a replay whose target plays the trace's capture back copies target.* from the trace: those are not evidence
+    rec.set_meta(**{**meta, "replay_of": str(trace_dir), "taps": contract.to_dict(),
+                    REPLAY_COPIES_TARGET: not target.computes_layers})  # fmt: skip
     try:
         proposer = _following(proposer_cls, trace)(draft, depth, top_k, total, max_len, recorder=rec)
         runner = _ReplayRunner(target, proposer, rec, forced, rounds, contract, extra_room=biggest + 2)

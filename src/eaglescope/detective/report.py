@@ -19,7 +19,7 @@ from pathlib import Path
 import jinja2
 import numpy as np
 
-from eaglescope.detective.behaviour import MIN_REACHED
+from eaglescope.detective.acceptance import MIN_REACHED
 from eaglescope.detective.findings import CODES, DoctorReport, stage_rank
 from eaglescope.figures import png_data_uri, pyplot
 from eaglescope.outputs import OutputKind, check_destination, write_file

@@ -130,26 +130,3 @@ def attention_case(T: int, S: int, rep: int, seed: int, density: float):
     mask = torch.rand(T, S, generator=g) < density
     mask[torch.arange(T), torch.randint(0, S, (T,), generator=g)] = True
     return q, k, v, mask
-
-
-def head_only_copy(src: Path, out: Path) -> Path:
-    """A copy of the checkpoint at `src` without its decoder layers: config.json, tokenizer and the rest of its files,
-    and of its weights only the embedding and lm_head (tied ones stay tied), one shard each behind an index, as a
-    target too large for the machine is handed to doctor or to `train` on stored hidden states."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, out)
-    sd = {}
-    for f in sorted(out.glob("model*.safetensors")):
-        sd |= load_file(str(f))
-        f.unlink()
-    (out / "model.safetensors.index.json").unlink(missing_ok=True)
-    keep = {k: v for k, v in sd.items() if k.endswith(("embed_tokens.weight", "lm_head.weight"))}
-    shards = {k: f"model-{i + 1:05d}-of-{len(keep):05d}.safetensors" for i, k in enumerate(sorted(keep))}
-    for k, shard in shards.items():
-        save_file({k: keep[k].contiguous()}, str(out / shard))
-    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shards}))
-    return out

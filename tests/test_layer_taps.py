@@ -14,7 +14,8 @@ import torch
 from drafts import make_draft as make_eaglescope_draft
 from engines.plain_eagle3 import PlainEagle3
 from engines.tiny import greedy_reference, make_draft, make_target
-from models import head_only_copy, make_checkpoint
+from layerless import layerless_copy
+from models import make_checkpoint
 
 from eaglescope import trace as T
 from eaglescope.cli import main
@@ -42,7 +43,7 @@ def engine_dirs(tmp_path_factory):
     prompt = list(range(5, 15))
     return {
         "target": target,
-        "slim": head_only_copy(target, root / "slim-target"),
+        "slim": layerless_copy(target, root / "slim-target"),
         "draft": draft,
         "prompt": prompt,
         "guide": prompt + greedy_reference(target, prompt, MAX_NEW + 16),
@@ -85,7 +86,7 @@ def bf16_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("layer-taps-bf16")
     shape = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=12, num_attention_heads=6)
     target = make_target(root / "target", seed=1, num_key_value_heads=3, **shape)
-    return {"target": target, "slim": head_only_copy(target, root / "slim"), "draft": make_draft(root / "d", target)}
+    return {"target": target, "slim": layerless_copy(target, root / "slim"), "draft": make_draft(root / "d", target)}
 
 
 BF16_FOUND = {
@@ -154,7 +155,7 @@ def own_dirs(tmp_path_factory):
     target = make_checkpoint("llama", root / "target")
     draft, contract = make_eaglescope_draft(target, draft_vocab_size=48, scale=3.0)
     save_draft(draft, contract, root / "draft")
-    return {"root": root, "target": target, "slim": head_only_copy(target, root / "slim"), "draft": root / "draft"}
+    return {"root": root, "target": target, "slim": layerless_copy(target, root / "slim"), "draft": root / "draft"}
 
 
 def generate_trace(capsys, d: dict, name: str, *extra: str) -> T.Trace:

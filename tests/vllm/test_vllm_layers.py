@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from capture_build import _edited
 from drafts import make_draft
-from models import head_only_copy
+from layerless import layerless_copy
 from test_vllm_capture import capture_argv, finish, run_logged
 from test_vllm_serving import MAX_LEN, base, cli, order2_chain
 from vllm_support import HERE, REPO, runner_env
@@ -100,7 +100,7 @@ def captured(tmp_path_factory, vllm_python: str) -> dict:
     return {
         "traces": traces,
         "target": b["target"],
-        "slim": head_only_copy(Path(b["target"]), root / "slim-target"),
+        "slim": layerless_copy(Path(b["target"]), root / "slim-target"),
         "draft": root / "export",  # what the user trained: taps [2, 4, 6]
     }
 

@@ -6,7 +6,8 @@ An engine that records `target.layer.<i>` (every hidden state of its prefill: `T
 the target's decoder layers are not needed: a target directory holding config.json, the tokenizer, the embedding
 and lm_head is enough (the copy `train` accepts; a 1T-parameter target need not be loaded). The naming is
 diagnose.py's (`diagnose_taps` → `_classify_taps`); only the candidates differ: the engine's recorded states of
-round 0 instead of the golden replay's.
+round 0 instead of the golden replay's. doctor runs it where a draft-side replay takes the capture as recorded
+(draft_replay.py), beside that replay, or alone when the trace's target.aux is fingerprinted and cannot be played back.
 
 What this can name: TAP_OFF_BY_ONE, TAP_WRONG_LAYER, TAP_ORDER, TAP_EMBEDDING from `target.layer.<0..L-1>`; a
 segment holding the final normed state (TAP_WRONG_LAYER, or FC_SKIPPED for an H-wide aux) when `target.layer.<L>`
@@ -30,10 +31,6 @@ from eaglescope.detective.replay import REPLAY_FINAL
 from eaglescope.taps import TapContract
 
 MODE = "fingerprints only"
-RECORD_HINT = (
-    "record every layer's state of the prefill (eaglescope generate --trace-layers, eaglescope capture --layers, or "
-    "TraceRecorder.record_layers in your engine)"
-)
 
 
 @dataclass

@@ -64,6 +64,7 @@ def test_tap_fault_is_named_from_per_layer_fingerprints(engine_dirs, tmp_path, f
     ctx = report.context
     # a full trace's draft side is replayed from its target.aux as well; a fingerprinted one has nothing to replay
     assert ctx["replay"]["mode"] == ("draft-side replay" if mode == "full" else "fingerprints only")
+    assert ("stage_table" in ctx) == (mode == "full" and fault != "eagle2_wiring")  # the draft side was replayed
     assert ctx["layer_taps"]["checked"] and ctx["replay"]["cannot_name"] == []
     assert ctx["layer_taps"]["recorded"] == {"states": list(range(8)), "final": True, "normed": list(range(8))}
     assert "taps       fingerprints only: target.aux matched against" in format_report(report)

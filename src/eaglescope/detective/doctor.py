@@ -187,17 +187,19 @@ def run_doctor(
                 raise
             notes.append(f"the draft does not load ({e}); the static findings explain why, runtime checks skipped")
 
-    unusable = None
+    replayable = loaded is not None
     if draft_side and loaded is not None and not aux_in_full(loaded_trace) and context["layer_taps"]["checked"]:
         # nothing to play the draft back from, but the taps were checked: the fingerprints-only mode alone
         context["replay"] |= {"mode": LAYER_MODE, "why": f"{mode.why} and the trace's target.aux is fingerprinted"}
         notes.append("the draft side was not replayed: a draft-side replay needs target.aux in full (record it with "
                      "full=True), or --target with its layers")  # fmt: skip
+        replayable = False
     elif draft_side and loaded is not None:
         unusable = check_capture_width(loaded_trace, loaded.contract.taps.count, target.hidden_size)
+        replayable = unusable is None
         if unusable is not None and not taps_found:  # else the per-layer states already said what it holds
             findings.append(_capture_unusable(mode, *unusable))
-    elif trace is not None and loaded is not None:
+    if trace is not None and replayable:
         say(f"comparing trace {trace} with the golden {mode.mode}")
         f, ctx = diagnose_trace(target, loaded, trace)
         findings += f

@@ -191,18 +191,19 @@ CASES = [
     ),
     # what is handed to the next round: every tree row, a mistake a proposer cannot make without breaking the loop
     ("STALE_ACCEPTED", "formula-all-rows-edited-round2", "b", edited(aux_of_round(2)), "next.hidden_in", 2),
-    # positions
-    ("POSITION_OFFSET", "tree-1-12layers", "b", proposer(offset("tree", -1)), "draft.hidden_out", 1),
+    # positions: the reference proposer records each step's positions, where an offset shows first (traces without
+    # them, e.g. the independent engine's in tests/engines, are diagnosed from the hidden states)
+    ("POSITION_OFFSET", "tree-1-12layers", "b", proposer(offset("tree", -1)), "draft.positions", 1),
     (
         "POSITION_OFFSET",
         "catch-up-1-from-round3-chain",
         "b",
         proposer(offset("catchup", -1, 3), shape=CHAIN),
-        "draft.hidden_out",
+        "draft.positions",
         3,
     ),
-    # token pairing and embedding
-    ("SHIFT_OFF_BY_ONE", "from-round3-accepting", "b", proposer(shifted(3), accept=True), "draft.embed_in", 3),
+    # token pairing (the step's token ids are recorded: a shift shows there first) and embedding
+    ("SHIFT_OFF_BY_ONE", "from-round3-accepting", "b", proposer(shifted(3), accept=True), "draft.tokens", 3),
     (
         "EMBEDDING_MISMATCH",
         "scaled-12layers",

@@ -31,6 +31,7 @@ from faults import (
 from models import make_checkpoint
 
 from eaglescope import trace as T
+from eaglescope.decode.speculative import Eagle3Proposer
 from eaglescope.detective.diagnose import diagnose_trace
 from eaglescope.detective.doctor import run_doctor
 from eaglescope.draft import save_draft
@@ -142,6 +143,20 @@ CASES = [
     ("TAP_WRONG_LAYER", "seg0-to-6-hf", "hf", taps({0: ("hs", 6)}), "target.aux", 0),
     ("TAP_ORDER", "swap12-hf", "hf", taps({1: ("hs", 5), 2: ("hs", 4)}), "target.aux", 0),
     ("TAP_ORDER", "edited-round3", "b", edited({(T.TARGET_AUX, 3): permute_segments([0, 2, 1])}), "target.aux", 3),
+    # the taps concatenated in another order for the accepted rows only (an engine that hands the draft those rows
+    # and no target.aux of its own, as vLLM without its padded drafter batch): tap hypotheses at next.hidden_in
+    (
+        "TAP_ORDER",
+        "handed-on-rows-from-round2",
+        "b",
+        hook(
+            "next_round_features",
+            lambda p, out, res: permute_segments([2, 1, 0])(Eagle3Proposer.next_round_features(p, out, res), None),
+            2,
+        ),
+        "next.hidden_in",
+        2,
+    ),
     ("TAP_EMBEDDING", "hf", "hf", taps({0: ("hs", 0)}), "target.aux", 0),
     ("TAP_EMBEDDING", "layer1-where-embedding-expected", "e", taps({0: ("hs", 1)}), "target.aux", 0),
     ("TAP_EMBEDDING", "layer2-where-embedding-expected", "e", taps({0: ("hs", 2)}, from_round=1), "target.aux", 1),

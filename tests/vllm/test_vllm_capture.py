@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from capture_build import CHUNKED, CLEAN, FAULTS, METRICS_FAULTS, TAPS, K, build
 from test_vllm_serving import MAX_LEN, base, cli
 from vllm_support import HERE, REPO, runner_env
@@ -209,6 +210,18 @@ def test_a_trace_is_what_vllm_did(captured, prompt):
         assert t.get("draft.step0.hidden_out", r).shape == (a + 1, H)
     # vLLM handed the drafter every verified position (padded batch); the trace keeps the accepted ones
     assert {ev.extra.get("vllm_rows") for ev in t if ev.stage == "next.hidden_in" and ev.round > 0} == {K + 1}
+    # target.aux is the block the drafter received, recorded in every round; vLLM's own runner hands on its taps
+    # side by side, low to high
+    for r in t.rounds():
+        assert torch.equal(t.get("target.aux", r), torch.cat([t.get(f"target.tap.{i}", r) for i in TAPS], -1))
+    # positions: step 0 at the rows' own positions, step k one past the sampled row's for each k
+    start = 0
+    for r in t.rounds()[1:]:
+        pos = t.get("draft.step0.positions", r).tolist()
+        assert pos == list(range(start, start + len(pos)))
+        assert [int(t.get(f"draft.step{k}.positions", r)[0]) for k in range(1, K)] == [pos[-1] + k for k in range(1, K)]
+        start = pos[-1] + 1
+    assert t.meta["complete"] is True and t.meta["incomplete"] is None
 
 
 def test_traces_count_what_vllm_counts(captured):
@@ -293,7 +306,8 @@ def test_chunked_prefill_is_joined_and_vllms_pairing_at_chunk_ends_is_shown(capt
             continue  # every chunk happened to end before a copy of the prompt's last token
         diverged += 1
         top = report["findings"][0]
-        assert (top["code"], top["stage"], top["round"]) == ("DIVERGENCE_UNEXPLAINED", "draft.step0.embed_in", 1)
+        # the trace holds the ids step 0 read: the first divergence is there, before their embeddings
+        assert (top["code"], top["stage"], top["round"]) == ("DIVERGENCE_UNEXPLAINED", "draft.step0.tokens", 1)
         assert set(top["evidence"]["fed_tokens"]) == {t.meta["prompt_ids"][-1]}
         assert all(0 < r < P - 1 for r in top["evidence"]["rows"])  # chunk ends, never the prompt's own end
     assert diverged > 0  # the pairing shows on these prompts: the check above is not vacuous

@@ -281,6 +281,24 @@ def test_bf16_run_against_float32_replay_gives_no_finding(setups, tmp_path):
     assert max(r["rel_err"] or 0.0 for r in ctx["stage_table"] if r["stage"] == T.TARGET_AUX) > 1e-3
 
 
+@pytest.mark.parametrize("scale", [1.04, 1.5])
+def test_a_small_divergence_that_changes_no_decision_says_so(setups, tmp_path, scale):
+    # An engine whose step-0 output in round 1 is off by a few percent (a kernel that sums otherwise), and one whose
+    # is far off, while every draft token it proposed stays what the draft's own head picks: only the small one is
+    # said to change no decision, with the margin; both stay DIVERGENCE_UNEXPLAINED (nothing reproduces them).
+    S = setups["a"]
+    trace_dir = edited({(T.draft_hidden_out(0), 1): lambda x, tr: x * scale})(S, tmp_path / "trace")
+    findings, ctx = diagnose(S, trace_dir)
+    top = findings[0]
+    assert (top.code, top.stage, top.round) == ("DIVERGENCE_UNEXPLAINED", T.draft_hidden_out(0), 1), top.verdict
+    small = top.evidence.get("below_decision")
+    if scale < 1.1:
+        assert small is not None and "changes no decision" in top.verdict, top.verdict
+        assert small["decisions"] > 0 and small["margin_nats"] > 2 * small["logprob_diff_nats"]
+    else:
+        assert small is None and "changes no decision" not in top.verdict
+
+
 def test_doctor_on_the_transformers_backend_names_the_injected_fault_first(setups, tmp_path):
     # run_doctor's own replay on the transformers backend (the independent engine's cases use the native one)
     code, _, setup, make, family, rnd = next(c for c in CASES if c[1] == "swap12-hf")

@@ -5,19 +5,23 @@ VLLM_ENABLE_V1_MULTIPROCESSING=0). They wrap, at run time, the methods where vLL
 
     GPUModelRunner.execute_model        an engine step begins: its scheduler output (finished requests, layout)
     GPUModelRunner._model_forward       the target's forward; with EAGLE-3 it returns (hidden, [aux per layer]):
-                                        the states vLLM captured (EagleModelMixin._maybe_add_hidden_state, ids
-                                        used as-is = HF output_hidden_states indices) → target.tap.<i>, target.aux
+                                        the states the model captured (EagleModelMixin._maybe_add_hidden_state, ids
+                                        used as-is = HF output_hidden_states indices) → target.tap.<i>
     GPUModelRunner._sample              the rejection sampler's output, one row per request, -1 past the accepted
                                         tokens → verify.accepted / verify.bonus (round 0: the first token)
-    SpecDecodeBaseProposer.propose      the drafter: target_hidden_states (the cat of the aux states of every
-                                        position it is handed), token_indices_to_sample (each request's last
-                                        accepted position) → next.hidden_in; inside it, on the draft model:
+    SpecDecodeBaseProposer.propose      the hand-off: target_hidden_states as the runner concatenated the aux states
+                                        (propose_draft_token_ids' torch.cat), token_indices_to_sample (each request's
+                                        last accepted position) → target.aux (the request's whole block, when vLLM
+                                        hands on every row the target processed), next.hidden_in; inside it:
         combine_hidden_states           fc (and any pre-fc norm) → draft.fc.out
-        forward                         step 0 over the handed positions, then one row per request per step;
-                                        (normed, pre-norm) out; the pre-norm output is the next step's input →
-                                        draft.step<k>.embed_in / hidden_in / hidden_out
+        forward                         step 0 over the handed positions, then one row per request per step; its
+                                        input_ids, positions, hidden_states in, (normed, pre-norm) out, the pre-norm
+                                        output the next step's input → draft.step<k>.tokens / positions / embed_in /
+                                        hidden_in / hidden_out
     SpecDecodeBaseProposer._sample_draft_tokens   the draft token of each step (target ids, after d2t); its
                                         log-prob from the draft's own compute_logits → draft.step<k>.topk
+    GPUModelRunner.sample_tokens        the step's end: requests that ended in it are closed (after the drafter
+                                        received their last round)
 
 vLLM's semantics mapped onto the canonical stages (a chain of K = num_speculative_tokens):
   * vLLM hands the drafter every verified position of the round (prepare_inputs_padded: rejected ones too, as
@@ -34,10 +38,13 @@ vLLM's semantics mapped onto the canonical stages (a chain of K = num_speculativ
   * A request whose prompt hit vLLM's prefix cache is not traced (the cached positions never ran, so round 0
     has no features for them): serve with prefix caching off to trace every request.
 
-A request's trace is closed (written, atomically) the moment the hooks see it finish — its stop token, its
-max_tokens or the context, checked as vLLM's scheduler does — or when vLLM reports it finished or aborted, or at
-exit: never left to atexit alone, since a worker may be torn down without running it. Errors inside the hooks
-are reported as one line and drop that request's trace; they never reach vLLM.
+A request's trace is closed (written, atomically) at the end of the step in which the hooks see it finish — its
+stop token, its max_tokens or the context, checked as vLLM's scheduler does — or when vLLM reports it finished or
+aborted, or at exit: never left to atexit alone, since a worker may be torn down without running it. When vLLM's
+engine step raises (execute_model or sample_tokens), every traced request in flight is closed as it stands, with
+`complete: false` and the error in meta (`incomplete`), one note each, and a line in raised.txt for `eaglescope
+capture`; the exception goes on to vLLM unchanged. Errors inside the hooks are reported as one line and drop that
+request's trace; they never reach vLLM.
 """
 
 from __future__ import annotations

@@ -949,7 +949,7 @@ def diagnose_tokens(ev: Evidence, rnd: int, stage: str, observed, step: int) -> 
     clean = Cmp(2.0, len(bad) / max(len(obs), 1), bad)
     hyps = [
         Hypothesis("SHIFT_OFF_BY_ONE", name, _shift_verdict(name, layout, want[-1]), _SHIFT_FIX,
-                   lambda ids=ids: 0.0 if ids == obs else 2.0, evidence={"bonus_row": layout, "rows": len(obs)})
+                   lambda ids=ids: 0.0 if ids == obs else 2.0, evidence={"bonus_row": layout, "rows_read": len(obs)})
         for name, ids, layout in _shifted_tokens(seq, start, len(obs), want)
     ]  # fmt: skip
     found = judge(ev, stage, rnd, clean, hyps)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,7 +48,14 @@ EXPECTED = {
     "tokens-unrotated": ("SHIFT_OFF_BY_ONE", "draft.step0.tokens"),
     CRASH: ("TRACE_INCOMPLETE", None),
 }
-PACKAGE_REL = Path("lib") / "python3.11" / "site-packages" / "vllm"
+
+
+def installed_package(python: str) -> Path:
+    """The directory of the vllm package `python` imports (found without importing it)."""
+    code = "import importlib.util; print(importlib.util.find_spec('vllm').submodule_search_locations[0])"
+    p = subprocess.run([python, "-c", code], capture_output=True, text=True, env=runner_env(), timeout=120)
+    assert p.returncode == 0, p.stderr
+    return Path(p.stdout.strip())
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +63,7 @@ def served(tmp_path_factory, vllm_python: str) -> dict:
     root = tmp_path_factory.mktemp("code-faults")
     out, spec_path, log = root / "vllm", root / "spec.json", root / "capture.log"
     out.mkdir()
-    package = Path(vllm_python).resolve().parents[1] / PACKAGE_REL
-    if not package.is_dir():  # a venv whose python is a link elsewhere: ask the interpreter
-        package = Path(vllm_python).parents[1] / PACKAGE_REL
+    package = installed_package(vllm_python)
     shadow = root / "private-vllm"
     originals = private_vllm(shadow, package)
     names = [*CLEAN, *(f for f in FAULTS if f != CRASH), CRASH]  # the crash last: its engine is not reused

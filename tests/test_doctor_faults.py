@@ -21,6 +21,7 @@ from faults import (
     RoundCounting,
     Setup,
     TapFault,
+    aux_of_round,
     edit_trace,
     fault,
     permute_segments,
@@ -127,11 +128,6 @@ def shifted(from_round: int):
 def _shift_map(p, ids):
     n = p.draft.d2t.shape[0]
     return (ids + 1) % n + p.draft.d2t[(ids + 1) % n]
-
-
-def aux_of_round(r: int):
-    """Trace edit: round r's next.hidden_in := every row of round r's target.aux (no filtering at all)."""
-    return {(T.NEXT_HIDDEN_IN, r): lambda x, tr: tr.get(T.TARGET_AUX, round=r)}
 
 
 # (code, variant, setup, make(S, out) -> trace dir, stage family, round where it first shows); "formula" in a variant

@@ -46,7 +46,7 @@ from eaglescope.train.metrics import (
     evaluate,
     predicted_accept_length,
 )
-from eaglescope.train.ttt import LOSS_MASK_SHIFT, ttt_loss, ttt_unroll
+from eaglescope.train.ttt import LOSS_MASK_SHIFT, draft_vocab_ids, ttt_loss, ttt_unroll
 
 SYMBOLS = "abcdefgh"  # one byte-level token each: the tokenizer below learns no merges
 TAPS = "0,1,2"  # all three layer inputs of the 3-layer target (the default taps need 7 layers)
@@ -204,9 +204,14 @@ def eval_draft(env, draft: Eagle3Draft, K: int = TTT) -> dict:
     """Teacher-forced acc_k / α_k over the held-out split (stored hidden states)."""
     target = load_target(env["target"], device="cpu", dtype=torch.float32)
     data, ev = heldout(env)
+    vocab_ids = draft_vocab_ids(draft)
     batches = [
         make_batch(
-            target, collate([data.sample(i) for i in ev[j : j + 8]], MAX_LEN), torch.device("cpu"), torch.float32
+            target,
+            collate([data.sample(i) for i in ev[j : j + 8]], MAX_LEN),
+            torch.device("cpu"),
+            torch.float32,
+            vocab_ids,
         )
         for j in range(0, len(ev), 8)
     ]
@@ -578,11 +583,12 @@ def test_eval_acc_is_ttt_loss_acc(env):
     draft.load_target_embedding(target_embedding(target))
     target.set_taps(contract.taps)
     data, ev = heldout(env, hidden=False)  # the target runs online here
-    batch = make_batch(target, collate([data.sample(i) for i in ev[:6]], MAX_LEN), torch.device("cpu"), torch.float32)
+    raw = collate([data.sample(i) for i in ev[:6]], MAX_LEN)
+    batch = make_batch(target, raw, torch.device("cpu"), torch.float32, draft_vocab_ids(draft))
     m = evaluate(draft, [batch], 4)
     with torch.no_grad():
         ref = ttt_loss(
-            draft, ttt_unroll(draft, batch.input_ids, batch.aux, 4), batch.target_logits, batch.loss_mask, batch.valid
+            draft, ttt_unroll(draft, batch.input_ids, batch.aux, 4), batch.teacher, batch.loss_mask, batch.valid
         )
     assert m["acc"] == pytest.approx(ref.step_acc)
     assert m["supervised_positions"] == ref.step_count

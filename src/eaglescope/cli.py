@@ -10,6 +10,7 @@ import warnings
 
 from eaglescope.commands import BACKENDS, add_parsers
 from eaglescope.errors import EagleScopeError
+from eaglescope.log import configure as configure_logging
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = os.environ.get("EAGLESCOPE_DEBUG") == "1"
+    configure_logging(debug)
     if not debug:
         warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
         _quiet_transformers()

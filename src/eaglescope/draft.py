@@ -286,7 +286,8 @@ def load_draft(
             f"fc reads {config.num_aux} hidden states of width {config.target_hidden_size} but the contract names "
             f"{contract.taps.count} taps"
         )
-    model = Eagle3Draft(config)
+    with torch.device(device):  # its random initial weights, about to be overwritten, drawn where they are cheap
+        model = Eagle3Draft(config)
     has_embedding = "embed_tokens.weight" in sd
     missing = [k for k in weight_names(model) if k not in sd and k not in ("d2t", "t2d")]
     if missing:

@@ -247,6 +247,21 @@ def fingerprint(tensor: torch.Tensor, segments: int = 1, seed: int = 0) -> Finge
     )
 
 
+def projection(tensor: torch.Tensor, segments: int = 1, seed: int = 0) -> torch.Tensor:
+    """``fingerprint(tensor, segments, seed).proj`` alone [R, S, 16] (float32, on the host), computed where ``tensor``
+    is: the part of a fingerprint by which another tensor is compared with it. One product on the tensor's own device
+    (an engine's GPU), where a whole fingerprint is several passes over a host copy: comparing a replay's tensors with
+    a fingerprinted trace cost doctor tens of seconds at 8B that way."""
+    x = tensor.detach()
+    x = x.reshape(1, 1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
+    R, D = x.shape
+    if segments < 1 or D % segments:
+        raise TraceError(f"cannot split a last dimension of {D} into {segments} equal segments")
+    w = D // segments
+    P = _projection(w, int(seed)).to(x.device)
+    return (x.float().reshape(R * segments, w) @ P).reshape(R, segments, PROJ_DIM).cpu()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Comparison
 
@@ -661,6 +676,9 @@ class Trace:
         except (KeyError, TypeError, ValueError) as e:
             raise TraceError(f"{mpath} has a malformed event: {e!r}") from None
         self._index: dict[tuple[str, int], list[TraceEvent]] = {}
+        # Each tensor file is opened once and kept open (a memory map): a replay and its diagnosis read thousands of
+        # tensors, and opening the file again for each one (its header parsed anew) cost most of doctor's time.
+        self._files: dict[str, safe_open] = {}
         files: dict[str, list[str]] = {}
         for ev in self.events:
             if ev.kind not in ("full", "fingerprint"):
@@ -675,8 +693,8 @@ class Trace:
             if not fpath.is_file():
                 raise TraceError(f"{self.path}: tensor file {fname} named in the manifest is missing")
             try:
-                with safe_open(str(fpath), framework="pt") as f:
-                    have = set(f.keys())
+                self._files[fname] = f = safe_open(str(fpath), framework="pt")
+                have = set(f.keys())
             except Exception as e:  # safetensors raises its own error types for corrupt headers
                 raise TraceError(f"{fpath} is not a readable safetensors file: {e}") from None
             missing = [n for n in names if n not in have]
@@ -713,10 +731,10 @@ class Trace:
 
     def load(self, ev: TraceEvent) -> torch.Tensor | Fingerprint:
         try:
-            with safe_open(str(self.path / ev.file), framework="pt") as f:
-                if ev.kind == "full":
-                    return f.get_tensor(ev.key)
-                ts = {name: f.get_tensor(f"{ev.key}:{name}") for name in _FP_FIELDS}
+            f = self._files[ev.file]
+            if ev.kind == "full":
+                return f.get_tensor(ev.key)
+            ts = {name: f.get_tensor(f"{ev.key}:{name}") for name in _FP_FIELDS}
         except Exception as e:
             raise TraceError(f"{self.path / ev.file}: cannot read {ev.key}: {e}") from None
         return Fingerprint(shape=ev.shape, dtype=ev.dtype, segments=ev.segments, seed=ev.seed, **ts)

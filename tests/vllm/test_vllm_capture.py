@@ -39,7 +39,7 @@ from vllm_support import HERE, REPO, runner_env
 
 from eaglescope.capture import SUPPORTED_VLLM
 from eaglescope.capture.command import CAPTURE_KIND
-from eaglescope.detective.behaviour import COLLAPSE_RATIO
+from eaglescope.detective.acceptance import COLLAPSE_RATIO
 from eaglescope.trace import load_trace
 
 RUNNER = HERE / "capture_runner.py"

@@ -75,6 +75,14 @@ def fp_slack(dof: int) -> float:
     return math.sqrt(max(1.0 - c + FP_Z * math.sqrt(c), 1.0) ** 3)
 
 
+@torch.no_grad()
+def on_model(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`fn` (a model's module) over evidence `x`. The evidence (trace and replay tensors, read from disk) stays on
+    the host, where every comparison is made; the models live on --device: `x` goes to `like`'s (a weight's) device
+    and dtype for the call, and the result comes back as host float32."""
+    return fn(x.to(like)).float().cpu()
+
+
 # -- comparing one observation with one reference ------------------------------------------------------------------
 @dataclass
 class Cmp:
@@ -311,7 +319,7 @@ class Evidence:
         norm = getattr(layer_list[i], "input_layernorm", None)
         if norm is None:
             return None
-        return norm(hs.to(self.target.dtype).to(self.target.device)).float().cpu()
+        return on_model(norm, hs, norm.weight)
 
     def hidden_states(self, rnd: int) -> dict[int, torch.Tensor]:
         out = {}
@@ -628,10 +636,10 @@ def _fc_again(ev: Evidence, x: torch.Tensor) -> dict[str, torch.Tensor]:
     out = {}
     with torch.no_grad():
         w = d.fc.weight
-        out["tiled to fc's width"] = d.project(torch.cat([x] * n, dim=-1).to(w)).float().cpu()
+        out["tiled to fc's width"] = on_model(d.project, torch.cat([x] * n, dim=-1), w)
         for j in range(n):
             parts = [x if i == j else torch.zeros_like(x) for i in range(n)]
-            out[f"zero-padded to fc's width (in segment {j})"] = d.project(torch.cat(parts, -1).to(w)).float().cpu()
+            out[f"zero-padded to fc's width (in segment {j})"] = on_model(d.project, torch.cat(parts, -1), w)
     return out
 
 
@@ -695,7 +703,7 @@ def _fc_variants(d, aux: torch.Tensor) -> dict[str, torch.Tensor]:
     decision changed; a variant that reproduces the observed tensor names the drift."""
     c, out = d.config, {}
     with torch.no_grad():
-        x = aux.to(d.fc.weight.dtype)
+        x = aux.to(d.fc.weight)  # the variants are the draft's own modules: computed where they live
         segs = x.chunk(c.num_aux, -1)
 
         def per_segment(t: torch.Tensor) -> torch.Tensor:
@@ -734,8 +742,7 @@ def _eagle31_hypotheses(ev: Evidence, rnd: int, stage: str, observed) -> list[Hy
         aux = ev.g(T.NEXT_HIDDEN_IN, rnd - 1)
     if aux is None or aux.shape[0] != observed.shape[0]:
         return []
-    with torch.no_grad():
-        trained = ev.draft.project(aux.to(ev.draft.fc.weight.dtype)).float().cpu()
+    trained = on_model(ev.draft.project, aux, ev.draft.fc.weight)
     if ev.compare(observed, trained).match:
         return []  # the trained computation over these features explains it: not a norm decision
     c = ev.draft.config
@@ -776,7 +783,7 @@ def _stale_fc_hypotheses(ev: Evidence, rnd: int, stage: str, observed) -> list[H
                 name,
                 f"the draft's features are fc of the {name}, not of the accepted positions",
                 fix,
-                ev.draft.project(rows.to(w)).float().cpu(),
+                on_model(ev.draft.project, rows, w),
             )
             for name, (code, rows, fix) in rules.items()
         ]
@@ -1068,8 +1075,7 @@ def diagnose_feedback(ev: Evidence, rnd: int, stage: str, observed, step: int) -
         return []
     m = gold.shape[0]
     h = _tensor_hypothesis
-    with torch.no_grad():
-        postnorm = ev.draft.norm(gold.to(ev.draft.fc.weight)).float().cpu()
+    postnorm = on_model(ev.draft.norm, gold, ev.draft.fc.weight)
     hyps = [
         h(
             ev,

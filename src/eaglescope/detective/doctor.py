@@ -20,14 +20,12 @@ from pathlib import Path
 
 import torch
 
+from eaglescope.config import DEFAULT_DEPTH
 from eaglescope.data.chat import read_conversations
 from eaglescope.data.shards import PreparedData
 from eaglescope.decode.speculative import target_embedding
-from eaglescope.detective.behaviour import (
-    AGREEMENT_MIN,
-    DEFAULT_DEPTH,
-    Acceptance,
-    diagnose_behaviour,
+from eaglescope.detective.acceptance import Acceptance, traffic
+from eaglescope.detective.acceptance_sources import (
     from_engine,
     from_trace,
     load_samples,
@@ -35,8 +33,8 @@ from eaglescope.detective.behaviour import (
     prompt_of,
     read_training_metrics,
     serve_with_decoder,
-    traffic,
 )
+from eaglescope.detective.behaviour import AGREEMENT_MIN, diagnose_behaviour
 from eaglescope.detective.diagnose import diagnose_trace
 from eaglescope.detective.engine_logs import read_engine_log
 from eaglescope.detective.findings import CODES, DoctorReport, rank

@@ -84,12 +84,19 @@ def _shape_from_stages(trace: T.Trace) -> tuple[int, int, int] | None:
 def comparable_rows(x: torch.Tensor | T.Fingerprint, like: torch.Tensor | T.Fingerprint) -> torch.Tensor:
     """`x` as rows [R, D'] that can be subtracted from `like`'s: raw rows when neither is a fingerprint, else the
     fingerprints' per-segment projections [R, S*16] (a tensor is fingerprinted with the other side's segments and
-    seed). ||row difference|| then estimates the true one (exactly, or by Johnson-Lindenstrauss)."""
+    seed), float64 on the host whatever device `x` is on. ||row difference|| then estimates the true one (exactly, or
+    by Johnson-Lindenstrauss)."""
     ref = x if isinstance(x, T.Fingerprint) else like if isinstance(like, T.Fingerprint) else None
     if ref is None:
         return T._rows(x).double()
-    fp = x if isinstance(x, T.Fingerprint) else T.fingerprint(x, ref.segments, ref.seed)
-    return fp.proj.double().reshape(fp.rows, -1)
+    proj = x.proj if isinstance(x, T.Fingerprint) else T.projection(x, ref.segments, ref.seed)
+    return proj.double().reshape(proj.shape[0], -1)
+
+
+def _host_ids(x: torch.Tensor) -> torch.Tensor:
+    """Integer rows as `comparable_rows` gives float ones: on the host (the replay's own on --device, the trace's
+    read from disk), where the cost of pairing them is summed."""
+    return x.detach().to("cpu", torch.long)
 
 
 def row_norms(x: torch.Tensor | T.Fingerprint) -> torch.Tensor:
@@ -119,7 +126,7 @@ def match_rows(trace_rows: dict[str, torch.Tensor | T.Fingerprint], own_rows: di
         if obs is None or obs.shape[0] != n:
             continue
         if not own.is_floating_point():  # top-k ids: the share of ids two rows do not have in common
-            o, t = own.long(), obs.long()
+            o, t = _host_ids(own), _host_ids(obs)
             same = (t[:, None, :, None] == o[None, :, None, :]).any(-1).double().mean(-1)
             cost += 1.0 - same
         else:

@@ -19,7 +19,7 @@ never depend on the context length.
 
 from __future__ import annotations
 
-import sys
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +41,8 @@ from eaglescope.fast.layers import (
     compile_layers,
 )
 from eaglescope.target.llama import LlamaModel, QKVProjection, RMSNorm, fuse_projections
+
+log = logging.getLogger(__name__)
 
 ATTENTION = {"invariant": inv.invariant_attention, "fused": attend_fused}  # the fast path's kernels
 
@@ -64,7 +66,7 @@ def use_matmul_attention(model: nn.Module, enable: bool = True) -> nn.Module:
 def use_batch_invariant(model: LlamaModel, enable: bool = True, sliced: bool = True) -> LlamaModel:
     """Run every product, norm and attention of `model` through the batch-invariant kernels (fast/invariant.py),
     or back with enable=False (in place); returns `model`. Float32Logits keeps float32 logits. `sliced`: large
-    products with K-sliced reductions (invariant.k_slices; bench/NOTES.md v9)."""
+    products with K-sliced reductions (invariant.k_slices)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not enable:
@@ -490,7 +492,7 @@ class FastEagle(Runner):
         return int(first)
 
     def _uncompiled(self, e: Exception) -> None:
-        print(f"FastEagle: compiled round failed ({type(e).__name__}: {e}); uncompiled", file=sys.stderr, flush=True)
+        log.warning("the compiled EAGLE-3 round failed (%s: %s); running it uncompiled", type(e).__name__, e)
         self._draft_fn, self._accept_fn, self._commit_fn = self._draft_tree, self._accept, self._commit
         self.compiled = False
 
@@ -514,7 +516,7 @@ class FastEagle(Runner):
             if self.compiled:
                 self._uncompiled(e)
                 return self.prepare(prompt_ids, budget)
-            print(f"FastEagle: CUDA graph capture failed ({e}); running rounds eagerly", file=sys.stderr, flush=True)
+            log.warning("CUDA graph capture of the EAGLE-3 round failed (%s); running rounds eagerly", e)
             self.use_graph = False
 
     def start(self, prompt_ids, budget) -> int:

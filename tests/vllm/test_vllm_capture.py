@@ -463,3 +463,29 @@ def test_eagle31_flag_lost_seen_from_the_served_directory(captured):
     ev = report["findings"][0]["evidence"]
     assert (ev["flag"], ev["weight"]) == ("norm_before_fc", "input_norm.weight")
     assert report["context"]["first_divergence"] is None
+
+
+def test_docs_hook_table_is_what_a_trace_records(captured):
+    # docs/vllm.md's hook table says, per wrapped vLLM method, which stages it records: together they must be exactly
+    # the stages of a clean trace (tap and step indices folded), and every method it names must be one the hooks wrap.
+    text = (REPO / "docs" / "vllm.md").read_text()
+    rows = text.split("| vLLM 0.32 method | what it holds | recorded as |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    documented, methods = set(), set()
+    for row in rows:
+        method, _, recorded = (c.strip() for c in row.strip("|").split(" | ")[:3])
+        methods.add(re.search(r"`([\w.]+)`", method).group(1).split(".")[-1])
+        prefix = None
+        for name in re.findall(r"`(\.?[a-z][\w.<>]*)`", recorded):
+            if name.startswith("."):
+                name = f"{prefix}{name}"
+            elif name.startswith("draft.step<k>."):
+                prefix = "draft.step<k>"
+            if re.fullmatch(r"(target|draft|verify|next)\.[\w.<>]+", name):
+                documented.add(name)
+    t = load_trace(run_trace(captured, "clean", 0))
+    folded = {re.sub(r"^draft\.step\d+\.", "draft.step<k>.", re.sub(r"^target\.tap\.\d+$", "target.tap.<i>", s))
+              for s in t.stages()}  # fmt: skip
+    assert documented == folded
+    hooks = (REPO / "src" / "eaglescope" / "capture" / "vllm_hooks.py").read_text()
+    wrapped = set(re.findall(r'wrap\(\w+, "(\w+)"', hooks)) | {"combine_hidden_states", "forward"}
+    assert methods == wrapped

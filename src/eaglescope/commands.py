@@ -127,11 +127,31 @@ def add_replay(sub) -> None:
     p.set_defaults(func="eaglescope.detective.commands:cmd_replay")
 
 
+DOCTOR_MODES = """\
+MODES of --trace (the report's `replay` line and --json's context.replay say which ran and what it cannot name):
+  full replay        the target's layers are on disk and run: every stage is recomputed, the capture
+                     (target.aux) included. Names every trace cause, tap causes (TAP_*) included.
+  draft-side replay  the target's layers are absent (--target may hold only config.json, the tokenizer and
+                     the embedding/lm_head tensors) or --replay draft-side: the draft runs on the trace's own
+                     target.aux, tokens and verify decisions, the embedding read tensor by tensor from the
+                     shards. Names every draft-side cause exactly as a full replay (fc, feedback, stale
+                     features, positions, vocabulary / lm_head map, embedding, EAGLE 3.1 norms, the draft's
+                     final norm); cannot name causes in the capture itself (TAP_OFF_BY_ONE, TAP_WRONG_LAYER,
+                     TAP_ORDER, TAP_EMBEDDING, TAP_NORMED, EAGLE-2 wiring's FC_SKIPPED): it says they need the
+                     target's layers or per-layer fingerprints in the trace. Needs target.aux in full.
+                     --data's teacher-forced checks need the target's layers and are skipped.
+  (per-layer fingerprints: tap causes from the engine's own fingerprints of every layer; docs/doctor.md)
+See docs/doctor.md.
+"""
+
+
 def add_doctor(sub) -> None:
     p = sub.add_parser(
         "doctor",
         help="name the cause of low acceptance: static checks, trace vs golden replay, served vs predicted α_k",
         description="Exit status: 0 healthy, 1 findings, 2 bad input.",
+        epilog=DOCTOR_MODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--target", required=True, help="target checkpoint directory")
     p.add_argument("--draft", required=True, help="EAGLE-3 draft checkpoint directory")
@@ -151,6 +171,14 @@ def add_doctor(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per served prompt")
     p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="chain depth for served and predicted α_k")
     p.add_argument("--eval-samples", type=int, default=32, help="samples of --data for teacher-forced α_k")
+    p.add_argument(
+        "--replay",
+        default="auto",
+        choices=["auto", "full", "draft-side"],
+        help="golden replay of --trace: full (the target's layers run), draft-side (the draft runs on the trace's own "
+        "target.aux; the target needs only config.json and its embedding), auto (full when every layer's tensors are "
+        "on disk; default). See MODES below",
+    )
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)

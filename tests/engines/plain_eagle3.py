@@ -25,7 +25,8 @@ Choices the trace format leaves to the engine: `step0_topk_rows` "root" records 
 proposes (what eaglescope records), "all" for every step-0 row (n = m, as the format's worked example computes it);
 `meta_keys` writes the tree shape as `settings`, `decoding` or both; `record_taps` "contract" | "all" | "none";
 `stages` "all" records every canonical stage, "shallow" only the easy ones an engine records first (target.aux, the
-draft's top-k, the verified tree and its decision: no draft hidden tensor, no per-tap stage, no next.hidden_in).
+draft's top-k, the verified tree and its decision: no draft hidden tensor, no per-tap stage, no next.hidden_in);
+`aux_full` keeps target.aux in full in a fingerprint trace (what a draft-side replay plays back).
 
 `generate(..., temperature=T)` samples (T > 0): each tree node's next token is drawn from the target's distribution
 at temperature T; the walk goes on to the child holding that token, and a token no child holds is the bonus token.
@@ -258,6 +259,7 @@ class PlainEagle3:
         meta_keys: str = "both",
         record_taps: str = "contract",
         stages: str = "all",
+        aux_full: bool = False,
     ) -> None:
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
@@ -267,6 +269,7 @@ class PlainEagle3:
         self.fault_from = fault_from if fault_from is not None else _FIRST_ROUND.get(fault or "", 1)
         self.frontier, self.step0_topk_rows, self.meta_keys = frontier, step0_topk_rows, meta_keys
         self.record_taps = record_taps
+        self.aux_full = aux_full
         if stages not in ("all", "shallow"):
             raise ValueError("stages is 'all' or 'shallow' (target.aux, top-k and the tree only)")
         self.shallow = stages == "shallow"
@@ -477,7 +480,7 @@ class PlainEagle3:
 
     def _rec(self, rec, stage, x, **kw) -> None:
         if rec is not None and (not self.shallow or rt.parse_stage(stage)[0] in self._SHALLOW):
-            rec.record(stage, x, **kw)
+            rec.record(stage, x, **kw, **({"full": True} if self.aux_full and stage == rt.TARGET_AUX else {}))
 
     def next_token(self, logits: torch.Tensor) -> int:
         """The target's token after a position: its argmax, or with a temperature a draw from its distribution."""

@@ -34,12 +34,14 @@ from pathlib import Path
 import pytest
 import torch
 from capture_build import CHUNKED, CLEAN, FAULTS, METRICS_FAULTS, TAPS, K, build
+from layerless import layerless_copy
 from test_vllm_serving import MAX_LEN, base, cli
 from vllm_support import HERE, REPO, runner_env
 
 from eaglescope.capture import SUPPORTED_VLLM
 from eaglescope.capture.command import CAPTURE_KIND
 from eaglescope.detective.acceptance import COLLAPSE_RATIO
+from eaglescope.detective.draft_replay import DRAFT_SIDE, FULL, TARGET_SIDE_CODES
 from eaglescope.trace import load_trace
 
 RUNNER = HERE / "capture_runner.py"
@@ -141,16 +143,25 @@ def run_trace(captured: dict, name: str, prompt: int) -> Path:
     return captured["traces"] / f"request-{k}"
 
 
-def doctor(captured: dict, name: str, *extra: str, draft: str = "draft") -> tuple[dict, float]:
+def doctor(
+    captured: dict, name: str, *extra: str, draft: str = "draft", target: str | None = None
+) -> tuple[dict, float]:
     """`eaglescope doctor` on a run, given its served draft directory (`draft`) or the one the user has
-    ("doctor_draft": for a fault made in a served copy of a correct draft, that correct draft)."""
+    ("doctor_draft": for a fault made in a served copy of a correct draft, that correct draft); `target`: another
+    target directory than the run's (a copy without its layers). Each distinct call runs once per module: the
+    draft-side test compares with the reports the tests above got."""
     r = captured["runs"][name]
+    key = (name, extra, draft, target)
+    done = captured.setdefault("doctor_reports", {})
+    if key in done:
+        return done[key]
     t0 = time.perf_counter()
-    rc, out, err = cli(["doctor", "--target", r["target"], "--draft", r[draft], *extra, "--json"])
+    rc, out, err = cli(["doctor", "--target", target or r["target"], "--draft", r[draft], *extra, "--json"])
     seconds = time.perf_counter() - t0
     assert rc in (0, 1), err
     report = json.loads(out)
     assert report["healthy"] is (rc == 0)
+    done[key] = (report, seconds)
     return report, seconds
 
 
@@ -489,3 +500,39 @@ def test_docs_hook_table_is_what_a_trace_records(captured):
     hooks = (REPO / "src" / "eaglescope" / "capture" / "vllm_hooks.py").read_text()
     wrapped = set(re.findall(r'wrap\(\w+, "(\w+)"', hooks)) | {"combine_hidden_states", "forward"}
     assert methods == wrapped
+
+
+def test_draft_side_replay_of_vllm_traces_says_what_the_full_replay_says(captured, tmp_path_factory):
+    # Every served target copied with its decoder layers deleted (config, tokenizer, chat template, embedding and
+    # lm_head only): doctor then replays the draft from vLLM's own recorded features. Where the full replay's first
+    # divergence is on the draft side (or there is none), the draft-side replay says the same first; where it is in
+    # vLLM's capture, it names no capture cause and says what is missing, and the other findings are the same.
+    root = tmp_path_factory.mktemp("layerless")
+    slim: dict[str, str] = {}
+    draft_side = target_side = 0
+    for name, run in captured["runs"].items():
+        if run["target"] not in slim:
+            slim[run["target"]] = str(layerless_copy(Path(run["target"]), root / f"target-{len(slim)}"))
+        draft = "doctor_draft" if name in FAULTS else "draft"
+        for p in range(PROMPTS):
+            trace = str(run_trace(captured, name, p))
+            full, _ = doctor(captured, name, "--trace", trace, draft=draft)
+            ds, _ = doctor(captured, name, "--trace", trace, draft=draft, target=slim[run["target"]])
+            assert full["context"]["replay"]["mode"] == FULL and ds["context"]["replay"]["mode"] == DRAFT_SIDE
+            first = (full["context"].get("first_divergence") or {}).get("stage") or ""
+            where = [(f["code"], f["stage"], f["round"]) for f in full["findings"]]
+            if first.startswith("target."):
+                target_side += 1
+                assert not set(codes(ds)) & set(TARGET_SIDE_CODES), (name, ds["findings"])
+                assert [(f["code"], f["stage"], f["round"]) for f in ds["findings"]] == [
+                    w for w in where if not (w[1] or "").startswith("target.")
+                ], name
+                assert any("per-layer fingerprints" in m for m in ds["context"]["replay"]["missing"])
+            else:
+                draft_side += 1
+                assert ds["healthy"] is full["healthy"], (name, ds["findings"])
+                assert [(f["code"], f["stage"], f["round"]) for f in ds["findings"]][:1] == where[:1], name
+                assert ds["context"]["first_divergence"] == full["context"]["first_divergence"], name
+    # the clean pairs, the chunked prefills and the draft-side faults (vocabulary map, TTT, template, EAGLE 3.1) on
+    # one side; the tap ids on the other
+    assert draft_side >= 2 * PROMPTS * 4 and target_side >= PROMPTS

@@ -334,6 +334,8 @@ def build_proposer(args, target: Target, sampling: SamplingConfig, max_len: int,
 
 
 def target_embedding(target: Target) -> torch.Tensor:
+    if isinstance(emb := getattr(target, "embedding", None), torch.Tensor):  # a target held as its embedding alone
+        return emb
     if hasattr(target, "model") and hasattr(target.model, "get_input_embeddings"):
         return target.model.get_input_embeddings().weight
     return target.model.model.embed_tokens.weight

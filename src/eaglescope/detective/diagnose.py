@@ -30,6 +30,7 @@ from eaglescope import trace as T
 from eaglescope.decode.speculative import Eagle3Proposer
 from eaglescope.detective.findings import Finding, rank
 from eaglescope.detective.replay import (
+    REPLAY_COPIES_TARGET,
     REPLAY_FINAL,
     REPLAY_PREFIX,
     comparable_rows,
@@ -860,13 +861,28 @@ def _sequence(ev: Evidence) -> list[int]:
     return seq
 
 
+_TABLE_CHUNK = 8192  # rows of the embedding table compared at once: a 163840 x 7168 table is 9.4 GB in float64
+
+
+def _nearest_rows(emb: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of the table row nearest to each row, ||row - that table row|| / ||that table row||), in float64, the
+    table read in chunks so that a large vocabulary is never copied whole."""
+    x = rows.detach().double().cpu()
+    best_d = torch.full((x.shape[0],), math.inf, dtype=torch.float64)
+    best_i = torch.zeros(x.shape[0], dtype=torch.long)
+    for start in range(0, emb.shape[0], _TABLE_CHUNK):
+        part = emb[start : start + _TABLE_CHUNK].detach().double().cpu()
+        d, i = torch.cdist(x, part).min(dim=-1)
+        closer = d < best_d
+        best_d, best_i = torch.where(closer, d, best_d), torch.where(closer, i + start, best_i)
+    norms = emb[best_i].detach().double().cpu().norm(dim=-1)
+    return best_i, best_d / norms.clamp_min(1e-12)
+
+
 def _tokens_of(emb: torch.Tensor, rows: torch.Tensor) -> list[int] | None:
     """The token whose embedding each row is (the golden rows are the target's table exactly), or None."""
-    table = emb.detach().double().cpu()
-    d = torch.cdist(rows.double().cpu(), table)
-    best = d.min(dim=-1)
-    ok = best.values <= 1e-3 * table[best.indices].norm(dim=-1).clamp_min(1e-12)
-    return [int(i) for i in best.indices.tolist()] if bool(ok.all()) else None
+    idx, rel = _nearest_rows(emb, rows)
+    return [int(i) for i in idx.tolist()] if bool((rel <= 1e-3).all()) else None
 
 
 def diagnose_embed(ev: Evidence, rnd: int, stage: str, observed, step: int) -> list[Finding]:
@@ -1015,8 +1031,13 @@ def _other_table_hypotheses(ev: Evidence, rnd: int, stage: str, observed, gold: 
 
     def no_token_of_the_table() -> float | None:
         # no row is any token's row of the target's table (the tokens are not merely other ones)
-        err = pairwise_row_errors(observed, emb.detach().float().cpu())
-        return None if err is None or float(err.min()) <= ev.tol(observed) * slack else 0.0
+        nearest = math.inf
+        for start in range(0, emb.shape[0], _TABLE_CHUNK):
+            err = pairwise_row_errors(observed, emb[start : start + _TABLE_CHUNK].detach().float().cpu())
+            if err is None:
+                return None
+            nearest = min(nearest, float(err.min()))
+        return None if nearest <= ev.tol(observed) * slack else 0.0
 
     return [
         Hypothesis(
@@ -1042,13 +1063,10 @@ def _other_tokens(emb: torch.Tensor, gold, observed, tol: float) -> tuple[list[i
     rows = [int(i) for i in torch.nonzero(err > tol).flatten().tolist()]
     if not rows or len(rows) == a.shape[0]:  # every row differs: a table or a shift, not a few wrong tokens
         return None
-    table = emb.detach().double().cpu()
 
     def lookup(x: torch.Tensor) -> list[int] | None:
-        d = torch.cdist(x, table)  # [rows, V]
-        best = d.min(dim=-1)
-        ok = best.values <= tol * table[best.indices].norm(dim=-1)
-        return [int(i) for i in best.indices.tolist()] if bool(ok.all()) else None
+        idx, rel = _nearest_rows(emb, x)
+        return [int(i) for i in idx.tolist()] if bool((rel <= tol).all()) else None
 
     fed, want = lookup(a[rows]), lookup(b[rows])
     if fed is None or want is None:
@@ -1542,8 +1560,11 @@ def diagnose_trace(
         ev = Evidence(target, loaded, trace, golden, tol)
         table, first = [], None
         trace_keys = {(e.stage, e.round, e.part) for e in trace.events}
+        copied = bool(golden.meta.get(REPLAY_COPIES_TARGET))  # a draft-side replay: target.* are the trace's own
         for e in golden.events:
             if e.stage.startswith(REPLAY_PREFIX) or e.stage in FORCED or (e.stage, e.round, e.part) not in trace_keys:
+                continue
+            if copied and e.stage.startswith("target."):
                 continue
             obs = trace.get(e.stage, e.round, part=e.part) if e.part else trace.get(e.stage, e.round)
             gold = _observed_layout(ev, e, obs)

@@ -1,7 +1,9 @@
 """`eaglescope doctor`: why does this draft accept so little? A ranked list of named causes.
 
     static     always: contract vs target fingerprint, engine tap conventions, vocab map, embedding, template
-    trace      with --trace: the trace against eaglescope's golden replay, stage by stage (diagnose.py)
+    trace      with --trace: the trace against eaglescope's golden replay, stage by stage (diagnose.py): a full
+               replay when the target's layers are on disk, else a draft-side replay from the trace's own capture
+               (draft_replay.py), which cannot name causes in the capture itself; context["replay"] says which ran
     behaviour  with --data and/or --engine-log: served α_k (eaglescope's own decoder on prompts from --data, or
                the engine's log) against teacher-forced α_k predicted on --data and training's acc_k
 
@@ -36,8 +38,15 @@ from eaglescope.detective.acceptance_sources import (
 )
 from eaglescope.detective.behaviour import AGREEMENT_MIN, diagnose_behaviour
 from eaglescope.detective.diagnose import diagnose_trace
+from eaglescope.detective.draft_replay import (
+    DRAFT_SIDE,
+    ReplayMode,
+    check_capture_width,
+    choose_replay,
+    load_recorded_target,
+)
 from eaglescope.detective.engine_logs import read_engine_log
-from eaglescope.detective.findings import CODES, DoctorReport, rank
+from eaglescope.detective.findings import CODES, DoctorReport, Finding, rank
 from eaglescope.detective.report import REPORT, first_divergent_stage, write_html
 from eaglescope.detective.static import DEFAULT_ENGINES, static_checks
 from eaglescope.draft import load_draft
@@ -62,6 +71,34 @@ def _load_models(target_dir, draft_dir, device, dtype, backend):
     return target, loaded
 
 
+def _load_draft_side(target_dir, draft_dir, trace, device, dtype):
+    """(the trace's target played back, LoadedDraft with the target's embedding) for a draft-side replay."""
+    device = parse_device(device)
+    dt = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, device)
+    target = load_recorded_target(target_dir, trace, device, dt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = load_draft(draft_dir, target.num_layers, device=device, dtype=dt)
+    loaded.model.load_target_embedding(target.embedding)
+    target.embedding = loaded.model.embed_tokens.weight  # one copy of a table that may be gigabytes
+    target.set_taps(loaded.contract.taps)
+    return target, loaded
+
+
+def _capture_unusable(mode: ReplayMode, why: str, rnd: int) -> Finding:
+    """The capture has another width than the draft's fc reads: a target-side fault this mode cannot name."""
+    return Finding(
+        "DIVERGENCE_UNEXPLAINED",
+        "target.aux",
+        f"{why}; which hidden state it holds cannot be told by a draft-side replay",
+        {"missing": mode.missing()},
+        f"record the concatenation of exactly the contract's taps; to name what was captured, give {mode.missing()[0]} "
+        f"or record {mode.missing()[1]}",
+        0.5,
+        rnd,
+    )
+
+
 def run_doctor(
     target_dir: str | Path,
     draft_dir: str | Path,
@@ -77,8 +114,10 @@ def run_doctor(
     eval_samples: int = 32,
     engines: tuple[str, ...] | None = None,
     progress: bool = False,
+    replay: str = "auto",
 ) -> DoctorReport:
-    """Every check the inputs allow → DoctorReport (findings most likely first; healthy = no findings)."""
+    """Every check the inputs allow → DoctorReport (findings most likely first; healthy = no findings). `replay`:
+    auto (a full replay when the target's layers are on disk, else draft-side), full, or draft-side."""
 
     def say(msg: str) -> None:
         if progress:
@@ -98,6 +137,8 @@ def run_doctor(
     served_engine = read_engine_log(engine_log) if engine_log is not None else None
     for path, what in ((target_dir, "target"), (draft_dir, "draft")):
         read_config(check_dir(path, what))  # input errors come before the first progress line
+    mode = choose_replay(target_dir, replay) if loaded_trace is not None else None
+    draft_side = mode is not None and mode.mode == DRAFT_SIDE
     if data is not None:
         check_data(Path(data))
     if engines is None:
@@ -122,19 +163,30 @@ def run_doctor(
         "static": static_ctx,
         "notes": notes,
     }
+    if mode is not None:
+        context["replay"] = mode.to_dict()
 
     target = loaded = None
     if trace is not None or data is not None:
         try:
-            say("loading target and draft")
-            target, loaded = _load_models(target_dir, draft_dir, device, dtype, backend)
+            if draft_side:
+                say(f"{mode.mode} ({mode.why}): loading the target's embedding and the draft")
+                target, loaded = _load_draft_side(target_dir, draft_dir, loaded_trace, device, dtype)
+            else:
+                say("loading target and draft")
+                target, loaded = _load_models(target_dir, draft_dir, device, dtype, backend)
         except EagleScopeError as e:
             if not findings:  # nothing explains why it does not load: that is the user's input problem
                 raise
             notes.append(f"the draft does not load ({e}); the static findings explain why, runtime checks skipped")
 
-    if trace is not None and loaded is not None:
-        say(f"comparing trace {trace} with the golden replay")
+    unusable = None
+    if draft_side and loaded is not None:
+        unusable = check_capture_width(loaded_trace, loaded.contract.taps.count, target.hidden_size)
+    if unusable is not None:
+        findings.append(_capture_unusable(mode, *unusable))
+    elif trace is not None and loaded is not None:
+        say(f"comparing trace {trace} with the golden {mode.mode}")
         f, ctx = diagnose_trace(target, loaded, trace)
         findings += f
         context.update(ctx)
@@ -156,6 +208,10 @@ def run_doctor(
                     "depth": len(served_trace.alpha),
                 }
 
+    if draft_side and data is not None:
+        notes.append("--data was not used: teacher-forced acceptance runs the target, whose layers a draft-side replay "
+                     "does not have")  # fmt: skip
+        target = loaded = data = None
     if data is not None or served_engine is not None:
         findings += _behaviour(target, loaded, draft_dir, data, served_engine, static_ctx, findings, prompts,
                                max_new_tokens, depth, eval_samples, say, context, notes)  # fmt: skip
@@ -246,8 +302,9 @@ def contract_line(static: dict) -> str | None:
 
 def format_report(report: DoctorReport) -> str:
     lines = []
+    draft_side = (report.context.get("replay") or {}).get("mode") == DRAFT_SIDE
     if report.healthy:
-        lines.append("healthy: no findings")
+        lines.append("healthy: no findings" + (" (on the draft side: see the replay line)" if draft_side else ""))
     else:
         top = report.findings[0]
         lines.append(f"NOT HEALTHY: {len(report.findings)} finding(s); most likely {top.code}")
@@ -258,6 +315,8 @@ def format_report(report: DoctorReport) -> str:
         lines.append(f"   fix: {f.fix}")
     if (c := contract_line(report.context.get("static") or {})) is not None:
         lines.append(c)
+    if (r := report.context.get("replay")) is not None:
+        lines.append(ReplayMode(r["mode"], r["why"], r["layers_on_disk"], r["num_layers"]).line())
     acc = report.context.get("acceptance")
     if acc:
         for key in ("served", "expected", "predicted", "training"):
@@ -308,6 +367,7 @@ def cmd_doctor(args) -> int:
         depth=args.depth,
         eval_samples=args.eval_samples,
         engines=tuple(args.engine) if args.engine else None,
+        replay=args.replay,
         progress=True,  # on stderr: --json on stdout stays parseable
     )
     if args.html:

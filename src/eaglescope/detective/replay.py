@@ -35,6 +35,7 @@ from eaglescope.target.base import Target, TargetOutput
 REPLAY_HS = "replay.hs"  # replay.hs.<i>: hidden state i of every target forward (all layers)
 REPLAY_FINAL = "replay.final"  # the target's final normed state (lm_head's input) of every target forward
 REPLAY_PREFIX = "replay."  # every replay-only stage: never compared with the trace
+REPLAY_COPIES_TARGET = "replay_copies_target"  # meta key: target.* stages are the trace's own (a draft-side replay)
 
 
 def replay_hs(i: int) -> str:
@@ -328,6 +329,8 @@ class _ReplayRunner(ReferenceRunner):
 
     def target_forward(self, tokens, positions=None, tree_mask=None) -> TargetOutput:
         fn = lambda: self.target.forward(tokens, positions=positions, tree_mask=tree_mask)  # noqa: E731
+        if not self.target.computes_layers:  # the trace's own capture played back (draft_replay.py): nothing to tap
+            return fn()
         out, self._hs = _all_layer_forward(self.target, self.all_taps, self.contract, fn)
         return out
 
@@ -404,7 +407,9 @@ def replay(
     biggest = max((int(t.numel()) for r in rounds if (t := forced.get(T.VERIFY_TOKENS, r)) is not None), default=0)
     max_len = len(prompt_ids) + budget + total + 2
     rec = T.TraceRecorder(out_dir, mode=mode, producer="eaglescope-replay", inputs=(trace_dir,), flag="--out")
-    rec.set_meta(**{**meta, "replay_of": str(trace_dir), "taps": contract.to_dict()})
+    # a replay whose target plays the trace's capture back copies target.* from the trace: those are not evidence
+    rec.set_meta(**{**meta, "replay_of": str(trace_dir), "taps": contract.to_dict(),
+                    REPLAY_COPIES_TARGET: not target.computes_layers})  # fmt: skip
     try:
         proposer = _following(proposer_cls, trace)(draft, depth, top_k, total, max_len, recorder=rec)
         runner = _ReplayRunner(target, proposer, rec, forced, rounds, contract, extra_room=biggest + 2)

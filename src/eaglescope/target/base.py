@@ -96,6 +96,9 @@ class Target(ABC):
     dtype: torch.dtype
     max_positions: int
     eos_token_ids: list[int]
+    # False for a stand-in that plays a trace's recorded capture back instead of computing hidden states
+    # (detective/draft_replay.py): the replay then taps no other layer.
+    computes_layers = True
 
     @property
     def num_layers(self) -> int:

@@ -64,6 +64,12 @@ def add_generate_parser(sub) -> None:
     )
     p.add_argument("--trace", default=None, help="record a trace of this run into DIR")
     p.add_argument("--trace-mode", default="full", choices=["full", "fingerprint"])
+    p.add_argument(
+        "--trace-layers",
+        action="store_true",
+        help="with --trace: also record fingerprints of every layer's hidden state of the prefill (target.layer.*), "
+        "so that doctor can check the taps without the target's layers",
+    )
     p.set_defaults(func="eaglescope.generate:cmd_generate")
 
 

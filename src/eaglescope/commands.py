@@ -140,7 +140,11 @@ MODES of --trace (the report's `replay` line and --json's context.replay say whi
                      TAP_ORDER, TAP_EMBEDDING, TAP_NORMED, EAGLE-2 wiring's FC_SKIPPED): it says they need the
                      target's layers or per-layer fingerprints in the trace. Needs target.aux in full.
                      --data's teacher-forced checks need the target's layers and are skipped.
-  (per-layer fingerprints: tap causes from the engine's own fingerprints of every layer; docs/doctor.md)
+  fingerprints only  beside a draft-side replay, when the trace records every layer's state of the prefill
+                     (target.layer.<i>: generate --trace-layers, capture --layers): the taps are matched
+                     against those states with no target forward (the report's `taps` line). Names
+                     TAP_OFF_BY_ONE, TAP_WRONG_LAYER, TAP_ORDER, TAP_EMBEDDING, the final normed state
+                     (EAGLE-2 wiring's FC_SKIPPED), and TAP_NORMED when target.layer.<i>.normed is recorded.
 See docs/doctor.md.
 """
 
@@ -153,7 +157,7 @@ def add_doctor(sub) -> None:
         epilog=DOCTOR_MODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--target", required=True, help="target checkpoint directory")
+    p.add_argument("--target", required=True, help="target checkpoint directory (or a copy without its layers)")
     p.add_argument("--draft", required=True, help="EAGLE-3 draft checkpoint directory")
     p.add_argument("--data", default=None, help="held-out data: a JSONL of conversations or a prepared directory")
     p.add_argument("--trace", default=None, help="a trace directory recorded by the serving engine")
@@ -210,7 +214,8 @@ def add_capture(sub) -> None:
         help="record traces inside an unmodified vLLM while your own command runs (for doctor --trace)",
         description=CAPTURE_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="eaglescope capture --engine vllm --out TRACE [--mode full|fingerprint] [--requests N] -- COMMAND ...",
+        usage="eaglescope capture --engine vllm --out TRACE [--mode full|fingerprint] [--requests N] [--layers] "
+        "-- COMMAND ...",
     )
     p.add_argument("--engine", required=True, choices=["vllm"], help="the serving engine COMMAND runs")
     p.add_argument("--out", required=True, help="where the trace goes (new, empty, or an earlier capture)")
@@ -221,6 +226,12 @@ def add_capture(sub) -> None:
         help="full tensors, or compact fingerprints of float tensors for large models (default %(default)s)",
     )
     p.add_argument("--requests", type=int, default=1, help="trace the first N requests (default %(default)s)")
+    p.add_argument(
+        "--layers",
+        action="store_true",
+        help="also record fingerprints of every layer's hidden state of each prefill (target.layer.*), so that doctor "
+        "can check the taps without the target's layers",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run")
     p.set_defaults(func="eaglescope.capture.command:cmd_capture")
 

@@ -69,6 +69,8 @@ def cmd_generate(args) -> int:
         if not (args.draft or args.proposer == "ngram"):
             raise EagleScopeError("--trace records a speculative run: add --draft DIR (or --proposer ngram)")
         check_destination(args.trace, trace_kind("eaglescope"), inputs=[args.target, args.draft], flag="--trace")
+    if getattr(args, "trace_layers", False) and not args.trace:
+        raise EagleScopeError("--trace-layers adds to a trace: give --trace DIR too")
     if args.seed is not None:
         torch.manual_seed(args.seed)
     target = load_target(args.target, device=device, dtype=dtype, backend=args.backend)

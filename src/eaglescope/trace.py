@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +65,18 @@ def target_tap(i: int) -> str:
     return f"target.tap.{int(i)}"
 
 
+def target_layer(i: int) -> str:
+    """[T, H] the prefill's hidden state with HF ``output_hidden_states`` index i, for every i = 0..L: 0 the
+    embedding output, i the residual stream entering layer i, L the final normed state (what lm_head reads).
+    Recorded by ``TraceRecorder.record_layers``, always as a fingerprint."""
+    return f"target.layer.{int(i)}"
+
+
+def target_layer_normed(i: int) -> str:
+    """[T, H] layer i's input RMSNorm applied to ``target.layer.<i>`` (what layer i's attention reads), i < L."""
+    return f"target.layer.{int(i)}.normed"
+
+
 def draft_embed_in(k: int) -> str:
     """[n, H] token embeddings entering draft step k."""
     return f"draft.step{int(k)}.embed_in"
@@ -97,9 +109,12 @@ def draft_topk(k: int) -> str:
 
 _NAME = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
 _TAP = re.compile(r"^target\.tap\.(\d+)$")
+_LAYER = re.compile(r"^target\.layer\.(\d+)(\.normed)?$")
 _STEP = re.compile(r"^draft\.step(\d+)\.(.+)$")
 _CANONICAL_FAMILIES = {
     "target.tap",
+    "target.layer",
+    "target.layer.normed",
     TARGET_AUX,
     DRAFT_FC_OUT,
     "draft.tokens",
@@ -117,10 +132,13 @@ _CANONICAL_FAMILIES = {
 
 
 def parse_stage(name: str) -> tuple[str, int | None]:
-    """``target.tap.3`` → ("target.tap", 3); ``draft.step2.hidden_in`` → ("draft.hidden_in", 2);
+    """``target.tap.3`` → ("target.tap", 3); ``target.layer.3.normed`` → ("target.layer.normed", 3);
+    ``draft.step2.hidden_in`` → ("draft.hidden_in", 2);
     anything else → (name, None). Non-canonical names are allowed (see ``is_canonical``)."""
     if m := _TAP.match(name):
         return "target.tap", int(m.group(1))
+    if m := _LAYER.match(name):
+        return "target.layer" + (".normed" if m.group(2) else ""), int(m.group(1))
     if m := _STEP.match(name):
         return f"draft.{m.group(2)}", int(m.group(1))
     return name, None
@@ -487,11 +505,13 @@ class TraceRecorder:
         round: int | None = None,
         segments: int = 1,
         full: bool = False,
+        compact: bool = False,
         **extra,
     ) -> None:
         """Record ``tensor`` (or ``{part: tensor}``, e.g. topk ids and logprobs) as ``stage`` of ``round``
         (default: the current round). ``segments`` splits the last dim for fingerprints (3 for a 3-tap
-        target.aux); ``extra`` is any JSON-serializable annotation kept in the event."""
+        target.aux); ``full`` keeps a float tensor whole in fingerprint mode, ``compact`` fingerprints it in full
+        mode; ``extra`` is any JSON-serializable annotation kept in the event."""
         if self._closed:
             raise TraceError("record() after close(): this trace has already been written")
         if not isinstance(stage, str) or not _NAME.match(stage):
@@ -510,8 +530,33 @@ class TraceRecorder:
             key = _event_key(r, stage, part)
             if key in self._seen:
                 raise TraceError(f"stage {stage!r} recorded twice in round {r}: call next_round() between rounds")
-            self._add(r, stage, part, key, t, segments, full, extra)
+            self._add(r, stage, part, key, t, segments, full, extra, compact)
             self._seen.add(key)
+
+    def record_layers(
+        self,
+        states: Sequence[torch.Tensor],
+        final: torch.Tensor | None = None,
+        normed: Sequence[torch.Tensor] | None = None,
+        round: int = 0,
+    ) -> None:
+        """Every hidden state of one target forward (the prefill: round 0), as fingerprints whatever the mode (the
+        full states of every layer would outweigh the rest of the trace). ``states``: the L tensors [T, H] entering
+        layers 0..L-1 (HF ``output_hidden_states[0..L-1]``: 0 the embedding output) → ``target.layer.<i>``;
+        ``final``: the final normed state (``output_hidden_states[L]``, what lm_head reads) → ``target.layer.<L>``;
+        ``normed``: layer i's input RMSNorm of ``states[i]`` → ``target.layer.<i>.normed``. With them doctor tells
+        which state each segment of ``target.aux`` holds without the target's weights; without ``final`` it cannot
+        tell the final normed state, without ``normed`` a normed tap."""
+        if not states:
+            raise TraceError("record_layers needs the hidden states entering each layer, got none")
+        if normed is not None and len(normed) != len(states):
+            raise TraceError(f"record_layers: {len(normed)} normed states for {len(states)} layers")
+        for i, t in enumerate(states):
+            self.record(target_layer(i), t, round=round, compact=True)
+        if final is not None:
+            self.record(target_layer(len(states)), final, round=round, compact=True)
+        for i, t in enumerate(normed or ()):
+            self.record(target_layer_normed(i), t, round=round, compact=True)
 
     def close(self) -> Path:
         """Write the manifest and the remaining tensors, then swap the directory in. Idempotent."""
@@ -552,13 +597,13 @@ class TraceRecorder:
             self.abort()
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _add(self, r, stage, part, key, t, segments, full, extra) -> None:
+    def _add(self, r, stage, part, key, t, segments, full, extra, compact=False) -> None:
         ev = {"round": r, "stage": stage, "part": part, "key": key, "file": None}
         width = t.shape[-1] if t.dim() else 1
         if segments < 1 or width % segments:
             raise TraceError(f"{stage}: cannot split a last dimension of {width} into {segments} equal segments")
         ev |= {"shape": list(t.shape), "dtype": _dtype_name(t.dtype), "segments": int(segments)}
-        keep_full = self.mode == "full" or full or not t.is_floating_point()
+        keep_full = (self.mode == "full" and not compact) or full or not t.is_floating_point()
         if keep_full:
             # A copy even on the CPU: engines reuse buffers, and a view would drag its whole storage along.
             self._put(key, t.detach().to("cpu", copy=True).contiguous())

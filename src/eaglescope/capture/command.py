@@ -1,4 +1,4 @@
-"""`eaglescope capture --engine vllm --out TRACE [--mode full|fingerprint] [--requests N] -- COMMAND ...`
+"""`eaglescope capture --engine vllm --out TRACE [--mode full|fingerprint] [--requests N] [--layers] -- COMMAND ...`
 
 Runs the user's own command (`python serve.py`, `vllm serve ...`, a benchmark script) unchanged, with a switch in
 its environment that eaglescope's vLLM plugin (plugin.py, registered under `vllm.general_plugins`) reads in every
@@ -23,6 +23,7 @@ from eaglescope import outputs
 from eaglescope.capture import (
     ENV_DIR,
     ENV_ENGINE,
+    ENV_LAYERS,
     ENV_MODE,
     ENV_REQUESTS,
     HOOKED,
@@ -60,9 +61,10 @@ CAPTURE_KIND = outputs.dir_kind(
 )
 
 
-def _child_env(staging: Path, requests: int, mode: str) -> dict[str, str]:
+def _child_env(staging: Path, requests: int, mode: str, layers: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     env.update({ENV_DIR: str(staging), ENV_REQUESTS: str(requests), ENV_MODE: mode, ENV_ENGINE: "vllm"})
+    env[ENV_LAYERS] = "1" if layers else "0"
     allowed = env.get("VLLM_PLUGINS")
     if allowed is not None and PLUGIN_NAME not in allowed.split(","):
         # An allow-list would keep the plugin out: add it (capture was asked for explicitly).
@@ -138,7 +140,8 @@ def cmd_capture(args) -> int:
     except OSError as e:
         raise EagleScopeError(f"cannot write beside {out}: {e.strerror or e}") from None
     try:
-        rc, refused = _run(command, _child_env(staging, args.requests, args.mode), staging)
+        env = _child_env(staging, args.requests, args.mode, bool(getattr(args, "layers", False)))
+        rc, refused = _run(command, env, staging)
         if refused:
             raise EagleScopeError(refused)
         notes = [ln for ln in _read_lines(staging / NOTES) if ln]

@@ -63,6 +63,7 @@ import torch
 from eaglescope.capture import (
     CLAIMS,
     ENV_DIR,
+    ENV_LAYERS,
     ENV_MODE,
     ENV_REQUESTS,
     RAISED,
@@ -71,6 +72,7 @@ from eaglescope.capture import (
     producer,
     unsupported_line,
 )
+from eaglescope.capture.vllm_layers import LayerStates, record_prefill
 from eaglescope.trace import (
     DRAFT_FC_OUT,
     NEXT_HIDDEN_IN,
@@ -109,6 +111,7 @@ class _Prefill:
     tokens: int = 0
     nxt: list[torch.Tensor] = field(default_factory=list)  # per chunk: the rows vLLM handed the drafter
     step0: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    layers: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per chunk: target.layer.* (--layers)
 
 
 class RequestTrace:
@@ -187,8 +190,9 @@ class RequestTrace:
 class Capture:
     """Process-wide capture state: which requests are traced, and the current engine step's layout."""
 
-    def __init__(self, staging: Path, limit: int, mode: str, version: str) -> None:
+    def __init__(self, staging: Path, limit: int, mode: str, version: str, layers: bool = False) -> None:
         self.staging, self.limit, self.mode = staging, limit, mode
+        self.layer_states = LayerStates() if layers else None  # capture --layers: every state of each prefill
         self.producer = producer("vllm", version)
         self.version = version
         self.traces: dict[str, RequestTrace] = {}
@@ -352,6 +356,21 @@ class Capture:
             self.close(req_id, "finished (reported by the scheduler)")
         self.step = {"runner": runner, "sched": sched, "layout": {}, "target": False}
         self.propose = None
+        self._begin_layers(runner, sched)
+
+    def _begin_layers(self, runner, sched) -> None:
+        """capture --layers: record this step's per-layer states if it may run a traced request's prefill (a new
+        request, which may be claimed, or the next chunk of a traced one)."""
+        states = self.layer_states
+        if states is None:
+            return
+        why = states.install(runner.model)
+        if why is not None:
+            self.note_once("layers", f"--layers: {why}; no per-layer states are recorded")
+            self.layer_states = None
+            return
+        new = not self.exhausted and bool(getattr(sched, "scheduled_new_reqs", None))
+        states.begin(new or any(tr.round < 0 for tr in self.traces.values()))
 
     def on_target(self, runner, input_ids, positions, out) -> None:
         step = self.step
@@ -400,6 +419,8 @@ class Capture:
                     self.drop(req_id, f"its prefill resumed at position {start}, not {tr.prefill.tokens} (preempted?)")
                     continue
                 tr.prefill.taps.append(taps)
+                if self.layer_states is not None:
+                    tr.prefill.layers.append(self.layer_states.rows(first, first + n))
                 tr.prefill.tokens += n
                 kind = "prefill" if tr.prefill.tokens == len(tr.prompt) else "chunk"
                 tr.current = None
@@ -410,6 +431,8 @@ class Capture:
                 kind = "decode"
                 tr.current = {"tokens": _rows(input_ids, first, first + n).long(), "taps": taps}
             step["layout"][req_id] = (b, first, n, kind)
+        if self.layer_states is not None:
+            self.layer_states.begin(False)  # only this forward: not a dummy run before the next step
 
     def on_sampled(self, runner, sampled: torch.Tensor) -> None:
         step = self.step
@@ -428,6 +451,8 @@ class Capture:
                 pre = tr.prefill
                 taps = [torch.cat([c[j] for c in pre.taps]) for j in range(len(tr.layers))]
                 tr.record_taps(0, taps)
+                if pre.layers and (why := record_prefill(tr.rec, pre.layers)) is not None:
+                    note(f"request {req_id}: {why}")
                 tr.record(0, VERIFY_BONUS, torch.tensor(valid[:1], dtype=torch.long))
                 tr.aux_due = 0
                 tr.round, tr.emitted = 0, valid[:1]  # tr.prefill stays: the drafter's step 0 of it is next
@@ -654,7 +679,7 @@ def install(runner_module: ModuleType) -> None:
     staging = Path(os.environ[ENV_DIR])
     limit = max(1, int(os.environ.get(ENV_REQUESTS, "1")))
     mode = os.environ.get(ENV_MODE, "full")
-    _CAPTURE = Capture(staging, limit, mode, str(vllm.__version__))
+    _CAPTURE = Capture(staging, limit, mode, str(vllm.__version__), layers=os.environ.get(ENV_LAYERS) == "1")
     atexit.register(_CAPTURE.close_all, "exit")
     Runner = runner_module.GPUModelRunner
 

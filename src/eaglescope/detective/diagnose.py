@@ -43,6 +43,7 @@ from eaglescope.detective.replay import (
 from eaglescope.draft import LoadedDraft
 from eaglescope.errors import EagleScopeError
 from eaglescope.target.base import Target
+from eaglescope.target.layer_states import input_norm
 
 
 @dataclass(frozen=True)
@@ -313,11 +314,7 @@ class Evidence:
     @torch.no_grad()
     def normed(self, i: int, hs: torch.Tensor) -> torch.Tensor | None:
         """Layer i's input RMSNorm applied to hidden state i: what a 'normed tap' captures."""
-        layers = getattr(getattr(self.target, "model", None), "model", None)
-        layer_list = getattr(layers, "layers", None) or getattr(self.target, "layers", None)
-        if layer_list is None or i >= len(layer_list):
-            return None
-        norm = getattr(layer_list[i], "input_layernorm", None)
+        norm = input_norm(self.target, i)
         if norm is None:
             return None
         return on_model(norm, hs, norm.weight)
@@ -450,8 +447,8 @@ def _tap_candidates(ev: Evidence, rnd: int, rows: torch.Tensor | None = None) ->
         if n is not None:
             candidates[f"normed{i}"] = n
     final = ev.g(REPLAY_FINAL, rnd)
-    if final is not None:
-        candidates["final"] = final.float()
+    if final is not None:  # a fingerprint where the engine recorded it (detective/layer_taps.py)
+        candidates["final"] = final if isinstance(final, T.Fingerprint) else final.float()
     return candidates if rows is None else {k: v[rows] for k, v in candidates.items()}
 
 

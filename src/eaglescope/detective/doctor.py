@@ -47,13 +47,15 @@ from eaglescope.detective.draft_replay import (
 )
 from eaglescope.detective.engine_logs import read_engine_log
 from eaglescope.detective.findings import CODES, DoctorReport, Finding, rank
+from eaglescope.detective.layer_taps import MODE as LAYER_MODE
+from eaglescope.detective.layer_taps import aux_in_full, check_taps, taps_line, unchecked_note
 from eaglescope.detective.report import REPORT, first_divergent_stage, write_html
-from eaglescope.detective.static import DEFAULT_ENGINES, static_checks
+from eaglescope.detective.static import DEFAULT_ENGINES, contract_taps, static_checks
 from eaglescope.draft import load_draft
 from eaglescope.errors import EagleScopeError
 from eaglescope.outputs import check_destination
 from eaglescope.target import load_target, parse_device, parse_dtype
-from eaglescope.target.loading import check_dir, read_config
+from eaglescope.target.loading import check_dir, fingerprint_of, read_config
 from eaglescope.trace import TraceError, load_trace
 
 
@@ -167,6 +169,11 @@ def run_doctor(
         context["replay"] = mode.to_dict()
 
     target = loaded = None
+    taps_found: list = []
+    if draft_side:  # the replay takes the capture as recorded: the taps are checked against per-layer states instead
+        say(f"checking the taps of trace {trace} against its own per-layer states (fingerprints only)")
+        taps_found = _taps_from_fingerprints(target_dir, draft_dir, loaded_trace, context, notes)
+        findings += taps_found
     if trace is not None or data is not None:
         try:
             if draft_side:
@@ -180,12 +187,19 @@ def run_doctor(
                 raise
             notes.append(f"the draft does not load ({e}); the static findings explain why, runtime checks skipped")
 
-    unusable = None
-    if draft_side and loaded is not None:
+    replayable = loaded is not None
+    if draft_side and loaded is not None and not aux_in_full(loaded_trace) and context["layer_taps"]["checked"]:
+        # nothing to play the draft back from, but the taps were checked: the fingerprints-only mode alone
+        context["replay"] |= {"mode": LAYER_MODE, "why": f"{mode.why} and the trace's target.aux is fingerprinted"}
+        notes.append("the draft side was not replayed: a draft-side replay needs target.aux in full (record it with "
+                     "full=True), or --target with its layers")  # fmt: skip
+        replayable = False
+    elif draft_side and loaded is not None:
         unusable = check_capture_width(loaded_trace, loaded.contract.taps.count, target.hidden_size)
-    if unusable is not None:
-        findings.append(_capture_unusable(mode, *unusable))
-    elif trace is not None and loaded is not None:
+        replayable = unusable is None
+        if unusable is not None and not taps_found:  # else the per-layer states already said what it holds
+            findings.append(_capture_unusable(mode, *unusable))
+    if trace is not None and replayable:
         say(f"comparing trace {trace} with the golden {mode.mode}")
         f, ctx = diagnose_trace(target, loaded, trace)
         findings += f
@@ -217,6 +231,22 @@ def run_doctor(
                                max_new_tokens, depth, eval_samples, say, context, notes)  # fmt: skip
     ranked = rank(findings)
     return DoctorReport(healthy=not ranked, findings=ranked, context=context)
+
+
+def _taps_from_fingerprints(target_dir, draft_dir, trace, context: dict, notes: list[str]) -> list:
+    """The fingerprints-only check (detective/layer_taps.py) beside a draft-side replay: the prefill's taps against the
+    engine's own per-layer states, with no target forward. context["layer_taps"] says what it checked; the codes it
+    covers leave context["replay"]["cannot_name"]."""
+    fp = fingerprint_of(Path(target_dir), read_config(Path(target_dir)))
+    findings, ctx = check_taps(trace, contract_taps(draft_dir, fp.num_layers), fp.hidden_size)
+    context["layer_taps"] = ctx
+    if ctx["checked"]:
+        replay = context["replay"]
+        replay["cannot_name"] = [c for c in replay["cannot_name"] if c not in ctx["can_name"]]
+        replay["missing"] = [] if not replay["cannot_name"] else replay["missing"]
+    elif ctx["recorded"] is not None:  # per-layer states there, but nothing of round 0 to match them with
+        notes.append(unchecked_note(ctx))
+    return findings
 
 
 def _behaviour(target, loaded, draft_dir, data, served_engine, static_ctx, findings, prompts, max_new_tokens, depth,
@@ -316,7 +346,11 @@ def format_report(report: DoctorReport) -> str:
     if (c := contract_line(report.context.get("static") or {})) is not None:
         lines.append(c)
     if (r := report.context.get("replay")) is not None:
-        lines.append(ReplayMode(r["mode"], r["why"], r["layers_on_disk"], r["num_layers"]).line())
+        taps = report.context.get("layer_taps") or {}
+        if taps.get("checked"):  # the taps were named from per-layer states: the replay's own caveat does not hold
+            lines += [f"replay     {r['mode']}: {r['why']}", taps_line(taps)]
+        else:
+            lines.append(ReplayMode(r["mode"], r["why"], r["layers_on_disk"], r["num_layers"]).line())
     acc = report.context.get("acceptance")
     if acc:
         for key in ("served", "expected", "predicted", "training"):

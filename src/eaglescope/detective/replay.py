@@ -29,8 +29,8 @@ from eaglescope.decode.tree import EAGLE_DEFAULT_TREE, DraftTree
 from eaglescope.decode.verify import VerifyResult
 from eaglescope.draft import LoadedDraft
 from eaglescope.errors import EagleScopeError
-from eaglescope.taps import TapContract
 from eaglescope.target.base import Target, TargetOutput
+from eaglescope.target.layer_states import forward_all_layers
 
 REPLAY_HS = "replay.hs"  # replay.hs.<i>: hidden state i of every target forward (all layers)
 REPLAY_FINAL = "replay.final"  # the target's final normed state (lm_head's input) of every target forward
@@ -284,35 +284,6 @@ def _following(proposer_cls: type[Eagle3Proposer], trace: T.Trace) -> type[Eagle
     return Following
 
 
-def _output_head(target: Target) -> torch.nn.Module | None:
-    """The module that turns the final normed state into logits (transformers' output embedding, or lm_head)."""
-    model = getattr(target, "model", None)
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    return head if isinstance(head, torch.nn.Module) else getattr(model, "lm_head", None)
-
-
-def _all_layer_forward(target: Target, all_taps: TapContract, contract: TapContract, fn) -> tuple[TargetOutput, dict]:
-    """Run `fn()` with every layer tapped; return the output with the contract's aux, and all hidden states
-    (key REPLAY_FINAL: the final normed state, read where lm_head receives it)."""
-    final: list[torch.Tensor] = []
-    head = _output_head(target)
-    hook = head.register_forward_pre_hook(lambda m, args: final.append(args[0])) if head is not None else None
-    target.set_taps(all_taps)
-    try:
-        out = fn()
-    finally:
-        target.set_taps(contract)
-        if hook is not None:
-            hook.remove()
-    H = target.hidden_size
-    hs: dict = {i: out.aux[:, i * H : (i + 1) * H] for i in all_taps.layers}
-    if final and final[-1].shape[-1] == H:
-        hs[REPLAY_FINAL] = final[-1].reshape(-1, H)
-    aux = torch.cat([hs[i] for i in contract.layers], dim=-1)
-    return TargetOutput(out.logits, aux), hs
-
-
 class _ReplayRunner(ReferenceRunner):
     """The reference backend following a trace: the tree sent to verify, the accepted path and the bonus token are
     the trace's; everything else is recomputed, with every layer of the target tapped (replay.hs.<i>)."""
@@ -320,7 +291,6 @@ class _ReplayRunner(ReferenceRunner):
     def __init__(self, target, proposer, rec, forced: _Forced, rounds: list[int], contract, extra_room: int):
         super().__init__(target, proposer, SamplingConfig(), None, rec)
         self.forced, self.contract, self.extra_room = forced, contract, extra_room
-        self.all_taps = TapContract(tuple(range(target.num_layers)), target.num_layers)
         self._rounds = iter([r for r in rounds if r != 0])
         self._hs: dict = {}
 
@@ -331,13 +301,16 @@ class _ReplayRunner(ReferenceRunner):
         fn = lambda: self.target.forward(tokens, positions=positions, tree_mask=tree_mask)  # noqa: E731
         if not self.target.computes_layers:  # the trace's own capture played back (draft_replay.py): nothing to tap
             return fn()
-        out, self._hs = _all_layer_forward(self.target, self.all_taps, self.contract, fn)
+        out, states, final = forward_all_layers(self.target, fn, self.contract)
+        self._hs = {replay_hs(i): h for i, h in enumerate(states)}
+        if final is not None:
+            self._hs[REPLAY_FINAL] = final
         return out
 
     def _record_target(self, out: TargetOutput) -> None:
         super()._record_target(out)
-        for i, h in self._hs.items():
-            self.rec.record(REPLAY_FINAL if i == REPLAY_FINAL else replay_hs(i), h)
+        for stage, h in self._hs.items():
+            self.rec.record(stage, h)
 
     def first_token(self, prefill: TargetOutput) -> int:
         bonus = self.forced.get(T.VERIFY_BONUS, 0)

@@ -130,13 +130,16 @@ class FastTarget:
         if fused_verify:
             self.fused_rows = FusedVerify(model, self.cache, self.taps)
 
-    def _run_eager(self, tokens, positions, mask, slots):
+    def _forward(self, tokens, positions, mask, slots, taps):
         if self.batch_invariant:
             mask = inv.KeyIndex.from_mask(mask)
         else:
             mask = mask[None, None]
-        logits, aux, _ = self.model(tokens[None], positions[None], mask, self.cache, slots, self.taps)
-        return logits[0], None if aux is None else aux[0]
+        logits, aux, final = self.model(tokens[None], positions[None], mask, self.cache, slots, taps)
+        return logits[0], None if aux is None else aux[0], final[0]
+
+    def _run_eager(self, tokens, positions, mask, slots):
+        return self._forward(tokens, positions, mask, slots, self.taps)[:2]
 
     def run(self, tokens, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens/positions/slots [T], mask [T, size] bool → logits [T, V], aux [T, nH] | None."""
@@ -151,6 +154,19 @@ class FastTarget:
         slots = torch.arange(prompt.shape[0], device=self.device)
         mask = torch.arange(self.size, device=self.device)[None, :] <= slots[:, None]
         return self._run_eager(prompt, slots, mask, slots)
+
+    @torch.inference_mode()
+    def prefill_layers(self, prompt: torch.Tensor):
+        """The prefill with every layer tapped → (logits, aux of the taps, the states entering each layer, the
+        final normed state, each layer's input RMSNorm of its state): what a trace's target.layer.* records."""
+        slots = torch.arange(prompt.shape[0], device=self.device)
+        mask = torch.arange(self.size, device=self.device)[None, :] <= slots[:, None]
+        layers = self.model.model.layers
+        H = self.model.args.hidden_size
+        logits, every, final = self._forward(prompt, slots, mask, slots, tuple(range(len(layers))))
+        states = list(every.split(H, dim=-1))
+        aux = torch.cat([states[i] for i in self.taps], dim=-1)
+        return logits, aux, states, final, [layer.input_layernorm(h) for layer, h in zip(layers, states, strict=True)]
 
 
 def _graph(fn, warmup: int = 2) -> torch.cuda.CUDAGraph:
@@ -286,13 +302,15 @@ class FastEagle(Runner):
         replay: bool = False,
         compile: bool = False,
         recorder: T.TraceRecorder | None = None,
+        trace_layers: bool = False,
     ) -> None:
         """`compile` torch.compiles the draft side of a round and the acceptance (not the target: compile
         its layers through FastTarget). `recorder` records every round as a trace: each stage tensor is copied,
         inside the (captured) round, into a buffer of its own, and the host records the buffers after reading the
-        round; rounds then run one at a time, uncompiled."""
+        round; rounds then run one at a time, uncompiled. `trace_layers`: the trace also records every layer's
+        state of the prefill (TraceRecorder.record_layers)."""
         self.t, self.draft = target, draft
-        self.rec = recorder
+        self.rec, self.trace_layers = recorder, trace_layers
         self._stage: dict[str, torch.Tensor] = {}
         self._prefill_rows: dict[str, torch.Tensor] | None = None
         self.D, self.K, self.N = depth, top_k, total_tokens
@@ -466,7 +484,11 @@ class FastEagle(Runner):
     def _start(self, prompt: list[int], record: bool = True) -> int:
         ids = torch.tensor(prompt, device=self.device)
         n = ids.shape[0]
-        logits, aux = self.t.prefill(ids)
+        layers = None
+        if self.rec is not None and record and self.trace_layers:
+            logits, aux, *layers = self.t.prefill_layers(ids)
+        else:
+            logits, aux = self.t.prefill(ids)
         first = logits[-1:].argmax(-1)
         # draft prefill: positions 0..n-2 paired with tokens 1..n-1; the last position stays pending
         P0 = n - 1
@@ -481,6 +503,8 @@ class FastEagle(Runner):
             self._prefill_rows = {T.DRAFT_FC_OUT: hidden, T.draft_tokens(0): ids[1:], T.draft_positions(0): slots,
                                   T.draft_embed_in(0): emb, T.draft_hidden_out(0): out}  # fmt: skip
             self._record_target(aux)
+            if layers is not None:
+                self.rec.record_layers(*layers)
             self.rec.record(T.VERIFY_BONUS, first.cpu())
             self.rec.record(T.NEXT_HIDDEN_IN, aux)
         self.t_len.fill_(n)

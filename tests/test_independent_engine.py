@@ -284,6 +284,27 @@ def test_clean_runs_cover_what_issue_18_asks():
     assert any(c.mode == "fingerprint" for c in CLEAN)
 
 
+@pytest.mark.parametrize(
+    "fault,pass_,sign", [("rope_tree_offset", "tree", "+1"), ("rope_catchup_offset", "catch-up", "+1")]
+)
+def test_offsets_that_leave_the_trace_the_same_are_named_together(recorded, fault, pass_, sign):
+    # The engine records no positions. A tree-step offset of +1 and a catch-up offset of -1 leave every relative
+    # position the same (and vice versa), so the hidden states cannot tell them apart: the finding names both, the
+    # engine's own fault among them, with its sign.
+    case = next(c for c in FAULT_CASES if c.id == f"{fault}-full")
+    top = recorded.full(case).findings[0]
+    other = {"tree": "catch-up", "catch-up": "tree"}[pass_]
+    flipped = {"+1": "-1", "-1": "+1"}[sign]
+    assert top.code == "POSITION_OFFSET" and {
+        top.evidence["reproduced_by"],
+        *top.evidence["equally_reproduced_by"],
+    } == {
+        f"{pass_} {sign}",
+        f"{other} {flipped}",
+    }, top.verdict
+    assert "tree steps" in top.verdict and "catch-up pass" in top.verdict and "cannot tell them apart" in top.verdict
+
+
 # -- (d) draft-side replay: the same traces, the target's layers deleted ---------------------------------------------
 # A full trace feeds the draft-side replay (it plays the recorded target.aux back); a fault is draft-side when it
 # first shows after the capture. Fingerprint traces hold no target.aux to play back (see the refusal test below).

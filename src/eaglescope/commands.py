@@ -202,7 +202,8 @@ nothing else. Supported: vLLM 0.32.0 with EAGLE-3 (a chain of num_speculative_to
 refused in one line and nothing is written. Serve with prefix caching off to trace requests whose prompts
 share a prefix (a cached prefix never runs, so it has no features to record).
 
-Exit status: the command's own; 2 when nothing could be captured.
+Exit status: the command's own; 2 when nothing could be captured; 1 (if the command exited 0) when vLLM's engine
+step raised while traced requests were in flight: their traces stop there, marked incomplete.
 example: eaglescope capture --engine vllm --out ./trace -- python serve.py
 """
 

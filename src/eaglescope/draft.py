@@ -13,6 +13,7 @@ mask and the cache slots differ. That shared forward is what makes the train/dec
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from dataclasses import dataclass, field
@@ -291,8 +292,10 @@ def load_draft(
             f"fc reads {config.num_aux} hidden states of width {config.target_hidden_size} but the contract names "
             f"{contract.taps.count} taps"
         )
-    with torch.device(device):  # its random initial weights, about to be overwritten, drawn where they are cheap
-        model = Eagle3Draft(config, embedding_dtype=dtype)  # loaded from sd or from the target: no float32 detour
+    # Built where it will live and in the weights' dtype (a float32 build of a Kimi-K2-sized draft is 3.6 GB beside its
+    # embedding, only to be cast down); the RoPE frequencies are computed in float32 explicitly whatever the default.
+    with torch.device(device), _default_dtype(dtype):
+        model = Eagle3Draft(config, embedding_dtype=dtype)
     has_embedding = "embed_tokens.weight" in sd
     missing = [k for k in weight_names(model) if k not in sd and k not in ("d2t", "t2d")]
     if missing:
@@ -322,6 +325,16 @@ def load_draft(
         if "inv_freq" in name:
             buf.data = buf.data.float()
     return LoadedDraft(model.eval(), contract, has_embedding, path, cfg)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype.is_floating_point else previous)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def check_draft_matches_target(contract: DraftContract, target_fp: TargetFingerprint) -> None:

@@ -92,6 +92,16 @@ def draft_hidden_out(k: int) -> str:
     return f"draft.step{int(k)}.hidden_out"
 
 
+def draft_tokens(k: int) -> str:
+    """[n] int64 token ids (target vocabulary) draft step k reads, one per row: what embed_in embeds."""
+    return f"draft.step{int(k)}.tokens"
+
+
+def draft_positions(k: int) -> str:
+    """[n] int64 RoPE positions draft step k runs its rows at."""
+    return f"draft.step{int(k)}.positions"
+
+
 def draft_topk(k: int) -> str:
     """Top-k of draft step k: recorded as one stage with two parts, ``ids`` [n, K] and ``logprobs`` [n, K]."""
     return f"draft.step{int(k)}.topk"
@@ -107,6 +117,8 @@ _CANONICAL_FAMILIES = {
     "target.layer.normed",
     TARGET_AUX,
     DRAFT_FC_OUT,
+    "draft.tokens",
+    "draft.positions",
     "draft.embed_in",
     "draft.hidden_in",
     "draft.hidden_out",

@@ -30,6 +30,7 @@ from eaglescope.capture import (
     LOADED,
     NOTES,
     PRODUCER_SUFFIX,
+    RAISED,
     REFUSED,
     SUPPORTED_VLLM,
     TRACE_NAME,
@@ -144,6 +145,7 @@ def cmd_capture(args) -> int:
         if refused:
             raise EagleScopeError(refused)
         notes = [ln for ln in _read_lines(staging / NOTES) if ln]
+        raised = [ln for ln in _read_lines(staging / RAISED) if ln]
         slots = sorted(
             (int(p.name.rsplit("-", 1)[1]), p)
             for p in staging.glob(TRACE_NAME.format(k="*"))
@@ -164,6 +166,7 @@ def cmd_capture(args) -> int:
                 "exit_status": rc,
                 "traces": [_summary(path) for _, path in slots],
                 "notes": notes,
+                "raised": raised,
             }
             for p in staging.iterdir():  # the engine side's bookkeeping stays behind
                 if not (p.name.startswith("request-") and p.is_dir()):
@@ -184,6 +187,14 @@ def cmd_capture(args) -> int:
     )
     if rc:
         print(f"eaglescope capture: warning: the command exited with status {rc}", file=sys.stderr)
+    if raised:
+        # The command may have caught the error and gone on; the traces of those requests still stop early.
+        print(
+            f"eaglescope capture: warning: vLLM's engine step raised while {len(raised)} traced request(s) were in "
+            "flight; their traces stop there (marked incomplete: doctor reports TRACE_INCOMPLETE)",
+            file=sys.stderr,
+        )
+        return rc or 1
     return rc
 
 
@@ -203,6 +214,7 @@ def _summary(path: Path) -> dict:
         "prompt_tokens": len(meta.get("prompt_ids") or []),
         "rounds": meta.get("rounds"),
         "finished": meta.get("finished"),
+        "complete": meta.get("complete"),
     }
 
 

@@ -370,6 +370,9 @@ def judge(
         return []
     best_score, _, best = min(hits, key=lambda x: (x[0], x[1]))
     others = [s for s, _, h in hits if h.code != best.code]
+    # Another form of the same mistake that reproduces the observation as well: the trace cannot tell them apart
+    # (e.g. RoPE offsets in two passes that leave every relative position the same), so the finding names both.
+    alike = [h for s, _, h in hits if h is not best and h.code == best.code and s <= 2.0 * best_score + 0.05]
     seps = [1.0 - best_score / max(clean.score or math.inf, 1e-12)]
     if others:
         seps.append(1.0 - best_score / max(min(others), 1e-12))
@@ -384,7 +387,12 @@ def judge(
         **best.evidence,
         **(extra or {}),
     }
-    return [Finding(best.code, stage, best.verdict, evidence, best.fix, confidence, rnd)]
+    verdict = best.verdict
+    if alike:
+        evidence["equally_reproduced_by"] = [h.name for h in alike]
+        verdict += "; or, reproducing the trace as well: " + "; ".join(h.verdict for h in alike)
+        verdict += " (this trace cannot tell them apart)"
+    return [Finding(best.code, stage, verdict, evidence, best.fix, confidence, rnd)]
 
 
 def _tensor_hypothesis(ev: Evidence, observed, code, name, verdict, fix, candidate, **evidence) -> Hypothesis:
@@ -410,15 +418,7 @@ def diagnose_taps(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]
     contract = list(ev.taps.layers)
     views: list[tuple[str, list[int], list]] = []
     aux = observed if stage == T.TARGET_AUX else ev.t(T.TARGET_AUX, rnd)
-    candidates: dict[str, torch.Tensor] = {}
-    for i, h in ev.hidden_states(rnd).items():
-        candidates[f"hs{i}"] = h
-        n = ev.normed(i, h)
-        if n is not None:
-            candidates[f"normed{i}"] = n
-    final = ev.g(REPLAY_FINAL, rnd)
-    if final is not None:  # a fingerprint where the engine recorded it (detective/layer_taps.py)
-        candidates["final"] = final if isinstance(final, T.Fingerprint) else final.float()
+    candidates = _tap_candidates(ev, rnd)
     if aux is not None:
         segs = _segments(aux, len(contract), ev.H)
         if segs:
@@ -432,31 +432,71 @@ def diagnose_taps(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]
     if stage != T.TARGET_AUX and T.parse_stage(stage)[1] not in contract:
         views.append((stage, [T.parse_stage(stage)[1]], [observed]))
     for where, expected, segs in views:
-        found, scores = [], []
-        for seg in segs:
-            name, s = ev.best(candidates, seg)
-            found.append(name)
-            scores.append(s)
-        if all(f == f"hs{x}" for f, x in zip(found, expected)):
-            continue  # this view is right: the divergence is elsewhere (e.g. precision)
-        if where == "taps":
-            where = next(T.target_tap(x) for f, x in zip(found, expected) if f != f"hs{x}")
-        # The reproduction test, per segment that is not the contract's tap: what it holds against the clean tap.
-        wrong = [(s.get(f) or 0.0, s.get(f"hs{x}") or math.inf) for f, x, s in zip(found, expected, scores)
-                 if f is not None and f != f"hs{x}"]  # fmt: skip
-        seps = [1.0 - mine / max(clean, 1e-12) for mine, clean in wrong]
-        evidence = {
-            "stage": where,
-            "expected_taps": expected,
-            "found": found,
-            "score_vs_expected": [s.get(f"hs{x}") for s, x in zip(scores, expected)],
-            "reproduced_by": "the segments holding " + ", ".join(str(f) for f in found),
-            "score": max((m for m, _ in wrong), default=None),
-            "clean_score": min((c for _, c in wrong), default=None),
-        }
-        confidence = 0.5 + 0.45 * max(0.0, min(seps)) if seps else 0.5
-        return [_classify_taps(where, expected, found, evidence, rnd, confidence)]
+        if (found := _taps_held(ev, rnd, where, expected, segs, candidates)) is not None:
+            return [found]
     return []
+
+
+def _tap_candidates(ev: Evidence, rnd: int, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Every state a capture could have taken in round `rnd` (each hidden state, its layer's normed input, the final
+    normed state), at the given rows of the round's target forward (all of them by default)."""
+    candidates: dict[str, torch.Tensor] = {}
+    for i, h in ev.hidden_states(rnd).items():
+        candidates[f"hs{i}"] = h
+        n = ev.normed(i, h)
+        if n is not None:
+            candidates[f"normed{i}"] = n
+    final = ev.g(REPLAY_FINAL, rnd)
+    if final is not None:  # a fingerprint where the engine recorded it (detective/layer_taps.py)
+        candidates["final"] = final if isinstance(final, T.Fingerprint) else final.float()
+    return candidates if rows is None else {k: v[rows] for k, v in candidates.items()}
+
+
+def _taps_held(ev: Evidence, rnd: int, where: str, expected: list[int], segs: list, candidates: dict):
+    """The capture mistake the segments `segs` (one per expected tap) show, or None when each holds its tap."""
+    found, scores = [], []
+    for seg in segs:
+        name, s = ev.best(candidates, seg)
+        found.append(name)
+        scores.append(s)
+    if all(f == f"hs{x}" for f, x in zip(found, expected)):
+        return None  # this view is right: the divergence is elsewhere (e.g. precision)
+    if where == "taps":
+        where = next(T.target_tap(x) for f, x in zip(found, expected) if f != f"hs{x}")
+    # The reproduction test, per segment that is not the contract's tap: what it holds against the clean tap.
+    wrong = [(s.get(f) or 0.0, s.get(f"hs{x}") or math.inf) for f, x, s in zip(found, expected, scores)
+             if f is not None and f != f"hs{x}"]  # fmt: skip
+    seps = [1.0 - mine / max(clean, 1e-12) for mine, clean in wrong]
+    evidence = {
+        "stage": where,
+        "expected_taps": expected,
+        "found": found,
+        "score_vs_expected": [s.get(f"hs{x}") for s, x in zip(scores, expected)],
+        "reproduced_by": "the segments holding " + ", ".join(str(f) for f in found),
+        "score": max((m for m, _ in wrong), default=None),
+        "clean_score": min((c for _, c in wrong), default=None),
+    }
+    confidence = 0.5 + 0.45 * max(0.0, min(seps)) if seps else 0.5
+    return _classify_taps(where, expected, found, evidence, rnd, confidence)
+
+
+def _handed_taps(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]:
+    """next.hidden_in as the tap capture of the rows handed on: an engine whose drafter receives only the accepted rows
+    (vLLM without its padded drafter batch) concatenates the taps there, and a mistake in that concatenation shows
+    first at this stage."""
+    acc = ev.g(T.VERIFY_ACCEPTED, rnd)
+    if rnd == 0:
+        rows = None
+    elif acc is None:
+        return []
+    else:
+        rows = torch.tensor([0] + [int(i) for i in acc.flatten().tolist()])
+    candidates = _tap_candidates(ev, rnd, rows)
+    segs = _segments(observed, ev.taps.count, ev.H)
+    if not segs or any(c.shape[0] != observed.shape[0] for c in candidates.values()):
+        return []
+    found = _taps_held(ev, rnd, stage, list(ev.taps.layers), segs, candidates)
+    return [] if found is None else [found]
 
 
 def _aux_of_other_width(ev: Evidence, rnd: int, stage: str, aux, candidates: dict, contract: list[int]):
@@ -799,7 +839,7 @@ def diagnose_stale(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding
         )
         for name, (code, rows, fix) in rules.items()
     ]
-    return judge(ev, stage, rnd, ev.compare(observed, gold), hyps)
+    return judge(ev, stage, rnd, ev.compare(observed, gold), hyps) or _handed_taps(ev, rnd, stage, observed)
 
 
 # -- token embeddings -------------------------------------------------------------------------------------------
@@ -855,38 +895,87 @@ def diagnose_embed(ev: Evidence, rnd: int, stage: str, observed, step: int) -> l
         # pending features sit at positions [start, start+P) and pair with the token after each position
         prompt_len = len(ev.golden.meta.get("prompt_ids", []))
         start = _committed_before(ev, rnd, prompt_len)
-        for delta, name in ((0, "the token at the feature's own position"), (2, "the token two ahead")):
-            ids = [seq[p + delta] if 0 <= p + delta < len(seq) else 0 for p in range(start, start + P)]
+        right = [seq[p + 1] if 0 <= p + 1 < len(seq) else 0 for p in range(start, start + P)]
+        for name, ids, layout in _shifted_tokens(seq, start, P, right):
             cand = emb[torch.tensor(ids, device=emb.device)].float().cpu()
             hyps.append(
                 _tensor_hypothesis(
-                    ev,
-                    observed,
-                    "SHIFT_OFF_BY_ONE",
-                    name,
-                    f"step-0 inputs pair each feature with {name} instead of the next token",
-                    "pair features at position t with the embedding of token t+1",
-                    cand,
+                    ev, observed, "SHIFT_OFF_BY_ONE", name, _shift_verdict(name, layout, right[-1]), _SHIFT_FIX, cand,
+                    bonus_row=layout,
                 )
-            )
+            )  # fmt: skip
     found = judge(ev, stage, rnd, clean, hyps)
     if found:
         return found
     if (other := _other_tokens(emb, gold, observed, ev.tol(observed))) is not None:
-        rows, fed, want = other
-        return [
-            _unexplained_finding(
-                stage,
-                rnd,
-                f"{stage} rows {rows} are the target's embedding of tokens {fed}, not of {want}: the embedding is "
-                "right but other tokens were fed at those rows (no named hypothesis covers that)",
-                {"rows": rows, "fed_tokens": fed, "expected_tokens": want},
-                "pair each position's features with the token after it at every row (vLLM 0.32's padded drafter "
-                "batch pairs the last row of a prefill chunk with the prompt's last token: disable_padded_drafter_"
-                "batch, or prefill unchunked)",
-            )
-        ]
+        return [_other_tokens_finding(stage, rnd, *other, embedded=True)]
     return judge(ev, stage, rnd, clean, _other_table_hypotheses(ev, rnd, stage, observed, gold))
+
+
+_SHIFT_FIX = "pair features at position t with the embedding of token t+1"
+
+
+def _shifted_tokens(seq: list[int], start: int, P: int, right: list[int]):
+    """(name, token per row, bonus-row layout) of the step-0 pairings a shift mistake gives for the P rows from
+    position `start`: each row's own token or the one two ahead, plainly, and as an engine lays them out that writes
+    the round's newest token (the bonus) on the row it samples from after shifting (vLLM's set_inputs_first_pass
+    writes next_token_ids at token_indices_to_sample): every row shifted but the last, which stays right."""
+    for delta, name in ((0, "the token at the feature's own position"), (2, "the token two ahead")):
+        ids = [seq[p + delta] if 0 <= p + delta < len(seq) else 0 for p in range(start, start + P)]
+        yield name, ids, False
+        if P > 1:
+            yield f"{name}, the sampled row keeping the newest token", ids[:-1] + right[-1:], True
+
+
+def _shift_verdict(name: str, layout: bool, newest: int) -> str:
+    if not layout:
+        return f"step-0 inputs pair each feature with {name} instead of the next token"
+    what = name.removesuffix(", the sampled row keeping the newest token")
+    return (
+        f"step-0 inputs pair each feature with {what} instead of the next token, except the row the draft samples "
+        f"from, which holds the round's newest token ({newest}) as the engine writes it there after the shift "
+        "(vLLM's padded drafter batch): the rotation by one before it was skipped or doubled"
+    )
+
+
+def _other_tokens_finding(stage: str, rnd: int, rows: list[int], fed: list[int], want: list[int], embedded: bool):
+    held = (
+        f"the target's embedding of tokens {fed}, not of {want}: the embedding is right but"
+        if embedded
+        else (f"tokens {fed}, not {want}:")
+    )
+    return _unexplained_finding(
+        stage,
+        rnd,
+        f"{stage} rows {rows} are {held} other tokens were fed at those rows (no named hypothesis covers that)",
+        {"rows": rows, "fed_tokens": fed, "expected_tokens": want},
+        "pair each position's features with the token after it at every row (vLLM 0.32's padded drafter "
+        "batch pairs the last row of a prefill chunk with the prompt's last token: disable_padded_drafter_"
+        "batch, or prefill unchunked)",
+    )
+
+
+def diagnose_tokens(ev: Evidence, rnd: int, stage: str, observed, step: int) -> list[Finding]:
+    """The token ids step 0 read (draft.step0.tokens), compared exactly: a shift mistake, in vLLM's layout or plainly,
+    or other tokens at a few rows. A later step's tokens are the previous step's drafts, so a difference there shows
+    at that step's top-k first."""
+    gold = ev.g(stage, rnd)
+    if step != 0 or gold is None or not isinstance(observed, torch.Tensor) or observed.shape != gold.shape:
+        return []
+    obs, want = [int(x) for x in observed.flatten().tolist()], [int(x) for x in gold.flatten().tolist()]
+    seq = _sequence(ev)
+    start = _committed_before(ev, rnd, len(ev.golden.meta.get("prompt_ids", [])))
+    bad = [i for i, (a, b) in enumerate(zip(obs, want)) if a != b]
+    clean = Cmp(2.0, len(bad) / max(len(obs), 1), bad)
+    hyps = [
+        Hypothesis("SHIFT_OFF_BY_ONE", name, _shift_verdict(name, layout, want[-1]), _SHIFT_FIX,
+                   lambda ids=ids: 0.0 if ids == obs else 2.0, evidence={"bonus_row": layout, "rows_read": len(obs)})
+        for name, ids, layout in _shifted_tokens(seq, start, len(obs), want)
+    ]  # fmt: skip
+    found = judge(ev, stage, rnd, clean, hyps)
+    if found or len(bad) == len(obs):
+        return found
+    return [_other_tokens_finding(stage, rnd, bad, [obs[i] for i in bad], [want[i] for i in bad], embedded=False)]
 
 
 def _other_table_hypotheses(ev: Evidence, rnd: int, stage: str, observed, gold: torch.Tensor) -> list[Hypothesis]:
@@ -1082,6 +1171,56 @@ class _CatchUpOffset(_Offset):
         return super().catch_up_positions(start, count) + self._shift()
 
 
+_PASSES = {
+    "catch-up": "the catch-up pass (draft step 0, over the positions handed in)",
+    "tree": "the tree steps (draft steps k >= 1)",
+}
+_POSITION_FIX = "draft step k uses position (feature position + k), continuing the committed cache"
+
+
+def diagnose_positions(ev: Evidence, rnd: int, stage: str, observed, step: int, trace_dir, tmp: Path) -> list[Finding]:
+    """The RoPE positions a draft step ran at (draft.step<k>.positions), compared exactly: one offset over every row
+    names the pass (step 0's catch-up, or the tree steps) and its sign. The golden path re-run with that offset
+    reproduces the positions, and the evidence says whether it also reproduces the step's output (an engine whose
+    cache slots moved with its positions computes something else again)."""
+    gold = ev.g(stage, rnd)
+    if gold is None or not isinstance(observed, torch.Tensor) or observed.shape != gold.shape:
+        return []
+    deltas = (observed.long().flatten() - gold.long().flatten()).unique()
+    if deltas.numel() != 1 or int(deltas[0]) == 0:
+        return []
+    d, pass_ = int(deltas[0]), "tree" if step > 0 else "catch-up"
+    cls = _TreeOffset if step > 0 else _CatchUpOffset
+    variant = type(f"{cls.__name__}{d}", (cls,), {"delta": d, "from_round": rnd})
+    evidence: dict = {"pass": pass_, "offset": d, "step": step, "positions": observed.flatten().tolist()[:8],
+                      "expected": gold.flatten().tolist()[:8]}  # fmt: skip
+
+    def score() -> float | None:
+        alt = T.load_trace(replay(ev.target, ev.loaded, trace_dir, tmp / f"pos-{pass_}{d:+d}", proposer_cls=variant,
+                                  until_round=rnd))  # fmt: skip
+        cand = golden_value(alt, stage, rnd)
+        if cand is None or not torch.equal(cand.long(), observed.long()):
+            return None
+        out, alt_out = ev.t(T.draft_hidden_out(step), rnd), golden_value(alt, T.draft_hidden_out(step), rnd)
+        if out is not None and alt_out is not None:
+            c = ev.compare(out, alt_out.float())
+            evidence["hidden_out_reproduced"], evidence["hidden_out_score"] = c.match, c.score
+        return 0.0
+
+    verdict = (
+        f"RoPE positions in {_PASSES[pass_]} are offset by {d:+d}: step {step} ran at {evidence['positions']} where "
+        f"the contract puts {evidence['expected']} (round {rnd})"
+    )
+    hyp = Hypothesis("POSITION_OFFSET", f"{pass_} {d:+d}", verdict, _POSITION_FIX, score, evidence=evidence)
+    clean = Cmp(2.0, 1.0, list(range(observed.numel())))
+    found = judge(ev, stage, rnd, clean, [hyp])
+    for f in found:
+        if f.evidence.get("hidden_out_reproduced") is False:
+            f.verdict += f"; re-run with that offset, step {step}'s output still differs (the engine's cache moved too)"
+            f.confidence = min(f.confidence, 0.7)
+    return found
+
+
 def _position_hypotheses(
     ev: Evidence, rnd: int, stage: str, part: str | None, observed, step: int, trace_dir, tmp: Path
 ) -> list[Hypothesis]:
@@ -1095,7 +1234,7 @@ def _position_hypotheses(
         for d in deltas:
             # the first divergent round is where the offset starts (an earlier start would have shown earlier)
             variant = type(f"{cls.__name__}{d}", (cls,), {"delta": d, "from_round": rnd})
-            where = f"tree step {step}" if tree else "the catch-up pass"
+            where = _PASSES["tree" if tree else "catch-up"]
             name = f"{'tree' if tree else 'catch-up'} {d:+d}"
 
             def score(variant=variant, name=name) -> float | None:
@@ -1125,10 +1264,10 @@ def _position_hypotheses(
                     "POSITION_OFFSET",
                     name,
                     f"RoPE positions in {where} are offset by {d:+d}",
-                    "draft step k uses position (feature position + k), continuing the committed cache",
+                    _POSITION_FIX + " (a trace that records draft.step<k>.positions tells the passes apart)",
                     score,
                     tier=2,
-                    evidence={"offset": d},
+                    evidence={"offset": d, "pass": "tree" if tree else "catch-up"},
                 )
             )
     return out
@@ -1431,14 +1570,47 @@ def diagnose_trace(
             if not c.match and first is None:
                 first = (e, obs, c)
         context = {"stage_table": table, "first_divergence": None, "segment_norms": _segment_norms(ev)}
+        incomplete = [f] if (f := _incomplete(trace)) is not None else []
         if first is None:
-            return [], context
+            return incomplete, context
         e, obs, c = first
         context["first_divergence"] = {"round": e.round, "stage": e.stage, "part": e.part}
         findings = _explain(ev, e, obs, trace_dir, tmp)
-    if not findings:
-        findings = [_unexplained(ev, e, c)]
-    return rank(findings), context
+        if not findings:
+            findings = [_unexplained(ev, e, c)]
+    return rank(findings + incomplete), context
+
+
+def _incomplete(trace: T.Trace) -> Finding | None:
+    """TRACE_INCOMPLETE when the trace says it stops before its request ended (`meta.complete` false, with the
+    producer's own note in `meta.incomplete`), or when it holds no decode round: nothing the draft proposed was
+    verified, so nothing of the draft can be judged healthy."""
+    meta = trace.meta
+    decoded = any(e.stage == T.VERIFY_ACCEPTED and e.round > 0 for e in trace.events)
+    if meta.get("complete") is not False and decoded:
+        return None
+    why = []
+    if meta.get("complete") is False:
+        why.append(f"it stops before its request ended: {meta.get('incomplete') or 'no reason recorded'}")
+    if not decoded:
+        why.append("it holds no decode round (nothing the draft proposed was verified)")
+    rounds = sorted(trace.rounds())
+    return Finding(
+        "TRACE_INCOMPLETE",
+        None,
+        f"the trace is incomplete: {'; and '.join(why)}; what it does not hold cannot be judged healthy "
+        f"(rounds recorded: {len(rounds)}, finished: {meta.get('finished')})",
+        {
+            "complete": meta.get("complete"),
+            "incomplete": meta.get("incomplete"),
+            "finished": meta.get("finished"),
+            "rounds": len(rounds),
+            "decode_rounds": decoded,
+        },  # fmt: skip
+        "find why the engine stopped (its log has the error), fix it, and capture again; a request must run past "
+        "its prefill for its draft to be judged",
+        0.5,
+    )
 
 
 def _explain(ev: Evidence, e: T.TraceEvent, obs, trace_dir, tmp: Path) -> list[Finding]:
@@ -1450,6 +1622,10 @@ def _explain(ev: Evidence, e: T.TraceEvent, obs, trace_dir, tmp: Path) -> list[F
         return diagnose_stale(ev, rnd, e.stage, obs)
     if e.stage == T.DRAFT_FC_OUT or (family == "draft.hidden_in" and idx == 0):
         return diagnose_fc(ev, rnd, e.stage, obs)
+    if family == "draft.tokens":
+        return diagnose_tokens(ev, rnd, e.stage, obs, idx)
+    if family == "draft.positions":
+        return diagnose_positions(ev, rnd, e.stage, obs, idx, trace_dir, tmp)
     if family == "draft.embed_in":
         return diagnose_embed(ev, rnd, e.stage, obs, idx)
     if family == "draft.hidden_in":
@@ -1527,14 +1703,63 @@ def _unexplained(ev: Evidence, e: T.TraceEvent, c: Cmp) -> Finding:
     closest = min(((v, k) for k, v in ev.tried.items() if v is not None), default=None)
     if closest is not None:
         how += f"; {len(ev.tried)} hypotheses tried, the closest ({closest[1]}) at {closest[0]:.3g}x the tolerance"
+    lead = f"the trace first diverges from the golden replay at {where} (round {e.round})"
+    small = _below_decision(ev, c)
+    if small is not None:
+        evidence["below_decision"] = small
+        lead = (
+            f"a small divergence that changes no decision: every one of the {small['decisions']} draft tokens the "
+            f"trace proposed is the replay's own first choice, the closest by {small['margin_nats']:.3g} nats, "
+            f"{small['margin_ratio']:.3g}x the largest log-prob difference seen ({small['logprob_diff_nats']:.3g} "
+            f"nats); {lead}"
+        )
     return _unexplained_finding(
         e.stage,
         e.round,
-        f"the trace first diverges from the golden replay at {where} (round {e.round}): {how}; no named hypothesis "
-        f"reproduces it{need}",
+        f"{lead}: {how}; no named hypothesis reproduces it{need}",
         evidence,
         "compare this stage's inputs and code path with eaglescope's reference",
     )
+
+
+# A divergence this many times the tolerance or less may be precision (another kernel's summation order, TF32) rather
+# than wiring; it is said to change no decision when the draft's choices also leave room for twice its effect.
+_SMALL = 5.0
+
+
+def _below_decision(ev: Evidence, c: Cmp) -> dict | None:
+    """For a greedy trace whose first divergence is small (≤ _SMALL x the tolerance): the draft decisions the trace
+    recorded, all the replay's own first choice, and their smallest margin (the replay's top-1 log-prob over its
+    runner-up), when that margin is more than twice the largest difference between the trace's and the replay's
+    log-probs of the chosen tokens, so no decision could have gone the other way. None otherwise."""
+    settings = ev.trace.meta.get("settings") or ev.trace.meta.get("decoding") or {}
+    if c.score is None or c.score > _SMALL or float(settings.get("temperature") or 0.0) > 0:
+        return None
+    n, margins, diffs = 0, [], []
+    for e in ev.trace.events:
+        if e.part != T.TOPK_IDS:
+            continue
+        obs = ev.topk_obs(e.stage, e.round)
+        ids = obs[T.TOPK_IDS].long()
+        h = ev.head_rows(T.parse_stage(e.stage)[1], e.round, ids.shape[0])
+        if h is None or ids.dim() != 2:
+            return None
+        head = ev.head(h)
+        top, vals = head.topk(2)
+        if not torch.equal(ids[:, 0], top[:, 0].long()) or vals.shape[-1] < 2:
+            return None
+        n += ids.shape[0]
+        margins.append(float((vals[:, 0] - vals[:, 1]).min()))
+        lp = obs.get(T.TOPK_LOGPROBS)
+        if isinstance(lp, torch.Tensor):
+            diffs.append(float((lp[:, 0].float() - vals[:, 0]).abs().max()))
+    if not n or not diffs:
+        return None
+    margin, diff = min(margins), max(diffs)
+    if margin <= 2.0 * diff:
+        return None
+    return {"decisions": n, "margin_nats": margin, "logprob_diff_nats": diff,
+            "margin_ratio": margin / max(diff, 1e-12)}  # fmt: skip
 
 
 def _segment_norms(ev: Evidence) -> dict | None:

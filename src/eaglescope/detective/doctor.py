@@ -55,6 +55,7 @@ from eaglescope.draft import load_draft
 from eaglescope.errors import EagleScopeError
 from eaglescope.outputs import check_destination
 from eaglescope.target import load_target, parse_device, parse_dtype
+from eaglescope.target.head import read_fingerprint
 from eaglescope.target.loading import check_dir, fingerprint_of, read_config
 from eaglescope.trace import TraceError, load_trace
 
@@ -77,10 +78,12 @@ def _load_draft_side(target_dir, draft_dir, trace, device, dtype):
     """(the trace's target played back, LoadedDraft with the target's embedding) for a draft-side replay."""
     device = parse_device(device)
     dt = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, device)
-    target = load_recorded_target(target_dir, trace, device, dt)
+    num_layers = read_fingerprint(target_dir)[1].num_layers
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        loaded = load_draft(draft_dir, target.num_layers, device=device, dtype=dt)
+        loaded = load_draft(draft_dir, num_layers, device=device, dtype=dt)
+    # the draft first, the embedding after: the table as read and the draft's load are never in memory together
+    target = load_recorded_target(target_dir, trace, device, dt)
     loaded.model.load_target_embedding(target.embedding)
     target.embedding = loaded.model.embed_tokens.weight  # one copy of a table that may be gigabytes
     target.set_taps(loaded.contract.taps)

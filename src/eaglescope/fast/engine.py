@@ -382,6 +382,8 @@ class FastEagle(Runner):
         self._keep("pend_n", self.pend_n)
         self._keep("pend_aux", self.pend_aux)
         self._keep(T.DRAFT_FC_OUT, hidden)
+        self._keep(T.draft_tokens(0), self.pend_tok)
+        self._keep(T.draft_positions(0), slots)
         self._keep(T.draft_embed_in(0), emb)
         self._keep(T.draft_hidden_out(0), out)
         ctx = self.d_len + self.pend_n  # == root position
@@ -411,11 +413,14 @@ class FastEagle(Runner):
             )
             slots = lo + (level - 1) * K + torch.arange(m, device=dev)
             positions = (root_pos + level - 1).expand(m)
-            emb = d.embed_tokens(d.to_target_ids(b.tokens[frontier]))
+            tok = d.to_target_ids(b.tokens[frontier])
+            emb = d.embed_tokens(tok)
             out = d.step(emb[None], hidden_in[None], positions[None], self.dcache, slots, tmask[None, None])[0]
             prev_front, prev_out = frontier, out
             lp = self._logprobs(out)
-            for name, t in ((T.draft_embed_in(level), emb), (T.draft_hidden_in(level), hidden_in)):
+            stages = ((T.draft_tokens(level), tok), (T.draft_positions(level), positions),
+                      (T.draft_embed_in(level), emb), (T.draft_hidden_in(level), hidden_in))  # fmt: skip
+            for name, t in stages:
                 self._keep(name, t)
             self._keep(T.draft_hidden_out(level), out)
             self._keep(T.draft_topk(level), lp)
@@ -495,7 +500,8 @@ class FastEagle(Runner):
         if self.rec is not None and record:
             # The reference catches up over the whole prompt in round 1; this path did the first n-1 rows here.
             # The trace shows round 1 as the reference computes it: these rows, then the round's own.
-            self._prefill_rows = {T.DRAFT_FC_OUT: hidden, T.draft_embed_in(0): emb, T.draft_hidden_out(0): out}
+            self._prefill_rows = {T.DRAFT_FC_OUT: hidden, T.draft_tokens(0): ids[1:], T.draft_positions(0): slots,
+                                  T.draft_embed_in(0): emb, T.draft_hidden_out(0): out}  # fmt: skip
             self._record_target(aux)
             if layers is not None:
                 self.rec.record_layers(*layers)
@@ -589,12 +595,15 @@ class FastEagle(Runner):
             return torch.cat([first[name], own]) if name in first else own
 
         rec.record(T.DRAFT_FC_OUT, rows(T.DRAFT_FC_OUT))
-        rec.record(T.draft_embed_in(0), rows(T.draft_embed_in(0)))
+        for name in (T.draft_tokens(0), T.draft_positions(0), T.draft_embed_in(0)):
+            rec.record(name, rows(name))
         rec.record(T.draft_hidden_in(0), rows(T.DRAFT_FC_OUT))  # step 0 reads fc's output
         rec.record(T.draft_hidden_out(0), rows(T.draft_hidden_out(0)))
         self._record_topk(0, st[T.draft_topk(0)])
         for level in range(1, self.D):
-            for name in (T.draft_embed_in(level), T.draft_hidden_in(level), T.draft_hidden_out(level)):
+            names = (T.draft_tokens(level), T.draft_positions(level), T.draft_embed_in(level), T.draft_hidden_in(level),
+                     T.draft_hidden_out(level))  # fmt: skip
+            for name in names:
                 rec.record(name, st[name])
             self._record_topk(level, st[T.draft_topk(level)])
         rec.record(T.VERIFY_TOKENS, st[T.VERIFY_TOKENS])

@@ -82,10 +82,8 @@ def _load_draft_side(target_dir, draft_dir, trace, device, dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loaded = load_draft(draft_dir, num_layers, device=device, dtype=dt)
-    # the draft first, the embedding after: the table as read and the draft's load are never in memory together
-    target = load_recorded_target(target_dir, trace, device, dt)
-    loaded.model.load_target_embedding(target.embedding)
-    target.embedding = loaded.model.embed_tokens.weight  # one copy of a table that may be gigabytes
+    # the target's embedding read straight into the draft's table: one copy of a table that may be gigabytes
+    target = load_recorded_target(target_dir, trace, loaded.model.embed_tokens.weight, device, dt)
     target.set_taps(loaded.contract.taps)
     return target, loaded
 

@@ -18,6 +18,7 @@ needed.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from eaglescope import trace as T
 from eaglescope.errors import EagleScopeError
 from eaglescope.target.base import Target, TargetFingerprint, TargetOutput
 from eaglescope.target.head import EMBEDDING_NAMES, read_fingerprint
-from eaglescope.target.loading import _inside, check_dir, check_finite, check_index, load_tensors
+from eaglescope.target.loading import _first_name, _inside, check_dir, check_finite, check_index, load_tensors
 
 FULL = "full replay"
 DRAFT_SIDE = "draft-side replay"
@@ -208,21 +209,73 @@ def check_capture_width(trace: T.Trace, num_taps: int, hidden_size: int) -> tupl
     return None
 
 
-def load_recorded_target(target_dir: Path | str, trace: T.Trace, device: torch.device,
+def load_recorded_target(target_dir: Path | str, trace: T.Trace, table: torch.Tensor, device: torch.device,
                          dtype: torch.dtype) -> RecordedTarget:  # fmt: skip
-    """The target of a draft-side replay: fingerprint and context from config.json, the input embedding read alone
-    from its shard (kept in the checkpoint's dtype: a 163840 x 7168 table is 2.35 GB in bf16, twice that in float32;
-    the draft's copy of it is what the replay computes with)."""
+    """The target of a draft-side replay: fingerprint and context from config.json, and its input embedding read into
+    `table` (the draft's own [V, H] table, which the replay computes with), a block of rows at a time: a 163840 x 7168
+    table is 2.35 GB in bf16, and it is never held twice."""
     target_dir = check_dir(target_dir)
     _, fp, max_positions = read_fingerprint(target_dir)
-    found = load_tensors(target_dir, {"embedding": EMBEDDING_NAMES})
-    if "embedding" not in found:
-        raise EagleScopeError(f"{target_dir} has no embed_tokens.weight: a draft-side replay needs the embedding")
-    check_finite(found, target_dir)
-    emb = found["embedding"]
-    if tuple(emb.shape) != (fp.vocab_size, fp.hidden_size):
+    if tuple(table.shape) != (fp.vocab_size, fp.hidden_size):
         raise EagleScopeError(
-            f"{target_dir}: embed_tokens.weight has shape {list(emb.shape)}, config.json says "
+            f"the draft's embedding is {list(table.shape)}; {target_dir}/config.json says "
             f"[{fp.vocab_size}, {fp.hidden_size}]"
         )
-    return RecordedTarget(fp, max_positions, emb.to(device), trace, device, dtype)
+    read_embedding_into(target_dir, table)
+    return RecordedTarget(fp, max_positions, table, trace, device, dtype)
+
+
+_ROWS = 4096  # rows read at once
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+
+
+def read_embedding_into(target_dir: Path, table: torch.Tensor) -> None:
+    """Copy the checkpoint's embed_tokens.weight into `table`, checked finite block by block. Safetensors shards are
+    read with plain reads at the tensor's offsets, not mapped, so only one block is ever resident beside `table`."""
+    single, index = target_dir / "model.safetensors", target_dir / "model.safetensors.index.json"
+    if single.is_file():
+        files = {k: single for k in _header(single)[0] if k != "__metadata__"}
+    elif index.is_file():
+        files = {k: _inside(target_dir, v, index) for k, v in check_index(target_dir).items()}
+    else:  # a pytorch_model.bin is read whole
+        found = load_tensors(target_dir, {"embedding": EMBEDDING_NAMES})
+        if "embedding" not in found:
+            raise EagleScopeError(f"{target_dir} has no embed_tokens.weight: a draft-side replay needs the embedding")
+        _copy_rows(found["embedding"], table, target_dir)
+        return
+    key = _first_name(files, EMBEDDING_NAMES)
+    if key is None:
+        raise EagleScopeError(f"{target_dir} has no embed_tokens.weight: a draft-side replay needs the embedding")
+    path = files[key]
+    try:
+        header, start = _header(path)
+        info = header[key]
+        src_dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        shape, (begin, end) = tuple(info["shape"]), info["data_offsets"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise EagleScopeError(f"could not read {key} from {path} ({e})") from None
+    if shape != tuple(table.shape):
+        raise EagleScopeError(f"{target_dir}: {key} has shape {list(shape)}, the draft's table {list(table.shape)}")
+    row_bytes = (end - begin) // shape[0]
+    with path.open("rb") as f:
+        for i in range(0, shape[0], _ROWS):
+            n = min(_ROWS, shape[0] - i)
+            f.seek(start + begin + i * row_bytes)
+            buf = bytearray(n * row_bytes)
+            if f.readinto(buf) != len(buf):
+                raise EagleScopeError(f"{path} is truncated: {key} ends past the file")
+            rows = torch.frombuffer(buf, dtype=src_dtype).view(n, shape[1])
+            _copy_rows(rows, table[i : i + n], target_dir)
+
+
+def _header(path: Path) -> tuple[dict, int]:
+    """(a safetensors file's JSON header, the offset its data starts at)."""
+    with path.open("rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n)), 8 + n
+
+
+def _copy_rows(rows: torch.Tensor, out: torch.Tensor, where: Path) -> None:
+    check_finite({"embed_tokens.weight": rows}, where)
+    with torch.no_grad():
+        out.copy_(rows)

@@ -8,7 +8,8 @@ SPEC: {"prompts": [[ids]], "max_tokens": N, "num_steps": K,
 OUT:  {"sglang_version", "runs": {name: {"error", "load_seconds", "generate_seconds",
        "outputs": [[ids]], "meta": [per prompt: meta_info's spec_* keys (spec_verify_ct, ...)]}}}
 
-Every run gets its own `sgl.Engine`, one after the other (start-up is most of the cost: ~30 s on 2 cores). SGLang
+Every run gets its own `sgl.Engine`, one after the other (start-up is most of the cost: ~30 s on 2 cores); the
+tests start one runner per run, since SGLang ends the whole process tree when a scheduler dies. SGLang
 serves EAGLE-3 as a chain of K draft tokens (`speculative_eagle_topk=1`, K + 1 verified tokens), greedy, float32,
 with the `intel_amx` attention backend: its Python side runs, with this project's plain-torch stand-ins for the
 kernels it calls. This CPU has no AMX, for which SGLang would swap `intel_amx` for `torch_native`, which EAGLE refuses
@@ -57,7 +58,11 @@ def serve(run: dict, spec: dict) -> dict:
                 disable_overlap_schedule=True,
                 disable_radix_cache=True,  # every prompt from scratch, as eaglescope generate decodes it
                 dtype="float32",
-                mem_fraction_static=0.05,
+                # On a CPU SGLang profiles the machine's free memory around the weight load and refuses to start when
+                # the fraction is below what the load appeared to take, which other processes' allocations on a shared
+                # machine inflate: a generous fraction, and the KV pool capped at what the tests need.
+                mem_fraction_static=0.5,
+                max_total_tokens=8192,
                 skip_tokenizer_init=True,
                 decode_log_interval=1,
                 random_seed=0,

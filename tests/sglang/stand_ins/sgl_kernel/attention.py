@@ -64,11 +64,18 @@ def extend_attention_cpu(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buf
         seq_len, ext = int(seq_lens[b]), int(extend_seq_lens[b])
         prefix, start = seq_len - ext, int(extend_start_loc[b])
         rows = req_to_token[req_pool_indices[b], :seq_len].long()
-        k = k_buffer[rows].float() * k_scale
-        v = v_buffer[rows].float() * v_scale
-        if k_extend is not None:
-            k[prefix:] = k_extend[start : start + ext].float()
-            v[prefix:] = v_extend[start : start + ext].float()
+        if k_extend is not None and k_extend.shape[1:] != k_buffer.shape[1:]:
+            # MLA's prefill runs as ordinary multi-head attention over keys and values the pool does not hold (it
+            # holds the latent): the new tokens' own k/v are all there is, so there may be no cached prefix.
+            if prefix:
+                raise NotImplementedError("sgl_kernel stand-in: MLA multi-head prefill over a cached prefix")
+            k, v = k_extend[start : start + ext].float(), v_extend[start : start + ext].float()
+        else:
+            k = k_buffer[rows].float() * k_scale
+            v = v_buffer[rows].float() * v_scale
+            if k_extend is not None:
+                k[prefix:] = k_extend[start : start + ext].float()
+                v[prefix:] = v_extend[start : start + ext].float()
         if custom_mask is not None:
             visible = torch.ones((ext, seq_len), dtype=torch.bool)
             visible[:, prefix:] = custom_mask[mask_offset : mask_offset + ext * ext].view(ext, ext).bool()

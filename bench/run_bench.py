@@ -1,4 +1,4 @@
-"""The H200 benchmark of DESIGN.md "Benchmark protocol", end to end in one script.
+"""The H200 benchmark protocol of bench/README.md, end to end in one script.
 
     corpus (installed Python sources, sorted, hashed, split by file) → BPE tokenizer → Llama target trained
     from scratch, saved as a checkpoint → target's own greedy continuations (batched) → conversations →

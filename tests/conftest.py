@@ -25,6 +25,15 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def product_logging():
+    # The library reports through logging; the CLI installs the one stderr handler (eaglescope.log). Tests that call
+    # library functions directly see the same lines on stderr as a command would print.
+    from eaglescope.log import configure
+
+    configure()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def one_intra_op_thread():
     # The suite's models are tiny and CI has 2 cores: thread hand-off costs more than the matmuls, and
     # a second thread only contends with the other core's work (measured 10-20x slower on a loaded machine).

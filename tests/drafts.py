@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from eaglescope.data.vocab import build_draft_vocab
-from eaglescope.draft import DraftConfig, DraftContract, Eagle3Draft
+from eaglescope.draft import DraftConfig, DraftContract, Eagle3Draft, save_draft
 from eaglescope.taps import TapContract
 
 
@@ -42,3 +42,16 @@ def make_draft(
     d2t, t2d = build_draft_vocab(counts, n)
     draft.set_vocab_map(d2t, t2d)
     return draft.eval(), DraftContract(taps=taps, ttt_length=7)
+
+
+def save_random_draft(target_dir: Path, out: Path, draft_vocab_size: int | None = None, dtype=torch.bfloat16) -> Path:
+    """`make_draft` (unit scale) for the target at `target_dir`, saved in `dtype` at `out`; an `out` that holds a
+    draft already is reused (the GPU tests and the benchmarks share their 8B-shaped pair)."""
+    out = Path(out)
+    if (out / "config.json").is_file():
+        return out
+    draft, contract = make_draft(target_dir, draft_vocab_size=draft_vocab_size)
+    partial = out.with_name(out.name + ".partial")
+    save_draft(draft.to(dtype), contract, partial)
+    partial.rename(out)
+    return out

@@ -235,3 +235,8 @@ def permute_segments(order: list[int]):
         return torch.cat([segs[j] for j in order], dim=-1)
 
     return fn
+
+
+def aux_of_round(r: int) -> dict:
+    """Trace edits: round r's next.hidden_in := every row of round r's target.aux (no filtering at all)."""
+    return {(T.NEXT_HIDDEN_IN, r): lambda x, tr: tr.get(T.TARGET_AUX, round=r)}

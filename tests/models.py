@@ -78,6 +78,44 @@ def make_checkpoint(family: str, out: Path, seed: int = 0, **overrides) -> Path:
     return out
 
 
+# Llama-3-8B's shape (the GPU tests' and benchmarks' realistic scale)
+LLAMA_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    max_position_embeddings=2048,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
+
+
+def make_llama8b(out: Path, seed: int = 0, **overrides) -> Path:
+    """A random bf16 Llama of LLAMA_8B's shape (`overrides` change it), built on the GPU and saved with save_pretrained
+    (~16 GB at full shape). Weights as `make_checkpoint` draws them. Built beside `out` and renamed into place, so an
+    `out` that exists is complete and is reused as it is (a benchmark and the GPU tests may share one)."""
+    out = Path(out)
+    if (out / "config.json").is_file():
+        return out
+    config = transformers.LlamaConfig(**{**LLAMA_8B, **overrides})
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15 if "embed" in name else 1.0 / p.shape[1] ** 0.5)
+    model.generation_config.eos_token_id = None  # random weights: no token ends a generation
+    partial = out.with_name(out.name + ".partial")
+    model.save_pretrained(partial, safe_serialization=True)
+    del model
+    torch.cuda.empty_cache()
+    partial.rename(out)
+    return out
+
+
 def load_hf(path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
 

@@ -30,20 +30,16 @@ from eaglescope.cli import main
 from eaglescope.decode.loop import generate_speculative
 from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
 from eaglescope.decode.stats import SpecStats, predicted_accept_length
-from eaglescope.detective.behaviour import (
-    ACC_COLLAPSE_RATIO,
-    MIN_REACHED,
-    Acceptance,
-    diagnose_behaviour,
-    effective_alpha,
+from eaglescope.detective.acceptance import ACC_COLLAPSE_RATIO, MIN_REACHED, Acceptance, effective_alpha, wilson
+from eaglescope.detective.acceptance_sources import (
     from_engine,
     load_samples,
     prompt_of,
     read_training_metrics,
     simulate_rounds,
     teacher_hits,
-    wilson,
 )
+from eaglescope.detective.behaviour import diagnose_behaviour
 from eaglescope.detective.doctor import format_report, run_doctor
 from eaglescope.detective.engine_logs import parse_engine_log
 from eaglescope.draft import load_draft
@@ -80,7 +76,7 @@ def _chain_rounds(alpha: list[float], n: int, rng: random.Random) -> list[int]:
 
 @pytest.mark.parametrize("groups", [8, 1], ids=["bootstrap-over-prompts", "bonferroni-wilson-box"])
 def test_tau_interval_covers_the_true_tau(groups):
-    """Rounds drawn from a chain with known α: the 95% interval of τ holds the true τ (FIELD.md's formula) in at
+    """Rounds drawn from a chain with known α: the 95% interval of τ holds the true τ (docs/field.md §5) in at
     least 90% of 80 draws (a broken interval, e.g. one ignoring the count, covers far less)."""
     rng = random.Random(1)
     covered = 0

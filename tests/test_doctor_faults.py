@@ -21,6 +21,7 @@ from faults import (
     RoundCounting,
     Setup,
     TapFault,
+    aux_of_round,
     edit_trace,
     fault,
     permute_segments,
@@ -31,6 +32,7 @@ from faults import (
 from models import make_checkpoint
 
 from eaglescope import trace as T
+from eaglescope.decode.speculative import Eagle3Proposer
 from eaglescope.detective.diagnose import diagnose_trace
 from eaglescope.detective.doctor import run_doctor
 from eaglescope.draft import save_draft
@@ -128,11 +130,6 @@ def _shift_map(p, ids):
     return (ids + 1) % n + p.draft.d2t[(ids + 1) % n]
 
 
-def aux_of_round(r: int):
-    """Trace edit: round r's next.hidden_in := every row of round r's target.aux (no filtering at all)."""
-    return {(T.NEXT_HIDDEN_IN, r): lambda x, tr: tr.get(T.TARGET_AUX, round=r)}
-
-
 # (code, variant, setup, make(S, out) -> trace dir, stage family, round where it first shows); "formula" in a variant
 # marks a plant made with the hypothesis's own formula
 CASES = [
@@ -142,6 +139,20 @@ CASES = [
     ("TAP_WRONG_LAYER", "seg0-to-6-hf", "hf", taps({0: ("hs", 6)}), "target.aux", 0),
     ("TAP_ORDER", "swap12-hf", "hf", taps({1: ("hs", 5), 2: ("hs", 4)}), "target.aux", 0),
     ("TAP_ORDER", "edited-round3", "b", edited({(T.TARGET_AUX, 3): permute_segments([0, 2, 1])}), "target.aux", 3),
+    # the taps concatenated in another order for the accepted rows only (an engine that hands the draft those rows
+    # and no target.aux of its own, as vLLM without its padded drafter batch): tap hypotheses at next.hidden_in
+    (
+        "TAP_ORDER",
+        "handed-on-rows-from-round2",
+        "b",
+        hook(
+            "next_round_features",
+            lambda p, out, res: permute_segments([2, 1, 0])(Eagle3Proposer.next_round_features(p, out, res), None),
+            2,
+        ),
+        "next.hidden_in",
+        2,
+    ),
     ("TAP_EMBEDDING", "hf", "hf", taps({0: ("hs", 0)}), "target.aux", 0),
     ("TAP_EMBEDDING", "layer1-where-embedding-expected", "e", taps({0: ("hs", 1)}), "target.aux", 0),
     ("TAP_EMBEDDING", "layer2-where-embedding-expected", "e", taps({0: ("hs", 2)}, from_round=1), "target.aux", 1),
@@ -191,18 +202,19 @@ CASES = [
     ),
     # what is handed to the next round: every tree row, a mistake a proposer cannot make without breaking the loop
     ("STALE_ACCEPTED", "formula-all-rows-edited-round2", "b", edited(aux_of_round(2)), "next.hidden_in", 2),
-    # positions
-    ("POSITION_OFFSET", "tree-1-12layers", "b", proposer(offset("tree", -1)), "draft.hidden_out", 1),
+    # positions: the reference proposer records each step's positions, where an offset shows first (traces without
+    # them, e.g. the independent engine's in tests/engines, are diagnosed from the hidden states)
+    ("POSITION_OFFSET", "tree-1-12layers", "b", proposer(offset("tree", -1)), "draft.positions", 1),
     (
         "POSITION_OFFSET",
         "catch-up-1-from-round3-chain",
         "b",
         proposer(offset("catchup", -1, 3), shape=CHAIN),
-        "draft.hidden_out",
+        "draft.positions",
         3,
     ),
-    # token pairing and embedding
-    ("SHIFT_OFF_BY_ONE", "from-round3-accepting", "b", proposer(shifted(3), accept=True), "draft.embed_in", 3),
+    # token pairing (the step's token ids are recorded: a shift shows there first) and embedding
+    ("SHIFT_OFF_BY_ONE", "from-round3-accepting", "b", proposer(shifted(3), accept=True), "draft.tokens", 3),
     (
         "EMBEDDING_MISMATCH",
         "scaled-12layers",
@@ -263,6 +275,24 @@ def test_bf16_run_against_float32_replay_gives_no_finding(setups, tmp_path):
     assert findings == [], [(f.code, f.stage, f.round, f.verdict) for f in findings]
     # and the comparison did measure bf16 rounding, not nothing
     assert max(r["rel_err"] or 0.0 for r in ctx["stage_table"] if r["stage"] == T.TARGET_AUX) > 1e-3
+
+
+@pytest.mark.parametrize("scale", [1.04, 1.5])
+def test_a_small_divergence_that_changes_no_decision_says_so(setups, tmp_path, scale):
+    # An engine whose step-0 output in round 1 is off by a few percent (a kernel that sums otherwise), and one whose
+    # is far off, while every draft token it proposed stays what the draft's own head picks: only the small one is
+    # said to change no decision, with the margin; both stay DIVERGENCE_UNEXPLAINED (nothing reproduces them).
+    S = setups["a"]
+    trace_dir = edited({(T.draft_hidden_out(0), 1): lambda x, tr: x * scale})(S, tmp_path / "trace")
+    findings, ctx = diagnose(S, trace_dir)
+    top = findings[0]
+    assert (top.code, top.stage, top.round) == ("DIVERGENCE_UNEXPLAINED", T.draft_hidden_out(0), 1), top.verdict
+    small = top.evidence.get("below_decision")
+    if scale < 1.1:
+        assert small is not None and "changes no decision" in top.verdict, top.verdict
+        assert small["decisions"] > 0 and small["margin_nats"] > 2 * small["logprob_diff_nats"]
+    else:
+        assert small is None and "changes no decision" not in top.verdict
 
 
 def test_doctor_on_the_transformers_backend_names_the_injected_fault_first(setups, tmp_path):

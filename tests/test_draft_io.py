@@ -88,7 +88,7 @@ def test_save_load_round_trip_is_bit_identical(target_dir, tmp_path):
     assert (loaded.contract.ttt_length, loaded.contract.loss_mask_shift) == (7, "shifted")
     assert loaded.contract.draft_vocab_source == contract.draft_vocab_source
     assert not loaded.contract.inferred and not loaded.has_embedding
-    # the file itself holds the FIELD §2 names only, d2t as int64 offsets and t2d as bool
+    # the file itself holds the docs/field.md §2 names only, d2t as int64 offsets and t2d as bool
     sd = load_file(str(tmp_path / "draft" / "model.safetensors"))
     assert set(sd) == set(WEIGHT_NAMES)
     assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool

@@ -23,7 +23,7 @@ from eaglescope.target.base import TargetFingerprint
 
 LLAMA, DEEPSEEK = "LlamaForCausalLM", "DeepseekV3ForCausalLM"  # SGLang 0.5.23: +1 to every id / +1 if first id is 1
 
-# config.json keys of FIELD.md §2, plus the few every HF Llama config carries and our own section.
+# config.json keys of docs/field.md §2, plus the few every HF Llama config carries and our own section.
 FIELD_REQUIRED = {
     "architectures",
     "model_type",

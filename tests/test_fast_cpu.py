@@ -10,6 +10,7 @@ from drafts import make_draft
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import make_checkpoint
+from tolerance import assert_close_float32
 
 from eaglescope.decode.loop import generate_speculative
 from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
@@ -129,8 +130,9 @@ def test_fused_projections_match_separate_ones(tmp_path, family):
     assert tgt.model.model.layers[0].self_attn.qkv_proj is not None
     assert tgt.model.model.layers[0].mlp.gate_up_proj is not None
     logits, aux, _ = tgt.model(ids, pos, None, taps=taps)
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(aux, ref_aux, rtol=1e-5, atol=1e-5)
+    depth = tgt.num_layers + 1
+    assert_close_float32(logits, ref_logits, depth, key="logits")
+    assert_close_float32(aux, ref_aux, depth, key="aux")
 
     draft, _ = make_draft(ckpt, seed=4)
     emb, hid = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
@@ -142,7 +144,7 @@ def test_fused_projections_match_separate_ones(tmp_path, family):
 
     ref = run_step(draft)
     fuse_projections(draft)
-    torch.testing.assert_close(run_step(draft), ref, rtol=1e-5, atol=1e-5)
+    assert_close_float32(run_step(draft), ref, depth=2, key="draft logits")
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "matmul"])
@@ -193,7 +195,7 @@ def test_gemv_linear_matches_linear():
         g = GemvLinear(lin)
         for shape in ((1, 1, 48), (1, 48), (2, 3, 48)):
             x = torch.randn(shape)
-            torch.testing.assert_close(g(x), lin(x), rtol=1e-5, atol=1e-5)
+            assert_close_float32(g(x), lin(x))
     from eaglescope.fast.layers import use_gemv_reductions
 
     seq = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4, bias=False))
@@ -252,7 +254,7 @@ def test_matmul_attention_equals_sdpa(T, heads, extra, seed):
     k, v = torch.randn(1, Hkv, S, 16, generator=g), torch.randn(1, Hkv, S, 16, generator=g)
     mask = torch.rand(1, 1, T, S, generator=g) < 0.6
     mask[..., 0] = True
-    torch.testing.assert_close(attend(q, k, v, mask, "matmul"), attend(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    assert_close_float32(attend(q, k, v, mask, "matmul"), attend(q, k, v, mask))
 
 
 @settings(max_examples=40, deadline=None)

@@ -15,6 +15,8 @@ Where doctor is wrong today the case is xfail(strict): it turns into a failure t
 from __future__ import annotations
 
 import ast
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -22,13 +24,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from engines.cases import CHAIN, CLEAN, FAULT_CASES, TREE, UNEXPLAINED, build_setups, diagnose, verdict
+from engines.cases import CHAIN, CLEAN, FAULT_CASES, TREE, UNEXPLAINED, Recorded, build_setups, said, verdict
 from engines.plain_eagle3 import FAULTS, PlainEagle3
 from engines.tiny import greedy_reference
+from layerless import layerless_copy
 
 from eaglescope import trace as T
+from eaglescope.cli import main
 from eaglescope.detective.diagnose import Head, _resolve_ties, _tie_aware_pairs
+from eaglescope.detective.doctor import run_doctor
+from eaglescope.detective.draft_replay import DRAFT_SIDE, FULL, TARGET_SIDE_CODES
 from eaglescope.detective.replay import match_rows, tree_shape
+from eaglescope.errors import EagleScopeError
 
 ENGINES = Path(__file__).parent / "engines"
 TRACE_PY = Path(__file__).parents[1] / "src" / "eaglescope" / "trace.py"
@@ -37,6 +44,12 @@ TRACE_PY = Path(__file__).parents[1] / "src" / "eaglescope" / "trace.py"
 @pytest.fixture(scope="module")
 def setups(tmp_path_factory):
     return build_setups(tmp_path_factory.mktemp("independent-engine"))
+
+
+@pytest.fixture(scope="module")
+def recorded(setups, tmp_path_factory):
+    """Every case's trace and full-replay report, made once: the draft-side tests below reuse them."""
+    return Recorded(setups, tmp_path_factory.mktemp("traces"))
 
 
 # -- independence -----------------------------------------------------------------------------------------------------
@@ -230,8 +243,8 @@ def _params(cases):
 
 
 @pytest.mark.parametrize("case", _params(CLEAN))
-def test_clean_trace_is_healthy(setups, tmp_path, case):
-    report, _ = diagnose(case, setups, tmp_path / "trace")
+def test_clean_trace_is_healthy(recorded, case):
+    report = recorded.full(case)
     ok, said = verdict(case, report)
     assert ok, f"{said}: {report.findings[0].verdict if report.findings else ''}"
 
@@ -241,8 +254,8 @@ def test_enough_clean_traces_pass_today():
 
 
 @pytest.mark.parametrize("case", _params(FAULT_CASES))
-def test_fault_is_the_top_finding(setups, tmp_path, case):
-    report, _ = diagnose(case, setups, tmp_path / "trace")
+def test_fault_is_the_top_finding(recorded, case):
+    report = recorded.full(case)
     ok, said = verdict(case, report)
     want = "|".join(case.expected) + f"@{case.stage} r{case.round}"
     if not case.catalogue:
@@ -269,3 +282,138 @@ def test_clean_runs_cover_what_issue_18_asks():
     assert any(c.engine.get("frontier") == "creation" for c in CLEAN)
     assert any(c.engine.get("dtype") == torch.bfloat16 for c in CLEAN)
     assert any(c.mode == "fingerprint" for c in CLEAN)
+
+
+@pytest.mark.parametrize(
+    "fault,pass_,sign", [("rope_tree_offset", "tree", "+1"), ("rope_catchup_offset", "catch-up", "+1")]
+)
+def test_offsets_that_leave_the_trace_the_same_are_named_together(recorded, fault, pass_, sign):
+    # The engine records no positions. A tree-step offset of +1 and a catch-up offset of -1 leave every relative
+    # position the same (and vice versa), so the hidden states cannot tell them apart: the finding names both, the
+    # engine's own fault among them, with its sign.
+    case = next(c for c in FAULT_CASES if c.id == f"{fault}-full")
+    top = recorded.full(case).findings[0]
+    other = {"tree": "catch-up", "catch-up": "tree"}[pass_]
+    flipped = {"+1": "-1", "-1": "+1"}[sign]
+    assert top.code == "POSITION_OFFSET" and {
+        top.evidence["reproduced_by"],
+        *top.evidence["equally_reproduced_by"],
+    } == {
+        f"{pass_} {sign}",
+        f"{other} {flipped}",
+    }, top.verdict
+    assert "tree steps" in top.verdict and "catch-up pass" in top.verdict and "cannot tell them apart" in top.verdict
+
+
+# -- (d) draft-side replay: the same traces, the target's layers deleted ---------------------------------------------
+# A full trace feeds the draft-side replay (it plays the recorded target.aux back); a fault is draft-side when it
+# first shows after the capture. Fingerprint traces hold no target.aux to play back (see the refusal test below).
+def _target_side(case) -> bool:
+    return case.stage is not None and case.stage.startswith("target.")
+
+
+DRAFT_SIDE_CASES = [c for c in FAULT_CASES + CLEAN if c.mode == "full" and not _target_side(c)]
+TARGET_SIDE_CASES = [c for c in FAULT_CASES if c.mode == "full" and _target_side(c)]
+# fingerprint traces whose engine keeps target.aux in full: one case per family of draft-side cause, and clean ones
+_FP = (
+    *("fc_skipped", "fc_repeated", "feedback_target", "stale_first_rows", "rope_tree_offset", "pairing_shift"),
+    *("other_embedding", "d2t_regenerated", "final_norm_skipped", "norm_before_fc_ignored", "norm_output_assumed"),
+    *("rms_eps_wrong", "tree-accepting-fingerprint", "bf16-fingerprint", "eagle31-fc-norm-output-fingerprint"),
+)
+DRAFT_SIDE_FINGERPRINT = [
+    dataclasses.replace(c, id=f"{c.id}-aux-full", engine={**c.engine, "aux_full": True})
+    for c in FAULT_CASES + CLEAN
+    if c.mode == "fingerprint" and (c.id in _FP or c.id.removesuffix("-fingerprint") in _FP)
+]
+
+
+@pytest.fixture(scope="module")
+def layerless(setups, tmp_path_factory):
+    """target dir → a copy of it holding only config.json, embed_tokens and lm_head (sharded)."""
+    root = tmp_path_factory.mktemp("layerless")
+    targets = sorted({S.target_dir for S in setups.values()})
+    return {t: layerless_copy(t, root / t.name) for t in targets}
+
+
+def _draft_side(recorded, layerless, case):
+    S = recorded.setups[case.setup]
+    return run_doctor(layerless[S.target_dir], S.draft_dir, trace=recorded.trace(case), device="cpu")
+
+
+@pytest.mark.parametrize("case", _params(DRAFT_SIDE_CASES + DRAFT_SIDE_FINGERPRINT))
+def test_draft_side_replay_says_what_the_full_replay_says(recorded, layerless, case):
+    full, ds = recorded.full(case), _draft_side(recorded, layerless, case)
+    assert full.context["replay"]["mode"] == FULL and ds.context["replay"]["mode"] == DRAFT_SIDE
+    assert ds.context["replay"]["layers_on_disk"] == 0
+    assert said(ds) == said(full), [f.verdict for f in ds.findings[:1]]
+    assert verdict(case, ds)[0]  # and that is the right answer
+    if not ds.healthy and ds.findings[0].code != UNEXPLAINED:
+        top, want = ds.findings[0], full.findings[0]
+        assert top.evidence["reproduced_by"] == want.evidence["reproduced_by"]
+    # every draft stage the trace holds was compared; the capture is the trace's own, so it is not evidence
+    compared = {row["stage"] for row in ds.context["stage_table"]}
+    assert compared == {row["stage"] for row in full.context["stage_table"]} - {
+        s for s in compared | {row["stage"] for row in full.context["stage_table"]} if s.startswith("target.")
+    }
+
+
+def test_draft_side_cases_cover_every_draft_side_fault():
+    faults = {c.fault for c in DRAFT_SIDE_CASES if c.fault}
+    assert faults == {c.fault for c in FAULT_CASES if not _target_side(c)} and len(faults) >= 30
+    assert sum(1 for c in DRAFT_SIDE_CASES if c.healthy) >= 30
+    assert len(DRAFT_SIDE_FINGERPRINT) == len(_FP)
+
+
+@pytest.mark.parametrize("case", TARGET_SIDE_CASES, ids=[c.id for c in TARGET_SIDE_CASES])
+def test_draft_side_replay_names_no_tap_cause_and_says_what_is_missing(recorded, layerless, case):
+    ds = _draft_side(recorded, layerless, case)
+    ctx = ds.context["replay"]
+    assert set(case.expected) <= set(ctx["cannot_name"]) == set(TARGET_SIDE_CODES)
+    assert any("layers" in m for m in ctx["missing"]) and any("per-layer fingerprints" in m for m in ctx["missing"])
+    # never a guess: the capture is taken as recorded (a draft side that is right), or, when it cannot feed the
+    # draft's fc at all, unexplained at target.aux with what would name it
+    assert all(f.code in (UNEXPLAINED,) or f.stage is None or not f.stage.startswith("draft") for f in ds.findings)
+    assert not any(f.code in TARGET_SIDE_CODES for f in ds.findings)
+    if not ds.healthy:
+        top = ds.findings[0]
+        assert (top.code, top.stage) == (UNEXPLAINED, "target.aux") and top.evidence["missing"] == ctx["missing"]
+
+
+def test_draft_side_replay_refuses_a_fingerprinted_capture(recorded, layerless):
+    case = next(c for c in CLEAN if c.id == "tree-fingerprint")
+    S = recorded.setups[case.setup]
+    with pytest.raises(EagleScopeError, match="fingerprint.*full=True"):
+        run_doctor(layerless[S.target_dir], S.draft_dir, trace=recorded.trace(case), device="cpu")
+
+
+def test_doctor_cli_says_which_replay_ran(recorded, layerless, capsys):
+    case = next(c for c in FAULT_CASES if c.id == "feedback_postnorm-full")
+    S = recorded.setups[case.setup]
+    trace = str(recorded.trace(case))
+    slim = str(layerless[S.target_dir])
+
+    def doctor(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        rc = main(["doctor", "--draft", str(S.draft_dir), "--trace", trace, "--device", "cpu", *argv])
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+
+    rc, out, err = doctor("--target", slim)
+    assert rc == 1 and out.startswith("NOT HEALTHY") and "most likely FEEDBACK_POSTNORM" in out
+    line = next(x for x in out.splitlines() if x.startswith("replay"))
+    assert "draft-side replay: 0 of the target's 8 decoder layers are on disk" in line
+    assert "TAP_OFF_BY_ONE" in line and "per-layer fingerprints" in line
+    assert "draft-side replay" in err  # the progress line says it too
+    rc, out, _ = doctor("--target", slim, "--json")
+    ctx = json.loads(out)["context"]["replay"]
+    assert rc == 1 and ctx["mode"] == DRAFT_SIDE and ctx["num_layers"] == 8
+    rc, out, _ = doctor("--target", str(S.target_dir), "--json")
+    assert rc == 1 and json.loads(out)["context"]["replay"]["mode"] == FULL
+    # --replay draft-side on the full target: the same finding, the mode asked for
+    rc, out, _ = doctor("--target", str(S.target_dir), "--replay", "draft-side", "--json")
+    report = json.loads(out)
+    assert report["context"]["replay"]["why"] == "asked for (--replay draft-side)"
+    assert report["findings"][0]["code"] == "FEEDBACK_POSTNORM"
+    # a full replay asked of a target without layers: one line, exit 2
+    rc, out, err = doctor("--target", slim, "--replay", "full")
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1

@@ -155,7 +155,7 @@ def test_speculators_forward_equals_eaglescopes_at_every_ttt_step(converted, spe
     ids = torch.randint(0, 96, (1, T), generator=g)
     aux = torch.randn(1, T, len(TAPS) * 64, generator=g)
     # speculators pairs each position's features with the *next* token and advances positions itself per step;
-    # eaglescope's TTT pairs position t with token t+1 (FIELD.md §3): the same alignment once ids are shifted.
+    # eaglescope's TTT pairs position t with token t+1 (docs/field.md §3): the same alignment once ids are shifted.
     inputs = {
         "aux": aux,
         "input_ids": shift_left(ids, 1).contiguous(),

@@ -46,7 +46,7 @@ from eaglescope.train.metrics import (
     evaluate,
     predicted_accept_length,
 )
-from eaglescope.train.ttt import LOSS_MASK_SHIFT, ttt_loss, ttt_unroll
+from eaglescope.train.ttt import LOSS_MASK_SHIFT, draft_vocab_ids, ttt_loss, ttt_unroll
 
 SYMBOLS = "abcdefgh"  # one byte-level token each: the tokenizer below learns no merges
 TAPS = "0,1,2"  # all three layer inputs of the 3-layer target (the default taps need 7 layers)
@@ -204,9 +204,14 @@ def eval_draft(env, draft: Eagle3Draft, K: int = TTT) -> dict:
     """Teacher-forced acc_k / α_k over the held-out split (stored hidden states)."""
     target = load_target(env["target"], device="cpu", dtype=torch.float32)
     data, ev = heldout(env)
+    vocab_ids = draft_vocab_ids(draft)
     batches = [
         make_batch(
-            target, collate([data.sample(i) for i in ev[j : j + 8]], MAX_LEN), torch.device("cpu"), torch.float32
+            target,
+            collate([data.sample(i) for i in ev[j : j + 8]], MAX_LEN),
+            torch.device("cpu"),
+            torch.float32,
+            vocab_ids,
         )
         for j in range(0, len(ev), 8)
     ]
@@ -288,21 +293,10 @@ def test_online_training_equals_training_on_stored_hidden_states(env, tmp_path):
 def test_stored_hidden_states_need_only_the_targets_embedding_and_head(env, tmp_path):
     # A copy of the target with its decoder layers gone, as if they lived on GPUs this machine does not have: a draft
     # trained on stored hidden states is the same, and the run never needs them. Sharded, as large targets are.
-    import shutil
+    from layerless import layerless_copy
 
-    from safetensors.torch import save_file
-
-    slim = tmp_path / "slim-target"
-    shutil.copytree(env["target"], slim)
-    sd = load_file(str(slim / "model.safetensors"))
-    keep = {k: v for k, v in sd.items() if k.endswith(("embed_tokens.weight", "lm_head.weight"))}
-    assert any(k.endswith("embed_tokens.weight") for k in keep) and len(sd) > 10  # this target ties its head
-    (slim / "model.safetensors").unlink()
-    shards = {k: f"model-{i + 1:05d}-of-{len(keep) + 1:05d}.safetensors" for i, k in enumerate(sorted(keep))}
-    for k, shard in shards.items():
-        save_file({k: keep[k].contiguous()}, str(slim / shard))
-    index = {"weight_map": shards}
-    (slim / "model.safetensors.index.json").write_text(json.dumps(index))
+    slim = layerless_copy(env["target"], tmp_path / "slim-target")
+    assert len(json.loads((slim / "model.safetensors.index.json").read_text())["weight_map"]) == 1  # a tied head
     a, b = tmp_path / "full", tmp_path / "slim"
     train(config(env, a, max_steps=3, ttt_length=3), progress=False)
     train(config(env, b, target=str(slim), max_steps=3, ttt_length=3), progress=False)
@@ -578,11 +572,12 @@ def test_eval_acc_is_ttt_loss_acc(env):
     draft.load_target_embedding(target_embedding(target))
     target.set_taps(contract.taps)
     data, ev = heldout(env, hidden=False)  # the target runs online here
-    batch = make_batch(target, collate([data.sample(i) for i in ev[:6]], MAX_LEN), torch.device("cpu"), torch.float32)
+    raw = collate([data.sample(i) for i in ev[:6]], MAX_LEN)
+    batch = make_batch(target, raw, torch.device("cpu"), torch.float32, draft_vocab_ids(draft))
     m = evaluate(draft, [batch], 4)
     with torch.no_grad():
         ref = ttt_loss(
-            draft, ttt_unroll(draft, batch.input_ids, batch.aux, 4), batch.target_logits, batch.loss_mask, batch.valid
+            draft, ttt_unroll(draft, batch.input_ids, batch.aux, 4), batch.teacher, batch.loss_mask, batch.valid
         )
     assert m["acc"] == pytest.approx(ref.step_acc)
     assert m["supervised_positions"] == ref.step_count

@@ -315,6 +315,7 @@ def saved_per_token(draft, T: int, K: int, monkeypatch) -> dict[str, float]:
         aux = torch.zeros(1, T, c.num_aux * c.target_hidden_size, dtype=torch.bfloat16)
         unrolled = ttt.ttt_unroll(draft, ids, aux, K)
         now[0] = "loss"
+        seen.update(x.untyped_storage()._cdata for x in unrolled.logits)  # the loss keeps them: their own column
         target_logits = torch.zeros(1, T, c.vocab_size, dtype=torch.bfloat16)  # the target's head, bf16
         ttt.ttt_loss(draft, unrolled, target_logits, ones, ones, per_sample=True)
     logits = sum(x.untyped_storage().nbytes() for x in unrolled.logits)

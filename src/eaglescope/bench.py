@@ -9,8 +9,8 @@ method: τ (bonus token included), conditional α_k, tokens/s, speedup over vani
 from __future__ import annotations
 
 import json
+import logging
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +29,8 @@ from eaglescope.progress import Progress
 from eaglescope.target import load_target, parse_device, parse_dtype
 from eaglescope.target.base import Target
 from eaglescope.target.llama import NativeTarget
+
+log = logging.getLogger(__name__)
 
 DEFAULT_METHODS = ("vanilla", "chain=4", "tree=6,4,24", "ngram=4")
 
@@ -358,7 +360,7 @@ def cmd_bench(args) -> int:
         prompts = prompts[: args.limit]
     fast = device.type == "cuda" and isinstance(target, NativeTarget) and not args.reference
     if device.type == "cuda" and not fast and not args.reference:
-        print("eaglescope: bench: the target is not native Llama-family: the reference backend", file=sys.stderr)
+        log.info("bench: the target is not native Llama-family: the reference backend")
     res = run_bench(target, args.draft, prompts, methods, args.max_new_tokens, fast, not args.no_batch_invariant)
     print(json.dumps(_finite(res), indent=2, allow_nan=False) if args.json else format_table(res))
     if args.html:

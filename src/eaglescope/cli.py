@@ -10,6 +10,7 @@ import warnings
 
 from eaglescope.commands import BACKENDS, add_parsers
 from eaglescope.errors import EagleScopeError
+from eaglescope.log import configure as configure_logging
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
@@ -63,6 +64,12 @@ def add_generate_parser(sub) -> None:
     )
     p.add_argument("--trace", default=None, help="record a trace of this run into DIR")
     p.add_argument("--trace-mode", default="full", choices=["full", "fingerprint"])
+    p.add_argument(
+        "--trace-layers",
+        action="store_true",
+        help="with --trace: also record fingerprints of every layer's hidden state of the prefill (target.layer.*), "
+        "so that doctor can check the taps without the target's layers",
+    )
     p.set_defaults(func="eaglescope.generate:cmd_generate")
 
 
@@ -104,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = os.environ.get("EAGLESCOPE_DEBUG") == "1"
+    configure_logging(debug)
     if not debug:
         warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
         _quiet_transformers()

@@ -127,13 +127,37 @@ def add_replay(sub) -> None:
     p.set_defaults(func="eaglescope.detective.commands:cmd_replay")
 
 
+DOCTOR_MODES = """\
+MODES of --trace (the report's `replay` line and --json's context.replay say which ran and what it cannot name):
+  full replay        the target's layers are on disk and run: every stage is recomputed, the capture
+                     (target.aux) included. Names every trace cause, tap causes (TAP_*) included.
+  draft-side replay  the target's layers are absent (--target may hold only config.json, the tokenizer and
+                     the embedding/lm_head tensors) or --replay draft-side: the draft runs on the trace's own
+                     target.aux, tokens and verify decisions, the embedding read tensor by tensor from the
+                     shards. Names every draft-side cause exactly as a full replay (fc, feedback, stale
+                     features, positions, vocabulary / lm_head map, embedding, EAGLE 3.1 norms, the draft's
+                     final norm); cannot name causes in the capture itself (TAP_OFF_BY_ONE, TAP_WRONG_LAYER,
+                     TAP_ORDER, TAP_EMBEDDING, TAP_NORMED, EAGLE-2 wiring's FC_SKIPPED): it says they need the
+                     target's layers or per-layer fingerprints in the trace. Needs target.aux in full.
+                     --data's teacher-forced checks need the target's layers and are skipped.
+  fingerprints only  beside a draft-side replay, when the trace records every layer's state of the prefill
+                     (target.layer.<i>: generate --trace-layers, capture --layers): the taps are matched
+                     against those states with no target forward (the report's `taps` line). Names
+                     TAP_OFF_BY_ONE, TAP_WRONG_LAYER, TAP_ORDER, TAP_EMBEDDING, the final normed state
+                     (EAGLE-2 wiring's FC_SKIPPED), and TAP_NORMED when target.layer.<i>.normed is recorded.
+See docs/doctor.md.
+"""
+
+
 def add_doctor(sub) -> None:
     p = sub.add_parser(
         "doctor",
         help="name the cause of low acceptance: static checks, trace vs golden replay, served vs predicted α_k",
         description="Exit status: 0 healthy, 1 findings, 2 bad input.",
+        epilog=DOCTOR_MODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--target", required=True, help="target checkpoint directory")
+    p.add_argument("--target", required=True, help="target checkpoint directory (or a copy without its layers)")
     p.add_argument("--draft", required=True, help="EAGLE-3 draft checkpoint directory")
     p.add_argument("--data", default=None, help="held-out data: a JSONL of conversations or a prepared directory")
     p.add_argument("--trace", default=None, help="a trace directory recorded by the serving engine")
@@ -151,6 +175,14 @@ def add_doctor(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per served prompt")
     p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="chain depth for served and predicted α_k")
     p.add_argument("--eval-samples", type=int, default=32, help="samples of --data for teacher-forced α_k")
+    p.add_argument(
+        "--replay",
+        default="auto",
+        choices=["auto", "full", "draft-side"],
+        help="golden replay of --trace: full (the target's layers run), draft-side (the draft runs on the trace's own "
+        "target.aux; the target needs only config.json and its embedding), auto (full when every layer's tensors are "
+        "on disk; default). See MODES below",
+    )
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
@@ -170,7 +202,8 @@ nothing else. Supported: vLLM 0.32.0 with EAGLE-3 (a chain of num_speculative_to
 refused in one line and nothing is written. Serve with prefix caching off to trace requests whose prompts
 share a prefix (a cached prefix never runs, so it has no features to record).
 
-Exit status: the command's own; 2 when nothing could be captured.
+Exit status: the command's own; 2 when nothing could be captured; 1 (if the command exited 0) when vLLM's engine
+step raised while traced requests were in flight: their traces stop there, marked incomplete.
 example: eaglescope capture --engine vllm --out ./trace -- python serve.py
 """
 
@@ -181,7 +214,8 @@ def add_capture(sub) -> None:
         help="record traces inside an unmodified vLLM while your own command runs (for doctor --trace)",
         description=CAPTURE_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="eaglescope capture --engine vllm --out TRACE [--mode full|fingerprint] [--requests N] -- COMMAND ...",
+        usage="eaglescope capture --engine vllm --out TRACE [--mode full|fingerprint] [--requests N] [--layers] "
+        "-- COMMAND ...",
     )
     p.add_argument("--engine", required=True, choices=["vllm"], help="the serving engine COMMAND runs")
     p.add_argument("--out", required=True, help="where the trace goes (new, empty, or an earlier capture)")
@@ -192,6 +226,12 @@ def add_capture(sub) -> None:
         help="full tensors, or compact fingerprints of float tensors for large models (default %(default)s)",
     )
     p.add_argument("--requests", type=int, default=1, help="trace the first N requests (default %(default)s)")
+    p.add_argument(
+        "--layers",
+        action="store_true",
+        help="also record fingerprints of every layer's hidden state of each prefill (target.layer.*), so that doctor "
+        "can check the taps without the target's layers",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run")
     p.set_defaults(func="eaglescope.capture.command:cmd_capture")
 

@@ -1,7 +1,7 @@
 """`eaglescope inspect` and `eaglescope export`: what a draft checkpoint says, and what an engine will do with it.
 
 The dangerous field of a draft checkpoint is `eagle_config.eagle_aux_hidden_state_layer_ids`: SGLang and vLLM
-read the same ids as different hidden states (FIELD.md §1), silently, and SGLang's rule even depends on the
+read the same ids as different hidden states (docs/field.md §1), silently, and SGLang's rule even depends on the
 *target's* architecture (docs/sglang.md). `inspect` states, for each engine, which tensors it will capture and
 whether they are the taps the draft was trained on; `export` writes ids in one engine's convention (or none, when
 the taps are every engine's default) and says how to convert the export with vLLM's `speculators` library without
@@ -82,7 +82,7 @@ SPECULATORS_VERSION = "0.9.0"
 def trained_on(contract: DraftContract) -> str:
     """What the draft was trained on, as the rest of a sentence "… but the draft …": a fact only when the checkpoint
     records it. An inferred contract's taps are the engines' reading of its config and are said to be inferred
-    wherever they are shown (inspect, export, doctor; issue 18: doctor stated such a guess as fact)."""
+    wherever they are shown (inspect, export, doctor), so that no report states such a guess as a fact."""
     taps = list(contract.taps.layers)
     if contract.inferred:
         source = contract.extra.get("inferred_from", "engine default")

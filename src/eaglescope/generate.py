@@ -4,6 +4,7 @@ the static-shape backend is the default wherever it can run (fast/run.py), elsew
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 import torch
@@ -16,6 +17,8 @@ from eaglescope.fast.run import generate_fast, why_not_fast
 from eaglescope.outputs import check_destination
 from eaglescope.target import load_target, parse_device, parse_dtype
 from eaglescope.trace import trace_kind
+
+log = logging.getLogger(__name__)
 
 
 def _parse_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
@@ -66,6 +69,8 @@ def cmd_generate(args) -> int:
         if not (args.draft or args.proposer == "ngram"):
             raise EagleScopeError("--trace records a speculative run: add --draft DIR (or --proposer ngram)")
         check_destination(args.trace, trace_kind("eaglescope"), inputs=[args.target, args.draft], flag="--trace")
+    if getattr(args, "trace_layers", False) and not args.trace:
+        raise EagleScopeError("--trace-layers adds to a trace: give --trace DIR too")
     if args.seed is not None:
         torch.manual_seed(args.seed)
     target = load_target(args.target, device=device, dtype=dtype, backend=args.backend)
@@ -95,7 +100,7 @@ def cmd_generate(args) -> int:
         why = why_not_fast(args, target, sampling)
         fast = why is None
         if why is not None:
-            print(f"eaglescope: generate: the reference decoder, because the fast one cannot: {why}", file=sys.stderr)
+            log.info("generate: the reference decoder, because the fast one cannot: %s", why)
     if args.no_batch_invariant and not fast:
         raise EagleScopeError("--no-batch-invariant chooses the kernels of the fast decoder (a GPU, or --fast)")
     if fast:

@@ -24,6 +24,7 @@ import ctypes.util
 import errno
 import fnmatch
 import json
+import logging
 import os
 import shutil
 import sys
@@ -33,6 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eaglescope.errors import EagleScopeError
+from eaglescope.jsonfile import read_object_or_none as read_json  # optional JSON files: None when unreadable
+
+log = logging.getLogger(__name__)
 
 TMP_TAG = ".eaglescope-tmp-"
 PARTIAL_TAG = ".eaglescope-partial"
@@ -63,15 +67,6 @@ class OutputKind:
                 continue
             foreign.append(p.name)
         return sorted(foreign)
-
-
-def read_json(path: Path) -> dict | None:
-    """A JSON object from `path`, or None when it is missing, unreadable or not an object."""
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def _is_within(child: Path, parent: Path) -> bool:
@@ -207,7 +202,7 @@ def recover(out: Path) -> None:
     olds = sorted(out.parent.glob(f".{out.name}{OLD_TAG}*"))
     if olds:
         os.rename(olds[-1], out)
-        print(f"eaglescope: {out} was restored from an interrupted replacement", file=sys.stderr)
+        log.info("%s was restored from an interrupted replacement", out)
 
 
 _RENAME_EXCHANGE = 2

@@ -4,9 +4,12 @@ never touched: `--json` output stays parseable."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
+
+log = logging.getLogger(__name__)
 
 
 def _interval() -> float:
@@ -68,7 +71,7 @@ class Progress:
         if self.total and done > 0 and self.n < self.total:
             parts.append(f"about {_clock(elapsed / done * (self.total - self.n))} left")
         parts += [f"{k}={v}" for k, v in self._postfix.items()]
-        print(f"eaglescope: {self.desc}: " + ", ".join(parts), file=sys.stderr, flush=True)
+        log.info("%s: %s", self.desc, ", ".join(parts))
 
     def close(self) -> None:
         if self._bar is not None:

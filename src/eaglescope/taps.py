@@ -5,7 +5,7 @@ One convention inside eaglescope: Hugging Face ``output_hidden_states`` indices.
 decoder layer ``i``. The final normed state is never a tap, so valid taps are
 ``0 .. num_layers-1``. Concatenation order is tap order, low to high.
 
-Engines store explicit ids in their own conventions (FIELD.md §1); this module is the
+Engines store explicit ids in their own conventions (docs/field.md §1); this module is the
 only place that translates. Nothing else in eaglescope computes a layer index.
 """
 

@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +65,18 @@ def target_tap(i: int) -> str:
     return f"target.tap.{int(i)}"
 
 
+def target_layer(i: int) -> str:
+    """[T, H] the prefill's hidden state with HF ``output_hidden_states`` index i, for every i = 0..L: 0 the
+    embedding output, i the residual stream entering layer i, L the final normed state (what lm_head reads).
+    Recorded by ``TraceRecorder.record_layers``, always as a fingerprint."""
+    return f"target.layer.{int(i)}"
+
+
+def target_layer_normed(i: int) -> str:
+    """[T, H] layer i's input RMSNorm applied to ``target.layer.<i>`` (what layer i's attention reads), i < L."""
+    return f"target.layer.{int(i)}.normed"
+
+
 def draft_embed_in(k: int) -> str:
     """[n, H] token embeddings entering draft step k."""
     return f"draft.step{int(k)}.embed_in"
@@ -80,6 +92,16 @@ def draft_hidden_out(k: int) -> str:
     return f"draft.step{int(k)}.hidden_out"
 
 
+def draft_tokens(k: int) -> str:
+    """[n] int64 token ids (target vocabulary) draft step k reads, one per row: what embed_in embeds."""
+    return f"draft.step{int(k)}.tokens"
+
+
+def draft_positions(k: int) -> str:
+    """[n] int64 RoPE positions draft step k runs its rows at."""
+    return f"draft.step{int(k)}.positions"
+
+
 def draft_topk(k: int) -> str:
     """Top-k of draft step k: recorded as one stage with two parts, ``ids`` [n, K] and ``logprobs`` [n, K]."""
     return f"draft.step{int(k)}.topk"
@@ -87,11 +109,16 @@ def draft_topk(k: int) -> str:
 
 _NAME = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
 _TAP = re.compile(r"^target\.tap\.(\d+)$")
+_LAYER = re.compile(r"^target\.layer\.(\d+)(\.normed)?$")
 _STEP = re.compile(r"^draft\.step(\d+)\.(.+)$")
 _CANONICAL_FAMILIES = {
     "target.tap",
+    "target.layer",
+    "target.layer.normed",
     TARGET_AUX,
     DRAFT_FC_OUT,
+    "draft.tokens",
+    "draft.positions",
     "draft.embed_in",
     "draft.hidden_in",
     "draft.hidden_out",
@@ -105,10 +132,13 @@ _CANONICAL_FAMILIES = {
 
 
 def parse_stage(name: str) -> tuple[str, int | None]:
-    """``target.tap.3`` → ("target.tap", 3); ``draft.step2.hidden_in`` → ("draft.hidden_in", 2);
+    """``target.tap.3`` → ("target.tap", 3); ``target.layer.3.normed`` → ("target.layer.normed", 3);
+    ``draft.step2.hidden_in`` → ("draft.hidden_in", 2);
     anything else → (name, None). Non-canonical names are allowed (see ``is_canonical``)."""
     if m := _TAP.match(name):
         return "target.tap", int(m.group(1))
+    if m := _LAYER.match(name):
+        return "target.layer" + (".normed" if m.group(2) else ""), int(m.group(1))
     if m := _STEP.match(name):
         return f"draft.{m.group(2)}", int(m.group(1))
     return name, None
@@ -233,6 +263,21 @@ def fingerprint(tensor: torch.Tensor, segments: int = 1, seed: int = 0) -> Finge
         proj=(xs @ P).contiguous(),  # [R, S, 16]
         proj_check=P.flatten()[:4].clone(),
     )
+
+
+def projection(tensor: torch.Tensor, segments: int = 1, seed: int = 0) -> torch.Tensor:
+    """``fingerprint(tensor, segments, seed).proj`` alone [R, S, 16] (float32, on the host), computed where ``tensor``
+    is: the part of a fingerprint by which another tensor is compared with it. One product on the tensor's own device
+    (an engine's GPU), where a whole fingerprint is several passes over a host copy: comparing a replay's tensors with
+    a fingerprinted trace cost doctor tens of seconds at 8B that way."""
+    x = tensor.detach()
+    x = x.reshape(1, 1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
+    R, D = x.shape
+    if segments < 1 or D % segments:
+        raise TraceError(f"cannot split a last dimension of {D} into {segments} equal segments")
+    w = D // segments
+    P = _projection(w, int(seed)).to(x.device)
+    return (x.float().reshape(R * segments, w) @ P).reshape(R, segments, PROJ_DIM).cpu()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -460,11 +505,13 @@ class TraceRecorder:
         round: int | None = None,
         segments: int = 1,
         full: bool = False,
+        compact: bool = False,
         **extra,
     ) -> None:
         """Record ``tensor`` (or ``{part: tensor}``, e.g. topk ids and logprobs) as ``stage`` of ``round``
         (default: the current round). ``segments`` splits the last dim for fingerprints (3 for a 3-tap
-        target.aux); ``extra`` is any JSON-serializable annotation kept in the event."""
+        target.aux); ``full`` keeps a float tensor whole in fingerprint mode, ``compact`` fingerprints it in full
+        mode; ``extra`` is any JSON-serializable annotation kept in the event."""
         if self._closed:
             raise TraceError("record() after close(): this trace has already been written")
         if not isinstance(stage, str) or not _NAME.match(stage):
@@ -483,8 +530,33 @@ class TraceRecorder:
             key = _event_key(r, stage, part)
             if key in self._seen:
                 raise TraceError(f"stage {stage!r} recorded twice in round {r}: call next_round() between rounds")
-            self._add(r, stage, part, key, t, segments, full, extra)
+            self._add(r, stage, part, key, t, segments, full, extra, compact)
             self._seen.add(key)
+
+    def record_layers(
+        self,
+        states: Sequence[torch.Tensor],
+        final: torch.Tensor | None = None,
+        normed: Sequence[torch.Tensor] | None = None,
+        round: int = 0,
+    ) -> None:
+        """Every hidden state of one target forward (the prefill: round 0), as fingerprints whatever the mode (the
+        full states of every layer would outweigh the rest of the trace). ``states``: the L tensors [T, H] entering
+        layers 0..L-1 (HF ``output_hidden_states[0..L-1]``: 0 the embedding output) → ``target.layer.<i>``;
+        ``final``: the final normed state (``output_hidden_states[L]``, what lm_head reads) → ``target.layer.<L>``;
+        ``normed``: layer i's input RMSNorm of ``states[i]`` → ``target.layer.<i>.normed``. With them doctor tells
+        which state each segment of ``target.aux`` holds without the target's weights; without ``final`` it cannot
+        tell the final normed state, without ``normed`` a normed tap."""
+        if not states:
+            raise TraceError("record_layers needs the hidden states entering each layer, got none")
+        if normed is not None and len(normed) != len(states):
+            raise TraceError(f"record_layers: {len(normed)} normed states for {len(states)} layers")
+        for i, t in enumerate(states):
+            self.record(target_layer(i), t, round=round, compact=True)
+        if final is not None:
+            self.record(target_layer(len(states)), final, round=round, compact=True)
+        for i, t in enumerate(normed or ()):
+            self.record(target_layer_normed(i), t, round=round, compact=True)
 
     def close(self) -> Path:
         """Write the manifest and the remaining tensors, then swap the directory in. Idempotent."""
@@ -525,13 +597,13 @@ class TraceRecorder:
             self.abort()
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _add(self, r, stage, part, key, t, segments, full, extra) -> None:
+    def _add(self, r, stage, part, key, t, segments, full, extra, compact=False) -> None:
         ev = {"round": r, "stage": stage, "part": part, "key": key, "file": None}
         width = t.shape[-1] if t.dim() else 1
         if segments < 1 or width % segments:
             raise TraceError(f"{stage}: cannot split a last dimension of {width} into {segments} equal segments")
         ev |= {"shape": list(t.shape), "dtype": _dtype_name(t.dtype), "segments": int(segments)}
-        keep_full = self.mode == "full" or full or not t.is_floating_point()
+        keep_full = (self.mode == "full" and not compact) or full or not t.is_floating_point()
         if keep_full:
             # A copy even on the CPU: engines reuse buffers, and a view would drag its whole storage along.
             self._put(key, t.detach().to("cpu", copy=True).contiguous())
@@ -649,6 +721,9 @@ class Trace:
         except (KeyError, TypeError, ValueError) as e:
             raise TraceError(f"{mpath} has a malformed event: {e!r}") from None
         self._index: dict[tuple[str, int], list[TraceEvent]] = {}
+        # Each tensor file is opened once and kept open (a memory map): a replay and its diagnosis read thousands of
+        # tensors, and opening the file again for each one (its header parsed anew) cost most of doctor's time.
+        self._files: dict[str, safe_open] = {}
         files: dict[str, list[str]] = {}
         for ev in self.events:
             if ev.kind not in ("full", "fingerprint"):
@@ -663,8 +738,8 @@ class Trace:
             if not fpath.is_file():
                 raise TraceError(f"{self.path}: tensor file {fname} named in the manifest is missing")
             try:
-                with safe_open(str(fpath), framework="pt") as f:
-                    have = set(f.keys())
+                self._files[fname] = f = safe_open(str(fpath), framework="pt")
+                have = set(f.keys())
             except Exception as e:  # safetensors raises its own error types for corrupt headers
                 raise TraceError(f"{fpath} is not a readable safetensors file: {e}") from None
             missing = [n for n in names if n not in have]
@@ -701,10 +776,10 @@ class Trace:
 
     def load(self, ev: TraceEvent) -> torch.Tensor | Fingerprint:
         try:
-            with safe_open(str(self.path / ev.file), framework="pt") as f:
-                if ev.kind == "full":
-                    return f.get_tensor(ev.key)
-                ts = {name: f.get_tensor(f"{ev.key}:{name}") for name in _FP_FIELDS}
+            f = self._files[ev.file]
+            if ev.kind == "full":
+                return f.get_tensor(ev.key)
+            ts = {name: f.get_tensor(f"{ev.key}:{name}") for name in _FP_FIELDS}
         except Exception as e:
             raise TraceError(f"{self.path / ev.file}: cannot read {ev.key}: {e}") from None
         return Fingerprint(shape=ev.shape, dtype=ev.dtype, segments=ev.segments, seed=ev.seed, **ts)

@@ -97,20 +97,52 @@ def diagnose(case: Case, setups: dict[str, Setup], out: Path):
     return report, time.perf_counter() - t0
 
 
+class Recorded:
+    """Each case's trace, recorded once under `root`, and doctor's report on it with the full target: the draft-side
+    replay's tests diagnose the very same traces again and compare (tests/test_independent_engine.py)."""
+
+    def __init__(self, setups: dict[str, Setup], root: Path) -> None:
+        self.setups, self.root = setups, Path(root)
+        self._traces: dict[str, Path] = {}
+        self._full: dict[str, object] = {}
+
+    def trace(self, case: Case) -> Path:
+        if case.id not in self._traces:
+            self._traces[case.id] = record(case, self.setups, self.root / case.id)
+        return self._traces[case.id]
+
+    def full(self, case: Case):
+        """doctor's report on the case's trace, with the target's layers (a full replay)."""
+        from eaglescope.detective.doctor import run_doctor
+
+        if case.id not in self._full:
+            S = self.setups[case.setup]
+            self._full[case.id] = run_doctor(S.target_dir, S.draft_dir, trace=self.trace(case), device="cpu")
+        return self._full[case.id]
+
+
+def said(report) -> str:
+    """doctor's verdict in one line: healthy, or the top finding's code@stage rRound."""
+    if report.healthy:
+        return "healthy"
+    top = report.findings[0]
+    return f"{top.code}@{top.stage} r{top.round}"
+
+
 def verdict(case: Case, report) -> tuple[bool, str]:
     """(doctor right?, what it said in one line)."""
+    line = said(report)
     if report.healthy:
-        return case.healthy, "healthy"
+        return case.healthy, line
     top = report.findings[0]
-    said = f"{top.code}@{top.stage} r{top.round}"
     if case.healthy:
-        return False, said
+        return False, line
     ok = top.code in case.expected and top.stage == case.stage and top.round == case.round
     if not case.catalogue:
         ok = ok and all(f.code == UNEXPLAINED for f in report.findings)
     if case.needs:
         ok = ok and set(case.needs) <= set(top.evidence.get("missing_stages") or ())
-    return ok, said
+    return ok, line
 
 
 def _bf16(**kw) -> dict:

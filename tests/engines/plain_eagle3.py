@@ -24,8 +24,11 @@ expands the tree frontier in creation order (parent row, then child rank) instea
 Choices the trace format leaves to the engine: `step0_topk_rows` "root" records step 0's top-k for the row that
 proposes (what eaglescope records), "all" for every step-0 row (n = m, as the format's worked example computes it);
 `meta_keys` writes the tree shape as `settings`, `decoding` or both; `record_taps` "contract" | "all" | "none";
+`record_layers` "states" adds every state of the prefill (target.layer.<0..L>, fingerprints), "all" each layer's
+input_layernorm of it too (target.layer.<i>.normed);
 `stages` "all" records every canonical stage, "shallow" only the easy ones an engine records first (target.aux, the
-draft's top-k, the verified tree and its decision: no draft hidden tensor, no per-tap stage, no next.hidden_in).
+draft's top-k, the verified tree and its decision: no draft hidden tensor, no per-tap stage, no next.hidden_in);
+`aux_full` keeps target.aux in full in a fingerprint trace (what a draft-side replay plays back).
 
 `generate(..., temperature=T)` samples (T > 0): each tree node's next token is drawn from the target's distribution
 at temperature T; the walk goes on to the child holding that token, and a token no child holds is the bonus token.
@@ -258,6 +261,8 @@ class PlainEagle3:
         meta_keys: str = "both",
         record_taps: str = "contract",
         stages: str = "all",
+        aux_full: bool = False,
+        record_layers: str = "none",
     ) -> None:
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
@@ -266,7 +271,10 @@ class PlainEagle3:
         self.fault = fault
         self.fault_from = fault_from if fault_from is not None else _FIRST_ROUND.get(fault or "", 1)
         self.frontier, self.step0_topk_rows, self.meta_keys = frontier, step0_topk_rows, meta_keys
-        self.record_taps = record_taps
+        self.record_taps, self.record_layers = record_taps, record_layers
+        if record_layers not in ("none", "states", "all"):
+            raise ValueError("record_layers is 'none', 'states' (hs[0..L]) or 'all' (and each layer's normed input)")
+        self.aux_full = aux_full
         if stages not in ("all", "shallow"):
             raise ValueError("stages is 'all' or 'shallow' (target.aux, top-k and the tree only)")
         self.shallow = stages == "shallow"
@@ -477,7 +485,7 @@ class PlainEagle3:
 
     def _rec(self, rec, stage, x, **kw) -> None:
         if rec is not None and (not self.shallow or rt.parse_stage(stage)[0] in self._SHALLOW):
-            rec.record(stage, x, **kw)
+            rec.record(stage, x, **kw, **({"full": True} if self.aux_full and stage == rt.TARGET_AUX else {}))
 
     def next_token(self, logits: torch.Tensor) -> int:
         """The target's token after a position: its argmax, or with a temperature a draw from its distribution."""
@@ -494,6 +502,8 @@ class PlainEagle3:
         per_tap, aux = self.capture(hs)
         self._record_taps(rec, per_tap, hs)
         self._rec(rec, rt.TARGET_AUX, aux, segments=self._segments(aux))
+        if rec is not None and self.record_layers != "none":
+            self._record_layers(rec, hs)
         first = self.next_token(logits[-1])
         self._rec(rec, rt.VERIFY_BONUS, torch.tensor([first]))
         seq = prompt + [first]
@@ -651,6 +661,13 @@ class PlainEagle3:
         layers = range(self.L) if self.record_taps == "all" else per_tap
         for i in layers:
             self._rec(rec, rt.target_tap(i), per_tap[i] if i in per_tap else hs[i])
+
+    def _record_layers(self, rec, hs: tuple[torch.Tensor, ...]) -> None:
+        """target.layer.<i>: every state transformers returned for the prefill (hs[L] is its final normed state); with
+        record_layers "all" also each layer's input_layernorm of its state, normed here with this file's rms_norm."""
+        layers = self.target.model.layers
+        normed = [rms_norm(hs[i], layers[i].input_layernorm.weight, self.target_eps) for i in range(self.L)]
+        rec.record_layers(list(hs[: self.L]), hs[self.L], normed if self.record_layers == "all" else None)
 
     def _record_topk(self, rec, step: int, lp: torch.Tensor, top_k: int) -> None:
         if rec is None:

@@ -6,8 +6,10 @@ standard library only.
 
 SPEC: {"max_tokens": N, "num_speculative_tokens": K, "max_model_len": M,
        "runs": [{"name": str, "target": DIR, "draft": DIR, "conversations": [[{role, content}, ...], ...],
-                 "engine_args": {LLM keyword: value} (optional), "speculative_args": {...} (optional)}]}
-OUT_DIR/result.json: {"vllm_version", "pid", "runs": {name: {"error", "outputs", "prompt_ids", "seconds"}}};
+                 "engine_args": {LLM keyword: value} (optional), "speculative_args": {...} (optional),
+                 "env": {variable: value} (optional: set for this run only)}]}
+OUT_DIR/result.json: {"vllm_version", "vllm_file", "pid",
+                      "runs": {name: {"error", "outputs", "prompt_ids", "seconds"}}};
 OUT_DIR/<name>.prom: the Prometheus text vLLM serves on /metrics, after the run;
 OUT_DIR/<name>.metrics.json: [dataclasses.asdict(m) for m in llm.get_metrics()], after the run.
 stdout/stderr: vLLM's own log; each run's part sits between the lines `capture_runner: begin NAME` and
@@ -51,7 +53,7 @@ def main(argv: list[str]) -> int:
     spec = wait_for_spec(argv[1], "capture_runner")
     if spec is None:
         return 2
-    result: dict = {"vllm_version": vllm.__version__, "pid": os.getpid(), "runs": {}}
+    result: dict = {"vllm_version": vllm.__version__, "vllm_file": vllm.__file__, "pid": os.getpid(), "runs": {}}
     params = SamplingParams(temperature=0.0, max_tokens=int(spec["max_tokens"]))
     for run in spec["runs"]:
         name = run["name"]
@@ -60,6 +62,7 @@ def main(argv: list[str]) -> int:
         print(f"capture_runner: begin {name}", flush=True)
         t = time.perf_counter()
         llm = None
+        os.environ.update(run.get("env", {}))  # e.g. the fault a patched vLLM copy serves (tests/vllm/vllm_faults.py)
         try:
             llm = LLM(
                 model=run["target"],
@@ -91,6 +94,8 @@ def main(argv: list[str]) -> int:
             rec["seconds"] = time.perf_counter() - t
             del llm
             gc.collect()
+            for key in run.get("env", {}):
+                os.environ.pop(key, None)
         print(f"capture_runner: end {name}", flush=True)
         write(os.path.join(out_dir, "result.json"), result)
     return 0

@@ -32,13 +32,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from capture_build import CHUNKED, CLEAN, FAULTS, METRICS_FAULTS, TAPS, K, build
+from layerless import layerless_copy
 from test_vllm_serving import MAX_LEN, base, cli
 from vllm_support import HERE, REPO, runner_env
 
 from eaglescope.capture import SUPPORTED_VLLM
 from eaglescope.capture.command import CAPTURE_KIND
-from eaglescope.detective.behaviour import COLLAPSE_RATIO
+from eaglescope.detective.acceptance import COLLAPSE_RATIO
+from eaglescope.detective.draft_replay import DRAFT_SIDE, FULL, TARGET_SIDE_CODES
 from eaglescope.trace import load_trace
 
 RUNNER = HERE / "capture_runner.py"
@@ -140,16 +143,25 @@ def run_trace(captured: dict, name: str, prompt: int) -> Path:
     return captured["traces"] / f"request-{k}"
 
 
-def doctor(captured: dict, name: str, *extra: str, draft: str = "draft") -> tuple[dict, float]:
+def doctor(
+    captured: dict, name: str, *extra: str, draft: str = "draft", target: str | None = None
+) -> tuple[dict, float]:
     """`eaglescope doctor` on a run, given its served draft directory (`draft`) or the one the user has
-    ("doctor_draft": for a fault made in a served copy of a correct draft, that correct draft)."""
+    ("doctor_draft": for a fault made in a served copy of a correct draft, that correct draft); `target`: another
+    target directory than the run's (a copy without its layers). Each distinct call runs once per module: the
+    draft-side test compares with the reports the tests above got."""
     r = captured["runs"][name]
+    key = (name, extra, draft, target)
+    done = captured.setdefault("doctor_reports", {})
+    if key in done:
+        return done[key]
     t0 = time.perf_counter()
-    rc, out, err = cli(["doctor", "--target", r["target"], "--draft", r[draft], *extra, "--json"])
+    rc, out, err = cli(["doctor", "--target", target or r["target"], "--draft", r[draft], *extra, "--json"])
     seconds = time.perf_counter() - t0
     assert rc in (0, 1), err
     report = json.loads(out)
     assert report["healthy"] is (rc == 0)
+    done[key] = (report, seconds)
     return report, seconds
 
 
@@ -209,6 +221,18 @@ def test_a_trace_is_what_vllm_did(captured, prompt):
         assert t.get("draft.step0.hidden_out", r).shape == (a + 1, H)
     # vLLM handed the drafter every verified position (padded batch); the trace keeps the accepted ones
     assert {ev.extra.get("vllm_rows") for ev in t if ev.stage == "next.hidden_in" and ev.round > 0} == {K + 1}
+    # target.aux is the block the drafter received, recorded in every round; vLLM's own runner hands on its taps
+    # side by side, low to high
+    for r in t.rounds():
+        assert torch.equal(t.get("target.aux", r), torch.cat([t.get(f"target.tap.{i}", r) for i in TAPS], -1))
+    # positions: step 0 at the rows' own positions, step k one past the sampled row's for each k
+    start = 0
+    for r in t.rounds()[1:]:
+        pos = t.get("draft.step0.positions", r).tolist()
+        assert pos == list(range(start, start + len(pos)))
+        assert [int(t.get(f"draft.step{k}.positions", r)[0]) for k in range(1, K)] == [pos[-1] + k for k in range(1, K)]
+        start = pos[-1] + 1
+    assert t.meta["complete"] is True and t.meta["incomplete"] is None
 
 
 def test_traces_count_what_vllm_counts(captured):
@@ -293,7 +317,8 @@ def test_chunked_prefill_is_joined_and_vllms_pairing_at_chunk_ends_is_shown(capt
             continue  # every chunk happened to end before a copy of the prompt's last token
         diverged += 1
         top = report["findings"][0]
-        assert (top["code"], top["stage"], top["round"]) == ("DIVERGENCE_UNEXPLAINED", "draft.step0.embed_in", 1)
+        # the trace holds the ids step 0 read: the first divergence is there, before their embeddings
+        assert (top["code"], top["stage"], top["round"]) == ("DIVERGENCE_UNEXPLAINED", "draft.step0.tokens", 1)
         assert set(top["evidence"]["fed_tokens"]) == {t.meta["prompt_ids"][-1]}
         assert all(0 < r < P - 1 for r in top["evidence"]["rows"])  # chunk ends, never the prompt's own end
     assert diverged > 0  # the pairing shows on these prompts: the check above is not vacuous
@@ -449,3 +474,65 @@ def test_eagle31_flag_lost_seen_from_the_served_directory(captured):
     ev = report["findings"][0]["evidence"]
     assert (ev["flag"], ev["weight"]) == ("norm_before_fc", "input_norm.weight")
     assert report["context"]["first_divergence"] is None
+
+
+def test_docs_hook_table_is_what_a_trace_records(captured):
+    # docs/vllm.md's hook table says, per wrapped vLLM method, which stages it records: together they must be exactly
+    # the stages of a clean trace (tap and step indices folded), and every method it names must be one the hooks wrap.
+    text = (REPO / "docs" / "vllm.md").read_text()
+    rows = text.split("| vLLM 0.32 method | what it holds | recorded as |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    documented, methods = set(), set()
+    for row in rows:
+        method, _, recorded = (c.strip() for c in row.strip("|").split(" | ")[:3])
+        methods.add(re.search(r"`([\w.]+)`", method).group(1).split(".")[-1])
+        prefix = None
+        for name in re.findall(r"`(\.?[a-z][\w.<>]*)`", recorded):
+            if name.startswith("."):
+                name = f"{prefix}{name}"
+            elif name.startswith("draft.step<k>."):
+                prefix = "draft.step<k>"
+            if re.fullmatch(r"(target|draft|verify|next)\.[\w.<>]+", name):
+                documented.add(name)
+    t = load_trace(run_trace(captured, "clean", 0))
+    folded = {re.sub(r"^draft\.step\d+\.", "draft.step<k>.", re.sub(r"^target\.tap\.\d+$", "target.tap.<i>", s))
+              for s in t.stages()}  # fmt: skip
+    assert documented == folded
+    hooks = (REPO / "src" / "eaglescope" / "capture" / "vllm_hooks.py").read_text()
+    wrapped = set(re.findall(r'wrap\(\w+, "(\w+)"', hooks)) | {"combine_hidden_states", "forward"}
+    assert methods == wrapped
+
+
+def test_draft_side_replay_of_vllm_traces_says_what_the_full_replay_says(captured, tmp_path_factory):
+    # Every served target copied with its decoder layers deleted (config, tokenizer, chat template, embedding and
+    # lm_head only): doctor then replays the draft from vLLM's own recorded features. Where the full replay's first
+    # divergence is on the draft side (or there is none), the draft-side replay says the same first; where it is in
+    # vLLM's capture, it names no capture cause and says what is missing, and the other findings are the same.
+    root = tmp_path_factory.mktemp("layerless")
+    slim: dict[str, str] = {}
+    draft_side = target_side = 0
+    for name, run in captured["runs"].items():
+        if run["target"] not in slim:
+            slim[run["target"]] = str(layerless_copy(Path(run["target"]), root / f"target-{len(slim)}"))
+        draft = "doctor_draft" if name in FAULTS else "draft"
+        for p in range(PROMPTS):
+            trace = str(run_trace(captured, name, p))
+            full, _ = doctor(captured, name, "--trace", trace, draft=draft)
+            ds, _ = doctor(captured, name, "--trace", trace, draft=draft, target=slim[run["target"]])
+            assert full["context"]["replay"]["mode"] == FULL and ds["context"]["replay"]["mode"] == DRAFT_SIDE
+            first = (full["context"].get("first_divergence") or {}).get("stage") or ""
+            where = [(f["code"], f["stage"], f["round"]) for f in full["findings"]]
+            if first.startswith("target."):
+                target_side += 1
+                assert not set(codes(ds)) & set(TARGET_SIDE_CODES), (name, ds["findings"])
+                assert [(f["code"], f["stage"], f["round"]) for f in ds["findings"]] == [
+                    w for w in where if not (w[1] or "").startswith("target.")
+                ], name
+                assert any("per-layer fingerprints" in m for m in ds["context"]["replay"]["missing"])
+            else:
+                draft_side += 1
+                assert ds["healthy"] is full["healthy"], (name, ds["findings"])
+                assert [(f["code"], f["stage"], f["round"]) for f in ds["findings"]][:1] == where[:1], name
+                assert ds["context"]["first_divergence"] == full["context"]["first_divergence"], name
+    # the clean pairs, the chunked prefills and the draft-side faults (vocabulary map, TTT, template, EAGLE 3.1) on
+    # one side; the tap ids on the other
+    assert draft_side >= 2 * PROMPTS * 4 and target_side >= PROMPTS

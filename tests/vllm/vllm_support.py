@@ -22,6 +22,9 @@ def runner_env() -> dict[str, str]:
     # runs here; eaglescope's venv and paths have no business in vLLM's interpreter.
     for key in ("TRITON_INTERPRET", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
         env.pop(key, None)
+    # This checkout's eaglescope, whichever one the environment's editable install points at (the capture hooks and
+    # the plugin run in vLLM's processes: they must be the code under test).
+    env["PYTHONPATH"] = str(REPO / "src")
     # Nothing may reach the network: no hub look-ups, no usage reports.
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     return env

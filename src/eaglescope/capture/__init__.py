@@ -24,10 +24,12 @@ ENV_DIR = "EAGLESCOPE_CAPTURE_DIR"
 ENV_REQUESTS = "EAGLESCOPE_CAPTURE_REQUESTS"  # how many requests to trace (the first N the engine starts)
 ENV_MODE = "EAGLESCOPE_CAPTURE_MODE"  # "full" | "fingerprint"
 ENV_ENGINE = "EAGLESCOPE_CAPTURE_ENGINE"  # "vllm"
+ENV_LAYERS = "EAGLESCOPE_CAPTURE_LAYERS"  # "1": also every layer's state of each prefill (target.layer.*)
 
 # Files the engine side leaves in the staging directory for the command to read.
 REFUSED = "refused.txt"  # one line: this engine version is not supported (nothing was hooked)
 NOTES = "notes.txt"  # one line per request that was not traced, or per hook error, and why
+RAISED = "raised.txt"  # one line per traced request in flight when vLLM's engine step raised (its trace is incomplete)
 LOADED = "loaded-{pid}"  # the plugin ran in this process
 HOOKED = "hooked-{pid}"  # the hooks are installed in this process (it imported the model runner)
 CLAIMS = "claims"  # claims/<k>: request slot k is taken (mkdir is atomic across engine processes)

@@ -1,4 +1,4 @@
-"""`eaglescope capture --engine vllm --out TRACE [--mode full|fingerprint] [--requests N] -- COMMAND ...`
+"""`eaglescope capture --engine vllm --out TRACE [--mode full|fingerprint] [--requests N] [--layers] -- COMMAND ...`
 
 Runs the user's own command (`python serve.py`, `vllm serve ...`, a benchmark script) unchanged, with a switch in
 its environment that eaglescope's vLLM plugin (plugin.py, registered under `vllm.general_plugins`) reads in every
@@ -23,12 +23,14 @@ from eaglescope import outputs
 from eaglescope.capture import (
     ENV_DIR,
     ENV_ENGINE,
+    ENV_LAYERS,
     ENV_MODE,
     ENV_REQUESTS,
     HOOKED,
     LOADED,
     NOTES,
     PRODUCER_SUFFIX,
+    RAISED,
     REFUSED,
     SUPPORTED_VLLM,
     TRACE_NAME,
@@ -59,9 +61,10 @@ CAPTURE_KIND = outputs.dir_kind(
 )
 
 
-def _child_env(staging: Path, requests: int, mode: str) -> dict[str, str]:
+def _child_env(staging: Path, requests: int, mode: str, layers: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     env.update({ENV_DIR: str(staging), ENV_REQUESTS: str(requests), ENV_MODE: mode, ENV_ENGINE: "vllm"})
+    env[ENV_LAYERS] = "1" if layers else "0"
     allowed = env.get("VLLM_PLUGINS")
     if allowed is not None and PLUGIN_NAME not in allowed.split(","):
         # An allow-list would keep the plugin out: add it (capture was asked for explicitly).
@@ -137,10 +140,12 @@ def cmd_capture(args) -> int:
     except OSError as e:
         raise EagleScopeError(f"cannot write beside {out}: {e.strerror or e}") from None
     try:
-        rc, refused = _run(command, _child_env(staging, args.requests, args.mode), staging)
+        env = _child_env(staging, args.requests, args.mode, bool(getattr(args, "layers", False)))
+        rc, refused = _run(command, env, staging)
         if refused:
             raise EagleScopeError(refused)
         notes = [ln for ln in _read_lines(staging / NOTES) if ln]
+        raised = [ln for ln in _read_lines(staging / RAISED) if ln]
         slots = sorted(
             (int(p.name.rsplit("-", 1)[1]), p)
             for p in staging.glob(TRACE_NAME.format(k="*"))
@@ -161,6 +166,7 @@ def cmd_capture(args) -> int:
                 "exit_status": rc,
                 "traces": [_summary(path) for _, path in slots],
                 "notes": notes,
+                "raised": raised,
             }
             for p in staging.iterdir():  # the engine side's bookkeeping stays behind
                 if not (p.name.startswith("request-") and p.is_dir()):
@@ -181,6 +187,14 @@ def cmd_capture(args) -> int:
     )
     if rc:
         print(f"eaglescope capture: warning: the command exited with status {rc}", file=sys.stderr)
+    if raised:
+        # The command may have caught the error and gone on; the traces of those requests still stop early.
+        print(
+            f"eaglescope capture: warning: vLLM's engine step raised while {len(raised)} traced request(s) were in "
+            "flight; their traces stop there (marked incomplete: doctor reports TRACE_INCOMPLETE)",
+            file=sys.stderr,
+        )
+        return rc or 1
     return rc
 
 
@@ -200,6 +214,7 @@ def _summary(path: Path) -> dict:
         "prompt_tokens": len(meta.get("prompt_ids") or []),
         "rounds": meta.get("rounds"),
         "finished": meta.get("finished"),
+        "complete": meta.get("complete"),
     }
 
 

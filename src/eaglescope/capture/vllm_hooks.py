@@ -5,19 +5,23 @@ VLLM_ENABLE_V1_MULTIPROCESSING=0). They wrap, at run time, the methods where vLL
 
     GPUModelRunner.execute_model        an engine step begins: its scheduler output (finished requests, layout)
     GPUModelRunner._model_forward       the target's forward; with EAGLE-3 it returns (hidden, [aux per layer]):
-                                        the states vLLM captured (EagleModelMixin._maybe_add_hidden_state, ids
-                                        used as-is = HF output_hidden_states indices) → target.tap.<i>, target.aux
+                                        the states the model captured (EagleModelMixin._maybe_add_hidden_state, ids
+                                        used as-is = HF output_hidden_states indices) → target.tap.<i>
     GPUModelRunner._sample              the rejection sampler's output, one row per request, -1 past the accepted
                                         tokens → verify.accepted / verify.bonus (round 0: the first token)
-    SpecDecodeBaseProposer.propose      the drafter: target_hidden_states (the cat of the aux states of every
-                                        position it is handed), token_indices_to_sample (each request's last
-                                        accepted position) → next.hidden_in; inside it, on the draft model:
+    SpecDecodeBaseProposer.propose      the hand-off: target_hidden_states as the runner concatenated the aux states
+                                        (propose_draft_token_ids' torch.cat), token_indices_to_sample (each request's
+                                        last accepted position) → target.aux (the request's whole block, when vLLM
+                                        hands on every row the target processed), next.hidden_in; inside it:
         combine_hidden_states           fc (and any pre-fc norm) → draft.fc.out
-        forward                         step 0 over the handed positions, then one row per request per step;
-                                        (normed, pre-norm) out; the pre-norm output is the next step's input →
-                                        draft.step<k>.embed_in / hidden_in / hidden_out
+        forward                         step 0 over the handed positions, then one row per request per step; its
+                                        input_ids, positions, hidden_states in, (normed, pre-norm) out, the pre-norm
+                                        output the next step's input → draft.step<k>.tokens / positions / embed_in /
+                                        hidden_in / hidden_out
     SpecDecodeBaseProposer._sample_draft_tokens   the draft token of each step (target ids, after d2t); its
                                         log-prob from the draft's own compute_logits → draft.step<k>.topk
+    GPUModelRunner.sample_tokens        the step's end: requests that ended in it are closed (after the drafter
+                                        received their last round)
 
 vLLM's semantics mapped onto the canonical stages (a chain of K = num_speculative_tokens):
   * vLLM hands the drafter every verified position of the round (prepare_inputs_padded: rejected ones too, as
@@ -34,10 +38,13 @@ vLLM's semantics mapped onto the canonical stages (a chain of K = num_speculativ
   * A request whose prompt hit vLLM's prefix cache is not traced (the cached positions never ran, so round 0
     has no features for them): serve with prefix caching off to trace every request.
 
-A request's trace is closed (written, atomically) the moment the hooks see it finish — its stop token, its
-max_tokens or the context, checked as vLLM's scheduler does — or when vLLM reports it finished or aborted, or at
-exit: never left to atexit alone, since a worker may be torn down without running it. Errors inside the hooks
-are reported as one line and drop that request's trace; they never reach vLLM.
+A request's trace is closed (written, atomically) at the end of the step in which the hooks see it finish — its
+stop token, its max_tokens or the context, checked as vLLM's scheduler does — or when vLLM reports it finished or
+aborted, or at exit: never left to atexit alone, since a worker may be torn down without running it. When vLLM's
+engine step raises (execute_model or sample_tokens), every traced request in flight is closed as it stands, with
+`complete: false` and the error in meta (`incomplete`), one note each, and a line in raised.txt for `eaglescope
+capture`; the exception goes on to vLLM unchanged. Errors inside the hooks are reported as one line and drop that
+request's trace; they never reach vLLM.
 """
 
 from __future__ import annotations
@@ -56,13 +63,16 @@ import torch
 from eaglescope.capture import (
     CLAIMS,
     ENV_DIR,
+    ENV_LAYERS,
     ENV_MODE,
     ENV_REQUESTS,
+    RAISED,
     TRACE_NAME,
     note,
     producer,
     unsupported_line,
 )
+from eaglescope.capture.vllm_layers import LayerStates, record_prefill
 from eaglescope.trace import (
     DRAFT_FC_OUT,
     NEXT_HIDDEN_IN,
@@ -77,11 +87,15 @@ from eaglescope.trace import (
     draft_embed_in,
     draft_hidden_in,
     draft_hidden_out,
+    draft_positions,
+    draft_tokens,
     draft_topk,
     target_tap,
 )
 
 PLACEHOLDER = -1  # vLLM's rejection sampler writes this past each request's accepted tokens
+# How a request ended when its trace holds all it should: its own stop or length, or vLLM saying it finished.
+COMPLETE_ENDS = ("stop", "length", "finished (reported by the scheduler)")
 
 
 def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -95,8 +109,9 @@ class _Prefill:
 
     taps: list[list[torch.Tensor]] = field(default_factory=list)  # per chunk, per captured layer
     tokens: int = 0
-    nxt: list[torch.Tensor] = field(default_factory=list)
+    nxt: list[torch.Tensor] = field(default_factory=list)  # per chunk: the rows vLLM handed the drafter
     step0: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    layers: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per chunk: target.layer.* (--layers)
 
 
 class RequestTrace:
@@ -114,6 +129,8 @@ class RequestTrace:
         self.emitted: list[int] = []
         self.staged: list[tuple[int, str, Any, dict]] = []
         self.current: dict | None = None  # this step's target forward, until the sampler decides it
+        self.closing: str | None = None  # it ended in this step: closed once the step's drafter has run
+        self.aux_due: int | None = None  # the round verified in this step, whose target.aux the drafter receives
         out = cap.staging / TRACE_NAME.format(k=slot)
         self.rec = TraceRecorder(out, mode=cap.mode, producer=cap.producer, flag="capture")
         self.rec.set_meta(**cap.meta(runner, self))
@@ -127,10 +144,11 @@ class RequestTrace:
     def record(self, rnd: int, stage: str, value, **kw) -> None:
         self.rec.record(stage, value, round=rnd, **kw)
 
-    def record_target(self, rnd: int, taps: list[torch.Tensor]) -> None:
+    def record_taps(self, rnd: int, taps: list[torch.Tensor]) -> None:
+        """The states the target model captured (its list of aux hidden states). target.aux is recorded where the
+        drafter receives their concatenation (Capture.begin_propose), after the runner's own torch.cat."""
         for layer, t in zip(self.layers, taps, strict=True):
             self.record(rnd, target_tap(layer), t)
-        self.record(rnd, TARGET_AUX, torch.cat(taps, dim=-1), segments=len(taps))
 
     def commit_staged(self) -> None:
         for rnd, stage, value, kw in self.staged:
@@ -152,9 +170,16 @@ class RequestTrace:
                 return "length"
         return None
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, incomplete: str | None = None) -> None:
+        """Write the trace. `incomplete`: why it stops before its request ended (the engine raised, the process
+        exited), kept in meta for doctor (TRACE_INCOMPLETE) with `complete: false`."""
         self.staged = []  # drafts no target verified: not part of any round
-        self.rec.set_meta(finished=reason, rounds=self.round + 1, emitted_tokens=len(self.emitted))
+        if incomplete is None and reason not in COMPLETE_ENDS:
+            incomplete = f"the request had not finished when its trace was closed ({reason})"
+        if incomplete is not None:
+            incomplete += f"; the trace stops after round {self.round}"
+        self.rec.set_meta(finished=reason, rounds=self.round + 1, emitted_tokens=len(self.emitted),
+                          complete=incomplete is None, incomplete=incomplete)  # fmt: skip
         if self.round < 0:
             self.rec.abort()  # nothing verified yet: no trace is better than an empty one
             note(f"request {self.req_id} ended ({reason}) before its prefill finished; not traced")
@@ -165,8 +190,9 @@ class RequestTrace:
 class Capture:
     """Process-wide capture state: which requests are traced, and the current engine step's layout."""
 
-    def __init__(self, staging: Path, limit: int, mode: str, version: str) -> None:
+    def __init__(self, staging: Path, limit: int, mode: str, version: str, layers: bool = False) -> None:
         self.staging, self.limit, self.mode = staging, limit, mode
+        self.layer_states = LayerStates() if layers else None  # capture --layers: every state of each prefill
         self.producer = producer("vllm", version)
         self.version = version
         self.traces: dict[str, RequestTrace] = {}
@@ -191,12 +217,12 @@ class Capture:
             tr.rec.abort()
             note(f"request {req_id} (slot {tr.slot}) is not traced: {why}")
 
-    def close(self, req_id: str, reason: str) -> None:
+    def close(self, req_id: str, reason: str, incomplete: str | None = None) -> None:
         tr = self.traces.pop(req_id, None)
         if tr is None:
             return
         try:
-            tr.close(reason)
+            tr.close(tr.closing or reason, incomplete)
         except Exception as e:  # noqa: BLE001 - a trace that cannot be written is reported, serving goes on
             tr.rec.abort()
             note(f"request {req_id}: its trace could not be written: {type(e).__name__}: {e}")
@@ -205,6 +231,29 @@ class Capture:
         with self.lock:
             for req_id in list(self.traces):
                 self.close(req_id, reason)
+
+    def end_step(self) -> None:
+        """The step's sampler and drafter have run: the requests that ended in it are closed."""
+        for req_id, tr in list(self.traces.items()):
+            if tr.closing is not None:
+                self.close(req_id, tr.closing)
+        self.step = self.propose = None
+
+    def raised(self, where: str, e: BaseException) -> None:
+        """vLLM's engine step raised: every traced request in flight is closed as it stands, marked incomplete,
+        and said in one line each (notes, and raised.txt for `eaglescope capture`'s exit status)."""
+        what = f"vLLM's {where} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+        for req_id in list(self.traces):
+            tr = self.traces[req_id]
+            line = f"request {req_id} (slot {tr.slot}): {what}; its trace stops after round {tr.round}"
+            note(line)
+            try:
+                with open(self.staging / RAISED, "a", encoding="utf-8") as f:
+                    f.write(line.replace("\n", " ") + "\n")
+            except OSError:
+                pass
+            self.close(req_id, "error", incomplete=what)
+        self.step = self.propose = None
 
     def claim(self) -> int | None:
         """The first free request slot (claimed across every engine process by an atomic mkdir), or None."""
@@ -302,10 +351,26 @@ class Capture:
             if not self.rank_ok:
                 self.exhausted = True  # another rank of this model records: nothing to do here (idle from now)
                 return
+        self.end_step()  # a step whose sample_tokens did not run to its end leaves no request unclosed
         for req_id in getattr(sched, "finished_req_ids", ()) or ():
             self.close(req_id, "finished (reported by the scheduler)")
         self.step = {"runner": runner, "sched": sched, "layout": {}, "target": False}
         self.propose = None
+        self._begin_layers(runner, sched)
+
+    def _begin_layers(self, runner, sched) -> None:
+        """capture --layers: record this step's per-layer states if it may run a traced request's prefill (a new
+        request, which may be claimed, or the next chunk of a traced one)."""
+        states = self.layer_states
+        if states is None:
+            return
+        why = states.install(runner.model)
+        if why is not None:
+            self.note_once("layers", f"--layers: {why}; no per-layer states are recorded")
+            self.layer_states = None
+            return
+        new = not self.exhausted and bool(getattr(sched, "scheduled_new_reqs", None))
+        states.begin(new or any(tr.round < 0 for tr in self.traces.values()))
 
     def on_target(self, runner, input_ids, positions, out) -> None:
         step = self.step
@@ -354,6 +419,8 @@ class Capture:
                     self.drop(req_id, f"its prefill resumed at position {start}, not {tr.prefill.tokens} (preempted?)")
                     continue
                 tr.prefill.taps.append(taps)
+                if self.layer_states is not None:
+                    tr.prefill.layers.append(self.layer_states.rows(first, first + n))
                 tr.prefill.tokens += n
                 kind = "prefill" if tr.prefill.tokens == len(tr.prompt) else "chunk"
                 tr.current = None
@@ -364,6 +431,8 @@ class Capture:
                 kind = "decode"
                 tr.current = {"tokens": _rows(input_ids, first, first + n).long(), "taps": taps}
             step["layout"][req_id] = (b, first, n, kind)
+        if self.layer_states is not None:
+            self.layer_states.begin(False)  # only this forward: not a dummy run before the next step
 
     def on_sampled(self, runner, sampled: torch.Tensor) -> None:
         step = self.step
@@ -381,8 +450,11 @@ class Capture:
             if kind == "prefill":
                 pre = tr.prefill
                 taps = [torch.cat([c[j] for c in pre.taps]) for j in range(len(tr.layers))]
-                tr.record_target(0, taps)
+                tr.record_taps(0, taps)
+                if pre.layers and (why := record_prefill(tr.rec, pre.layers)) is not None:
+                    note(f"request {req_id}: {why}")
                 tr.record(0, VERIFY_BONUS, torch.tensor(valid[:1], dtype=torch.long))
+                tr.aux_due = 0
                 tr.round, tr.emitted = 0, valid[:1]  # tr.prefill stays: the drafter's step 0 of it is next
                 new = valid[:1]
             else:
@@ -399,16 +471,13 @@ class Capture:
                 tr.commit_staged()
                 tr.record(rnd, VERIFY_TOKENS, tokens)
                 tr.record(rnd, VERIFY_PARENTS, torch.arange(-1, n - 1, dtype=torch.long))
-                tr.record_target(rnd, cur["taps"])
+                tr.record_taps(rnd, cur["taps"])
                 tr.record(rnd, VERIFY_ACCEPTED, torch.arange(1, a + 1, dtype=torch.long))
                 tr.record(rnd, VERIFY_BONUS, torch.tensor(valid[-1:], dtype=torch.long))
-                tr.round = rnd
+                tr.round, tr.aux_due = rnd, rnd
                 tr.emitted += valid
                 new = valid
-            reason = tr.finished(new)
-            if reason is not None:
-                step["layout"].pop(req_id)
-                self.close(req_id, reason)
+            tr.closing = tr.finished(new)  # closed at the step's end: the drafter still receives this round
 
     # -- the drafter ---------------------------------------------------------------------------------------
     def begin_propose(self, drafter, kw: dict) -> bool:
@@ -419,21 +488,26 @@ class Capture:
         qsl = [int(x) for x in cad.query_start_loc_cpu.tolist()]
         tis = kw.get("token_indices_to_sample")
         last = [q - 1 for q in qsl[1:]] if tis is None else [int(x) for x in tis.detach().to("cpu").tolist()]
-        hidden = kw["target_hidden_states"]
+        hidden = kw["target_hidden_states"]  # [rows handed in, nH]: the runner's concatenation of the aux states
         reqs = {}
-        for req_id, (b, _, _, kind) in step["layout"].items():
+        for req_id, (b, _, n, kind) in step["layout"].items():
             tr = self.traces.get(req_id)
             if tr is None or b + 1 >= len(qsl):
                 continue
-            lo, hi = qsl[b], last[b] + 1
-            reqs[req_id] = {"b": b, "lo": lo, "hi": hi, "kind": kind, "vllm_rows": qsl[b + 1] - qsl[b]}
+            lo, hi, handed = qsl[b], last[b] + 1, qsl[b + 1] - qsl[b]
+            reqs[req_id] = {"b": b, "lo": lo, "hi": hi, "kind": kind, "vllm_rows": handed}
+            seg = {"segments": len(tr.layers), "vllm_rows": handed}
             if kind == "decode":
-                tr.staged.append(
-                    (tr.round, NEXT_HIDDEN_IN, _rows(hidden, lo, hi), {"segments": len(tr.layers),
-                                                                      "vllm_rows": qsl[b + 1] - qsl[b]})
-                )  # fmt: skip
+                if tr.aux_due == tr.round and handed == n:
+                    # the padded drafter batch hands on every verified row: that block is the round's target.aux as
+                    # the drafter receives it (prepare_inputs without padding hands the accepted rows only)
+                    tr.record(tr.round, TARGET_AUX, _rows(hidden, lo, lo + handed), **seg)
+                tr.staged.append((tr.round, NEXT_HIDDEN_IN, _rows(hidden, lo, hi), seg))
             else:
                 tr.prefill.nxt.append(_rows(hidden, lo, hi))
+                if kind == "prefill" and tr.aux_due == 0:  # the prompt's last chunk: round 0 is verified
+                    tr.record(0, TARGET_AUX, torch.cat(tr.prefill.nxt), segments=len(tr.layers))
+            tr.aux_due = None
         if not reqs:
             return False
         self.propose = {"drafter": drafter, "reqs": reqs, "step": 0}
@@ -453,17 +527,20 @@ class Capture:
         if tr is None:
             return
         if r["kind"] == "decode":
-            tr.staged.append((tr.round + 1, stage, t, {}))
+            # step 0 reads the handed rows up to the sampled one (rows after it are vLLM's padding)
+            rows = {"vllm_rows": r["vllm_rows"], "sampled_row": r["hi"] - 1 - r["lo"]}
+            tr.staged.append((tr.round + 1, stage, t, rows))
             return
         pre = tr.prefill
         pre.step0.setdefault(stage, []).append(t)
         if r["kind"] == "prefill" and stage == draft_hidden_out(0):
             # the prefill's last chunk: round 0's features handed on and round 1's step 0, chunks joined
-            tr.staged.append(
-                (0, NEXT_HIDDEN_IN, torch.cat(pre.nxt), {"segments": len(tr.layers), "vllm_rows": r["vllm_rows"]})
-            )
-            for s in (DRAFT_FC_OUT, draft_embed_in(0), draft_hidden_in(0), draft_hidden_out(0)):
-                tr.staged.append((1, s, torch.cat(pre.step0[s]), {}))
+            total = sum(x.shape[0] for x in pre.nxt)
+            tr.staged.append((0, NEXT_HIDDEN_IN, torch.cat(pre.nxt), {"segments": len(tr.layers), "vllm_rows": total}))
+            for s in (DRAFT_FC_OUT, draft_tokens(0), draft_positions(0), draft_embed_in(0), draft_hidden_in(0),
+                      draft_hidden_out(0)):  # fmt: skip
+                if s in pre.step0:
+                    tr.staged.append((1, s, torch.cat(pre.step0[s]), {"vllm_rows": total, "sampled_row": total - 1}))
             tr.prefill = None
 
     def on_draft_forward(self, model, kw: dict, out) -> None:
@@ -474,6 +551,9 @@ class Capture:
         p["step"] = k + 1
         normed, prenorm = out if isinstance(out, tuple) else (out, out)
         input_ids, hidden_in, embeds = kw.get("input_ids"), kw.get("hidden_states"), kw.get("inputs_embeds")
+        positions = kw.get("positions")
+        if positions is not None and positions.dim() != 1:
+            positions = None  # M-RoPE: not one position per row
         for req_id, r in p["reqs"].items():
             lo, hi = (r["lo"], r["hi"]) if k == 0 else (r["b"], r["b"] + 1)
             if k > 0 and r["kind"] == "chunk":
@@ -483,8 +563,11 @@ class Capture:
             else:
                 with torch.inference_mode():  # the draft's own embedding of the same ids, as its forward does
                     e = model.embed_input_ids(input_ids[lo:hi]).detach().to("cpu", copy=True)
-            blocks = ((draft_embed_in(k), e), (draft_hidden_in(k), _rows(hidden_in, lo, hi)),
-                      (draft_hidden_out(k), _rows(prenorm, lo, hi)))  # fmt: skip
+            blocks = [(draft_tokens(k), _rows(input_ids, lo, hi).long())] if input_ids is not None else []
+            if positions is not None:
+                blocks.append((draft_positions(k), _rows(positions, lo, hi).long()))
+            blocks += [(draft_embed_in(k), e), (draft_hidden_in(k), _rows(hidden_in, lo, hi)),
+                       (draft_hidden_out(k), _rows(prenorm, lo, hi))]  # fmt: skip
             for stage, t in blocks:
                 if k == 0:
                     self._step_rows(req_id, r, stage, t)
@@ -550,6 +633,8 @@ _begin_propose = _guarded(Capture.begin_propose)
 _on_fc = _guarded(Capture.on_fc)
 _on_draft_forward = _guarded(Capture.on_draft_forward)
 _on_draft_sample = _guarded(Capture.on_draft_sample)
+_end_step = _guarded(Capture.end_step)
+_raised = _guarded(Capture.raised)
 
 
 def _hook_draft_model(model) -> None:
@@ -594,7 +679,7 @@ def install(runner_module: ModuleType) -> None:
     staging = Path(os.environ[ENV_DIR])
     limit = max(1, int(os.environ.get(ENV_REQUESTS, "1")))
     mode = os.environ.get(ENV_MODE, "full")
-    _CAPTURE = Capture(staging, limit, mode, str(vllm.__version__))
+    _CAPTURE = Capture(staging, limit, mode, str(vllm.__version__), layers=os.environ.get(ENV_LAYERS) == "1")
     atexit.register(_CAPTURE.close_all, "exit")
     Runner = runner_module.GPUModelRunner
 
@@ -606,7 +691,26 @@ def install(runner_module: ModuleType) -> None:
         def run(self, scheduler_output, *a, **kw):
             if (cap := _capture()) is not None:
                 _begin_step(cap, self, scheduler_output)
-            return orig(self, scheduler_output, *a, **kw)
+            try:
+                return orig(self, scheduler_output, *a, **kw)
+            except Exception as e:
+                if (cap := _capture()) is not None:
+                    _raised(cap, "engine step (the target's forward, execute_model)", e)
+                raise
+
+        return run
+
+    def sample_tokens(orig):
+        def run(self, *a, **kw):
+            try:
+                out = orig(self, *a, **kw)
+            except Exception as e:
+                if (cap := _capture()) is not None:
+                    _raised(cap, "engine step (its sampler or drafter, sample_tokens)", e)
+                raise
+            if (cap := _capture()) is not None and cap.step is not None and cap.step["runner"] is self:
+                _end_step(cap)
+            return out
 
         return run
 
@@ -654,6 +758,7 @@ def install(runner_module: ModuleType) -> None:
         return run
 
     wrap(Runner, "execute_model", execute_model)
+    wrap(Runner, "sample_tokens", sample_tokens)
     wrap(Runner, "_model_forward", model_forward)
     wrap(Runner, "_sample", sample)
     wrap(SpecDecodeBaseProposer, "propose", propose)

@@ -18,10 +18,10 @@ loss-masked tokens, and prepare.json is written last (atomically): present means
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -56,11 +56,9 @@ from eaglescope.taps import TapContract
 from eaglescope.target import load_target, parse_device, parse_dtype
 from eaglescope.target.base import Target
 
+log = logging.getLogger(__name__)
+
 PERCENTILES = (50, 90, 99)
-
-
-def note(msg: str) -> None:
-    print(f"eaglescope: {msg}", file=sys.stderr)
 
 
 def warn_unservable(taps: TapContract, architecture: str | None = None) -> None:
@@ -176,7 +174,7 @@ def _hidden_for(target: Target, samples: list[list[int]], batch_size: int, acc: 
         for j, i in enumerate(idx):
             ids[j, : len(samples[i])] = torch.tensor(samples[i])
             att[j, : len(samples[i])] = 1
-        out = target.hidden_states(ids, att)
+        out = target.hidden_states(ids, att, logits=False)  # the stored states only: no full-vocabulary logits
         if out.final_hidden is None:
             raise EagleScopeError("this target backend returns no final hidden state; use --backend native.")
         for j, i in enumerate(idx):
@@ -267,7 +265,7 @@ def _existing(out: Path, inputs: dict, overwrite: bool) -> dict | None:
         try:
             return PreparedData.open(out, verify=True).manifest
         except EagleScopeError as e:
-            note(f"{e} Redoing what is damaged beside it; the old directory is replaced when that is complete.")
+            log.info(f"{e} Redoing what is damaged beside it; the old directory is replaced when that is complete.")
     return None
 
 
@@ -315,7 +313,7 @@ def _shard_done(out: Path, entry: dict | None) -> bool:
             if f is not None:
                 check_file(out, f, verify=True)
     except EagleScopeError as e:
-        note(f"{e} Redoing that shard.")
+        log.info(f"{e} Redoing that shard.")
         return False
     return True
 
@@ -339,6 +337,65 @@ def _load_target(cfg: PrepareConfig):
         warn_unservable(taps, target.fingerprint.architecture)
     target.set_taps(taps if cfg.hidden_states else None)
     return target, tok, taps, template_sha
+
+
+def _render_chunk(cfg: PrepareConfig, target, tok, chunk: list, k: int, L: int, stop_ids, bar, entry: dict):
+    """The rendered (ids, loss mask) pairs of one shard's conversations, regenerated first with --regenerate;
+    counts what was skipped, truncated, cut or invalid into `entry`."""
+    pairs: list[tuple[list[int], list[int]]] = []
+    batched = (
+        regenerate_batch(target, tok, chunk, cfg.regen_max_new_tokens, L, stop_ids, cfg.batch_size)
+        if cfg.regenerate
+        else [None] * len(chunk)
+    )
+    for j, conv in enumerate(chunk):
+        # One conversation the template rejects (e.g. "roles must alternate") is skipped and
+        # counted, not allowed to abort a long run.
+        try:
+            if cfg.regenerate:
+                conv, cut = batched[j] or regenerate_conversation(
+                    target, tok, conv, cfg.regen_max_new_tokens, L, stop_ids
+                )
+                entry["regen_cut"] += cut
+            r = render(conv, tok)
+        except EagleScopeError as e:
+            entry["invalid"] += 1
+            entry["first_invalid"] = entry["first_invalid"] or f"conversation {k * cfg.shard_samples + j}: {e}"
+            r = None
+        if cfg.regenerate:
+            bar.update(1)
+        if r is not None and len(r.input_ids) > L:
+            entry["truncated"] += 1
+            r.input_ids, r.loss_mask = r.input_ids[:L], r.loss_mask[:L]
+        if r is None or not any(r.loss_mask):
+            entry["skipped"] += 1
+            continue
+        pairs.append((r.input_ids, r.loss_mask))
+    return pairs
+
+
+def _build_shard(cfg: PrepareConfig, target, tok, chunk: list, k: int, L: int, stop_ids, part: Path, bar) -> dict:
+    """Shard k written into the staging directory: its token file (and hidden states); → its progress entry."""
+    entry = {"skipped": 0, "truncated": 0, "regen_cut": 0, "invalid": 0, "first_invalid": None}
+    pairs = _render_chunk(cfg, target, tok, chunk, k, L, stop_ids, bar, entry)
+    samples = [ids for ids, _ in pairs]
+    lengths = torch.tensor([0] + [len(s) for s in samples], dtype=torch.int64)
+    entry["num_samples"] = len(samples)
+    tokens = {
+        "input_ids": torch.tensor([t for s in samples for t in s], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for _, mask in pairs for m in mask], dtype=torch.uint8),
+        "offsets": lengths.cumsum(0),
+    }
+    entry["tokens"] = {"file": part_name(k), **save_atomic(tokens, part / part_name(k))}
+    entry["hidden"] = None
+    if cfg.hidden_states:
+        acc: dict = {}
+        tensors = _hidden_for(target, samples, cfg.batch_size, acc)
+        entry["hidden"] = {"file": shard_name(k), **save_atomic(tensors, part / shard_name(k))}
+        entry["tap_acc"] = acc
+    if not cfg.regenerate:
+        bar.update(len(chunk))
+    return entry
 
 
 def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[int], None] | None = None) -> dict:
@@ -367,7 +424,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
     inputs = _inputs(cfg, data, target, taps, template_sha, L)
     done = _existing(out, inputs, cfg.overwrite)
     if done is not None:
-        note(f"{out} is already prepared from these inputs; nothing to do.")
+        log.info(f"{out} is already prepared from these inputs; nothing to do.")
         return done
     replace = out.is_dir() and (out / MANIFEST).is_file()  # _existing allowed it: same inputs damaged, or --overwrite
     check_destination(out, PREPARED, inputs=[data, cfg.target], replace=replace or cfg.overwrite)
@@ -390,68 +447,13 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
             resumed += 1
             bar.update(len(chunk))
             continue
-        entry = {"skipped": 0, "truncated": 0, "regen_cut": 0, "invalid": 0, "first_invalid": None}
-        samples: list[list[int]] = []
-        masks: list[list[int]] = []
-        batched = (
-            regenerate_batch(target, tok, chunk, cfg.regen_max_new_tokens, L, stop_ids, cfg.batch_size)
-            if cfg.regenerate
-            else [None] * len(chunk)
-        )
-        for j, conv in enumerate(chunk):
-            # One conversation the template rejects (e.g. "roles must alternate") is skipped and
-            # counted, not allowed to abort a long run.
-            try:
-                if cfg.regenerate:
-                    conv, cut = batched[j] or regenerate_conversation(
-                        target, tok, conv, cfg.regen_max_new_tokens, L, stop_ids
-                    )
-                    entry["regen_cut"] += cut
-                r = render(conv, tok)
-            except EagleScopeError as e:
-                entry["invalid"] += 1
-                entry["first_invalid"] = entry["first_invalid"] or f"conversation {k * cfg.shard_samples + j}: {e}"
-                r = None
-            if cfg.regenerate:
-                bar.update(1)
-            if r is not None and len(r.input_ids) > L:
-                entry["truncated"] += 1
-                r.input_ids, r.loss_mask = r.input_ids[:L], r.loss_mask[:L]
-            if r is None or not any(r.loss_mask):
-                entry["skipped"] += 1
-                continue
-            samples.append(r.input_ids)
-            masks.append(r.loss_mask)
-        lengths = torch.tensor([0] + [len(s) for s in samples], dtype=torch.int64)
-        flat_ids = [t for s in samples for t in s]
-        flat_mask = [m for s in masks for m in s]
-        entry["num_samples"] = len(samples)
-        entry["tokens"] = {
-            "file": part_name(k),
-            **save_atomic(
-                {
-                    "input_ids": torch.tensor(flat_ids, dtype=torch.int32),
-                    "loss_mask": torch.tensor(flat_mask, dtype=torch.uint8),
-                    "offsets": lengths.cumsum(0),
-                },
-                part / part_name(k),
-            ),
-        }
-        entry["hidden"] = None
-        if cfg.hidden_states:
-            acc: dict = {}
-            tensors = _hidden_for(target, samples, cfg.batch_size, acc)
-            entry["hidden"] = {"file": shard_name(k), **save_atomic(tensors, part / shard_name(k))}
-            entry["tap_acc"] = acc
-        if not cfg.regenerate:
-            bar.update(len(chunk))
-        prog["shards"][str(k)] = entry
+        prog["shards"][str(k)] = _build_shard(cfg, target, tok, chunk, k, L, stop_ids, part, bar)
         write_json_atomic(prog, prog_path)
         if on_shard_done is not None:
             on_shard_done(k)
     bar.close()
     if resumed:
-        note(f"resumed: {resumed} of {num_shards} shards were already done.")
+        log.info(f"resumed: {resumed} of {num_shards} shards were already done.")
     try:
         manifest = _finish(part, cfg, prog, num_shards, target, taps, template_sha, data, inputs, L)
     except EagleScopeError:
@@ -477,7 +479,7 @@ def _finish(out: Path, cfg, prog, num_shards, target, taps, template_sha, data, 
         why = f"first: {first_invalid}" if first_invalid else f"no assistant turn within --max-length {L}"
         raise EagleScopeError(f"no usable sample: all {skipped} conversations have nothing to supervise ({why}).")
     if invalid:
-        note(f"{invalid} conversations could not be rendered and were skipped; first: {first_invalid}")
+        log.info(f"{invalid} conversations could not be rendered and were skipped; first: {first_invalid}")
     input_ids, loss_mask, lengths = torch.cat(ids), torch.cat(masks), torch.cat(lengths)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     samples_file = {

@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from eaglescope.errors import EagleScopeError
+from eaglescope.jsonfile import read_object
 from eaglescope.outputs import dir_kind, has_partial, partial_dir
 from eaglescope.taps import TapContract
 
@@ -163,12 +164,7 @@ class PreparedData:
             resumable = (root / PROGRESS).is_file()
             extra = " (an interrupted run: rerun `eaglescope prepare` to finish it)" if resumable else ""
             raise EagleScopeError(f"{root} is not a prepared data directory: {MANIFEST} is missing{extra}.")
-        try:
-            manifest = json.loads(mpath.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise EagleScopeError(f"{mpath} is not valid JSON ({e}).") from None
-        if not isinstance(manifest, dict):
-            raise EagleScopeError(f"{mpath} is not a JSON object.")
+        manifest = read_object(mpath, EagleScopeError)
         if manifest.get("format_version") != FORMAT_VERSION:
             raise EagleScopeError(
                 f"{mpath} has format_version {manifest.get('format_version')!r}; this eaglescope reads "

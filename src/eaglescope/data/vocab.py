@@ -1,4 +1,4 @@
-"""The reduced draft vocabulary (FIELD.md §2).
+"""The reduced draft vocabulary (docs/field.md §2).
 
 The draft's lm_head predicts N of the target's V tokens: the N most frequent *supervised*
 (loss-masked, assistant) tokens of the training data, sorted by target id.

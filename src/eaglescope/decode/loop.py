@@ -43,6 +43,7 @@ from eaglescope.decode.stats import SpecStats
 from eaglescope.decode.tree import DraftTree
 from eaglescope.decode.verify import VerifyResult, verify_greedy, verify_sampling
 from eaglescope.target.base import Target, TargetOutput
+from eaglescope.target.layer_states import forward_all_layers, normed_inputs
 
 
 @dataclass
@@ -163,8 +164,10 @@ class ReferenceRunner(Runner):
         sampling: SamplingConfig,
         gen: torch.Generator | None,
         recorder: T.TraceRecorder | None = None,
+        trace_layers: bool = False,
     ) -> None:
         self.target, self.proposer, self.sampling, self.gen, self.rec = target, proposer, sampling, gen, recorder
+        self.trace_layers = trace_layers  # the trace also gets every layer's state of the prefill (target.layer.*)
         self.tokens: list[int] = []
         self._report: RoundReport | None = None
 
@@ -189,10 +192,17 @@ class ReferenceRunner(Runner):
     def start(self, prompt_ids, budget) -> int:
         t = self.target
         t.reset(self.cache_room(prompt_ids, budget))
-        prefill = self.target_forward(torch.tensor(prompt_ids, device=t.device))
+        ids = torch.tensor(prompt_ids, device=t.device)
+        layers = self.rec is not None and self.trace_layers
+        if layers:
+            prefill, states, final = forward_all_layers(t, lambda: self.target_forward(ids))
+        else:
+            prefill = self.target_forward(ids)
         t.commit()
         first = self.first_token(prefill)
         self._record_target(prefill)
+        if layers:
+            self.rec.record_layers(states, final, normed_inputs(t, states))
         self._record(T.VERIFY_BONUS, torch.tensor([first]))
         if prefill.aux is not None:
             self._record(T.NEXT_HIDDEN_IN, prefill.aux)
@@ -258,10 +268,12 @@ def generate_speculative(
     sampling: SamplingConfig | None = None,
     stop_ids: list[int] | None = None,
     recorder: T.TraceRecorder | None = None,
+    trace_layers: bool = False,
 ) -> GenerationResult:
-    """Speculative decoding on the reference backend (lossless: greedy output is vanilla greedy's)."""
+    """Speculative decoding on the reference backend (lossless: greedy output is vanilla greedy's). `trace_layers`:
+    the trace also records every layer's state of the prefill (TraceRecorder.record_layers)."""
     sampling, budget, stop, gen = begin_generation(target, prompt_ids, max_new_tokens, sampling, stop_ids)
-    runner = ReferenceRunner(target, proposer, sampling, gen, recorder)
+    runner = ReferenceRunner(target, proposer, sampling, gen, recorder, trace_layers)
     return decode(runner, prompt_ids, budget, max_new_tokens, stop, target.device)
 
 
@@ -318,7 +330,8 @@ def run_speculative_from_args(args, target: Target, prompt_ids, sampling, stop) 
         trace_meta(recorder, args, target, prompt_ids, sampling)
     # the recorder writes its trace when the block ends, or drops it when the block raises
     with recorder if recorder is not None else contextlib.nullcontext():
-        return generate_speculative(target, proposer, prompt_ids, args.max_new_tokens, sampling, stop, recorder)
+        return generate_speculative(target, proposer, prompt_ids, args.max_new_tokens, sampling, stop, recorder,
+                                    trace_layers=bool(getattr(args, "trace_layers", False)))  # fmt: skip
 
 
 __all__ = [

@@ -169,6 +169,8 @@ class Eagle3Proposer(Proposer):
         mask = torch.ones(P, start + P, dtype=torch.bool, device=self.device)
         mask[:, start:] = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
         self._record(T.DRAFT_FC_OUT, hidden)
+        self._record(T.draft_tokens(0), self.pending_tokens)
+        self._record(T.draft_positions(0), positions)
         embeds = self.embed(self.pending_tokens)
         self._record(T.draft_embed_in(0), embeds)
         self._record(T.draft_hidden_in(0), hidden)
@@ -206,6 +208,8 @@ class Eagle3Proposer(Proposer):
             cols = torch.tensor(processed + ids, dtype=torch.long, device=self.device)
             mask = torch.cat([torch.ones(m, self.committed, dtype=torch.bool, device=self.device), anc[:, cols]], 1)
             positions = torch.full((m,), self.tree_position(root_position, level), device=self.device)
+            self._record(T.draft_tokens(level), tgt_tok)
+            self._record(T.draft_positions(level), positions)
             embeds = self.embed(tgt_tok)
             self._record(T.draft_embed_in(level), embeds)
             self._record(T.draft_hidden_in(level), hidden_in)
@@ -330,6 +334,8 @@ def build_proposer(args, target: Target, sampling: SamplingConfig, max_len: int,
 
 
 def target_embedding(target: Target) -> torch.Tensor:
+    if isinstance(emb := getattr(target, "embedding", None), torch.Tensor):  # a target held as its embedding alone
+        return emb
     if hasattr(target, "model") and hasattr(target.model, "get_input_embeddings"):
         return target.model.get_input_embeddings().weight
     return target.model.model.embed_tokens.weight

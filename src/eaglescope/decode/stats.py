@@ -1,4 +1,4 @@
-"""Acceptance statistics for speculative decoding, with the definitions of FIELD.md §5.
+"""Acceptance statistics for speculative decoding, with the definitions of docs/field.md §5.
 
 - τ (accept length) = tokens emitted per target verify, bonus included = mean(accepted + 1).
   SGLang "accept len" and vLLM "Mean acceptance length" are τ; gpt-fast "Mean Accepted" is τ - 1.

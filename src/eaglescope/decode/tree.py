@@ -15,7 +15,7 @@ import torch
 
 from eaglescope.errors import EagleScopeError
 
-# Official EAGLE-2/3 dynamic-tree defaults (FIELD.md §4): (depth, top_k, total_tokens).
+# Official EAGLE-2/3 dynamic-tree defaults (docs/field.md §4): (depth, top_k, total_tokens).
 EAGLE_DEFAULT_TREE = (7, 10, 60)
 
 

@@ -30,6 +30,7 @@ from eaglescope import trace as T
 from eaglescope.decode.speculative import Eagle3Proposer
 from eaglescope.detective.findings import Finding, rank
 from eaglescope.detective.replay import (
+    REPLAY_COPIES_TARGET,
     REPLAY_FINAL,
     REPLAY_PREFIX,
     comparable_rows,
@@ -42,6 +43,7 @@ from eaglescope.detective.replay import (
 from eaglescope.draft import LoadedDraft
 from eaglescope.errors import EagleScopeError
 from eaglescope.target.base import Target
+from eaglescope.target.layer_states import input_norm
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,14 @@ def fp_slack(dof: int) -> float:
     """How far above the true error a χ²(dof) projection estimate reads at FP_Z (Wilson-Hilferty's quantile)."""
     c = 2.0 / (9.0 * max(dof, 1))
     return math.sqrt(max(1.0 - c + FP_Z * math.sqrt(c), 1.0) ** 3)
+
+
+@torch.no_grad()
+def on_model(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`fn` (a model's module) over evidence `x`. The evidence (trace and replay tensors, read from disk) stays on
+    the host, where every comparison is made; the models live on --device: `x` goes to `like`'s (a weight's) device
+    and dtype for the call, and the result comes back as host float32."""
+    return fn(x.to(like)).float().cpu()
 
 
 # -- comparing one observation with one reference ------------------------------------------------------------------
@@ -304,14 +314,10 @@ class Evidence:
     @torch.no_grad()
     def normed(self, i: int, hs: torch.Tensor) -> torch.Tensor | None:
         """Layer i's input RMSNorm applied to hidden state i: what a 'normed tap' captures."""
-        layers = getattr(getattr(self.target, "model", None), "model", None)
-        layer_list = getattr(layers, "layers", None) or getattr(self.target, "layers", None)
-        if layer_list is None or i >= len(layer_list):
-            return None
-        norm = getattr(layer_list[i], "input_layernorm", None)
+        norm = input_norm(self.target, i)
         if norm is None:
             return None
-        return norm(hs.to(self.target.dtype).to(self.target.device)).float().cpu()
+        return on_model(norm, hs, norm.weight)
 
     def hidden_states(self, rnd: int) -> dict[int, torch.Tensor]:
         out = {}
@@ -364,6 +370,9 @@ def judge(
         return []
     best_score, _, best = min(hits, key=lambda x: (x[0], x[1]))
     others = [s for s, _, h in hits if h.code != best.code]
+    # Another form of the same mistake that reproduces the observation as well: the trace cannot tell them apart
+    # (e.g. RoPE offsets in two passes that leave every relative position the same), so the finding names both.
+    alike = [h for s, _, h in hits if h is not best and h.code == best.code and s <= 2.0 * best_score + 0.05]
     seps = [1.0 - best_score / max(clean.score or math.inf, 1e-12)]
     if others:
         seps.append(1.0 - best_score / max(min(others), 1e-12))
@@ -378,7 +387,12 @@ def judge(
         **best.evidence,
         **(extra or {}),
     }
-    return [Finding(best.code, stage, best.verdict, evidence, best.fix, confidence, rnd)]
+    verdict = best.verdict
+    if alike:
+        evidence["equally_reproduced_by"] = [h.name for h in alike]
+        verdict += "; or, reproducing the trace as well: " + "; ".join(h.verdict for h in alike)
+        verdict += " (this trace cannot tell them apart)"
+    return [Finding(best.code, stage, verdict, evidence, best.fix, confidence, rnd)]
 
 
 def _tensor_hypothesis(ev: Evidence, observed, code, name, verdict, fix, candidate, **evidence) -> Hypothesis:
@@ -404,15 +418,7 @@ def diagnose_taps(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]
     contract = list(ev.taps.layers)
     views: list[tuple[str, list[int], list]] = []
     aux = observed if stage == T.TARGET_AUX else ev.t(T.TARGET_AUX, rnd)
-    candidates: dict[str, torch.Tensor] = {}
-    for i, h in ev.hidden_states(rnd).items():
-        candidates[f"hs{i}"] = h
-        n = ev.normed(i, h)
-        if n is not None:
-            candidates[f"normed{i}"] = n
-    final = ev.g(REPLAY_FINAL, rnd)
-    if final is not None:
-        candidates["final"] = final.float()
+    candidates = _tap_candidates(ev, rnd)
     if aux is not None:
         segs = _segments(aux, len(contract), ev.H)
         if segs:
@@ -426,31 +432,71 @@ def diagnose_taps(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]
     if stage != T.TARGET_AUX and T.parse_stage(stage)[1] not in contract:
         views.append((stage, [T.parse_stage(stage)[1]], [observed]))
     for where, expected, segs in views:
-        found, scores = [], []
-        for seg in segs:
-            name, s = ev.best(candidates, seg)
-            found.append(name)
-            scores.append(s)
-        if all(f == f"hs{x}" for f, x in zip(found, expected)):
-            continue  # this view is right: the divergence is elsewhere (e.g. precision)
-        if where == "taps":
-            where = next(T.target_tap(x) for f, x in zip(found, expected) if f != f"hs{x}")
-        # The reproduction test, per segment that is not the contract's tap: what it holds against the clean tap.
-        wrong = [(s.get(f) or 0.0, s.get(f"hs{x}") or math.inf) for f, x, s in zip(found, expected, scores)
-                 if f is not None and f != f"hs{x}"]  # fmt: skip
-        seps = [1.0 - mine / max(clean, 1e-12) for mine, clean in wrong]
-        evidence = {
-            "stage": where,
-            "expected_taps": expected,
-            "found": found,
-            "score_vs_expected": [s.get(f"hs{x}") for s, x in zip(scores, expected)],
-            "reproduced_by": "the segments holding " + ", ".join(str(f) for f in found),
-            "score": max((m for m, _ in wrong), default=None),
-            "clean_score": min((c for _, c in wrong), default=None),
-        }
-        confidence = 0.5 + 0.45 * max(0.0, min(seps)) if seps else 0.5
-        return [_classify_taps(where, expected, found, evidence, rnd, confidence)]
+        if (found := _taps_held(ev, rnd, where, expected, segs, candidates)) is not None:
+            return [found]
     return []
+
+
+def _tap_candidates(ev: Evidence, rnd: int, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Every state a capture could have taken in round `rnd` (each hidden state, its layer's normed input, the final
+    normed state), at the given rows of the round's target forward (all of them by default)."""
+    candidates: dict[str, torch.Tensor] = {}
+    for i, h in ev.hidden_states(rnd).items():
+        candidates[f"hs{i}"] = h
+        n = ev.normed(i, h)
+        if n is not None:
+            candidates[f"normed{i}"] = n
+    final = ev.g(REPLAY_FINAL, rnd)
+    if final is not None:  # a fingerprint where the engine recorded it (detective/layer_taps.py)
+        candidates["final"] = final if isinstance(final, T.Fingerprint) else final.float()
+    return candidates if rows is None else {k: v[rows] for k, v in candidates.items()}
+
+
+def _taps_held(ev: Evidence, rnd: int, where: str, expected: list[int], segs: list, candidates: dict):
+    """The capture mistake the segments `segs` (one per expected tap) show, or None when each holds its tap."""
+    found, scores = [], []
+    for seg in segs:
+        name, s = ev.best(candidates, seg)
+        found.append(name)
+        scores.append(s)
+    if all(f == f"hs{x}" for f, x in zip(found, expected)):
+        return None  # this view is right: the divergence is elsewhere (e.g. precision)
+    if where == "taps":
+        where = next(T.target_tap(x) for f, x in zip(found, expected) if f != f"hs{x}")
+    # The reproduction test, per segment that is not the contract's tap: what it holds against the clean tap.
+    wrong = [(s.get(f) or 0.0, s.get(f"hs{x}") or math.inf) for f, x, s in zip(found, expected, scores)
+             if f is not None and f != f"hs{x}"]  # fmt: skip
+    seps = [1.0 - mine / max(clean, 1e-12) for mine, clean in wrong]
+    evidence = {
+        "stage": where,
+        "expected_taps": expected,
+        "found": found,
+        "score_vs_expected": [s.get(f"hs{x}") for s, x in zip(scores, expected)],
+        "reproduced_by": "the segments holding " + ", ".join(str(f) for f in found),
+        "score": max((m for m, _ in wrong), default=None),
+        "clean_score": min((c for _, c in wrong), default=None),
+    }
+    confidence = 0.5 + 0.45 * max(0.0, min(seps)) if seps else 0.5
+    return _classify_taps(where, expected, found, evidence, rnd, confidence)
+
+
+def _handed_taps(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]:
+    """next.hidden_in as the tap capture of the rows handed on: an engine whose drafter receives only the accepted rows
+    (vLLM without its padded drafter batch) concatenates the taps there, and a mistake in that concatenation shows
+    first at this stage."""
+    acc = ev.g(T.VERIFY_ACCEPTED, rnd)
+    if rnd == 0:
+        rows = None
+    elif acc is None:
+        return []
+    else:
+        rows = torch.tensor([0] + [int(i) for i in acc.flatten().tolist()])
+    candidates = _tap_candidates(ev, rnd, rows)
+    segs = _segments(observed, ev.taps.count, ev.H)
+    if not segs or any(c.shape[0] != observed.shape[0] for c in candidates.values()):
+        return []
+    found = _taps_held(ev, rnd, stage, list(ev.taps.layers), segs, candidates)
+    return [] if found is None else [found]
 
 
 def _aux_of_other_width(ev: Evidence, rnd: int, stage: str, aux, candidates: dict, contract: list[int]):
@@ -588,10 +634,10 @@ def _fc_again(ev: Evidence, x: torch.Tensor) -> dict[str, torch.Tensor]:
     out = {}
     with torch.no_grad():
         w = d.fc.weight
-        out["tiled to fc's width"] = d.project(torch.cat([x] * n, dim=-1).to(w)).float().cpu()
+        out["tiled to fc's width"] = on_model(d.project, torch.cat([x] * n, dim=-1), w)
         for j in range(n):
             parts = [x if i == j else torch.zeros_like(x) for i in range(n)]
-            out[f"zero-padded to fc's width (in segment {j})"] = d.project(torch.cat(parts, -1).to(w)).float().cpu()
+            out[f"zero-padded to fc's width (in segment {j})"] = on_model(d.project, torch.cat(parts, -1), w)
     return out
 
 
@@ -655,7 +701,7 @@ def _fc_variants(d, aux: torch.Tensor) -> dict[str, torch.Tensor]:
     decision changed; a variant that reproduces the observed tensor names the drift."""
     c, out = d.config, {}
     with torch.no_grad():
-        x = aux.to(d.fc.weight.dtype)
+        x = aux.to(d.fc.weight)  # the variants are the draft's own modules: computed where they live
         segs = x.chunk(c.num_aux, -1)
 
         def per_segment(t: torch.Tensor) -> torch.Tensor:
@@ -694,8 +740,7 @@ def _eagle31_hypotheses(ev: Evidence, rnd: int, stage: str, observed) -> list[Hy
         aux = ev.g(T.NEXT_HIDDEN_IN, rnd - 1)
     if aux is None or aux.shape[0] != observed.shape[0]:
         return []
-    with torch.no_grad():
-        trained = ev.draft.project(aux.to(ev.draft.fc.weight.dtype)).float().cpu()
+    trained = on_model(ev.draft.project, aux, ev.draft.fc.weight)
     if ev.compare(observed, trained).match:
         return []  # the trained computation over these features explains it: not a norm decision
     c = ev.draft.config
@@ -736,7 +781,7 @@ def _stale_fc_hypotheses(ev: Evidence, rnd: int, stage: str, observed) -> list[H
                 name,
                 f"the draft's features are fc of the {name}, not of the accepted positions",
                 fix,
-                ev.draft.project(rows.to(w)).float().cpu(),
+                on_model(ev.draft.project, rows, w),
             )
             for name, (code, rows, fix) in rules.items()
         ]
@@ -794,7 +839,7 @@ def diagnose_stale(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding
         )
         for name, (code, rows, fix) in rules.items()
     ]
-    return judge(ev, stage, rnd, ev.compare(observed, gold), hyps)
+    return judge(ev, stage, rnd, ev.compare(observed, gold), hyps) or _handed_taps(ev, rnd, stage, observed)
 
 
 # -- token embeddings -------------------------------------------------------------------------------------------
@@ -813,13 +858,28 @@ def _sequence(ev: Evidence) -> list[int]:
     return seq
 
 
+_TABLE_CHUNK = 8192  # rows of the embedding table compared at once: a 163840 x 7168 table is 9.4 GB in float64
+
+
+def _nearest_rows(emb: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of the table row nearest to each row, ||row - that table row|| / ||that table row||), in float64, the
+    table read in chunks so that a large vocabulary is never copied whole."""
+    x = rows.detach().double().cpu()
+    best_d = torch.full((x.shape[0],), math.inf, dtype=torch.float64)
+    best_i = torch.zeros(x.shape[0], dtype=torch.long)
+    for start in range(0, emb.shape[0], _TABLE_CHUNK):
+        part = emb[start : start + _TABLE_CHUNK].detach().double().cpu()
+        d, i = torch.cdist(x, part).min(dim=-1)
+        closer = d < best_d
+        best_d, best_i = torch.where(closer, d, best_d), torch.where(closer, i + start, best_i)
+    norms = emb[best_i].detach().double().cpu().norm(dim=-1)
+    return best_i, best_d / norms.clamp_min(1e-12)
+
+
 def _tokens_of(emb: torch.Tensor, rows: torch.Tensor) -> list[int] | None:
     """The token whose embedding each row is (the golden rows are the target's table exactly), or None."""
-    table = emb.detach().double().cpu()
-    d = torch.cdist(rows.double().cpu(), table)
-    best = d.min(dim=-1)
-    ok = best.values <= 1e-3 * table[best.indices].norm(dim=-1).clamp_min(1e-12)
-    return [int(i) for i in best.indices.tolist()] if bool(ok.all()) else None
+    idx, rel = _nearest_rows(emb, rows)
+    return [int(i) for i in idx.tolist()] if bool((rel <= 1e-3).all()) else None
 
 
 def diagnose_embed(ev: Evidence, rnd: int, stage: str, observed, step: int) -> list[Finding]:
@@ -835,38 +895,87 @@ def diagnose_embed(ev: Evidence, rnd: int, stage: str, observed, step: int) -> l
         # pending features sit at positions [start, start+P) and pair with the token after each position
         prompt_len = len(ev.golden.meta.get("prompt_ids", []))
         start = _committed_before(ev, rnd, prompt_len)
-        for delta, name in ((0, "the token at the feature's own position"), (2, "the token two ahead")):
-            ids = [seq[p + delta] if 0 <= p + delta < len(seq) else 0 for p in range(start, start + P)]
+        right = [seq[p + 1] if 0 <= p + 1 < len(seq) else 0 for p in range(start, start + P)]
+        for name, ids, layout in _shifted_tokens(seq, start, P, right):
             cand = emb[torch.tensor(ids, device=emb.device)].float().cpu()
             hyps.append(
                 _tensor_hypothesis(
-                    ev,
-                    observed,
-                    "SHIFT_OFF_BY_ONE",
-                    name,
-                    f"step-0 inputs pair each feature with {name} instead of the next token",
-                    "pair features at position t with the embedding of token t+1",
-                    cand,
+                    ev, observed, "SHIFT_OFF_BY_ONE", name, _shift_verdict(name, layout, right[-1]), _SHIFT_FIX, cand,
+                    bonus_row=layout,
                 )
-            )
+            )  # fmt: skip
     found = judge(ev, stage, rnd, clean, hyps)
     if found:
         return found
     if (other := _other_tokens(emb, gold, observed, ev.tol(observed))) is not None:
-        rows, fed, want = other
-        return [
-            _unexplained_finding(
-                stage,
-                rnd,
-                f"{stage} rows {rows} are the target's embedding of tokens {fed}, not of {want}: the embedding is "
-                "right but other tokens were fed at those rows (no named hypothesis covers that)",
-                {"rows": rows, "fed_tokens": fed, "expected_tokens": want},
-                "pair each position's features with the token after it at every row (vLLM 0.32's padded drafter "
-                "batch pairs the last row of a prefill chunk with the prompt's last token: disable_padded_drafter_"
-                "batch, or prefill unchunked)",
-            )
-        ]
+        return [_other_tokens_finding(stage, rnd, *other, embedded=True)]
     return judge(ev, stage, rnd, clean, _other_table_hypotheses(ev, rnd, stage, observed, gold))
+
+
+_SHIFT_FIX = "pair features at position t with the embedding of token t+1"
+
+
+def _shifted_tokens(seq: list[int], start: int, P: int, right: list[int]):
+    """(name, token per row, bonus-row layout) of the step-0 pairings a shift mistake gives for the P rows from
+    position `start`: each row's own token or the one two ahead, plainly, and as an engine lays them out that writes
+    the round's newest token (the bonus) on the row it samples from after shifting (vLLM's set_inputs_first_pass
+    writes next_token_ids at token_indices_to_sample): every row shifted but the last, which stays right."""
+    for delta, name in ((0, "the token at the feature's own position"), (2, "the token two ahead")):
+        ids = [seq[p + delta] if 0 <= p + delta < len(seq) else 0 for p in range(start, start + P)]
+        yield name, ids, False
+        if P > 1:
+            yield f"{name}, the sampled row keeping the newest token", ids[:-1] + right[-1:], True
+
+
+def _shift_verdict(name: str, layout: bool, newest: int) -> str:
+    if not layout:
+        return f"step-0 inputs pair each feature with {name} instead of the next token"
+    what = name.removesuffix(", the sampled row keeping the newest token")
+    return (
+        f"step-0 inputs pair each feature with {what} instead of the next token, except the row the draft samples "
+        f"from, which holds the round's newest token ({newest}) as the engine writes it there after the shift "
+        "(vLLM's padded drafter batch): the rotation by one before it was skipped or doubled"
+    )
+
+
+def _other_tokens_finding(stage: str, rnd: int, rows: list[int], fed: list[int], want: list[int], embedded: bool):
+    held = (
+        f"the target's embedding of tokens {fed}, not of {want}: the embedding is right but"
+        if embedded
+        else (f"tokens {fed}, not {want}:")
+    )
+    return _unexplained_finding(
+        stage,
+        rnd,
+        f"{stage} rows {rows} are {held} other tokens were fed at those rows (no named hypothesis covers that)",
+        {"rows": rows, "fed_tokens": fed, "expected_tokens": want},
+        "pair each position's features with the token after it at every row (vLLM 0.32's padded drafter "
+        "batch pairs the last row of a prefill chunk with the prompt's last token: disable_padded_drafter_"
+        "batch, or prefill unchunked)",
+    )
+
+
+def diagnose_tokens(ev: Evidence, rnd: int, stage: str, observed, step: int) -> list[Finding]:
+    """The token ids step 0 read (draft.step0.tokens), compared exactly: a shift mistake, in vLLM's layout or plainly,
+    or other tokens at a few rows. A later step's tokens are the previous step's drafts, so a difference there shows
+    at that step's top-k first."""
+    gold = ev.g(stage, rnd)
+    if step != 0 or gold is None or not isinstance(observed, torch.Tensor) or observed.shape != gold.shape:
+        return []
+    obs, want = [int(x) for x in observed.flatten().tolist()], [int(x) for x in gold.flatten().tolist()]
+    seq = _sequence(ev)
+    start = _committed_before(ev, rnd, len(ev.golden.meta.get("prompt_ids", [])))
+    bad = [i for i, (a, b) in enumerate(zip(obs, want)) if a != b]
+    clean = Cmp(2.0, len(bad) / max(len(obs), 1), bad)
+    hyps = [
+        Hypothesis("SHIFT_OFF_BY_ONE", name, _shift_verdict(name, layout, want[-1]), _SHIFT_FIX,
+                   lambda ids=ids: 0.0 if ids == obs else 2.0, evidence={"bonus_row": layout, "rows_read": len(obs)})
+        for name, ids, layout in _shifted_tokens(seq, start, len(obs), want)
+    ]  # fmt: skip
+    found = judge(ev, stage, rnd, clean, hyps)
+    if found or len(bad) == len(obs):
+        return found
+    return [_other_tokens_finding(stage, rnd, bad, [obs[i] for i in bad], [want[i] for i in bad], embedded=False)]
 
 
 def _other_table_hypotheses(ev: Evidence, rnd: int, stage: str, observed, gold: torch.Tensor) -> list[Hypothesis]:
@@ -919,8 +1028,13 @@ def _other_table_hypotheses(ev: Evidence, rnd: int, stage: str, observed, gold: 
 
     def no_token_of_the_table() -> float | None:
         # no row is any token's row of the target's table (the tokens are not merely other ones)
-        err = pairwise_row_errors(observed, emb.detach().float().cpu())
-        return None if err is None or float(err.min()) <= ev.tol(observed) * slack else 0.0
+        nearest = math.inf
+        for start in range(0, emb.shape[0], _TABLE_CHUNK):
+            err = pairwise_row_errors(observed, emb[start : start + _TABLE_CHUNK].detach().float().cpu())
+            if err is None:
+                return None
+            nearest = min(nearest, float(err.min()))
+        return None if nearest <= ev.tol(observed) * slack else 0.0
 
     return [
         Hypothesis(
@@ -946,13 +1060,10 @@ def _other_tokens(emb: torch.Tensor, gold, observed, tol: float) -> tuple[list[i
     rows = [int(i) for i in torch.nonzero(err > tol).flatten().tolist()]
     if not rows or len(rows) == a.shape[0]:  # every row differs: a table or a shift, not a few wrong tokens
         return None
-    table = emb.detach().double().cpu()
 
     def lookup(x: torch.Tensor) -> list[int] | None:
-        d = torch.cdist(x, table)  # [rows, V]
-        best = d.min(dim=-1)
-        ok = best.values <= tol * table[best.indices].norm(dim=-1)
-        return [int(i) for i in best.indices.tolist()] if bool(ok.all()) else None
+        idx, rel = _nearest_rows(emb, x)
+        return [int(i) for i in idx.tolist()] if bool((rel <= tol).all()) else None
 
     fed, want = lookup(a[rows]), lookup(b[rows])
     if fed is None or want is None:
@@ -979,8 +1090,7 @@ def diagnose_feedback(ev: Evidence, rnd: int, stage: str, observed, step: int) -
         return []
     m = gold.shape[0]
     h = _tensor_hypothesis
-    with torch.no_grad():
-        postnorm = ev.draft.norm(gold.to(ev.draft.fc.weight)).float().cpu()
+    postnorm = on_model(ev.draft.norm, gold, ev.draft.fc.weight)
     hyps = [
         h(
             ev,
@@ -1061,6 +1171,56 @@ class _CatchUpOffset(_Offset):
         return super().catch_up_positions(start, count) + self._shift()
 
 
+_PASSES = {
+    "catch-up": "the catch-up pass (draft step 0, over the positions handed in)",
+    "tree": "the tree steps (draft steps k >= 1)",
+}
+_POSITION_FIX = "draft step k uses position (feature position + k), continuing the committed cache"
+
+
+def diagnose_positions(ev: Evidence, rnd: int, stage: str, observed, step: int, trace_dir, tmp: Path) -> list[Finding]:
+    """The RoPE positions a draft step ran at (draft.step<k>.positions), compared exactly: one offset over every row
+    names the pass (step 0's catch-up, or the tree steps) and its sign. The golden path re-run with that offset
+    reproduces the positions, and the evidence says whether it also reproduces the step's output (an engine whose
+    cache slots moved with its positions computes something else again)."""
+    gold = ev.g(stage, rnd)
+    if gold is None or not isinstance(observed, torch.Tensor) or observed.shape != gold.shape:
+        return []
+    deltas = (observed.long().flatten() - gold.long().flatten()).unique()
+    if deltas.numel() != 1 or int(deltas[0]) == 0:
+        return []
+    d, pass_ = int(deltas[0]), "tree" if step > 0 else "catch-up"
+    cls = _TreeOffset if step > 0 else _CatchUpOffset
+    variant = type(f"{cls.__name__}{d}", (cls,), {"delta": d, "from_round": rnd})
+    evidence: dict = {"pass": pass_, "offset": d, "step": step, "positions": observed.flatten().tolist()[:8],
+                      "expected": gold.flatten().tolist()[:8]}  # fmt: skip
+
+    def score() -> float | None:
+        alt = T.load_trace(replay(ev.target, ev.loaded, trace_dir, tmp / f"pos-{pass_}{d:+d}", proposer_cls=variant,
+                                  until_round=rnd))  # fmt: skip
+        cand = golden_value(alt, stage, rnd)
+        if cand is None or not torch.equal(cand.long(), observed.long()):
+            return None
+        out, alt_out = ev.t(T.draft_hidden_out(step), rnd), golden_value(alt, T.draft_hidden_out(step), rnd)
+        if out is not None and alt_out is not None:
+            c = ev.compare(out, alt_out.float())
+            evidence["hidden_out_reproduced"], evidence["hidden_out_score"] = c.match, c.score
+        return 0.0
+
+    verdict = (
+        f"RoPE positions in {_PASSES[pass_]} are offset by {d:+d}: step {step} ran at {evidence['positions']} where "
+        f"the contract puts {evidence['expected']} (round {rnd})"
+    )
+    hyp = Hypothesis("POSITION_OFFSET", f"{pass_} {d:+d}", verdict, _POSITION_FIX, score, evidence=evidence)
+    clean = Cmp(2.0, 1.0, list(range(observed.numel())))
+    found = judge(ev, stage, rnd, clean, [hyp])
+    for f in found:
+        if f.evidence.get("hidden_out_reproduced") is False:
+            f.verdict += f"; re-run with that offset, step {step}'s output still differs (the engine's cache moved too)"
+            f.confidence = min(f.confidence, 0.7)
+    return found
+
+
 def _position_hypotheses(
     ev: Evidence, rnd: int, stage: str, part: str | None, observed, step: int, trace_dir, tmp: Path
 ) -> list[Hypothesis]:
@@ -1074,7 +1234,7 @@ def _position_hypotheses(
         for d in deltas:
             # the first divergent round is where the offset starts (an earlier start would have shown earlier)
             variant = type(f"{cls.__name__}{d}", (cls,), {"delta": d, "from_round": rnd})
-            where = f"tree step {step}" if tree else "the catch-up pass"
+            where = _PASSES["tree" if tree else "catch-up"]
             name = f"{'tree' if tree else 'catch-up'} {d:+d}"
 
             def score(variant=variant, name=name) -> float | None:
@@ -1104,10 +1264,10 @@ def _position_hypotheses(
                     "POSITION_OFFSET",
                     name,
                     f"RoPE positions in {where} are offset by {d:+d}",
-                    "draft step k uses position (feature position + k), continuing the committed cache",
+                    _POSITION_FIX + " (a trace that records draft.step<k>.positions tells the passes apart)",
                     score,
                     tier=2,
-                    evidence={"offset": d},
+                    evidence={"offset": d, "pass": "tree" if tree else "catch-up"},
                 )
             )
     return out
@@ -1397,8 +1557,11 @@ def diagnose_trace(
         ev = Evidence(target, loaded, trace, golden, tol)
         table, first = [], None
         trace_keys = {(e.stage, e.round, e.part) for e in trace.events}
+        copied = bool(golden.meta.get(REPLAY_COPIES_TARGET))  # a draft-side replay: target.* are the trace's own
         for e in golden.events:
             if e.stage.startswith(REPLAY_PREFIX) or e.stage in FORCED or (e.stage, e.round, e.part) not in trace_keys:
+                continue
+            if copied and e.stage.startswith("target."):
                 continue
             obs = trace.get(e.stage, e.round, part=e.part) if e.part else trace.get(e.stage, e.round)
             gold = _observed_layout(ev, e, obs)
@@ -1407,14 +1570,47 @@ def diagnose_trace(
             if not c.match and first is None:
                 first = (e, obs, c)
         context = {"stage_table": table, "first_divergence": None, "segment_norms": _segment_norms(ev)}
+        incomplete = [f] if (f := _incomplete(trace)) is not None else []
         if first is None:
-            return [], context
+            return incomplete, context
         e, obs, c = first
         context["first_divergence"] = {"round": e.round, "stage": e.stage, "part": e.part}
         findings = _explain(ev, e, obs, trace_dir, tmp)
-    if not findings:
-        findings = [_unexplained(ev, e, c)]
-    return rank(findings), context
+        if not findings:
+            findings = [_unexplained(ev, e, c)]
+    return rank(findings + incomplete), context
+
+
+def _incomplete(trace: T.Trace) -> Finding | None:
+    """TRACE_INCOMPLETE when the trace says it stops before its request ended (`meta.complete` false, with the
+    producer's own note in `meta.incomplete`), or when it holds no decode round: nothing the draft proposed was
+    verified, so nothing of the draft can be judged healthy."""
+    meta = trace.meta
+    decoded = any(e.stage == T.VERIFY_ACCEPTED and e.round > 0 for e in trace.events)
+    if meta.get("complete") is not False and decoded:
+        return None
+    why = []
+    if meta.get("complete") is False:
+        why.append(f"it stops before its request ended: {meta.get('incomplete') or 'no reason recorded'}")
+    if not decoded:
+        why.append("it holds no decode round (nothing the draft proposed was verified)")
+    rounds = sorted(trace.rounds())
+    return Finding(
+        "TRACE_INCOMPLETE",
+        None,
+        f"the trace is incomplete: {'; and '.join(why)}; what it does not hold cannot be judged healthy "
+        f"(rounds recorded: {len(rounds)}, finished: {meta.get('finished')})",
+        {
+            "complete": meta.get("complete"),
+            "incomplete": meta.get("incomplete"),
+            "finished": meta.get("finished"),
+            "rounds": len(rounds),
+            "decode_rounds": decoded,
+        },  # fmt: skip
+        "find why the engine stopped (its log has the error), fix it, and capture again; a request must run past "
+        "its prefill for its draft to be judged",
+        0.5,
+    )
 
 
 def _explain(ev: Evidence, e: T.TraceEvent, obs, trace_dir, tmp: Path) -> list[Finding]:
@@ -1426,6 +1622,10 @@ def _explain(ev: Evidence, e: T.TraceEvent, obs, trace_dir, tmp: Path) -> list[F
         return diagnose_stale(ev, rnd, e.stage, obs)
     if e.stage == T.DRAFT_FC_OUT or (family == "draft.hidden_in" and idx == 0):
         return diagnose_fc(ev, rnd, e.stage, obs)
+    if family == "draft.tokens":
+        return diagnose_tokens(ev, rnd, e.stage, obs, idx)
+    if family == "draft.positions":
+        return diagnose_positions(ev, rnd, e.stage, obs, idx, trace_dir, tmp)
     if family == "draft.embed_in":
         return diagnose_embed(ev, rnd, e.stage, obs, idx)
     if family == "draft.hidden_in":
@@ -1503,14 +1703,63 @@ def _unexplained(ev: Evidence, e: T.TraceEvent, c: Cmp) -> Finding:
     closest = min(((v, k) for k, v in ev.tried.items() if v is not None), default=None)
     if closest is not None:
         how += f"; {len(ev.tried)} hypotheses tried, the closest ({closest[1]}) at {closest[0]:.3g}x the tolerance"
+    lead = f"the trace first diverges from the golden replay at {where} (round {e.round})"
+    small = _below_decision(ev, c)
+    if small is not None:
+        evidence["below_decision"] = small
+        lead = (
+            f"a small divergence that changes no decision: every one of the {small['decisions']} draft tokens the "
+            f"trace proposed is the replay's own first choice, the closest by {small['margin_nats']:.3g} nats, "
+            f"{small['margin_ratio']:.3g}x the largest log-prob difference seen ({small['logprob_diff_nats']:.3g} "
+            f"nats); {lead}"
+        )
     return _unexplained_finding(
         e.stage,
         e.round,
-        f"the trace first diverges from the golden replay at {where} (round {e.round}): {how}; no named hypothesis "
-        f"reproduces it{need}",
+        f"{lead}: {how}; no named hypothesis reproduces it{need}",
         evidence,
         "compare this stage's inputs and code path with eaglescope's reference",
     )
+
+
+# A divergence this many times the tolerance or less may be precision (another kernel's summation order, TF32) rather
+# than wiring; it is said to change no decision when the draft's choices also leave room for twice its effect.
+_SMALL = 5.0
+
+
+def _below_decision(ev: Evidence, c: Cmp) -> dict | None:
+    """For a greedy trace whose first divergence is small (≤ _SMALL x the tolerance): the draft decisions the trace
+    recorded, all the replay's own first choice, and their smallest margin (the replay's top-1 log-prob over its
+    runner-up), when that margin is more than twice the largest difference between the trace's and the replay's
+    log-probs of the chosen tokens, so no decision could have gone the other way. None otherwise."""
+    settings = ev.trace.meta.get("settings") or ev.trace.meta.get("decoding") or {}
+    if c.score is None or c.score > _SMALL or float(settings.get("temperature") or 0.0) > 0:
+        return None
+    n, margins, diffs = 0, [], []
+    for e in ev.trace.events:
+        if e.part != T.TOPK_IDS:
+            continue
+        obs = ev.topk_obs(e.stage, e.round)
+        ids = obs[T.TOPK_IDS].long()
+        h = ev.head_rows(T.parse_stage(e.stage)[1], e.round, ids.shape[0])
+        if h is None or ids.dim() != 2:
+            return None
+        head = ev.head(h)
+        top, vals = head.topk(2)
+        if not torch.equal(ids[:, 0], top[:, 0].long()) or vals.shape[-1] < 2:
+            return None
+        n += ids.shape[0]
+        margins.append(float((vals[:, 0] - vals[:, 1]).min()))
+        lp = obs.get(T.TOPK_LOGPROBS)
+        if isinstance(lp, torch.Tensor):
+            diffs.append(float((lp[:, 0].float() - vals[:, 0]).abs().max()))
+    if not n or not diffs:
+        return None
+    margin, diff = min(margins), max(diffs)
+    if margin <= 2.0 * diff:
+        return None
+    return {"decisions": n, "margin_nats": margin, "logprob_diff_nats": diff,
+            "margin_ratio": margin / max(diff, 1e-12)}  # fmt: skip
 
 
 def _segment_norms(ev: Evidence) -> dict | None:

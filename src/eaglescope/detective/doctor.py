@@ -1,7 +1,9 @@
 """`eaglescope doctor`: why does this draft accept so little? A ranked list of named causes.
 
     static     always: contract vs target fingerprint, engine tap conventions, vocab map, embedding, template
-    trace      with --trace: the trace against eaglescope's golden replay, stage by stage (diagnose.py)
+    trace      with --trace: the trace against eaglescope's golden replay, stage by stage (diagnose.py): a full
+               replay when the target's layers are on disk, else a draft-side replay from the trace's own capture
+               (draft_replay.py), which cannot name causes in the capture itself; context["replay"] says which ran
     behaviour  with --data and/or --engine-log: served α_k (eaglescope's own decoder on prompts from --data, or
                the engine's log) against teacher-forced α_k predicted on --data and training's acc_k
 
@@ -20,14 +22,12 @@ from pathlib import Path
 
 import torch
 
+from eaglescope.config import DEFAULT_DEPTH
 from eaglescope.data.chat import read_conversations
 from eaglescope.data.shards import PreparedData
 from eaglescope.decode.speculative import target_embedding
-from eaglescope.detective.behaviour import (
-    AGREEMENT_MIN,
-    DEFAULT_DEPTH,
-    Acceptance,
-    diagnose_behaviour,
+from eaglescope.detective.acceptance import Acceptance, traffic
+from eaglescope.detective.acceptance_sources import (
     from_engine,
     from_trace,
     load_samples,
@@ -35,18 +35,28 @@ from eaglescope.detective.behaviour import (
     prompt_of,
     read_training_metrics,
     serve_with_decoder,
-    traffic,
 )
+from eaglescope.detective.behaviour import AGREEMENT_MIN, diagnose_behaviour
 from eaglescope.detective.diagnose import diagnose_trace
+from eaglescope.detective.draft_replay import (
+    DRAFT_SIDE,
+    ReplayMode,
+    check_capture_width,
+    choose_replay,
+    load_recorded_target,
+)
 from eaglescope.detective.engine_logs import read_engine_log
-from eaglescope.detective.findings import CODES, DoctorReport, rank
+from eaglescope.detective.findings import CODES, DoctorReport, Finding, rank
+from eaglescope.detective.layer_taps import MODE as LAYER_MODE
+from eaglescope.detective.layer_taps import aux_in_full, check_taps, taps_line, unchecked_note
 from eaglescope.detective.report import REPORT, first_divergent_stage, write_html
-from eaglescope.detective.static import DEFAULT_ENGINES, static_checks
+from eaglescope.detective.static import DEFAULT_ENGINES, contract_taps, static_checks
 from eaglescope.draft import load_draft
 from eaglescope.errors import EagleScopeError
 from eaglescope.outputs import check_destination
 from eaglescope.target import load_target, parse_device, parse_dtype
-from eaglescope.target.loading import check_dir, read_config
+from eaglescope.target.head import read_fingerprint
+from eaglescope.target.loading import check_dir, fingerprint_of, read_config
 from eaglescope.trace import TraceError, load_trace
 
 
@@ -64,6 +74,36 @@ def _load_models(target_dir, draft_dir, device, dtype, backend):
     return target, loaded
 
 
+def _load_draft_side(target_dir, draft_dir, trace, device, dtype):
+    """(the trace's target played back, LoadedDraft with the target's embedding) for a draft-side replay."""
+    device = parse_device(device)
+    dt = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, device)
+    num_layers = read_fingerprint(target_dir)[1].num_layers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = load_draft(draft_dir, num_layers, device=device, dtype=dt)
+    # the draft first, the embedding after: the table as read and the draft's load are never in memory together
+    target = load_recorded_target(target_dir, trace, device, dt)
+    loaded.model.load_target_embedding(target.embedding)
+    target.embedding = loaded.model.embed_tokens.weight  # one copy of a table that may be gigabytes
+    target.set_taps(loaded.contract.taps)
+    return target, loaded
+
+
+def _capture_unusable(mode: ReplayMode, why: str, rnd: int) -> Finding:
+    """The capture has another width than the draft's fc reads: a target-side fault this mode cannot name."""
+    return Finding(
+        "DIVERGENCE_UNEXPLAINED",
+        "target.aux",
+        f"{why}; which hidden state it holds cannot be told by a draft-side replay",
+        {"missing": mode.missing()},
+        f"record the concatenation of exactly the contract's taps; to name what was captured, give {mode.missing()[0]} "
+        f"or record {mode.missing()[1]}",
+        0.5,
+        rnd,
+    )
+
+
 def run_doctor(
     target_dir: str | Path,
     draft_dir: str | Path,
@@ -79,8 +119,10 @@ def run_doctor(
     eval_samples: int = 32,
     engines: tuple[str, ...] | None = None,
     progress: bool = False,
+    replay: str = "auto",
 ) -> DoctorReport:
-    """Every check the inputs allow → DoctorReport (findings most likely first; healthy = no findings)."""
+    """Every check the inputs allow → DoctorReport (findings most likely first; healthy = no findings). `replay`:
+    auto (a full replay when the target's layers are on disk, else draft-side), full, or draft-side."""
 
     def say(msg: str) -> None:
         if progress:
@@ -100,6 +142,8 @@ def run_doctor(
     served_engine = read_engine_log(engine_log) if engine_log is not None else None
     for path, what in ((target_dir, "target"), (draft_dir, "draft")):
         read_config(check_dir(path, what))  # input errors come before the first progress line
+    mode = choose_replay(target_dir, replay) if loaded_trace is not None else None
+    draft_side = mode is not None and mode.mode == DRAFT_SIDE
     if data is not None:
         check_data(Path(data))
     if engines is None:
@@ -126,19 +170,42 @@ def run_doctor(
         "static": static_ctx,
         "notes": notes,
     }
+    if mode is not None:
+        context["replay"] = mode.to_dict()
 
     target = loaded = None
+    taps_found: list = []
+    if draft_side:  # the replay takes the capture as recorded: the taps are checked against per-layer states instead
+        say(f"checking the taps of trace {trace} against its own per-layer states (fingerprints only)")
+        taps_found = _taps_from_fingerprints(target_dir, draft_dir, loaded_trace, context, notes)
+        findings += taps_found
     if trace is not None or data is not None:
         try:
-            say("loading target and draft")
-            target, loaded = _load_models(target_dir, draft_dir, device, dtype, backend)
+            if draft_side:
+                say(f"{mode.mode} ({mode.why}): loading the target's embedding and the draft")
+                target, loaded = _load_draft_side(target_dir, draft_dir, loaded_trace, device, dtype)
+            else:
+                say("loading target and draft")
+                target, loaded = _load_models(target_dir, draft_dir, device, dtype, backend)
         except EagleScopeError as e:
             if not findings:  # nothing explains why it does not load: that is the user's input problem
                 raise
             notes.append(f"the draft does not load ({e}); the static findings explain why, runtime checks skipped")
 
-    if trace is not None and loaded is not None:
-        say(f"comparing trace {trace} with the golden replay")
+    replayable = loaded is not None
+    if draft_side and loaded is not None and not aux_in_full(loaded_trace) and context["layer_taps"]["checked"]:
+        # nothing to play the draft back from, but the taps were checked: the fingerprints-only mode alone
+        context["replay"] |= {"mode": LAYER_MODE, "why": f"{mode.why} and the trace's target.aux is fingerprinted"}
+        notes.append("the draft side was not replayed: a draft-side replay needs target.aux in full (record it with "
+                     "full=True), or --target with its layers")  # fmt: skip
+        replayable = False
+    elif draft_side and loaded is not None:
+        unusable = check_capture_width(loaded_trace, loaded.contract.taps.count, target.hidden_size)
+        replayable = unusable is None
+        if unusable is not None and not taps_found:  # else the per-layer states already said what it holds
+            findings.append(_capture_unusable(mode, *unusable))
+    if trace is not None and replayable:
+        say(f"comparing trace {trace} with the golden {mode.mode}")
         f, ctx = diagnose_trace(target, loaded, trace)
         findings += f
         context.update(ctx)
@@ -160,11 +227,31 @@ def run_doctor(
                     "depth": len(served_trace.alpha),
                 }
 
+    if draft_side and data is not None:
+        notes.append("--data was not used: teacher-forced acceptance runs the target, whose layers a draft-side replay "
+                     "does not have")  # fmt: skip
+        target = loaded = data = None
     if data is not None or served_engine is not None:
         findings += _behaviour(target, loaded, draft_dir, data, served_engine, static_ctx, findings, prompts,
                                max_new_tokens, depth, eval_samples, say, context, notes)  # fmt: skip
     ranked = rank(findings)
     return DoctorReport(healthy=not ranked, findings=ranked, context=context)
+
+
+def _taps_from_fingerprints(target_dir, draft_dir, trace, context: dict, notes: list[str]) -> list:
+    """The fingerprints-only check (detective/layer_taps.py) beside a draft-side replay: the prefill's taps against the
+    engine's own per-layer states, with no target forward. context["layer_taps"] says what it checked; the codes it
+    covers leave context["replay"]["cannot_name"]."""
+    fp = fingerprint_of(Path(target_dir), read_config(Path(target_dir)))
+    findings, ctx = check_taps(trace, contract_taps(draft_dir, fp.num_layers), fp.hidden_size)
+    context["layer_taps"] = ctx
+    if ctx["checked"]:
+        replay = context["replay"]
+        replay["cannot_name"] = [c for c in replay["cannot_name"] if c not in ctx["can_name"]]
+        replay["missing"] = [] if not replay["cannot_name"] else replay["missing"]
+    elif ctx["recorded"] is not None:  # per-layer states there, but nothing of round 0 to match them with
+        notes.append(unchecked_note(ctx))
+    return findings
 
 
 def _behaviour(target, loaded, draft_dir, data, served_engine, static_ctx, findings, prompts, max_new_tokens, depth,
@@ -250,8 +337,9 @@ def contract_line(static: dict) -> str | None:
 
 def format_report(report: DoctorReport) -> str:
     lines = []
+    draft_side = (report.context.get("replay") or {}).get("mode") == DRAFT_SIDE
     if report.healthy:
-        lines.append("healthy: no findings")
+        lines.append("healthy: no findings" + (" (on the draft side: see the replay line)" if draft_side else ""))
     else:
         top = report.findings[0]
         lines.append(f"NOT HEALTHY: {len(report.findings)} finding(s); most likely {top.code}")
@@ -262,6 +350,12 @@ def format_report(report: DoctorReport) -> str:
         lines.append(f"   fix: {f.fix}")
     if (c := contract_line(report.context.get("static") or {})) is not None:
         lines.append(c)
+    if (r := report.context.get("replay")) is not None:
+        taps = report.context.get("layer_taps") or {}
+        if taps.get("checked"):  # the taps were named from per-layer states: the replay's own caveat does not hold
+            lines += [f"replay     {r['mode']}: {r['why']}", taps_line(taps)]
+        else:
+            lines.append(ReplayMode(r["mode"], r["why"], r["layers_on_disk"], r["num_layers"]).line())
     acc = report.context.get("acceptance")
     if acc:
         for key in ("served", "expected", "predicted", "training"):
@@ -312,6 +406,7 @@ def cmd_doctor(args) -> int:
         depth=args.depth,
         eval_samples=args.eval_samples,
         engines=tuple(args.engine) if args.engine else None,
+        replay=args.replay,
         progress=True,  # on stderr: --json on stdout stays parseable
     )
     if args.html:

@@ -1,4 +1,4 @@
-"""Served acceptance from an SGLang or vLLM server log (FIELD.md §5).
+"""Served acceptance from an SGLang or vLLM server log (docs/field.md §5).
 
 SGLang (0.5.23: managers/scheduler_components/metrics_reporter.py report_decode_stats, every
 decode_log_interval decode steps, default 40):

@@ -48,6 +48,8 @@ CODES: dict[str, str] = {
     "OVERFIT_OR_OTHER_TRAFFIC": "acceptance on --data is far below training's held-out: the draft fits only its "
     "training data, or --data is other traffic than it was trained for",
     "DIVERGENCE_UNEXPLAINED": "the trace diverges from the golden replay but no named hypothesis explains it",
+    "TRACE_INCOMPLETE": "the trace stops before its request ended (the engine raised, the process exited) or holds "
+    "no decode round: what it does not hold cannot be judged healthy",
 }
 
 # Where a finding can first show, earliest first; "static" before anything that runs, "behaviour" last.
@@ -56,6 +58,8 @@ _STAGE_ORDER = [
     "target.tap",
     "target.aux",
     "draft.fc.out",
+    "draft.tokens",
+    "draft.positions",
     "draft.embed_in",
     "draft.hidden_in",
     "draft.hidden_out",

@@ -29,12 +29,13 @@ from eaglescope.decode.tree import EAGLE_DEFAULT_TREE, DraftTree
 from eaglescope.decode.verify import VerifyResult
 from eaglescope.draft import LoadedDraft
 from eaglescope.errors import EagleScopeError
-from eaglescope.taps import TapContract
 from eaglescope.target.base import Target, TargetOutput
+from eaglescope.target.layer_states import forward_all_layers
 
 REPLAY_HS = "replay.hs"  # replay.hs.<i>: hidden state i of every target forward (all layers)
 REPLAY_FINAL = "replay.final"  # the target's final normed state (lm_head's input) of every target forward
 REPLAY_PREFIX = "replay."  # every replay-only stage: never compared with the trace
+REPLAY_COPIES_TARGET = "replay_copies_target"  # meta key: target.* stages are the trace's own (a draft-side replay)
 
 
 def replay_hs(i: int) -> str:
@@ -84,12 +85,19 @@ def _shape_from_stages(trace: T.Trace) -> tuple[int, int, int] | None:
 def comparable_rows(x: torch.Tensor | T.Fingerprint, like: torch.Tensor | T.Fingerprint) -> torch.Tensor:
     """`x` as rows [R, D'] that can be subtracted from `like`'s: raw rows when neither is a fingerprint, else the
     fingerprints' per-segment projections [R, S*16] (a tensor is fingerprinted with the other side's segments and
-    seed). ||row difference|| then estimates the true one (exactly, or by Johnson-Lindenstrauss)."""
+    seed), float64 on the host whatever device `x` is on. ||row difference|| then estimates the true one (exactly, or
+    by Johnson-Lindenstrauss)."""
     ref = x if isinstance(x, T.Fingerprint) else like if isinstance(like, T.Fingerprint) else None
     if ref is None:
         return T._rows(x).double()
-    fp = x if isinstance(x, T.Fingerprint) else T.fingerprint(x, ref.segments, ref.seed)
-    return fp.proj.double().reshape(fp.rows, -1)
+    proj = x.proj if isinstance(x, T.Fingerprint) else T.projection(x, ref.segments, ref.seed)
+    return proj.double().reshape(proj.shape[0], -1)
+
+
+def _host_ids(x: torch.Tensor) -> torch.Tensor:
+    """Integer rows as `comparable_rows` gives float ones: on the host (the replay's own on --device, the trace's
+    read from disk), where the cost of pairing them is summed."""
+    return x.detach().to("cpu", torch.long)
 
 
 def row_norms(x: torch.Tensor | T.Fingerprint) -> torch.Tensor:
@@ -119,7 +127,7 @@ def match_rows(trace_rows: dict[str, torch.Tensor | T.Fingerprint], own_rows: di
         if obs is None or obs.shape[0] != n:
             continue
         if not own.is_floating_point():  # top-k ids: the share of ids two rows do not have in common
-            o, t = own.long(), obs.long()
+            o, t = _host_ids(own), _host_ids(obs)
             same = (t[:, None, :, None] == o[None, :, None, :]).any(-1).double().mean(-1)
             cost += 1.0 - same
         else:
@@ -276,35 +284,6 @@ def _following(proposer_cls: type[Eagle3Proposer], trace: T.Trace) -> type[Eagle
     return Following
 
 
-def _output_head(target: Target) -> torch.nn.Module | None:
-    """The module that turns the final normed state into logits (transformers' output embedding, or lm_head)."""
-    model = getattr(target, "model", None)
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    return head if isinstance(head, torch.nn.Module) else getattr(model, "lm_head", None)
-
-
-def _all_layer_forward(target: Target, all_taps: TapContract, contract: TapContract, fn) -> tuple[TargetOutput, dict]:
-    """Run `fn()` with every layer tapped; return the output with the contract's aux, and all hidden states
-    (key REPLAY_FINAL: the final normed state, read where lm_head receives it)."""
-    final: list[torch.Tensor] = []
-    head = _output_head(target)
-    hook = head.register_forward_pre_hook(lambda m, args: final.append(args[0])) if head is not None else None
-    target.set_taps(all_taps)
-    try:
-        out = fn()
-    finally:
-        target.set_taps(contract)
-        if hook is not None:
-            hook.remove()
-    H = target.hidden_size
-    hs: dict = {i: out.aux[:, i * H : (i + 1) * H] for i in all_taps.layers}
-    if final and final[-1].shape[-1] == H:
-        hs[REPLAY_FINAL] = final[-1].reshape(-1, H)
-    aux = torch.cat([hs[i] for i in contract.layers], dim=-1)
-    return TargetOutput(out.logits, aux), hs
-
-
 class _ReplayRunner(ReferenceRunner):
     """The reference backend following a trace: the tree sent to verify, the accepted path and the bonus token are
     the trace's; everything else is recomputed, with every layer of the target tapped (replay.hs.<i>)."""
@@ -312,7 +291,6 @@ class _ReplayRunner(ReferenceRunner):
     def __init__(self, target, proposer, rec, forced: _Forced, rounds: list[int], contract, extra_room: int):
         super().__init__(target, proposer, SamplingConfig(), None, rec)
         self.forced, self.contract, self.extra_room = forced, contract, extra_room
-        self.all_taps = TapContract(tuple(range(target.num_layers)), target.num_layers)
         self._rounds = iter([r for r in rounds if r != 0])
         self._hs: dict = {}
 
@@ -321,13 +299,18 @@ class _ReplayRunner(ReferenceRunner):
 
     def target_forward(self, tokens, positions=None, tree_mask=None) -> TargetOutput:
         fn = lambda: self.target.forward(tokens, positions=positions, tree_mask=tree_mask)  # noqa: E731
-        out, self._hs = _all_layer_forward(self.target, self.all_taps, self.contract, fn)
+        if not self.target.computes_layers:  # the trace's own capture played back (draft_replay.py): nothing to tap
+            return fn()
+        out, states, final = forward_all_layers(self.target, fn, self.contract)
+        self._hs = {replay_hs(i): h for i, h in enumerate(states)}
+        if final is not None:
+            self._hs[REPLAY_FINAL] = final
         return out
 
     def _record_target(self, out: TargetOutput) -> None:
         super()._record_target(out)
-        for i, h in self._hs.items():
-            self.rec.record(REPLAY_FINAL if i == REPLAY_FINAL else replay_hs(i), h)
+        for stage, h in self._hs.items():
+            self.rec.record(stage, h)
 
     def first_token(self, prefill: TargetOutput) -> int:
         bonus = self.forced.get(T.VERIFY_BONUS, 0)
@@ -397,7 +380,9 @@ def replay(
     biggest = max((int(t.numel()) for r in rounds if (t := forced.get(T.VERIFY_TOKENS, r)) is not None), default=0)
     max_len = len(prompt_ids) + budget + total + 2
     rec = T.TraceRecorder(out_dir, mode=mode, producer="eaglescope-replay", inputs=(trace_dir,), flag="--out")
-    rec.set_meta(**{**meta, "replay_of": str(trace_dir), "taps": contract.to_dict()})
+    # a replay whose target plays the trace's capture back copies target.* from the trace: those are not evidence
+    rec.set_meta(**{**meta, "replay_of": str(trace_dir), "taps": contract.to_dict(),
+                    REPLAY_COPIES_TARGET: not target.computes_layers})  # fmt: skip
     try:
         proposer = _following(proposer_cls, trace)(draft, depth, top_k, total, max_len, recorder=rec)
         runner = _ReplayRunner(target, proposer, rec, forced, rounds, contract, extra_room=biggest + 2)

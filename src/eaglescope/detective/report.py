@@ -11,15 +11,15 @@ Every part is optional: a report without a trace has no norms or map, and says s
 
 from __future__ import annotations
 
-import html
 import json
 import math
 import os
 from pathlib import Path
 
+import jinja2
 import numpy as np
 
-from eaglescope.detective.behaviour import MIN_REACHED
+from eaglescope.detective.acceptance import MIN_REACHED
 from eaglescope.detective.findings import CODES, DoctorReport, stage_rank
 from eaglescope.figures import png_data_uri, pyplot
 from eaglescope.outputs import OutputKind, check_destination, write_file
@@ -52,10 +52,6 @@ text-align:left;vertical-align:top}th{background:#f3f5f7}code{font-size:12px}
 td.ev{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:11px;max-width:420px;word-break:break-word}
 img{max-width:100%;border:1px solid #eef0f2;border-radius:4px}
 """
-
-
-def _e(x) -> str:
-    return html.escape(str(x), quote=True)
 
 
 def _num(x) -> float:
@@ -230,12 +226,7 @@ def _rounded(x):
 
 def _evidence(ev) -> str:
     text = json.dumps(_rounded(ev), default=str, allow_nan=True)
-    return _e(text if len(text) <= 600 else text[:600] + " …")
-
-
-def _figure_block(title: str, src: str | None, missing: str) -> str:
-    body = f'<img alt="{_e(title)}" src="{src}">' if src else f'<p class="muted">{_e(missing)}</p>'
-    return f"<h2>{_e(title)}</h2>\n{body}\n"
+    return text if len(text) <= 600 else text[:600] + " …"
 
 
 def _safe(fn, *args) -> tuple[str | None, str | None]:
@@ -246,106 +237,140 @@ def _safe(fn, *args) -> tuple[str | None, str | None]:
         return None, f"could not draw this figure ({type(e).__name__}: {e})"
 
 
+def _figure(title: str, fn, arg, missing: str) -> dict:
+    src, err = _safe(fn, arg)
+    return {"title": title, "src": src, "missing": err or missing}
+
+
+def _shown(xs, fmt: str) -> str:
+    return " ".join("-" if math.isnan(_num(x)) else format(_num(x), fmt) for x in xs or []) or "-"
+
+
+def _acceptance_rows(acc: dict) -> list[dict]:
+    rows = []
+    for key in ("served", "expected", "predicted", "training"):
+        a = acc.get(key)
+        if not a:
+            continue
+        tau = _num(a.get("accept_length"))
+        shown = "-" if math.isnan(tau) else f"{tau:.2f}"
+        if a.get("accept_length_interval"):
+            lo, hi = a["accept_length_interval"]
+            shown += f" [{lo:.2f}, {hi:.2f}]"
+        rows.append(
+            {
+                "key": key,
+                "source": a.get("source", ""),
+                "tau": shown,
+                "alpha": _shown(a.get("alpha"), ".2f"),
+                "reached": _shown(a.get("reached"), ".0f"),
+                "acc": _shown(a.get("acc"), ".2f"),
+            }
+        )
+    return rows
+
+
+def _checkpoint_rows(static: dict) -> list[tuple[str, str]]:
+    rows = []
+    taps = static.get("taps")
+    if taps is not None:
+        names = "; ".join(static.get("tap_names") or [])
+        contract = static.get("contract") or {}
+        # a contract read from no eaglescope section is the engines' reading of the config, not a record
+        label = (
+            f"INFERRED from the {contract.get('inferred_from') or 'engine default'} (config.json has no eaglescope"
+            " section; the real training taps are unknown)"
+            if contract.get("inferred")
+            else "(recorded by training)"
+        )
+        rows.append(("taps", f"{taps} {names} {label}"))
+    for eng, r in (static.get("engines") or {}).items():
+        if isinstance(r, dict):
+            rows.append((eng, f"captures {r.get('captures')} {'ok' if r.get('matches_contract') else 'MISMATCH'}"))
+    rows += [(key, _evidence(static[key])) for key in ("vocab_map", "embedding") if key in static]
+    return rows
+
+
+def _findings_rows(findings: list[dict]) -> list[dict]:
+    rows = []
+    for f in findings:
+        stage = f["stage"] or "-"
+        if f.get("round") is not None:
+            stage += f" (round {f['round']})"
+        rows.append({**f, "stage": stage, "meaning": CODES.get(f["code"], ""), "evidence": _evidence(f["evidence"])})
+    return rows
+
+
+_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+{{ generator|safe }}
+<title>{{ title }}</title><style>{{ css|safe }}</style></head><body>
+<h1>{{ title }}</h1>
+{% if inputs %}<p class="muted">{% for k, v in inputs %}{{ k }} <code>{{ v }}</code>{% if not loop.last %}, {% endif %}
+{% endfor %}</p>{% endif %}
+{% if healthy %}<div class="banner ok"><b>Healthy</b>: no findings.</div>
+{% else %}{% set top = findings[0] %}<div class="banner bad"><b>{{ top.code }}</b> — {{ top.verdict }}
+<br><span class="muted">fix: {{ top.fix }} · stage {{ top.stage }} · confidence {{ "%.2f"|format(top.confidence) }}
+· {{ findings|length }} finding(s)</span></div>{% endif %}
+{% if findings %}<h2>Findings (most likely first)</h2><table><tr><th>#</th><th>code</th><th>stage</th>
+<th>confidence</th><th>verdict</th><th>fix</th><th>evidence</th></tr>
+{% for f in findings %}<tr><td>{{ loop.index }}</td><td><b>{{ f.code }}</b><br>
+<span class='muted'>{{ f.meaning }}</span></td><td><code>{{ f.stage }}</code></td>
+<td>{{ "%.2f"|format(f.confidence) }}</td><td>{{ f.verdict }}</td>
+<td>{{ f.fix }}</td><td class='ev'>{{ f.evidence }}</td></tr>
+{% endfor %}</table>{% endif %}
+{% if acceptance %}<h2>Acceptance</h2><table><tr><th></th><th>source</th><th>τ [95%]</th><th>α_k</th>
+<th>reached k</th><th>acc_k</th></tr>
+{% for a in acceptance %}<tr><td>{{ a.key }}</td><td>{{ a.source }}</td><td>{{ a.tau }}</td>
+<td><code>{{ a.alpha }}</code></td><td><code>{{ a.reached }}</code></td><td><code>{{ a.acc }}</code></td></tr>
+{% endfor %}</table>{% endif %}
+{% for fig in figures %}<h2>{{ fig.title }}</h2>
+{% if fig.src %}<img alt="{{ fig.title }}" src="{{ fig.src }}">
+{% else %}<p class="muted">{{ fig.missing }}</p>{% endif %}
+{% endfor %}
+{% if checkpoint %}<h2>Checkpoint</h2><table>
+{% for k, v in checkpoint %}<tr><th>{{ k }}</th><td class='ev'>{{ v }}</td></tr>
+{% endfor %}</table>{% endif %}
+{% if notes %}<h2>Notes</h2><ul>{% for n in notes %}<li>{{ n }}</li>{% endfor %}</ul>{% endif %}
+</body></html>
+"""
+_TEMPLATE = jinja2.Environment(autoescape=True).from_string(_PAGE)
+
+
 def html_of(report: DoctorReport, title: str = "eaglescope doctor") -> str:
     d = report.to_dict()
     ctx = d.get("context") or {}
-    parts = [
-        "<!doctype html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        GENERATOR,
-        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
-        f"<h1>{_e(title)}</h1>",
-    ]
-    inputs = ctx.get("inputs") or {}
-    if inputs:
-        shown = ", ".join(f"{k} <code>{_e(v)}</code>" for k, v in inputs.items() if v not in (None, [], ""))
-        parts.append(f'<p class="muted">{shown}</p>')
-    if report.healthy:
-        parts.append('<div class="banner ok"><b>Healthy</b>: no findings.</div>')
-    else:
-        top = d["findings"][0]
-        parts.append(
-            f'<div class="banner bad"><b>{_e(top["code"])}</b> — {_e(top["verdict"])}'
-            f'<br><span class="muted">fix: {_e(top["fix"])} · stage {_e(top["stage"])} · '
-            f"confidence {top['confidence']:.2f} · {len(d['findings'])} finding(s)</span></div>"
-        )
-    if d["findings"]:
-        parts.append("<h2>Findings (most likely first)</h2><table><tr><th>#</th><th>code</th><th>stage</th>")
-        parts.append("<th>confidence</th><th>verdict</th><th>fix</th><th>evidence</th></tr>")
-        for i, f in enumerate(d["findings"], 1):
-            stage = f["stage"] or "-"
-            if f.get("round") is not None:
-                stage += f" (round {f['round']})"
-            parts.append(
-                f"<tr><td>{i}</td><td><b>{_e(f['code'])}</b><br><span class='muted'>{_e(CODES.get(f['code'], ''))}"
-                f"</span></td><td><code>{_e(stage)}</code></td><td>{f['confidence']:.2f}</td><td>{_e(f['verdict'])}"
-                f"</td><td>{_e(f['fix'])}</td><td class='ev'>{_evidence(f['evidence'])}</td></tr>"
-            )
-        parts.append("</table>")
-    acc = ctx.get("acceptance")
-    if acc:
-        parts.append(
-            "<h2>Acceptance</h2><table><tr><th></th><th>source</th><th>τ [95%]</th><th>α_k</th>"
-            "<th>reached k</th><th>acc_k</th></tr>"
-        )
-        for key in ("served", "expected", "predicted", "training"):
-            a = acc.get(key)
-            if not a:
-                continue
-            tau = _num(a.get("accept_length"))
-            shown = "-" if math.isnan(tau) else f"{tau:.2f}"
-            if a.get("accept_length_interval"):
-                lo, hi = a["accept_length_interval"]
-                shown += f" [{lo:.2f}, {hi:.2f}]"
-            alpha = " ".join("-" if math.isnan(_num(x)) else f"{_num(x):.2f}" for x in a.get("alpha") or [])
-            accs = " ".join("-" if math.isnan(_num(x)) else f"{_num(x):.2f}" for x in a.get("acc") or [])
-            reached = " ".join(f"{_num(x):.0f}" for x in a.get("reached") or [])
-            parts.append(
-                f"<tr><td>{key}</td><td>{_e(a.get('source', ''))}</td>"
-                f"<td>{_e(shown)}</td><td><code>{_e(alpha or '-')}</code></td>"
-                f"<td><code>{_e(reached or '-')}</code></td><td><code>{_e(accs or '-')}</code></td></tr>"
-            )
-        parts.append("</table>")
-    src, err = _safe(acceptance_figure, acc)
-    parts.append(
-        _figure_block("Per-position acceptance", src, err or "no acceptance measured (pass --data or --engine-log)")
-    )
-    src, err = _safe(norms_figure, ctx.get("segment_norms"))
-    parts.append(_figure_block("Per-segment norms", src, err or "no trace compared (pass --trace)"))
     fds = first_divergent_stage(ctx)
-    src, err = _safe(divergence_figure, ctx.get("stage_table"))
-    title = "Divergence map by stage" + (f" — first divergent stage: {fds}" if fds else "")
-    parts.append(_figure_block(title, src, err or "no trace compared (pass --trace)"))
-    static = ctx.get("static") or {}
-    if static:
-        parts.append("<h2>Checkpoint</h2><table>")
-        taps = static.get("taps")
-        if taps is not None:
-            names = "; ".join(static.get("tap_names") or [])
-            contract = static.get("contract") or {}
-            # a contract read from no eaglescope section is the engines' reading of the config, not a record
-            label = (
-                f" <b>INFERRED</b> from the {_e(contract.get('inferred_from') or 'engine default')} (config.json "
-                "has no eaglescope section; the real training taps are unknown)"
-                if contract.get("inferred")
-                else " (recorded by training)"
-            )
-            parts.append(f"<tr><th>taps</th><td><code>{_e(taps)}</code> {_e(names)}{label}</td></tr>")
-        for eng, r in (static.get("engines") or {}).items():
-            if isinstance(r, dict):
-                mark = "ok" if r.get("matches_contract") else "MISMATCH"
-                cap = _e(r.get("captures"))
-                parts.append(f"<tr><th>{_e(eng)}</th><td>captures <code>{cap}</code> {mark}</td></tr>")
-        for key in ("vocab_map", "embedding"):
-            if key in static:
-                parts.append(f"<tr><th>{key}</th><td class='ev'>{_evidence(static[key])}</td></tr>")
-        parts.append("</table>")
-    notes = ctx.get("notes") or []
-    if notes:
-        parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
+    no_trace = "no trace compared (pass --trace)"
+    figures = [
+        _figure(
+            "Per-position acceptance",
+            acceptance_figure,
+            ctx.get("acceptance"),
+            "no acceptance measured (pass --data or --engine-log)",
+        ),
+        _figure("Per-segment norms", norms_figure, ctx.get("segment_norms"), no_trace),
+        _figure(
+            "Divergence map by stage" + (f" — first divergent stage: {fds}" if fds else ""),
+            divergence_figure,
+            ctx.get("stage_table"),
+            no_trace,
+        ),
+    ]
+    inputs = [(k, v) for k, v in (ctx.get("inputs") or {}).items() if v not in (None, [], "")]
+    return _TEMPLATE.render(
+        generator=GENERATOR,
+        css=_CSS,
+        title=title,
+        inputs=inputs,
+        healthy=report.healthy,
+        findings=_findings_rows(d["findings"]),
+        acceptance=_acceptance_rows(ctx.get("acceptance") or {}),
+        figures=figures,
+        checkpoint=_checkpoint_rows(ctx.get("static") or {}),
+        notes=ctx.get("notes") or [],
+    )
 
 
 def write_html(report: DoctorReport, path: str | os.PathLike) -> Path:

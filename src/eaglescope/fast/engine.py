@@ -19,7 +19,7 @@ never depend on the context length.
 
 from __future__ import annotations
 
-import sys
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +41,8 @@ from eaglescope.fast.layers import (
     compile_layers,
 )
 from eaglescope.target.llama import LlamaModel, QKVProjection, RMSNorm, fuse_projections
+
+log = logging.getLogger(__name__)
 
 ATTENTION = {"invariant": inv.invariant_attention, "fused": attend_fused}  # the fast path's kernels
 
@@ -64,7 +66,7 @@ def use_matmul_attention(model: nn.Module, enable: bool = True) -> nn.Module:
 def use_batch_invariant(model: LlamaModel, enable: bool = True, sliced: bool = True) -> LlamaModel:
     """Run every product, norm and attention of `model` through the batch-invariant kernels (fast/invariant.py),
     or back with enable=False (in place); returns `model`. Float32Logits keeps float32 logits. `sliced`: large
-    products with K-sliced reductions (invariant.k_slices; bench/NOTES.md v9)."""
+    products with K-sliced reductions (invariant.k_slices)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not enable:
@@ -128,13 +130,16 @@ class FastTarget:
         if fused_verify:
             self.fused_rows = FusedVerify(model, self.cache, self.taps)
 
-    def _run_eager(self, tokens, positions, mask, slots):
+    def _forward(self, tokens, positions, mask, slots, taps):
         if self.batch_invariant:
             mask = inv.KeyIndex.from_mask(mask)
         else:
             mask = mask[None, None]
-        logits, aux, _ = self.model(tokens[None], positions[None], mask, self.cache, slots, self.taps)
-        return logits[0], None if aux is None else aux[0]
+        logits, aux, final = self.model(tokens[None], positions[None], mask, self.cache, slots, taps)
+        return logits[0], None if aux is None else aux[0], final[0]
+
+    def _run_eager(self, tokens, positions, mask, slots):
+        return self._forward(tokens, positions, mask, slots, self.taps)[:2]
 
     def run(self, tokens, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens/positions/slots [T], mask [T, size] bool → logits [T, V], aux [T, nH] | None."""
@@ -149,6 +154,19 @@ class FastTarget:
         slots = torch.arange(prompt.shape[0], device=self.device)
         mask = torch.arange(self.size, device=self.device)[None, :] <= slots[:, None]
         return self._run_eager(prompt, slots, mask, slots)
+
+    @torch.inference_mode()
+    def prefill_layers(self, prompt: torch.Tensor):
+        """The prefill with every layer tapped → (logits, aux of the taps, the states entering each layer, the
+        final normed state, each layer's input RMSNorm of its state): what a trace's target.layer.* records."""
+        slots = torch.arange(prompt.shape[0], device=self.device)
+        mask = torch.arange(self.size, device=self.device)[None, :] <= slots[:, None]
+        layers = self.model.model.layers
+        H = self.model.args.hidden_size
+        logits, every, final = self._forward(prompt, slots, mask, slots, tuple(range(len(layers))))
+        states = list(every.split(H, dim=-1))
+        aux = torch.cat([states[i] for i in self.taps], dim=-1)
+        return logits, aux, states, final, [layer.input_layernorm(h) for layer, h in zip(layers, states, strict=True)]
 
 
 def _graph(fn, warmup: int = 2) -> torch.cuda.CUDAGraph:
@@ -284,13 +302,15 @@ class FastEagle(Runner):
         replay: bool = False,
         compile: bool = False,
         recorder: T.TraceRecorder | None = None,
+        trace_layers: bool = False,
     ) -> None:
         """`compile` torch.compiles the draft side of a round and the acceptance (not the target: compile
         its layers through FastTarget). `recorder` records every round as a trace: each stage tensor is copied,
         inside the (captured) round, into a buffer of its own, and the host records the buffers after reading the
-        round; rounds then run one at a time, uncompiled."""
+        round; rounds then run one at a time, uncompiled. `trace_layers`: the trace also records every layer's
+        state of the prefill (TraceRecorder.record_layers)."""
         self.t, self.draft = target, draft
-        self.rec = recorder
+        self.rec, self.trace_layers = recorder, trace_layers
         self._stage: dict[str, torch.Tensor] = {}
         self._prefill_rows: dict[str, torch.Tensor] | None = None
         self.D, self.K, self.N = depth, top_k, total_tokens
@@ -362,6 +382,8 @@ class FastEagle(Runner):
         self._keep("pend_n", self.pend_n)
         self._keep("pend_aux", self.pend_aux)
         self._keep(T.DRAFT_FC_OUT, hidden)
+        self._keep(T.draft_tokens(0), self.pend_tok)
+        self._keep(T.draft_positions(0), slots)
         self._keep(T.draft_embed_in(0), emb)
         self._keep(T.draft_hidden_out(0), out)
         ctx = self.d_len + self.pend_n  # == root position
@@ -391,11 +413,14 @@ class FastEagle(Runner):
             )
             slots = lo + (level - 1) * K + torch.arange(m, device=dev)
             positions = (root_pos + level - 1).expand(m)
-            emb = d.embed_tokens(d.to_target_ids(b.tokens[frontier]))
+            tok = d.to_target_ids(b.tokens[frontier])
+            emb = d.embed_tokens(tok)
             out = d.step(emb[None], hidden_in[None], positions[None], self.dcache, slots, tmask[None, None])[0]
             prev_front, prev_out = frontier, out
             lp = self._logprobs(out)
-            for name, t in ((T.draft_embed_in(level), emb), (T.draft_hidden_in(level), hidden_in)):
+            stages = ((T.draft_tokens(level), tok), (T.draft_positions(level), positions),
+                      (T.draft_embed_in(level), emb), (T.draft_hidden_in(level), hidden_in))  # fmt: skip
+            for name, t in stages:
                 self._keep(name, t)
             self._keep(T.draft_hidden_out(level), out)
             self._keep(T.draft_topk(level), lp)
@@ -459,7 +484,11 @@ class FastEagle(Runner):
     def _start(self, prompt: list[int], record: bool = True) -> int:
         ids = torch.tensor(prompt, device=self.device)
         n = ids.shape[0]
-        logits, aux = self.t.prefill(ids)
+        layers = None
+        if self.rec is not None and record and self.trace_layers:
+            logits, aux, *layers = self.t.prefill_layers(ids)
+        else:
+            logits, aux = self.t.prefill(ids)
         first = logits[-1:].argmax(-1)
         # draft prefill: positions 0..n-2 paired with tokens 1..n-1; the last position stays pending
         P0 = n - 1
@@ -471,8 +500,11 @@ class FastEagle(Runner):
         if self.rec is not None and record:
             # The reference catches up over the whole prompt in round 1; this path did the first n-1 rows here.
             # The trace shows round 1 as the reference computes it: these rows, then the round's own.
-            self._prefill_rows = {T.DRAFT_FC_OUT: hidden, T.draft_embed_in(0): emb, T.draft_hidden_out(0): out}
+            self._prefill_rows = {T.DRAFT_FC_OUT: hidden, T.draft_tokens(0): ids[1:], T.draft_positions(0): slots,
+                                  T.draft_embed_in(0): emb, T.draft_hidden_out(0): out}  # fmt: skip
             self._record_target(aux)
+            if layers is not None:
+                self.rec.record_layers(*layers)
             self.rec.record(T.VERIFY_BONUS, first.cpu())
             self.rec.record(T.NEXT_HIDDEN_IN, aux)
         self.t_len.fill_(n)
@@ -484,7 +516,7 @@ class FastEagle(Runner):
         return int(first)
 
     def _uncompiled(self, e: Exception) -> None:
-        print(f"FastEagle: compiled round failed ({type(e).__name__}: {e}); uncompiled", file=sys.stderr, flush=True)
+        log.warning("the compiled EAGLE-3 round failed (%s: %s); running it uncompiled", type(e).__name__, e)
         self._draft_fn, self._accept_fn, self._commit_fn = self._draft_tree, self._accept, self._commit
         self.compiled = False
 
@@ -508,7 +540,7 @@ class FastEagle(Runner):
             if self.compiled:
                 self._uncompiled(e)
                 return self.prepare(prompt_ids, budget)
-            print(f"FastEagle: CUDA graph capture failed ({e}); running rounds eagerly", file=sys.stderr, flush=True)
+            log.warning("CUDA graph capture of the EAGLE-3 round failed (%s); running rounds eagerly", e)
             self.use_graph = False
 
     def start(self, prompt_ids, budget) -> int:
@@ -563,12 +595,15 @@ class FastEagle(Runner):
             return torch.cat([first[name], own]) if name in first else own
 
         rec.record(T.DRAFT_FC_OUT, rows(T.DRAFT_FC_OUT))
-        rec.record(T.draft_embed_in(0), rows(T.draft_embed_in(0)))
+        for name in (T.draft_tokens(0), T.draft_positions(0), T.draft_embed_in(0)):
+            rec.record(name, rows(name))
         rec.record(T.draft_hidden_in(0), rows(T.DRAFT_FC_OUT))  # step 0 reads fc's output
         rec.record(T.draft_hidden_out(0), rows(T.draft_hidden_out(0)))
         self._record_topk(0, st[T.draft_topk(0)])
         for level in range(1, self.D):
-            for name in (T.draft_embed_in(level), T.draft_hidden_in(level), T.draft_hidden_out(level)):
+            names = (T.draft_tokens(level), T.draft_positions(level), T.draft_embed_in(level), T.draft_hidden_in(level),
+                     T.draft_hidden_out(level))  # fmt: skip
+            for name in names:
                 rec.record(name, st[name])
             self._record_topk(level, st[T.draft_topk(level)])
         rec.record(T.VERIFY_TOKENS, st[T.VERIFY_TOKENS])

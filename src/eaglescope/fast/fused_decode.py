@@ -2,7 +2,7 @@
 
 Why: at 8B a batch-1 step reads 15 GB of weights. The products alone, back to back, run at ~87% of copy
 bandwidth on an H200, but the ten-odd small kernels per layer around them (norms, RoPE, cache writes,
-attention, SiLU, residual adds) cost ~1 ms per token even compiled (bench/NOTES.md v4-v8). Here each
+attention, SiLU, residual adds) cost ~1 ms per token even compiled (bench/fused_decode_check.py measures it). Here each
 product carries its neighbours, so a layer is five launches:
 
 - qkv:     RMSNorm as the prologue; bias, RoPE and the K/V cache write in the epilogue. A program owns

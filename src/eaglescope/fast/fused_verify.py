@@ -2,7 +2,7 @@
 
 Why: at 8B a one-token step on the fused kernels (fast/fused_decode.py) takes 4.2 ms, but a 64-token verify on
 compiled layers takes 5.6-5.9 ms (1.34-1.40x): ~1.4 ms of it is the small kernels around cuBLAS's products. Here
-each layer is, by default (bench/NOTES.md v15):
+each layer is, by default (the mix bench/fused_decode_check.py --sweep-verify measured fastest):
 
 - RMSNorm: one row kernel, rounding where the module rounds (2 µs at 64 rows);
 - q/k/v:   cuBLAS, then one row kernel for RoPE and the K/V cache write at each row's slot;
@@ -15,11 +15,13 @@ each layer is, by default (bench/NOTES.md v15):
 and the lm_head is _rows_gemm_kernel: tensor-core tiles with no K mask, cut over K when the product has few column
 tiles (the last slice of a column tile to finish adds the slices in order), with the product's epilogue. The same
 kernel can run every layer product too (cublas=(); its residual epilogue rounds as the modules do): alone at 64
-rows it streams the weights at 56-80% of copy against cuBLAS's 75-92%, but the lm_head at 92% against 85% (v14).
+rows it streams the weights at 56-80% of copy against cuBLAS's 75-92%, but the lm_head at 92% against 85%.
 8B: 5.32 ms at 64 tokens (1.27x), 5.00 at 24.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -31,6 +33,8 @@ from eaglescope.fast.fused_decode import (
     triton,
 )
 from eaglescope.target.llama import LlamaModel, attend
+
+log = logging.getLogger(__name__)
 
 if triton is not None:
     import triton.language as tl
@@ -49,7 +53,7 @@ ROW_BLOCKS = {
 SPLIT_PROGRAMS = 264
 # products left to cuBLAS (its product, then a small kernel for RoPE / SiLU, the residual as addmm's beta = 1):
 # alone at 64 rows it streams the layer weights at 75-94% of copy against 56-80% for _rows_gemm_kernel, which
-# wins only on the lm_head (fused-decode-check-20261129T144905.json, NOTES.md v14)
+# wins only on the lm_head (bench/results/fused-decode-check-20261129T144905.json)
 CUBLAS_PRODUCTS = ("qkv", "o", "gate_up", "down")
 # attention="auto": the grouped kernel up to this many rows, two products and a softmax above (8B, 480 slots:
 # 5.00 vs 5.07 ms at 24 rows, 5.07 vs 5.12 at 32, 5.42 vs 5.32 at 64; fused-decode-check-20261129T145654.json)
@@ -337,7 +341,7 @@ class FusedVerify:
         except Exception as e:  # inductor failing here must not take the decoder down: the plain ops do the same
             if self._attend is _attend_products:
                 raise
-            print(f"FusedVerify: compiled attention failed ({type(e).__name__}: {e}); uncompiled", flush=True)
+            log.warning("the fused verify's compiled attention failed (%s: %s); uncompiled", type(e).__name__, e)
             self._attend = _attend_products
             out.copy_(_attend_products(q, k, v, mask))
 

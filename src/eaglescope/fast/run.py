@@ -48,6 +48,7 @@ def fast_runner(
     max_len: int,
     batch_invariant: bool = True,
     recorder=None,
+    trace_layers: bool = False,
 ) -> tuple[Runner, dict]:
     """The static-shape backend for `target` (with `draft` and tree `shape`, or vanilla), sized for prompt + new
     tokens <= max_len → (runner, what it runs on). On a GPU the target runs on the batch-invariant kernels, so the
@@ -71,7 +72,7 @@ def fast_runner(
     ft = FastTarget(
         target.model, max_len + total + depth + 3, taps=target.taps.layers, fused_verify=verify_rows, **common
     )
-    return FastEagle(ft, draft, depth, top_k, total, max_len=max_len + 2, recorder=recorder), info
+    return FastEagle(ft, draft, depth, top_k, total, max_len + 2, recorder=recorder, trace_layers=trace_layers), info
 
 
 def generate_fast(args, target: Target, prompt_ids: list[int], sampling: SamplingConfig, stop_ids) -> GenerationResult:
@@ -87,9 +88,9 @@ def generate_fast(args, target: Target, prompt_ids: list[int], sampling: Samplin
         recorder = open_trace(args)
         if recorder is not None:
             trace_meta(recorder, args, target, prompt_ids, sampling)
-    runner, info = fast_runner(
-        target, draft, shape, len(prompt_ids) + budget, not getattr(args, "no_batch_invariant", False), recorder
-    )
+    invariant_kernels = not getattr(args, "no_batch_invariant", False)
+    layers = bool(getattr(args, "trace_layers", False))
+    runner, info = fast_runner(target, draft, shape, len(prompt_ids) + budget, invariant_kernels, recorder, layers)
     if draft is None:
         runner.chunk = 16 if stop else budget  # a stop token is looked for every 16 steps, not every step
     with recorder if recorder is not None else contextlib.nullcontext():  # written when complete, else dropped

@@ -102,7 +102,7 @@ def load_target(
         except (KeyError, ValueError, TypeError) as e:
             raise EagleScopeError(f"config.json is malformed: {e}") from None
         tok = load_tokenizer(model_dir)
-        sd = load_state_dict(model_dir)
+        sd = load_state_dict(model_dir, device)
         check_finite(sd, model_dir)
         target: Target = load_native(model_dir, cfg, sd, fp, eos_token_ids(model_dir, cfg, tok), tok, device, dtype)
     else:

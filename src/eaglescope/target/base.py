@@ -46,7 +46,7 @@ class TargetFingerprint:
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # [T, V] (batch 1 path) or [B, T, V]
+    logits: torch.Tensor | None  # [T, V] (batch 1 path) or [B, T, V]; None from hidden_states(logits=False)
     aux: torch.Tensor | None  # [T, nH] / [B, T, nH]: taps concatenated low to high; None without taps
     final_hidden: torch.Tensor | None = None  # [B, T, H] final normed state (hidden_states() only)
 
@@ -96,6 +96,9 @@ class Target(ABC):
     dtype: torch.dtype
     max_positions: int
     eos_token_ids: list[int]
+    # False for a stand-in that plays a trace's recorded capture back instead of computing hidden states
+    # (detective/draft_replay.py): the replay then taps no other layer.
+    computes_layers = True
 
     @property
     def num_layers(self) -> int:
@@ -147,6 +150,9 @@ class Target(ABC):
         raise NotImplementedError
 
     @abstractmethod
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetOutput:
+    def hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, logits: bool = True
+    ) -> TargetOutput:
         """Cache-free batched forward: logits [B, T, V], aux [B, T, nH], final_hidden [B, T, H].
-        Right padding only."""
+        Right padding only. logits=False: a target that can skips its output head (then logits is None), for a
+        caller that applies `head` to final_hidden itself, a chunk of rows at a time."""

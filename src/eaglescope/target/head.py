@@ -40,15 +40,21 @@ class TargetHead:
         return F.linear(final_hidden.to(self.device, self.dtype), self.lm_head)
 
 
-def load_target_head(model_dir: Path | str, device: torch.device, dtype: torch.dtype) -> TargetHead:
+def read_fingerprint(model_dir: Path | str) -> tuple[dict, TargetFingerprint, int]:
+    """(the text model's config, the fingerprint, the context length) from config.json alone."""
     model_dir = check_dir(model_dir)
     cfg = read_config(model_dir)
     text = cfg.get("text_config", cfg)
     try:
-        fp = fingerprint_of(model_dir, cfg)
-        max_positions = int(text["max_position_embeddings"])
+        return text, fingerprint_of(model_dir, cfg), int(text["max_position_embeddings"])
     except (KeyError, ValueError, TypeError) as e:
         raise EagleScopeError(f"{model_dir}/config.json is malformed or incomplete ({e})") from None
+
+
+def load_target_head(model_dir: Path | str, device: torch.device, dtype: torch.dtype) -> TargetHead:
+    model_dir = check_dir(model_dir)
+    text, fp, max_positions = read_fingerprint(model_dir)
+    cfg = read_config(model_dir)
     found = load_tensors(model_dir, {"embedding": EMBEDDING_NAMES, "lm_head": HEAD_NAMES})
     if "embedding" not in found:
         raise EagleScopeError(f"{model_dir} has no embed_tokens.weight")

@@ -327,7 +327,10 @@ class HFTarget(Target):
 
     # -- batched cache-free path -------------------------------------------------------------
     @torch.no_grad()
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetOutput:
+    def hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, logits: bool = True
+    ) -> TargetOutput:
+        # transformers' models compute their logits whatever `logits` says; they are returned either way.
         # The input of the output embedding is the final normed state, whatever the architecture calls its norm.
         captured: list[torch.Tensor] = []
         handle = self.model.get_output_embeddings().register_forward_pre_hook(lambda m, a: captured.append(a[0]))

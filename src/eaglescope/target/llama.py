@@ -399,8 +399,9 @@ class LlamaModel(nn.Module):
         cache: KVCache | None = None,
         start: int = 0,
         taps: tuple[int, ...] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """→ logits [B, T, V], aux [B, T, nH] (None without taps), final normed state [B, T, H]."""
+        head: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """→ logits [B, T, V] (None without `head`), aux [B, T, nH] (None without taps), final normed state [B, T, H]"""
         x = self.model.embed_tokens(idx)
         cos, sin = self.rope_for(positions)
         captured = []
@@ -410,7 +411,7 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, mask, cache, i, start)
         final = self.model.norm(x)
         aux = torch.cat(captured, dim=-1) if captured else None
-        return self.lm_head(final), aux, final
+        return self.lm_head(final) if head else None, aux, final
 
 
 def _sliding_check(a: LlamaArgs, max_len: int) -> None:
@@ -485,14 +486,13 @@ class NativeTarget(Target):
         self._pending = 0
 
     @torch.inference_mode()
-    def hidden_states(self, input_ids, attention_mask=None) -> TargetOutput:
+    def hidden_states(self, input_ids, attention_mask=None, logits: bool = True) -> TargetOutput:
         # Right padding only: causal attention never lets a real token see a pad, so no pad mask is needed.
         B, T = input_ids.shape
         _sliding_check(self.args, T)
         positions = torch.arange(T, device=self.device).expand(B, T)
-        logits, aux, final = self.model(
-            input_ids.to(self.device), positions, None, None, 0, self.taps.layers if self.taps else ()
-        )
+        taps = self.taps.layers if self.taps else ()
+        logits, aux, final = self.model(input_ids.to(self.device), positions, None, None, 0, taps, head=logits)
         return TargetOutput(logits, aux, final)
 
     def truncate(self, length: int) -> None:
@@ -507,10 +507,10 @@ class NativeTarget(Target):
 
 
 def build_native(cfg: dict, state_dict: dict[str, torch.Tensor], device, dtype) -> LlamaModel:
+    """The native model of `cfg` holding `state_dict`'s weights (consumed) on `device` in `dtype`."""
     a = LlamaArgs.from_hf_config(cfg)
     with torch.device("meta"):
         model = LlamaModel(a)
-    model = model.to_empty(device=device).to(dtype)
     model.register_buffer("inv_freq", a.rope.inv_freq(a.head_dim, a.max_position_embeddings).to(device), False)
     sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
     if a.tie_word_embeddings:
@@ -527,7 +527,15 @@ def build_native(cfg: dict, state_dict: dict[str, torch.Tensor], device, dtype) 
             raise EagleScopeError(
                 f"weight {k!r} has shape {tuple(t.shape)} but config.json implies {tuple(expected[k].shape)}"
             )
-    model.load_state_dict(sd, strict=False, assign=False)
+    # The checkpoint's tensors become the parameters (assign=True): no second copy of the weights is allocated (an 8B
+    # target read onto its GPU is not copied there again), and each one whose dtype is not `dtype` is converted on its
+    # own. `state_dict` is consumed, so that each original is freed as soon as it is converted.
+    state_dict.clear()
+    weights = {}
+    for k in list(sd):
+        t = sd.pop(k)
+        weights[k] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    model.load_state_dict(weights, strict=False, assign=True)
     if a.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
@@ -536,7 +544,7 @@ def build_native(cfg: dict, state_dict: dict[str, torch.Tensor], device, dtype) 
 def load_native(model_dir: Path, cfg: dict, state_dict, fingerprint, eos, tokenizer, device, dtype) -> NativeTarget:
     if torch.device(device).type == "cuda":
         # SDPA's cuDNN backend builds an execution plan for every new key length, and the reference decoder's key
-        # length grows by one each step: on an H200 that made a transformers decode 4x slower (bench/README.md,
-        # session 6). The flash and memory-efficient backends need no plan.
+        # length grows by one each step: on an H200 that made a transformers decode 4x slower (measured with
+        # bench/hf_generate_profile.py). The flash and memory-efficient backends need no plan.
         torch.backends.cuda.enable_cudnn_sdp(False)
     return NativeTarget(build_native(cfg, state_dict, device, dtype), fingerprint, eos, tokenizer)

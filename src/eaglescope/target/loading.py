@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from eaglescope.errors import EagleScopeError
+from eaglescope.jsonfile import read_object
 from eaglescope.target.base import TargetFingerprint, chat_template_of, sha256_text, tokenizer_sha256
 
 
@@ -27,18 +28,12 @@ def read_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
         raise EagleScopeError(f"{model_dir} has no config.json; is it a Hugging Face checkpoint directory?")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EagleScopeError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise EagleScopeError(f"{path} must hold a JSON object")
-    return cfg
+    return read_object(path, EagleScopeError)
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _load_safetensors(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     try:
-        return load_file(str(path))
+        return load_file(str(path), device=str(device))
     except (SafetensorError, OSError, ValueError) as e:
         raise EagleScopeError(f"weight file {path} is corrupted or truncated ({e})") from None
 
@@ -76,12 +71,13 @@ def check_index(model_dir: Path) -> dict[str, str] | None:
     return weight_map
 
 
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All weights of a checkpoint: model.safetensors, a sharded index, or (weights_only) .bin."""
+def load_state_dict(model_dir: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """All weights of a checkpoint: model.safetensors, a sharded index, or (weights_only) .bin, read onto `device`
+    (straight from the file's memory map: an 8B target on a GPU is not first copied into host memory)."""
     single = model_dir / "model.safetensors"
     index = model_dir / "model.safetensors.index.json"
     if single.is_file():
-        return _load_safetensors(single)
+        return _load_safetensors(single, device)
     if index.is_file():
         weight_map = check_index(model_dir)
         sd: dict[str, torch.Tensor] = {}
@@ -89,7 +85,7 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
             shard_path = _inside(model_dir, shard, index)
             if not shard_path.is_file():
                 raise EagleScopeError(f"shard {shard} listed in {index.name} is missing")
-            sd.update(_load_safetensors(shard_path))
+            sd.update(_load_safetensors(shard_path, device))
         missing = sorted(set(weight_map) - set(sd))
         if missing:
             raise EagleScopeError(f"{index.name} lists {missing[0]!r} but no shard holds it")
@@ -97,7 +93,7 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     binary = model_dir / "pytorch_model.bin"
     if binary.is_file():
         try:
-            return torch.load(binary, map_location="cpu", weights_only=True)
+            return torch.load(binary, map_location=device, weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file for the user
             # torch's message spans lines and advises weights_only=False, i.e. running the file's code: we never do.
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -9,7 +9,9 @@
              linear warmup + cosine decay, gradient clipping, bf16 autocast on GPU.
     out    = OUT/ is the draft checkpoint itself (config.json + model.safetensors, loadable as is),
              OUT/training_state/ holds what --resume needs, OUT/training_metrics.json the final
-             held-out acc_k / α_k / predicted τ, OUT/tb/ the TensorBoard scalars.
+             held-out acc_k / α_k / predicted τ and the run's speed (train/speed.py: tokens/s, model FLOPs,
+             fraction of the GPU's peak, peak memory; also train's closing stderr line), OUT/tb/ the
+             TensorBoard scalars.
 
 Determinism. The data order is a pure function of (seed, step): epoch e shuffles the training split
 with a generator seeded from (seed, e), and step s takes the (s mod steps_per_epoch)-th global
@@ -44,6 +46,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -68,7 +71,16 @@ from eaglescope.target import load_target, parse_device, parse_dtype
 from eaglescope.target.head import TargetHead, load_target_head
 from eaglescope.target.loading import read_config
 from eaglescope.train.metrics import Batch, evaluate, format_report
-from eaglescope.train.ttt import LOSS_MASK_SHIFT, Unrolled, ttt_loss, ttt_unroll
+from eaglescope.train.speed import FlopModel, Throughput, format_speed
+from eaglescope.train.ttt import (
+    LOSS_MASK_SHIFT,
+    Unrolled,
+    draft_vocab_ids,
+    teacher_from_head,
+    teacher_of,
+    ttt_loss,
+    ttt_unroll,
+)
 
 STATE_DIR = "training_state"
 METRICS_FILE = "training_metrics.json"
@@ -255,18 +267,24 @@ def collate(samples: list[dict[str, torch.Tensor]], max_length: int) -> dict[str
     return out
 
 
-def make_batch(target, raw: dict[str, torch.Tensor], device: torch.device, aux_dtype: torch.dtype) -> Batch:
-    """Teacher logits and aux for a collated batch: from stored hidden states or the target online."""
+def make_batch(
+    target, raw: dict[str, torch.Tensor], device: torch.device, aux_dtype: torch.dtype, vocab_ids: torch.Tensor
+) -> Batch:
+    """Teacher and aux for a collated batch: from stored hidden states or the target online (without its output head:
+    teacher_from_head applies it a chunk of rows at a time). vocab_ids: the draft vocabulary's target ids."""
     ids = raw["input_ids"].to(device)
     valid = raw["valid"].to(device)
     if "aux" in raw:
-        aux = raw["aux"].to(device)
-        logits = target.head(raw["final_hidden"].to(device))
+        aux, final, logits = raw["aux"].to(device), raw["final_hidden"].to(device), None
     else:
-        out = target.hidden_states(ids, valid)
-        aux, logits = out.aux, out.logits
+        out = target.hidden_states(ids, valid, logits=False)
+        aux, final, logits = out.aux, out.final_hidden, out.logits
+    if logits is None:
+        teacher = teacher_from_head(target.head, final, vocab_ids, target.fingerprint.vocab_size)
+    else:  # a target that computes its logits anyway (transformers' models); new tensors, outside inference mode
+        teacher = teacher_of(vocab_ids, logits)
     # The target runs under inference_mode; cloning outside it gives tensors autograd may save.
-    return Batch(ids, raw["loss_mask"].to(device), valid, aux.to(aux_dtype).clone(), logits.clone())
+    return Batch(ids, raw["loss_mask"].to(device), valid, aux.to(aux_dtype).clone(), teacher)
 
 
 # -- schedule ------------------------------------------------------------------------------------
@@ -421,6 +439,12 @@ def _resolve_data(cfg: TrainConfig, data, target_fp, num_layers: int) -> tuple[T
     return taps, d2t, t2d
 
 
+def _summed(values: list[int], device: torch.device) -> list[int]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return [int(x) for x in t.tolist()]
+
+
 def _from_rank0(x: int, d: Dist, device: torch.device) -> int:
     if d.world == 1:
         return x
@@ -464,8 +488,9 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
 
     # -- the draft
     torch.manual_seed(cfg.seed)
+    target_cfg = read_config(Path(cfg.target))
     dcfg = DraftConfig.for_target(
-        read_config(Path(cfg.target)),
+        target_cfg,
         taps,
         int(d2t.numel()),
         arch=cfg.draft_arch,
@@ -478,6 +503,8 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
     embedding = target.embedding if isinstance(target, TargetHead) else target_embedding(target)
     draft.load_target_embedding(embedding.detach().float().cpu())
     draft = draft.to(device).train()
+    if amp:  # the frozen embedding holds the target's own `dtype` values: float32 would only take twice the memory
+        draft.embed_tokens.to(dtype)
     m = data.manifest
     contract = DraftContract(
         taps=taps,
@@ -522,8 +549,11 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
             perm_cache[epoch] = torch.randperm(len(train_idx), generator=g).tolist()
         return [train_idx[j] for j in perm_cache[epoch][pos * G : (pos + 1) * G]]
 
+    vocab_ids = draft_vocab_ids(draft)
+
     def batch_of(indices: list[int]) -> Batch:
-        return make_batch(target, collate([data.sample(i) for i in indices], max_length), device, compute_dtype)
+        raw = collate([data.sample(i) for i in indices], max_length)
+        return make_batch(target, raw, device, compute_dtype, vocab_ids)
 
     def eval_batches(indices: list[int]):
         for i in range(0, len(indices), B):
@@ -572,6 +602,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
         log_dir = cfg.log_dir or str(work / "tb")
         writer = SummaryWriter(log_dir, purge_step=step + 1 if saved is not None else None)
     bar = Progress(total, "train", "steps", initial=step, enabled=progress and d.main)
+    meter = Throughput(device, FlopModel.of(target, target_cfg, draft, cfg.ttt_length, not data.has_hidden_states))
     history: list[dict] = []
 
     def run_eval() -> dict:
@@ -606,6 +637,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
 
     try:
         while step < total:
+            meter.start()
             lr = cfg.lr * lr_factor(step, warmup, total)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -616,6 +648,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
             for a in range(A):
                 mine = indices[a * B * W + d.rank * B : a * B * W + (d.rank + 1) * B]
                 batch = batch_of(mine)
+                meter.add(batch.valid)
                 sync = fwd.no_sync() if (W > 1 and a < A - 1) else contextlib.nullcontext()
                 with sync:
                     with autocast:
@@ -623,7 +656,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
                     res = ttt_loss(
                         draft,
                         Unrolled(list(logits), []),
-                        batch.target_logits,
+                        batch.teacher,
                         batch.loss_mask,
                         batch.valid,
                         per_sample=True,
@@ -647,6 +680,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
                     raise fail("gradient norm", norm.detach())
             opt.step()
             opt.zero_grad(set_to_none=True)
+            meter.stop()
             step += 1
             ran += 1
             if not fitted:  # --max-seconds: fit the run's length once the first steps are timed
@@ -689,8 +723,10 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
                 d.barrier()
             if step < total and cfg.save_every and step % cfg.save_every == 0:
                 checkpoint(None)
+        speed = meter.report(W, (lambda xs: _summed(xs, device)) if W > 1 else None)
         metrics = run_eval() if d.main else {}
         metrics["ttt_length"] = cfg.ttt_length
+        metrics["speed"] = speed
         checkpoint(metrics)
         if writer is not None:
             writer.close()
@@ -719,6 +755,7 @@ def cmd_train(args) -> int:
         print(f"{res.out}: {res.steps} steps; {res.metrics.get('split', 'held-out')} {format_report(res.metrics)}")
         tb = cfg.log_dir or str(res.out / "tb")
         print(f"TensorBoard logs: {tb} (view with: tensorboard --logdir {tb})")
+        print(f"eaglescope train: {format_speed(res.metrics['speed'])}", file=sys.stderr)
     return 0
 
 

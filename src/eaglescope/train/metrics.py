@@ -1,4 +1,4 @@
-"""Held-out metrics for a draft, in the units decoding reports (FIELD.md §5).
+"""Held-out metrics for a draft, in the units decoding reports (docs/field.md §5).
 
 Indexing: TTT step k = 0..K-1 drafts token k+1 of a round, so `acc[k]` is acc_k of step k and
 `alpha[k]` is α_{k+1} (decode.stats numbers α from 1).
@@ -28,7 +28,7 @@ import torch
 from eaglescope.decode.stats import alpha_from_unconditional
 from eaglescope.decode.stats import predicted_accept_length as _predicted_accept_length
 from eaglescope.draft import Eagle3Draft
-from eaglescope.train.ttt import draft_vocab_ids, shift_left, ttt_loss, ttt_unroll
+from eaglescope.train.ttt import Teacher, draft_vocab_ids, shift_left, ttt_loss, ttt_unroll
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Batch:
     loss_mask: torch.Tensor  # [B, T] 1 on supervised (assistant) tokens
     valid: torch.Tensor  # [B, T] 1 on real tokens, 0 on padding
     aux: torch.Tensor  # [B, T, nH] the target's concatenated taps
-    target_logits: torch.Tensor  # [B, T, V] the target's logits
+    teacher: Teacher  # the target's logits over the draft vocabulary and its argmax (train.ttt)
 
 
 def acceptance_from_acc(acc: list[float]) -> list[float]:
@@ -93,7 +93,7 @@ def predicted_accept_length(alpha: list[float]) -> float:
 def step_hits(draft: Eagle3Draft, logits: list[torch.Tensor], batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position hits and supervision, [B, T, K] bool each, aligned exactly as ttt_loss aligns them."""
     vocab_ids = draft_vocab_ids(draft)
-    target_argmax = batch.target_logits.argmax(-1)
+    target_argmax = batch.teacher.argmax
     mask = batch.loss_mask.bool() & batch.valid.bool()
     hits, sup = [], []
     for k, lg in enumerate(logits):
@@ -128,7 +128,7 @@ def evaluate(
         for batch in batches:
             with _autocast(batch.input_ids.device, autocast_dtype):
                 unrolled = ttt_unroll(draft, batch.input_ids, batch.aux, ttt_length)
-            res = ttt_loss(draft, unrolled, batch.target_logits, batch.loss_mask, batch.valid)
+            res = ttt_loss(draft, unrolled, batch.teacher, batch.loss_mask, batch.valid)
             hits, sup = step_hits(draft, unrolled.logits, batch)
             for key, vals in hit_counts(hits.flatten(0, 1), sup.flatten(0, 1)).items():
                 totals[key] = [a + b for a, b in zip(totals.get(key, [0] * ttt_length), vals, strict=True)]

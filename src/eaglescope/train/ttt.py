@@ -1,6 +1,6 @@
 """Training-time test (TTT): the draft unrolled on its own outputs, exactly as decoding runs it.
 
-Alignment (FIELD.md §3). The target's features at position t (context up to token t) are paired
+Alignment (docs/field.md §3). The target's features at position t (context up to token t) are paired
 with the embedding of token t+1 and predict token t+2. Step k of the unroll, at position t:
 
     token   = ids[t + k + 1]            (ground truth shifted by k+1)
@@ -83,10 +83,96 @@ def draft_vocab_ids(draft: Eagle3Draft) -> torch.Tensor:
     return torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device) + draft.d2t
 
 
+# Rows per chunk of a vocabulary-wide float32 temporary: CHUNK_ELEMENTS / vocabulary (2,097 rows of a 32,000-token
+# draft vocabulary, 256 MB each), so no [B, T, V] float32 tensor ever exists at once.
+CHUNK_ELEMENTS = 1 << 26
+
+
+def chunk_rows(width: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, width))
+
+
+@dataclass
+class Teacher:
+    """What the loss needs of the target, and no more. The full-vocabulary logits are not kept: at a 128,256-token
+    vocabulary they are 0.5 GB per 2,048-token sample in bf16 (1 GB in float32); the restriction to the draft
+    vocabulary is what the soft cross-entropy reads, and the argmax over the whole vocabulary decides which positions
+    can be trained and which draft token is a hit."""
+
+    logits: torch.Tensor  # [B, T, Vd] the target's logits at the draft vocabulary's target ids (its own dtype)
+    argmax: torch.Tensor  # [B, T] int64: the target's argmax over its whole vocabulary (a target id)
+
+
+def teacher_of(vocab_ids: torch.Tensor, target_logits: torch.Tensor) -> Teacher:
+    """Teacher from the target's full logits [B, T, V] (vocab_ids: draft_vocab_ids)."""
+    return Teacher(target_logits.index_select(-1, vocab_ids.to(target_logits.device)), target_logits.argmax(-1))
+
+
+def teacher_from_head(head, final_hidden: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int) -> Teacher:
+    """Teacher from the target's final normed state [B, T, H] through its output head (`head`: rows [n, H] → logits
+    [n, V]), a few thousand rows at a time, so the full-vocabulary logits exist one chunk at a time."""
+    B, T, H = final_hidden.shape
+    rows = final_hidden.reshape(B * T, H)
+    vocab_ids = vocab_ids.to(final_hidden.device)
+    logits = argmax = None
+    n = chunk_rows(vocab_size)
+    for a in range(0, B * T, n):
+        full = head(rows[a : a + n])  # [n, V]
+        if logits is None:  # allocated here, outside any inference mode `head` runs under: autograd may save them
+            logits = torch.empty(B * T, vocab_ids.numel(), dtype=full.dtype, device=full.device)
+            argmax = torch.empty(B * T, dtype=torch.long, device=full.device)
+        logits[a : a + n] = full.index_select(-1, vocab_ids)
+        argmax[a : a + n] = full.argmax(-1)
+    return Teacher(logits.reshape(B, T, -1), argmax.reshape(B, T))
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """Σ_r w_r · H(p_r, q_r): q_r = softmax(logits[r]), p_r = softmax(teacher[r + shift]) (the teacher row `shift`
+    positions later, clamped at the end where w is 0). Float32, a chunk of rows at a time. For the backward it keeps
+    only its inputs (which the training step holds anyway) and recomputes both softmaxes per chunk, elementwise; the
+    dense form instead kept log q and the shifted p in float32, 2 × 4 × Vd bytes per position and TTT step."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, shift: int) -> torch.Tensor:
+        ctx.save_for_backward(logits, teacher, weight)
+        ctx.shift = shift
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for rows, z, p in _chunks(logits, teacher, shift):
+            total = total + (-(p * torch.log_softmax(z, -1)).sum(-1) * weight[rows]).sum()
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, teacher, weight = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        for rows, z, p in _chunks(logits, teacher, ctx.shift):
+            # d/dz of -Σ p log softmax(z) = softmax(z) · Σp - p
+            g = torch.softmax(z, -1) * p.sum(-1, keepdim=True) - p
+            out[rows] = (g * (weight[rows] * grad)[:, None]).to(out.dtype)
+        return out, None, None, None
+
+
+def _chunks(logits: torch.Tensor, teacher: torch.Tensor, shift: int):
+    """(row slice, float32 logits rows, teacher probabilities of the rows `shift` later) over [N, Vd] inputs."""
+    N = logits.shape[0]
+    step = chunk_rows(logits.shape[1])
+    for a in range(0, N, step):
+        rows = slice(a, min(N, a + step))
+        src = torch.arange(rows.start, rows.stop, device=logits.device).add_(shift).clamp_(max=N - 1)
+        yield rows, logits[rows].float(), torch.softmax(teacher.index_select(0, src).float(), -1)
+
+
+def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, shift: int) -> torch.Tensor:
+    """Σ_{b,t} weight[b, t] · H(softmax(teacher[b, t + shift]), softmax(logits[b, t])), logits and teacher [B, T, Vd],
+    weight [B, T] float32 (0 wherever t + shift runs past the sample)."""
+    B, T, Vd = logits.shape
+    return _SoftCrossEntropy.apply(logits.reshape(B * T, Vd), teacher.reshape(B * T, Vd), weight.reshape(-1), shift)
+
+
 def ttt_loss(
     draft: Eagle3Draft,
     unrolled: Unrolled,
-    target_logits: torch.Tensor,  # [B, T, V] the target's logits at every position
+    teacher: Teacher | torch.Tensor,  # or the target's logits [B, T, V] at every position
     loss_mask: torch.Tensor,  # [B, T] 1 where the token is supervised (assistant)
     valid: torch.Tensor | None = None,  # [B, T] 1 on real (non-pad) tokens
     per_sample: bool = False,
@@ -95,29 +181,28 @@ def ttt_loss(
     samples of each sample's own mean (so a batch split across processes weighs data exactly as one
     process would; then step_loss is the mean over samples too)."""
     vocab_ids = draft_vocab_ids(draft)
-    target_argmax = target_logits.argmax(-1)  # [B, T]
-    in_vocab = draft.t2d[target_argmax]
-    # Teacher: the target's distribution restricted to the draft vocabulary and renormalised.
-    teacher = torch.softmax(target_logits.float().index_select(-1, vocab_ids), dim=-1)
+    if isinstance(teacher, torch.Tensor):
+        teacher = teacher_of(vocab_ids, teacher)
+    # Teacher: the target's distribution restricted to the draft vocabulary and renormalised (soft_cross_entropy).
+    in_vocab = draft.t2d[teacher.argmax]
     mask = loss_mask.bool()
     if valid is not None:
         mask = mask & valid.bool()
-    total = target_logits.new_zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=teacher.logits.device)
     step_loss, step_acc, step_count = [], [], []
     for k, logits in enumerate(unrolled.logits):
         # position t at step k predicts token t+k+2 from the target's distribution at t+k+1
-        p = shift_left(teacher, k + 1)
         supervised = shift_left(mask, k + 2, False)
-        trainable = supervised & shift_left(in_vocab, k + 1, False)
-        logq = torch.log_softmax(logits.float(), dim=-1)
-        ce = -(p * logq).sum(-1)
+        trainable = (supervised & shift_left(in_vocab, k + 1, False)).float()
         if per_sample:
-            lk = ((ce * trainable).sum(-1) / trainable.sum(-1).clamp_min(1)).mean()
+            weight = trainable / (trainable.sum(-1, keepdim=True).clamp_min(1) * trainable.shape[0])
         else:
-            lk = (ce * trainable).sum() / trainable.sum().clamp_min(1)
+            weight = trainable / trainable.sum().clamp_min(1)
+        lk = soft_cross_entropy(logits, teacher.logits, weight, k + 1)
         total = total + (STEP_WEIGHT**k) * lk
-        pred = vocab_ids[logits.argmax(-1)]
-        hit = (pred == shift_left(target_argmax, k + 1)) & supervised
+        with torch.no_grad():
+            pred = vocab_ids[logits.argmax(-1)]
+            hit = (pred == shift_left(teacher.argmax, k + 1)) & supervised
         ns = int(supervised.sum())
         step_loss.append(float(lk.detach()))
         step_acc.append(float(hit.sum()) / ns if ns else float("nan"))

@@ -1,0 +1,41 @@
+"""How close two float32 computations of the same value must be, when they only sum in a different order.
+
+A fused kernel, a static-shape backend and a module-by-module reference all compute the same products, but each
+accumulates them in its own order (another blocking, another CPU's vector width). Reordering a sum of float32 terms
+moves the result by a few units in the last place *of the largest partial sums*, not of the result: an element that
+lands near zero in a row of values around 100 can carry an error of 1e-5 or more. A fixed absolute tolerance is
+therefore wrong at both ends (too tight for large activations, too loose for small ones), and a purely elementwise
+relative one is wrong for every element near zero. Tolerances here scale with the reference tensor's magnitude and
+with its depth, the number of dependent layers (products, norms, attention) between the inputs and this value,
+each of which can pass on and add such an error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPS32 = torch.finfo(torch.float32).eps  # 2**-23
+# Units in the last place, relative to the tensor's largest magnitude, that one layer of reordered float32 sums may
+# move a value. Observed: 5-8 eps per layer for the draft's hidden states (tests/test_fast_trace.py); 32 leaves a
+# margin for other CPUs' accumulation orders while staying ~1000x below what a wiring mistake changes.
+ULPS_PER_LAYER = 32
+
+
+def float32_atol(expected: torch.Tensor, depth: int = 1) -> float:
+    """The absolute tolerance for a float32 value `depth` layers deep whose reference is `expected`."""
+    scale = float(expected.detach().abs().amax()) if expected.numel() else 0.0
+    return ULPS_PER_LAYER * EPS32 * max(depth, 1) * max(scale, 1.0)
+
+
+def assert_close_float32(actual: torch.Tensor, expected: torch.Tensor, depth: int = 1, key: str = "") -> None:
+    """assert_close with the tolerance of `float32_atol`, keeping assert_close's own mismatch report (prefixed with
+    `key`, the tensor's name, when given)."""
+    atol = float32_atol(expected, depth)
+    prefix = f"{key}: " if key else ""
+    torch.testing.assert_close(
+        actual,
+        expected,
+        rtol=0.0,
+        atol=atol,
+        msg=lambda m: f"{prefix}{m}\n(float32 tolerance {atol:.3g} = {ULPS_PER_LAYER} eps x depth {depth} x scale)",
+    )

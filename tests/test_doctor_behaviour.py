@@ -515,7 +515,10 @@ def test_seed_scenario_from_an_sglang_log_via_the_cli(seed, tmp_path, capsys):
     rc = main([*argv, "--engine-log", str(log), "--json", "--html", str(html), "--device", "cpu"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 1 and out["healthy"] is False
-    assert out["findings"][0]["code"] == "NO_TTT"
+    codes = [f["code"] for f in out["findings"]]
+    # SGLang's log says SGLang served this Llama target, whose llama.py adds 1 to every id: it cannot capture the
+    # embedding tap at all (the seed incident's DeepSeek-family target keeps the ids), so that comes first
+    assert codes[0] == "ENGINE_TAP_CONVENTION" and "NO_TTT" in codes, codes
     assert {"code", "stage", "verdict", "evidence", "fix"} <= set(out["findings"][0])
     assert out["context"]["acceptance"]["served"]["accept_length"] == pytest.approx(1.12)
     assert out["context"]["inputs"]["engines_checked"] == ["sglang"]

@@ -133,3 +133,43 @@ def test_request_prompt_lengths_are_read_where_the_engine_prints_them():
     # drafts behind each position: all 40 reach position 1, the 20 that accepted it reach position 2
     assert v.position_counts() == ([40, 20], [20, 10])
     assert parse_engine_log(VLLM).prompt_mean is None  # vLLM's log lines say nothing about requests
+
+
+# Two responses' meta_info exactly as SGLang 0.5.23's Engine.generate returned them (tests/sglang's MLA draft, 3 draft
+# tokens per round), trimmed of the non-spec keys; the second request accepted 1 draft once and 2 drafts once.
+SGLANG_META = [
+    {"meta_info": {"prompt_tokens": 9, "spec_accept_rate": 0.0, "spec_accept_length": 1.032258064516129,
+                   "spec_num_correct_drafts": 0, "spec_num_proposed_drafts": 93, "spec_verify_ct": 31,
+                   "spec_correct_drafts_histogram": [31]}},
+    {"meta_info": {"prompt_tokens": 13, "spec_accept_rate": 0.03571428571428571,
+                   "spec_accept_length": 1.1428571428571428, "spec_num_correct_drafts": 3,
+                   "spec_num_proposed_drafts": 84, "spec_verify_ct": 28, "spec_correct_drafts_histogram": [26, 1, 1]}},
+]  # fmt: skip
+
+
+def test_sglang_meta_info_gives_exact_rounds_and_per_position_rates(tmp_path):
+    path = tmp_path / "responses.json"
+    path.write_text(json.dumps(SGLANG_META))
+    got = read_engine_log(path)
+    assert (got.engine, got.kind, got.drafts, got.lines) == ("sglang", "meta_info", 59.0, 2)
+    assert got.accept_length == pytest.approx(1 + 3 / 59)  # 1·1 + 2·1 drafts accepted over 59 rounds
+    # K = 93 / 31 = 3 positions, although the histograms stop at 2 accepted
+    assert got.per_position == pytest.approx([2 / 59, 1 / 59, 0.0])
+    assert got.alpha == pytest.approx([2 / 59, 0.5, 0.0])
+    assert got.prompt_mean == pytest.approx(11.0)
+    # SGLang's own spec_accept_length is not τ: it is the request's output tokens over its rounds, and so counts the
+    # token the prefill produced, which no round drafted (31 rounds, 32 tokens: 1.032 with nothing accepted)
+    for m in SGLANG_META:
+        meta = m["meta_info"]
+        tokens = meta["spec_verify_ct"] + sum(n * c for n, c in enumerate(meta["spec_correct_drafts_histogram"]))
+        assert meta["spec_accept_length"] == pytest.approx((tokens + 1) / meta["spec_verify_ct"])
+    # bare meta_info objects, and one response alone, read the same way
+    bare = parse_engine_log(json.dumps([m["meta_info"] for m in SGLANG_META]))
+    assert bare.per_position == pytest.approx(got.per_position)
+    assert parse_engine_log(json.dumps(SGLANG_META[1])).drafts == 28.0
+
+
+def test_sglang_meta_info_without_rounds_is_refused():
+    meta = {"spec_verify_ct": 0, "spec_num_proposed_drafts": 0, "spec_correct_drafts_histogram": []}
+    with pytest.raises(EagleScopeError, match="no verify rounds"):
+        parse_engine_log(json.dumps([meta]))

@@ -33,6 +33,7 @@ from eaglescope.draft import (
     load_draft,
     weight_names,
 )
+from eaglescope.drafts.config import SGLANG_MLA_ARCHITECTURE
 from eaglescope.errors import EagleScopeError
 from eaglescope.outputs import check_destination, dir_kind, staged_dir
 from eaglescope.taps import (
@@ -269,8 +270,8 @@ def engine_options(c, engine: str) -> dict:
         if c.norm_before_residual:
             ignores.append("norm_before_residual")
         if c.arch == "mla":
-            notes.append(f"SGLang serves MLA drafts since PR 25454; eaglescope has not read that loader at "
-                         f"{SGLANG_VERSION_READ}, so the names in this checkpoint are vLLM's")  # fmt: skip
+            notes.append(f"SGLang {SGLANG_VERSION_READ} serves it as {SGLANG_MLA_ARCHITECTURE} "
+                         "(srt/models/kimi_k25_eagle3.py, since PR 25454)")  # fmt: skip
     elif engine == "speculators":
         if c.arch == "mla":
             serves = False
@@ -611,6 +612,10 @@ def export_draft(
     if with_embedding:
         sd["embed_tokens.weight"] = target_embedding.detach().cpu().to(dtype).contiguous()
     cfg = c.to_hf_config(ids)
+    if engine.startswith("sglang") and c.arch == "mla":
+        # SGLang 0.5.23 registers the MLA draft class under this name only (srt/models/kimi_k25_eagle3.py, its one
+        # EntryClass); a config naming vLLM's Eagle3DeepseekV3ForCausalLM is refused ("Cannot find model module").
+        cfg["architectures"] = [SGLANG_MLA_ARCHITECTURE]
     cfg["torch_dtype"] = {v: k for k, v in _DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
     # Engines ignore unknown keys; the section keeps the training contract for eaglescope and for humans.
     section = loaded.contract.to_dict()

@@ -3,33 +3,16 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
+
+from engine_envs import EngineEnv
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 RUNNER = HERE / "vllm_runner.py"
-MARKER = ".eaglescope-vllm-complete"  # written by scripts/vllm_env.sh after vLLM imported there
-FAILED = ".eaglescope-vllm-error"  # scripts/vllm_env.sh's one-line error when it could not install or import vLLM
 PROBE_TIMEOUT_S = 180
-
-
-def find_vllm_python() -> tuple[str | None, str]:
-    """(the vLLM environment's python, "") or (None, why there is none). EAGLESCOPE_VLLM_PYTHON names one
-    directly; otherwise it is EAGLESCOPE_VLLM_VENV (default .venv-vllm) as scripts/vllm_env.sh left it."""
-    explicit = os.environ.get("EAGLESCOPE_VLLM_PYTHON")
-    if explicit:
-        if not os.access(explicit, os.X_OK):
-            return None, f"EAGLESCOPE_VLLM_PYTHON={explicit} is not an executable"
-        return explicit, ""
-    venv = Path(os.environ.get("EAGLESCOPE_VLLM_VENV") or REPO / ".venv-vllm")
-    if not (venv / "bin" / "python").exists():
-        return None, f"no vLLM environment at {venv} (run `bash scripts/vllm_env.sh`)"
-    if not (venv / MARKER).exists():
-        failed = venv / FAILED
-        why = failed.read_text().strip() if failed.exists() else "its install did not finish"
-        return None, f"the vLLM environment at {venv} is incomplete: {why} (run `bash scripts/vllm_env.sh`)"
-    return str(venv / "bin" / "python"), ""
+ENV = EngineEnv("vLLM", "VLLM", ".venv-vllm", ".eaglescope-vllm-complete", ".eaglescope-vllm-error",
+                "scripts/vllm_env.sh")  # fmt: skip
 
 
 def runner_env() -> dict[str, str]:
@@ -48,18 +31,5 @@ def runner_env() -> dict[str, str]:
 
 
 def probe_import(python: str) -> str:
-    """ "" when `from vllm import LLM` works in `python`, else one line saying why (`import vllm` alone is lazy)."""
-    try:
-        p = subprocess.run(
-            [python, "-c", "from vllm import LLM"],
-            capture_output=True,
-            text=True,
-            env=runner_env(),
-            timeout=PROBE_TIMEOUT_S,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"could not run {python}: {e}"
-    if p.returncode == 0:
-        return ""
-    lines = [ln.strip() for ln in (p.stderr or p.stdout).splitlines() if ln.strip()]
-    return f"vLLM does not import in {python}: {lines[-1] if lines else f'exit code {p.returncode}'}"
+    """ "" when `from vllm import LLM` works in `python`, else one line saying why."""
+    return ENV.probe(python, "from vllm import LLM", runner_env(), PROBE_TIMEOUT_S)

@@ -153,7 +153,9 @@ def run_doctor(
             engines = DEFAULT_ENGINES
 
     say("static checks")
-    findings, static_ctx = static_checks(target_dir, draft_dir, engines)
+    # SGLang's own report says SGLang served this target: its ids are read by the rule of the target's family
+    served_by_sglang = served_engine is not None and served_engine.engine == "sglang" and engines == ("sglang",)
+    findings, static_ctx = static_checks(target_dir, draft_dir, engines, sglang_rule_of_target=served_by_sglang)
     context: dict = {
         "inputs": {
             "target": str(target_dir),

@@ -30,6 +30,14 @@ vLLM's counters, exact and cumulative (vllm/v1/spec_decode/metrics.py SpecDecodi
   of several engines (data parallel) are summed; in Prometheus text a series given twice keeps its last value
   (several scrapes in one file: the latest counts).
 
+SGLang's per-request counts (srt/managers/tokenizer_manager.py, 0.5.23), exact: the `meta_info` of each response
+(`Engine.generate`'s return value, or the HTTP /generate response's "meta_info"), saved as JSON (one response, a list
+of them, or a list of their meta_info objects):
+    {"spec_verify_ct": 15, "spec_num_proposed_drafts": 45, "spec_correct_drafts_histogram": [6, 4, 3, 2], ...}
+  spec_verify_ct is the request's verify rounds, spec_num_proposed_drafts its drafted tokens (K per round), and
+  histogram[n] the rounds that accepted exactly n drafts (the list may stop at the largest n seen). Summed over the
+  requests: τ = 1 + Σ n·hist[n] / rounds, and the unconditional per-position rate_k = Σ_{n≥k} hist[n] / rounds.
+
 Counts. Where the engine says how many drafts stand behind its rates (vLLM), position k's conditional α_k rests on
 the drafts that accepted k-1 positions (drafts × rate_{k-1}): `position_counts` gives them, so a position reached by
 a handful of rounds carries a handful's weight. SGLang prints no round counts, only τ.
@@ -78,11 +86,12 @@ _VLLM0 = re.compile(
 class EngineAcceptance:
     engine: str  # "sglang" | "vllm"
     accept_length: float  # τ, bonus included
-    alpha: list[float] | None  # conditional α_1.. (vLLM only)
-    per_position: list[float] | None  # unconditional, as the engine logs it (vLLM only)
+    alpha: list[float] | None  # conditional α_1.. (vLLM, and SGLang's meta_info)
+    per_position: list[float] | None  # unconditional, as the engine logs it (vLLM, and SGLang's meta_info)
     lines: int  # metric lines used
     drafts: float | None  # verify rounds behind the numbers, when the log says
-    kind: str = "log"  # "log" (periodic lines) or "metrics" (vLLM's counters: Prometheus text or get_metrics JSON)
+    kind: str = "log"  # "log" (periodic lines), "metrics" (vLLM's counters: Prometheus text or get_metrics JSON) or
+    # "meta_info" (SGLang's per-request counts)
     prompt_tokens: float | None = None  # prompt tokens of the requests the log saw, when it says
     requests: float | None = None  # how many requests those were
 
@@ -145,7 +154,7 @@ def _vllm_line(line: str) -> tuple[float, list[float] | None, float | None] | No
 def parse_engine_log(text: str) -> EngineAcceptance:
     """Served τ (and α_k where the engine logs per-position rates) from a log's text, or from vLLM's metrics
     (Prometheus text or get_metrics() JSON; exact counters, preferred when a file holds both)."""
-    metrics = _vllm_metrics(text)
+    metrics = _sglang_meta_info(text) or _vllm_metrics(text)
     if metrics is not None:
         return metrics
     sg: list[tuple[float, int | None]] = []
@@ -218,6 +227,40 @@ def _merge_vllm(vl: list[tuple[float, list[float] | None, float | None]]) -> Eng
 
 # -- vLLM's counters -------------------------------------------------------------------------------------------
 _COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def _sglang_meta_info(text: str) -> EngineAcceptance | None:
+    """SGLang's per-request spec counts from saved responses (JSON); None when the text holds none."""
+    stripped = text.lstrip()
+    if stripped[:1] not in ("[", "{"):
+        return None
+    try:
+        obj = json.loads(stripped)
+    except ValueError:
+        return None
+    items = obj if isinstance(obj, list) else [obj]
+    metas = [m.get("meta_info", m) for m in items if isinstance(m, dict)]
+    metas = [m for m in metas if isinstance(m, dict) and "spec_correct_drafts_histogram" in m]
+    if not metas:
+        return None
+    rounds = sum(int(m.get("spec_verify_ct", 0)) for m in metas)
+    if rounds <= 0:
+        raise EagleScopeError("SGLang's meta_info counts no verify rounds (spec_verify_ct is 0): were the requests "
+                              "served with speculative decoding?")  # fmt: skip
+    proposed = sum(int(m.get("spec_num_proposed_drafts", 0)) for m in metas)
+    k = max([proposed // rounds] + [len(m["spec_correct_drafts_histogram"]) - 1 for m in metas])
+    hist = [0.0] * (k + 1)
+    for m in metas:
+        for n, c in enumerate(m["spec_correct_drafts_histogram"]):
+            hist[n] += float(c)
+    per_pos = [sum(hist[n:]) / rounds for n in range(1, k + 1)]
+    accepted = sum(n * c for n, c in enumerate(hist))
+    alpha = alpha_from_unconditional(per_pos) if per_pos else None
+    out = EngineAcceptance("sglang", 1.0 + accepted / rounds, alpha, per_pos or None, len(metas), float(rounds),
+                           kind="meta_info")  # fmt: skip
+    if all(isinstance(m.get("prompt_tokens"), int) for m in metas):
+        out.prompt_tokens, out.requests = float(sum(m["prompt_tokens"] for m in metas)), float(len(metas))
+    return out
 
 
 def _vllm_metrics(text: str) -> EngineAcceptance | None:

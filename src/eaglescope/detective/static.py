@@ -25,7 +25,7 @@ from eaglescope.export import (
     tap_name,
     trained_on,
 )
-from eaglescope.taps import ENGINES, TapContract, engine_capture
+from eaglescope.taps import ENGINES, TapContract, engine_capture, sglang_convention
 from eaglescope.target.base import TargetFingerprint
 from eaglescope.target.loading import check_dir, fingerprint_of, load_state_dict, read_config
 
@@ -128,22 +128,31 @@ def check_template(contract: DraftContract, fp: TargetFingerprint) -> list[Findi
 
 
 def check_engines(
-    hf_config: dict, contract: DraftContract, engines: tuple[str, ...] = DEFAULT_ENGINES
+    hf_config: dict,
+    contract: DraftContract,
+    engines: tuple[str, ...] = DEFAULT_ENGINES,
+    architecture: str | None = None,
 ) -> tuple[list[Finding], dict]:
-    """ENGINE_TAP_CONVENTION: what each engine captures for the checkpoint's ids vs the trained taps."""
+    """ENGINE_TAP_CONVENTION: what each engine captures for the checkpoint's ids vs the trained taps. Both SGLang
+    rows are reported. Given the target's `architecture` (the served engine is known to be SGLang), "sglang" in
+    `engines` is judged by the rule SGLang applies to that target (+1 to every id for Llama-like targets, +1 only
+    when the first id is 1 for the DeepSeek-V2 family), never by the other family's; without it, by the first-id-1
+    row (a draft saved for either family stays quiet)."""
     taps = contract.taps
     L = taps.num_layers
     ids = config_tap_ids(hf_config)
+    rule = sglang_convention(architecture)
+    judged = {rule if e == "sglang" and rule else e for e in engines}
     captures = {}
     findings = []
-    for engine in dict.fromkeys((*engines, "sglang-legacy")):
+    for engine in dict.fromkeys((*engines, "sglang", "sglang-legacy")):
         try:
             cap = engine_capture(ids, engine, L)
         except EagleScopeError:
             cap = None
         ok = cap == list(taps.layers)
         captures[engine] = {"captures": cap, "matches_contract": ok}
-        if ok or engine not in engines:
+        if ok or engine not in judged:
             continue
         try:
             choose_engine_ids(taps, engine)
@@ -300,9 +309,13 @@ def check_layer(hf_config: dict, sd: dict[str, torch.Tensor], engines: tuple[str
 
 
 def static_checks(
-    target_dir: Path | str, draft_dir: Path | str, engines: tuple[str, ...] = DEFAULT_ENGINES
+    target_dir: Path | str,
+    draft_dir: Path | str,
+    engines: tuple[str, ...] = DEFAULT_ENGINES,
+    sglang_rule_of_target: bool = False,
 ) -> tuple[list[Finding], dict]:
-    """Every static check; returns (findings, context["static"])."""
+    """Every static check; returns (findings, context["static"]). `sglang_rule_of_target`: SGLang is known to
+    serve this target, so its ids are judged by the rule of the target's architecture (check_engines)."""
     tdir = check_dir(target_dir)
     tcfg = read_config(tdir)
     try:
@@ -324,7 +337,8 @@ def static_checks(
     }
     # Engine conventions need the contract's layer count to be this target's; a mismatch already said so.
     if contract.taps.num_layers == fp.num_layers:
-        f, ctx["engines"] = check_engines(hf_cfg, contract, engines)
+        arch = fp.architecture if sglang_rule_of_target else None
+        f, ctx["engines"] = check_engines(hf_cfg, contract, engines, arch)
         findings += f
     f, ctx["vocab_map"] = check_vocab_map(hf_cfg, sd)
     findings += f

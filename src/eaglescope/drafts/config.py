@@ -22,6 +22,7 @@ from eaglescope.target.llama import LlamaArgs, RopeSpec
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLMEagle3"
 MLA_ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"  # vLLM's registry maps it to deepseek_eagle3.py
+SGLANG_MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"  # the one name SGLang 0.5.23 registers (kimi_k25_eagle3.py)
 MLA_TARGET_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 DRAFT_ARCHS = ("llama", "mla")
 

@@ -1,0 +1,106 @@
+"""Serve eaglescope exports in a real SGLang 0.5.23 and write what it did as JSON. Runs in the SGLang environment
+(scripts/sglang_env.sh) with tests/sglang/stand_ins on the path (sglang_support.sglang_env), never in eaglescope's.
+
+    python sglang_runner.py SPEC.json OUT.json
+
+SPEC: {"prompts": [[ids]], "max_tokens": N, "num_steps": K,
+       "runs": [{"name": str, "target": DIR, "draft": DIR}]}
+OUT:  {"sglang_version", "runs": {name: {"error", "load_seconds", "generate_seconds",
+       "outputs": [[ids]], "meta": [per prompt: meta_info's spec_* keys (spec_verify_ct, ...)]}}}
+
+Every run gets its own `sgl.Engine`, one after the other (start-up is most of the cost: ~30 s on 2 cores); the
+tests start one runner per run, since SGLang ends the whole process tree when a scheduler dies. SGLang
+serves EAGLE-3 as a chain of K draft tokens (`speculative_eagle_topk=1`, K + 1 verified tokens), greedy, float32,
+with the `intel_amx` attention backend: its Python side runs, with this project's plain-torch stand-ins for the
+kernels it calls. This CPU has no AMX, for which SGLang would swap `intel_amx` for `torch_native`, which EAGLE refuses
+(srt/arg_groups/overrides.py, srt/speculative/draft_utils.py); `override_platform(has_amx=True)` keeps it. Each run's
+SGLang log (stderr: the `accept len` decode lines) lies between `=== sglang_runner: run NAME` and `... end NAME`.
+A run whose engine fails records the error and the others go on. OUT is rewritten after every run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+
+def write(path: str, obj) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def serve(run: dict, spec: dict) -> dict:
+    import sglang as sgl
+    from sglang.srt.runtime_context import override_platform
+
+    k = int(spec["num_steps"])
+    rec: dict = {"error": None, "outputs": [], "meta": []}
+    t = time.perf_counter()
+    engine = None
+    try:
+        with override_platform(has_amx=True):
+            engine = sgl.Engine(
+                model_path=run["target"],
+                device="cpu",
+                attention_backend="intel_amx",
+                speculative_algorithm="EAGLE3",
+                speculative_draft_model_path=run["draft"],
+                speculative_num_steps=k,
+                speculative_eagle_topk=1,
+                speculative_num_draft_tokens=k + 1,
+                disable_overlap_schedule=True,
+                disable_radix_cache=True,  # every prompt from scratch, as eaglescope generate decodes it
+                dtype="float32",
+                # On a CPU SGLang profiles the machine's free memory around the weight load and refuses to start when
+                # the fraction is below what the load appeared to take, which other processes' allocations on a shared
+                # machine inflate: a generous fraction, and the KV pool capped at what the tests need.
+                mem_fraction_static=0.5,
+                max_total_tokens=8192,
+                skip_tokenizer_init=True,
+                decode_log_interval=1,
+                random_seed=0,
+                log_level="info",
+            )
+        rec["load_seconds"] = time.perf_counter() - t
+        t = time.perf_counter()
+        params = {"temperature": 0.0, "max_new_tokens": int(spec["max_tokens"])}
+        for prompt in spec["prompts"]:
+            (out,) = engine.generate(input_ids=[list(prompt)], sampling_params=params)
+            rec["outputs"].append([int(x) for x in out["output_ids"]])
+            rec["meta"].append({key: v for key, v in out["meta_info"].items() if key.startswith("spec_")})
+        rec["generate_seconds"] = time.perf_counter() - t
+    except Exception as e:  # noqa: BLE001 - recorded for the test to judge; the next run still goes
+        lines = [ln for ln in f"{type(e).__name__}: {e}".splitlines() if ln.strip()]
+        rec["error"] = lines[0] if lines else type(e).__name__
+        rec["traceback"] = traceback.format_exc()[-4000:]
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    return rec
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print("usage: sglang_runner.py SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    spec = json.loads(open(argv[1]).read())
+    import sglang
+
+    result: dict = {"sglang_version": sglang.__version__, "runs": {}}
+    for run in spec["runs"]:
+        print(f"=== sglang_runner: run {run['name']}", file=sys.stderr, flush=True)
+        result["runs"][run["name"]] = serve(run, spec)
+        print(f"=== sglang_runner: end {run['name']}", file=sys.stderr, flush=True)
+        write(argv[2], result)
+    return 0
+
+
+if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing's spawn: this module is re-imported
+    sys.exit(main(sys.argv))

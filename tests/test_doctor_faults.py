@@ -303,34 +303,3 @@ def test_doctor_on_the_transformers_backend_names_the_injected_fault_first(setup
     assert not report.healthy
     top = report.findings[0]
     assert (top.code, T.parse_stage(top.stage)[0], top.round) == (code, family, rnd), top.verdict
-
-
-def _reordered_tokens(step: int, change: bool):
-    """Trace edit: the step's token rows in reverse order (an engine's own frontier order), or one of them changed."""
-
-    def fn(x: torch.Tensor, tr) -> torch.Tensor:
-        if not change:
-            return x.flip(0)
-        y = x.clone()
-        y[0] = (y[0] + 1) % 96
-        return y
-
-    return fn
-
-
-@pytest.mark.parametrize("change", [False, True], ids=["same-nodes-other-order", "one-token-changed"])
-def test_tree_step_tokens_are_the_same_nodes_in_any_row_order(setups, tmp_path, change):
-    """A tree step's rows are the engine's frontier order: the same token ids in another row order are the same nodes
-    (doctor pairs rows of hidden states by content; ids where that pairing cannot place every row are compared as a
-    set), while another token on one row is a divergence at that stage."""
-    S = setups["a"]
-    clean, _ = record(S, tmp_path / "clean", shape=TREE)
-    rnd = 1
-    stage = T.draft_tokens(1)
-    assert T.load_trace(clean).get(stage, rnd).numel() > 1  # a frontier of several rows
-    edited_dir = edit_trace(clean, tmp_path / "edited", {(stage, rnd): _reordered_tokens(1, change)})
-    findings, ctx = diagnose(S, edited_dir)
-    if change:
-        assert ctx["first_divergence"] is not None and ctx["first_divergence"]["stage"] == stage
-    else:
-        assert findings == [], [(f.code, f.stage, f.round, f.verdict) for f in findings]

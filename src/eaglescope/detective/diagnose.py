@@ -1531,14 +1531,7 @@ def _compare_event(ev: Evidence, e: T.TraceEvent, obs, gold) -> Cmp:
             return _NO_SHAPE
         return ev.head(h).compare(ev.topk_obs(e.stage, e.round), only=e.part)
     if isinstance(gold, torch.Tensor) and not gold.is_floating_point():
-        if not isinstance(obs, torch.Tensor) or obs.shape != gold.shape:
-            return Cmp(2.0, 1.0)
-        same = torch.equal(obs.long(), gold.long())
-        if not same and step and obs.dim() == 1:
-            # A tree step's rows are the frontier in the engine's order, which the replay matched row by row from the
-            # hidden states; where that matching cannot place every row (near-identical rows of a fingerprint trace),
-            # the same ids and positions in another order are the same nodes: what they lead to is compared by content.
-            same = torch.equal(obs.long().sort().values, gold.long().sort().values)
+        same = isinstance(obs, torch.Tensor) and obs.shape == gold.shape and torch.equal(obs.long(), gold.long())
         return Cmp(0.0, 0.0) if same else Cmp(2.0, 1.0)
     return ev.compare(obs, gold)
 

@@ -535,7 +535,8 @@ def test_draft_side_replay_of_vllm_traces_says_what_the_full_replay_says(capture
                 draft_side += 1
                 assert ds["healthy"] is full["healthy"], (name, ds["findings"])
                 assert [(f["code"], f["stage"], f["round"]) for f in ds["findings"]][:1] == where[:1], name
-                assert ds["context"]["first_divergence"] == full["context"]["first_divergence"], name
+                # (no first divergence at all where the draft does not load: no-vocab-map's static finding is all)
+                assert ds["context"].get("first_divergence") == full["context"].get("first_divergence"), name
     # the clean pairs, the chunked prefills and the draft-side faults (vocabulary map, TTT, template, EAGLE 3.1) on
     # one side; the tap ids on the other
     assert draft_side >= 2 * PROMPTS * 4 and target_side >= PROMPTS

@@ -131,6 +131,7 @@ class RequestTrace:
         self.current: dict | None = None  # this step's target forward, until the sampler decides it
         self.closing: str | None = None  # it ended in this step: closed once the step's drafter has run
         self.aux_due: int | None = None  # the round verified in this step, whose target.aux the drafter receives
+        self.round_taps: list[torch.Tensor] = []  # that round's taps, for a target.aux the hand-off cannot give
         out = cap.staging / TRACE_NAME.format(k=slot)
         self.rec = TraceRecorder(out, mode=cap.mode, producer=cap.producer, flag="capture")
         self.rec.set_meta(**cap.meta(runner, self))
@@ -149,6 +150,15 @@ class RequestTrace:
         drafter receives their concatenation (Capture.begin_propose), after the runner's own torch.cat."""
         for layer, t in zip(self.layers, taps, strict=True):
             self.record(rnd, target_tap(layer), t)
+
+    def settle_aux(self) -> None:
+        """The verified round's target.aux when the drafter was not handed the whole block (vLLM without its padded
+        drafter batch hands on the accepted rows only; near the context's end the drafter does not run): the taps
+        side by side, low to high, as vLLM's runner concatenates them, marked as rebuilt by the capture."""
+        if self.aux_due is not None and self.round_taps:
+            self.record(self.aux_due, TARGET_AUX, torch.cat(self.round_taps, dim=-1), segments=len(self.round_taps),
+                        rebuilt_from_taps=True)  # fmt: skip
+        self.aux_due, self.round_taps = None, []
 
     def commit_staged(self) -> None:
         for rnd, stage, value, kw in self.staged:
@@ -235,6 +245,7 @@ class Capture:
     def end_step(self) -> None:
         """The step's sampler and drafter have run: the requests that ended in it are closed."""
         for req_id, tr in list(self.traces.items()):
+            tr.settle_aux()
             if tr.closing is not None:
                 self.close(req_id, tr.closing)
         self.step = self.propose = None
@@ -252,6 +263,7 @@ class Capture:
                     f.write(line.replace("\n", " ") + "\n")
             except OSError:
                 pass
+            tr.settle_aux()
             self.close(req_id, "error", incomplete=what)
         self.step = self.propose = None
 
@@ -454,7 +466,7 @@ class Capture:
                 if pre.layers and (why := record_prefill(tr.rec, pre.layers)) is not None:
                     note(f"request {req_id}: {why}")
                 tr.record(0, VERIFY_BONUS, torch.tensor(valid[:1], dtype=torch.long))
-                tr.aux_due = 0
+                tr.aux_due, tr.round_taps = 0, taps
                 tr.round, tr.emitted = 0, valid[:1]  # tr.prefill stays: the drafter's step 0 of it is next
                 new = valid[:1]
             else:
@@ -474,7 +486,7 @@ class Capture:
                 tr.record_taps(rnd, cur["taps"])
                 tr.record(rnd, VERIFY_ACCEPTED, torch.arange(1, a + 1, dtype=torch.long))
                 tr.record(rnd, VERIFY_BONUS, torch.tensor(valid[-1:], dtype=torch.long))
-                tr.round, tr.aux_due = rnd, rnd
+                tr.round, tr.aux_due, tr.round_taps = rnd, rnd, cur["taps"]
                 tr.emitted += valid
                 new = valid
             tr.closing = tr.finished(new)  # closed at the step's end: the drafter still receives this round
@@ -500,14 +512,16 @@ class Capture:
             if kind == "decode":
                 if tr.aux_due == tr.round and handed == n:
                     # the padded drafter batch hands on every verified row: that block is the round's target.aux as
-                    # the drafter receives it (prepare_inputs without padding hands the accepted rows only)
+                    # the drafter receives it (prepare_inputs without padding hands the accepted rows only: then
+                    # settle_aux rebuilds it from the taps at the step's end)
                     tr.record(tr.round, TARGET_AUX, _rows(hidden, lo, lo + handed), **seg)
+                    tr.aux_due, tr.round_taps = None, []
                 tr.staged.append((tr.round, NEXT_HIDDEN_IN, _rows(hidden, lo, hi), seg))
             else:
                 tr.prefill.nxt.append(_rows(hidden, lo, hi))
                 if kind == "prefill" and tr.aux_due == 0:  # the prompt's last chunk: round 0 is verified
                     tr.record(0, TARGET_AUX, torch.cat(tr.prefill.nxt), segments=len(tr.layers))
-            tr.aux_due = None
+                    tr.aux_due, tr.round_taps = None, []
         if not reqs:
             return False
         self.propose = {"drafter": drafter, "reqs": reqs, "step": 0}

@@ -255,6 +255,9 @@ def _following(proposer_cls: type[Eagle3Proposer], trace: T.Trace) -> type[Eagle
         def _expanded_next(self, k: int, rnd: int, draft_ids: torch.Tensor, own: dict) -> torch.Tensor | None:
             """[n, K] bool: which of this step's candidates (own row j, its child draft_ids[j, i]) the trace's step k+1
             rows hold, told by their embedding and their parent's features; None when the trace does not show it."""
+            by_tokens = self._expanded_by_tokens(k, rnd, draft_ids)
+            if by_tokens is not None:
+                return by_tokens
             emb, parent = value(T.draft_embed_in(k + 1), rnd), value(T.draft_hidden_in(k + 1), rnd)
             out = own.get(T.draft_hidden_out(k))
             if out is None or (emb is None and parent is None):
@@ -279,6 +282,23 @@ def _following(proposer_cls: type[Eagle3Proposer], trace: T.Trace) -> type[Eagle
             chosen = torch.zeros(n * K, dtype=torch.bool)
             chosen[best.indices] = True
             return chosen.view(n, K).to(draft_ids.device)
+
+        def _expanded_by_tokens(self, k: int, rnd: int, draft_ids: torch.Tensor) -> torch.Tensor | None:
+            """The candidates the trace expanded next, told by the token ids its step k+1 read (exact in every trace
+            mode): used when each of those ids belongs to as many candidates as it occurs, so no parent need be told
+            apart; None otherwise (or when the trace has no step tokens)."""
+            nxt = value(T.draft_tokens(k + 1), rnd)
+            if not isinstance(nxt, torch.Tensor) or nxt.dim() != 1 or nxt.numel() == 0:
+                return None
+            cand = self.to_target_ids(draft_ids).cpu()  # [n, K]
+            want = torch.unique(nxt.long(), return_counts=True)
+            chosen = torch.zeros_like(cand, dtype=torch.bool)
+            for tok, count in zip(*want):
+                hit = cand == tok
+                if int(hit.sum()) != int(count):
+                    return None
+                chosen |= hit
+            return chosen.to(draft_ids.device)
 
     Following.__name__ = Following.__qualname__ = f"Following{proposer_cls.__name__}"
     return Following

@@ -190,19 +190,21 @@ def add_doctor(sub) -> None:
 
 
 CAPTURE_DESCRIPTION = """\
-Record canonical traces (docs/trace-format.md) inside an unmodified vLLM, for `eaglescope doctor --trace`.
+Record canonical traces (docs/trace-format.md) inside an unmodified vLLM or SGLang, for `eaglescope doctor --trace`.
 
-COMMAND is your own command (python serve.py, vllm serve ..., a benchmark), run unchanged with an environment
-switch set. eaglescope's vLLM plugin (a `vllm.general_plugins` entry point: install eaglescope into vLLM's
-environment, e.g. `pip install --no-deps -e .`; scripts/vllm_env.sh does) then wraps vLLM's methods in the
-process that runs the model and traces the first N requests it starts, one trace per request, each written
+COMMAND is your own command (python serve.py, vllm serve ..., python -m sglang.launch_server ..., a benchmark), run
+unchanged with an environment switch set. eaglescope's plugin for the engine (a `vllm.general_plugins` or
+`sglang.srt.plugins` entry point: install eaglescope into the engine's environment, e.g. `pip install --no-deps -e .`;
+scripts/vllm_env.sh and scripts/sglang_env.sh do) then wraps the engine's methods in the process that runs the model
+(vLLM's worker, SGLang's scheduler) and traces the first N requests it starts, one trace per request, each written
 complete when its request finishes. With --requests 1 (default) TRACE is that trace; with N > 1 it is a
 directory of request-<k>/ traces and capture.json. TRACE may be a new or empty directory or an earlier capture,
-nothing else. Supported: vLLM 0.32.0 with EAGLE-3 (a chain of num_speculative_tokens); any other version is
-refused in one line and nothing is written. Serve with prefix caching off to trace requests whose prompts
-share a prefix (a cached prefix never runs, so it has no features to record).
+nothing else. Supported: vLLM 0.32.0 with EAGLE-3 (a chain of num_speculative_tokens), and SGLang 0.5.23 with
+EAGLE3 as a chain (speculative_eagle_topk 1, overlap scheduling off); any other version is refused in one line and
+nothing is written. Serve with prefix caching (SGLang: the radix cache) off to trace requests whose prompts
+share a prefix (a cached prefix never runs, so it has no features to record). --layers: vLLM only.
 
-Exit status: the command's own; 2 when nothing could be captured; 1 (if the command exited 0) when vLLM's engine
+Exit status: the command's own; 2 when nothing could be captured; 1 (if the command exited 0) when the engine
 step raised while traced requests were in flight: their traces stop there, marked incomplete.
 example: eaglescope capture --engine vllm --out ./trace -- python serve.py
 """
@@ -211,13 +213,13 @@ example: eaglescope capture --engine vllm --out ./trace -- python serve.py
 def add_capture(sub) -> None:
     p = sub.add_parser(
         "capture",
-        help="record traces inside an unmodified vLLM while your own command runs (for doctor --trace)",
+        help="record traces inside an unmodified vLLM or SGLang while your own command runs (for doctor --trace)",
         description=CAPTURE_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="eaglescope capture --engine vllm --out TRACE [--mode full|fingerprint] [--requests N] [--layers] "
+        usage="eaglescope capture --engine vllm|sglang --out TRACE [--mode full|fingerprint] [--requests N] [--layers] "
         "-- COMMAND ...",
     )
-    p.add_argument("--engine", required=True, choices=["vllm"], help="the serving engine COMMAND runs")
+    p.add_argument("--engine", required=True, choices=["vllm", "sglang"], help="the serving engine COMMAND runs")
     p.add_argument("--out", required=True, help="where the trace goes (new, empty, or an earlier capture)")
     p.add_argument(
         "--mode",

@@ -2,13 +2,15 @@
 
 Two halves, in two Python environments:
 
-    command.py    the CLI command, in eaglescope's environment: checks --out, runs the user's own command with
-                  the switch below set, and moves the complete traces into place when it ends (standard library).
-    plugin.py     a vLLM general plugin (entry point `vllm.general_plugins`), in vLLM's environment: a no-op
-                  unless the switch is set; otherwise it checks vLLM's version and arranges for vllm_hooks.py
-                  to wrap vLLM's methods in whichever process imports vLLM's model runner.
-    vllm_hooks.py the wrappers: they read what vLLM computes (never change it) and write one trace per request
-                  with eaglescope's TraceRecorder.
+    command.py      the CLI command, in eaglescope's environment: checks --out, runs the user's own command with
+                    the switch below set, and moves the complete traces into place when it ends (standard library).
+    plugin.py       the engine's general plugin (entry points `vllm.general_plugins`, `sglang.srt.plugins`), in the
+                    engine's environment: a no-op unless the switch is set for that engine; otherwise it checks the
+                    engine's version and arranges for the engine's hooks module to wrap its methods in whichever
+                    process imports the module the engine runs its model from.
+    vllm_hooks.py   the wrappers, one module per engine: they read what the engine computes (never change it) and
+    sglang_hooks.py write one trace per request with eaglescope's TraceRecorder.
+    slots.py        what the hooks of every engine share: request slots across processes, the target's fingerprint.
 
 This module holds only the names both halves share, so that importing it costs nothing.
 """
@@ -23,20 +25,24 @@ from pathlib import Path
 ENV_DIR = "EAGLESCOPE_CAPTURE_DIR"
 ENV_REQUESTS = "EAGLESCOPE_CAPTURE_REQUESTS"  # how many requests to trace (the first N the engine starts)
 ENV_MODE = "EAGLESCOPE_CAPTURE_MODE"  # "full" | "fingerprint"
-ENV_ENGINE = "EAGLESCOPE_CAPTURE_ENGINE"  # "vllm"
+ENV_ENGINE = "EAGLESCOPE_CAPTURE_ENGINE"  # "vllm" | "sglang": only that engine's plugin acts
 ENV_LAYERS = "EAGLESCOPE_CAPTURE_LAYERS"  # "1": also every layer's state of each prefill (target.layer.*)
 
 # Files the engine side leaves in the staging directory for the command to read.
 REFUSED = "refused.txt"  # one line: this engine version is not supported (nothing was hooked)
 NOTES = "notes.txt"  # one line per request that was not traced, or per hook error, and why
-RAISED = "raised.txt"  # one line per traced request in flight when vLLM's engine step raised (its trace is incomplete)
+RAISED = "raised.txt"  # one line per traced request in flight when the engine step raised (its trace is incomplete)
 LOADED = "loaded-{pid}"  # the plugin ran in this process
 HOOKED = "hooked-{pid}"  # the hooks are installed in this process (it imported the model runner)
 CLAIMS = "claims"  # claims/<k>: request slot k is taken (mkdir is atomic across engine processes)
 TRACE_NAME = "request-{k}"  # request slot k's trace
 
 PRODUCER_SUFFIX = "(eaglescope capture)"
-SUPPORTED_VLLM = ("0.32.0",)
+# The versions whose internals each engine's hooks were written against (and tested on).
+SUPPORTED = {"vllm": ("0.32.0",), "sglang": ("0.5.23",)}
+SUPPORTED_VLLM = SUPPORTED["vllm"]
+SUPPORTED_SGLANG = SUPPORTED["sglang"]
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 
 
 def producer(engine: str, version: str) -> str:
@@ -44,12 +50,13 @@ def producer(engine: str, version: str) -> str:
     return f"{engine}-{version} {PRODUCER_SUFFIX}"
 
 
-def unsupported_line(version: str) -> str | None:
-    """The one line that refuses a vLLM version the hooks were not written for; None when supported."""
-    if version in SUPPORTED_VLLM:
+def unsupported_line(version: str, engine: str = "vllm") -> str | None:
+    """The one line that refuses an engine version the hooks were not written for; None when supported."""
+    if version in SUPPORTED[engine]:
         return None
+    name = ENGINE_NAMES[engine]
     return (
-        f"eaglescope capture supports vLLM {', '.join(SUPPORTED_VLLM)} only; this is vLLM {version}: nothing "
+        f"eaglescope capture supports {name} {', '.join(SUPPORTED[engine])} only; this is {name} {version}: nothing "
         "was captured (its internals differ between versions, and a trace from misread internals would mislead)"
     )
 

@@ -1,9 +1,10 @@
-"""`eaglescope capture --engine vllm --out TRACE [--mode full|fingerprint] [--requests N] [--layers] -- COMMAND ...`
+"""`eaglescope capture --engine vllm|sglang --out TRACE [--mode full|fingerprint] [--requests N] [--layers] -- COMMAND`
 
-Runs the user's own command (`python serve.py`, `vllm serve ...`, a benchmark script) unchanged, with a switch in
-its environment that eaglescope's vLLM plugin (plugin.py, registered under `vllm.general_plugins`) reads in every
-vLLM process. The process that runs the model then writes one trace per request, for the first N requests it
-starts, into a hidden staging directory beside TRACE; each trace is complete the moment it is written. When the
+Runs the user's own command (`python serve.py`, `vllm serve ...`, `python -m sglang.launch_server ...`, a benchmark
+script) unchanged, with a switch in its environment that eaglescope's plugin for that engine (plugin.py, registered
+under `vllm.general_plugins` and `sglang.srt.plugins`) reads in every engine process. The process that runs the model
+then writes one trace per request, for the first N requests it starts, into a hidden staging directory beside TRACE;
+each trace is complete the moment it is written. When the
 command ends the traces are moved into place: with N = 1, TRACE is that request's trace; with N > 1, TRACE is a
 directory of `request-<k>/` traces and a `capture.json` index. Standard library only (no torch here).
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from eaglescope import outputs
 from eaglescope.capture import (
+    ENGINE_NAMES,
     ENV_DIR,
     ENV_ENGINE,
     ENV_LAYERS,
@@ -32,14 +34,19 @@ from eaglescope.capture import (
     PRODUCER_SUFFIX,
     RAISED,
     REFUSED,
-    SUPPORTED_VLLM,
+    SUPPORTED,
     TRACE_NAME,
 )
 from eaglescope.errors import EagleScopeError
 
 INDEX = "capture.json"
 WRITTEN_BY = "eaglescope capture"
-PLUGIN_NAME = "eaglescope_capture"  # the entry point's name (VLLM_PLUGINS allow-lists plugins by it)
+PLUGIN_NAME = "eaglescope_capture"  # the entry point's name (VLLM_PLUGINS and SGLANG_PLUGINS allow-list by it)
+# engine → (its plugin allow-list variable, the script that installs eaglescope beside it, how EAGLE-3 is asked for)
+ENGINES = {
+    "vllm": ("VLLM_PLUGINS", "scripts/vllm_env.sh", "speculative_config method 'eagle3'"),
+    "sglang": ("SGLANG_PLUGINS", "scripts/sglang_env.sh", "speculative_algorithm EAGLE3"),
+}
 POLL_S = 0.2
 TERMINATE_GRACE_S = 15.0
 
@@ -61,19 +68,20 @@ CAPTURE_KIND = outputs.dir_kind(
 )
 
 
-def _child_env(staging: Path, requests: int, mode: str, layers: bool = False) -> dict[str, str]:
+def _child_env(staging: Path, requests: int, mode: str, layers: bool = False, engine: str = "vllm") -> dict[str, str]:
     env = dict(os.environ)
-    env.update({ENV_DIR: str(staging), ENV_REQUESTS: str(requests), ENV_MODE: mode, ENV_ENGINE: "vllm"})
+    env.update({ENV_DIR: str(staging), ENV_REQUESTS: str(requests), ENV_MODE: mode, ENV_ENGINE: engine})
     env[ENV_LAYERS] = "1" if layers else "0"
-    allowed = env.get("VLLM_PLUGINS")
+    allow_list = ENGINES[engine][0]
+    allowed = env.get(allow_list)
     if allowed is not None and PLUGIN_NAME not in allowed.split(","):
         # An allow-list would keep the plugin out: add it (capture was asked for explicitly).
-        env["VLLM_PLUGINS"] = ",".join(p for p in (*allowed.split(","), PLUGIN_NAME) if p)
+        env[allow_list] = ",".join(p for p in (*allowed.split(","), PLUGIN_NAME) if p)
     return env
 
 
 def _run(command: list[str], env: dict[str, str], staging: Path) -> tuple[int, str | None]:
-    """Run the command to its end (or until the plugin refuses this vLLM) → (exit status, refusal line)."""
+    """Run the command to its end (or until the plugin refuses this engine version) → (exit status, refusal line)."""
     try:
         proc = subprocess.Popen(command, env=env)
     except OSError as e:
@@ -102,22 +110,23 @@ def _run(command: list[str], env: dict[str, str], staging: Path) -> tuple[int, s
     return proc.returncode, refused
 
 
-def _nothing_captured(staging: Path, rc: int, notes: list[str]) -> EagleScopeError:
+def _nothing_captured(staging: Path, rc: int, notes: list[str], engine: str = "vllm") -> EagleScopeError:
     status = f" (the command exited with status {rc})" if rc else ""
+    name, (_, script, eagle3) = ENGINE_NAMES[engine], ENGINES[engine]
     if not any(staging.glob(LOADED.format(pid="*"))):
         why = (
-            "the eaglescope vLLM plugin never loaded: install eaglescope into the Python environment that runs "
-            "vLLM (`pip install --no-deps -e /path/to/eaglescope` there; scripts/vllm_env.sh does it), and run "
-            "vLLM from that environment"
+            f"the eaglescope {name} plugin never loaded: install eaglescope into the Python environment that runs "
+            f"{name} (`pip install --no-deps -e /path/to/eaglescope` there; {script} does it), and run "
+            f"{name} from that environment"
         )
     elif not any(staging.glob(HOOKED.format(pid="*"))):
-        why = "the eaglescope plugin loaded but no process ran vLLM's model (did the command start an engine?)"
+        why = f"the eaglescope plugin loaded but no process ran {name}'s model (did the command start an engine?)"
     else:
-        why = "vLLM ran, but no request was traced"
+        why = f"{name} ran, but no request was traced"
         if notes:
             why += f": {notes[-1]}"
         else:
-            why += " (was it serving with speculative_config method 'eagle3'?)"
+            why += f" (was it serving with {eagle3}?)"
     return EagleScopeError(f"nothing was captured{status}: {why}")
 
 
@@ -129,6 +138,10 @@ def cmd_capture(args) -> int:
         raise EagleScopeError("give the command to run after --, e.g. eaglescope capture ... -- python serve.py")
     if args.requests < 1:
         raise EagleScopeError(f"--requests must be >= 1, got {args.requests}")
+    engine = getattr(args, "engine", "vllm")
+    layers = bool(getattr(args, "layers", False))
+    if layers and engine != "vllm":
+        raise EagleScopeError(f"--layers is supported with --engine vllm only, not {engine}")
     out = outputs.check_destination(args.out, CAPTURE_KIND, flag="--out")
     outputs.clean_stale(out)
     staging = out.with_name(f".{out.name}{outputs.TMP_TAG}{os.getpid()}")
@@ -140,7 +153,7 @@ def cmd_capture(args) -> int:
     except OSError as e:
         raise EagleScopeError(f"cannot write beside {out}: {e.strerror or e}") from None
     try:
-        env = _child_env(staging, args.requests, args.mode, bool(getattr(args, "layers", False)))
+        env = _child_env(staging, args.requests, args.mode, layers, engine)
         rc, refused = _run(command, env, staging)
         if refused:
             raise EagleScopeError(refused)
@@ -152,19 +165,19 @@ def cmd_capture(args) -> int:
             if p.is_dir() and p.name.rsplit("-", 1)[1].isdigit() and (p / "manifest.json").is_file()
         )
         if not slots:
-            raise _nothing_captured(staging, rc, notes)
+            raise _nothing_captured(staging, rc, notes, engine)
         if args.requests == 1:
             outputs.swap_in(slots[0][1], out)
         else:
             index = {
                 "written_by": WRITTEN_BY,
-                "engine": "vllm",
-                "supported_versions": list(SUPPORTED_VLLM),
+                "engine": engine,
+                "supported_versions": list(SUPPORTED[engine]),
                 "mode": args.mode,
                 "requested": args.requests,
                 "command": command,
                 "exit_status": rc,
-                "traces": [_summary(path) for _, path in slots],
+                "traces": [_summary(path, engine) for _, path in slots],
                 "notes": notes,
                 "raised": raised,
             }
@@ -190,8 +203,8 @@ def cmd_capture(args) -> int:
     if raised:
         # The command may have caught the error and gone on; the traces of those requests still stop early.
         print(
-            f"eaglescope capture: warning: vLLM's engine step raised while {len(raised)} traced request(s) were in "
-            "flight; their traces stop there (marked incomplete: doctor reports TRACE_INCOMPLETE)",
+            f"eaglescope capture: warning: {ENGINE_NAMES[engine]}'s engine step raised while {len(raised)} traced "
+            "request(s) were in flight; their traces stop there (marked incomplete: doctor reports TRACE_INCOMPLETE)",
             file=sys.stderr,
         )
         return rc or 1
@@ -205,12 +218,11 @@ def _read_lines(path: Path) -> list[str]:
         return []
 
 
-def _summary(path: Path) -> dict:
+def _summary(path: Path, engine: str) -> dict:
     meta = (outputs.read_json(path / "manifest.json") or {}).get("meta") or {}
-    vllm = meta.get("vllm") or {}
     return {
         "trace": path.name,
-        "request_id": vllm.get("request_id"),
+        "request_id": (meta.get(engine) or {}).get("request_id"),
         "prompt_tokens": len(meta.get("prompt_ids") or []),
         "rounds": meta.get("rounds"),
         "finished": meta.get("finished"),

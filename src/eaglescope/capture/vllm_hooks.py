@@ -56,22 +56,20 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import torch
 
 from eaglescope.capture import (
-    CLAIMS,
     ENV_DIR,
     ENV_LAYERS,
     ENV_MODE,
     ENV_REQUESTS,
-    RAISED,
-    TRACE_NAME,
     note,
     producer,
     unsupported_line,
 )
+from eaglescope.capture.slots import TracedRequest, claim_slot, report_raised, target_fingerprint
+from eaglescope.capture.slots import rows as _rows
 from eaglescope.capture.vllm_layers import LayerStates, record_prefill
 from eaglescope.trace import (
     DRAFT_FC_OUT,
@@ -83,7 +81,6 @@ from eaglescope.trace import (
     VERIFY_BONUS,
     VERIFY_PARENTS,
     VERIFY_TOKENS,
-    TraceRecorder,
     draft_embed_in,
     draft_hidden_in,
     draft_hidden_out,
@@ -94,13 +91,6 @@ from eaglescope.trace import (
 )
 
 PLACEHOLDER = -1  # vLLM's rejection sampler writes this past each request's accepted tokens
-# How a request ended when its trace holds all it should: its own stop or length, or vLLM saying it finished.
-COMPLETE_ENDS = ("stop", "length", "finished (reported by the scheduler)")
-
-
-def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    # A copy now: vLLM reuses its buffers (and CUDA graphs their outputs) before the round is committed.
-    return t[a:b].detach().to("cpu", copy=True)
 
 
 @dataclass
@@ -114,26 +104,22 @@ class _Prefill:
     layers: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per chunk: target.layer.* (--layers)
 
 
-class RequestTrace:
-    """One request's trace: rounds are recorded when verified; the drafts of the next round wait in `staged`."""
+class RequestTrace(TracedRequest):
+    """One vLLM request's trace."""
 
     def __init__(self, cap: Capture, runner, req_id: str, slot: int) -> None:
-        self.cap, self.req_id, self.slot = cap, req_id, slot
+        super().__init__(cap.staging, slot, req_id, cap.mode, cap.producer)
+        self.cap = cap
         state = runner.requests[req_id]
         self.prompt = [int(t) for t in state.prompt_token_ids]
         self.sp = state.sampling_params
         self.max_model_len = int(runner.max_model_len)
         self.layers = [int(i) for i in cap.aux_layers(runner)]
         self.prefill: _Prefill | None = _Prefill()  # until round 1's step 0 is staged
-        self.round = -1  # the last round recorded (verified); -1 while the prefill runs
-        self.emitted: list[int] = []
-        self.staged: list[tuple[int, str, Any, dict]] = []
         self.current: dict | None = None  # this step's target forward, until the sampler decides it
         self.closing: str | None = None  # it ended in this step: closed once the step's drafter has run
         self.aux_due: int | None = None  # the round verified in this step, whose target.aux the drafter receives
         self.round_taps: list[torch.Tensor] = []  # that round's taps, for a target.aux the hand-off cannot give
-        out = cap.staging / TRACE_NAME.format(k=slot)
-        self.rec = TraceRecorder(out, mode=cap.mode, producer=cap.producer, flag="capture")
         self.rec.set_meta(**cap.meta(runner, self))
 
     @property
@@ -142,9 +128,6 @@ class RequestTrace:
         return len(self.prompt) + len(self.emitted) - 1
 
     # -- commit ------------------------------------------------------------------------------------------
-    def record(self, rnd: int, stage: str, value, **kw) -> None:
-        self.rec.record(stage, value, round=rnd, **kw)
-
     def record_taps(self, rnd: int, taps: list[torch.Tensor]) -> None:
         """The states the target model captured (its list of aux hidden states). target.aux is recorded where the
         drafter receives their concatenation (Capture.begin_propose), after the runner's own torch.cat."""
@@ -160,11 +143,6 @@ class RequestTrace:
                         rebuilt_from_taps=True)  # fmt: skip
         self.aux_due, self.round_taps = None, []
 
-    def commit_staged(self) -> None:
-        for rnd, stage, value, kw in self.staged:
-            self.record(rnd, stage, value, **kw)
-        self.staged = []
-
     def finished(self, new_tokens: list[int]) -> str | None:
         """Whether these newly emitted tokens end the request, checked as vLLM's scheduler does (check_stop),
         token by token; the reason, or None."""
@@ -179,22 +157,6 @@ class RequestTrace:
             if len(self.prompt) + n_out >= self.max_model_len or n_out >= max_tokens:
                 return "length"
         return None
-
-    def close(self, reason: str, incomplete: str | None = None) -> None:
-        """Write the trace. `incomplete`: why it stops before its request ended (the engine raised, the process
-        exited), kept in meta for doctor (TRACE_INCOMPLETE) with `complete: false`."""
-        self.staged = []  # drafts no target verified: not part of any round
-        if incomplete is None and reason not in COMPLETE_ENDS:
-            incomplete = f"the request had not finished when its trace was closed ({reason})"
-        if incomplete is not None:
-            incomplete += f"; the trace stops after round {self.round}"
-        self.rec.set_meta(finished=reason, rounds=self.round + 1, emitted_tokens=len(self.emitted),
-                          complete=incomplete is None, incomplete=incomplete)  # fmt: skip
-        if self.round < 0:
-            self.rec.abort()  # nothing verified yet: no trace is better than an empty one
-            note(f"request {self.req_id} ended ({reason}) before its prefill finished; not traced")
-            return
-        self.rec.close()
 
 
 class Capture:
@@ -212,7 +174,6 @@ class Capture:
         self.step: dict | None = None  # {"runner", "sched", "layout": {req: (batch index, first row, rows, kind)}}
         self.propose: dict | None = None
         self.noted: set[str] = set()
-        self._fingerprint: dict | None | bool = False
         self.rank_ok: bool | None = None  # decided at the first step, once vLLM's parallel state exists
 
     # -- housekeeping ---------------------------------------------------------------------------------------
@@ -257,12 +218,7 @@ class Capture:
         for req_id in list(self.traces):
             tr = self.traces[req_id]
             line = f"request {req_id} (slot {tr.slot}): {what}; its trace stops after round {tr.round}"
-            note(line)
-            try:
-                with open(self.staging / RAISED, "a", encoding="utf-8") as f:
-                    f.write(line.replace("\n", " ") + "\n")
-            except OSError:
-                pass
+            report_raised(self.staging, line)
             tr.settle_aux()
             self.close(req_id, "error", incomplete=what)
         self.step = self.propose = None
@@ -271,16 +227,9 @@ class Capture:
         """The first free request slot (claimed across every engine process by an atomic mkdir), or None."""
         if self.exhausted:
             return None
-        claims = self.staging / CLAIMS
-        claims.mkdir(exist_ok=True)
-        for k in range(self.limit):
-            try:
-                (claims / str(k)).mkdir()
-                return k
-            except FileExistsError:
-                continue
-        self.exhausted = True
-        return None
+        slot = claim_slot(self.staging, self.limit)
+        self.exhausted = slot is None
+        return slot
 
     @property
     def idle(self) -> bool:
@@ -291,16 +240,6 @@ class Capture:
     def aux_layers(runner) -> list[int]:
         holder = getattr(runner.model, "model", runner.model)
         return list(getattr(holder, "aux_hidden_state_layers", ()) or ())
-
-    def target_fingerprint(self, path: str) -> dict | None:
-        if self._fingerprint is False:
-            try:  # eaglescope's own fingerprint, when this environment can import it (scripts/vllm_env.sh)
-                from eaglescope.target.loading import fingerprint_of, read_config
-
-                self._fingerprint = fingerprint_of(Path(path), read_config(Path(path))).to_dict()
-            except Exception:  # noqa: BLE001 - a hub id or an unreadable directory: no fingerprint, say so
-                self._fingerprint = None
-        return self._fingerprint
 
     def meta(self, runner, tr: RequestTrace) -> dict:
         spec = runner.speculative_config
@@ -324,7 +263,7 @@ class Capture:
             "tap_convention": "hf_output_hidden_states",
             "settings": settings,
             "decoding": settings,  # docs/trace-format.md's name for the same settings
-            "target": self.target_fingerprint(str(runner.model_config.model)),
+            "target": target_fingerprint(str(runner.model_config.model)),
             "draft": {
                 "path": str(spec.model),
                 "draft_vocab_size": getattr(draft_cfg, "draft_vocab_size", None),

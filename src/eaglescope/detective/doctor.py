@@ -147,14 +147,18 @@ def run_doctor(
     if engines is None:
         if served_engine is not None:
             engines = (served_engine.engine,)
-        elif loaded_trace is not None and str(loaded_trace.producer).startswith("vllm"):
-            engines = ("vllm",)  # eaglescope capture's vLLM traces: the engine that served is known
+        elif loaded_trace is not None and str(loaded_trace.producer).startswith(("vllm-", "sglang-")):
+            # eaglescope capture's traces: the engine that served is known
+            engines = (str(loaded_trace.producer).split("-", 1)[0],)
         else:
             engines = DEFAULT_ENGINES
 
     say("static checks")
-    # SGLang's own report says SGLang served this target: its ids are read by the rule of the target's family
-    served_by_sglang = served_engine is not None and served_engine.engine == "sglang" and engines == ("sglang",)
+    # SGLang's own report or trace says SGLang served this target: its ids are read by the rule of the target's family
+    sglang_said = (served_engine is not None and served_engine.engine == "sglang") or (
+        loaded_trace is not None and str(loaded_trace.producer).startswith("sglang-")
+    )
+    served_by_sglang = sglang_said and engines == ("sglang",)
     findings, static_ctx = static_checks(target_dir, draft_dir, engines, sglang_rule_of_target=served_by_sglang)
     context: dict = {
         "inputs": {

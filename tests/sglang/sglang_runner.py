@@ -1,21 +1,25 @@
 """Serve eaglescope exports in a real SGLang 0.5.23 and write what it did as JSON. Runs in the SGLang environment
-(scripts/sglang_env.sh) with tests/sglang/stand_ins on the path (sglang_support.sglang_env), never in eaglescope's.
+(scripts/sglang_env.sh) with tests/sglang/stand_ins on the path (sglang_support.sglang_env), never in eaglescope's;
+usually under `eaglescope capture --engine sglang`, so that the same engines give outputs, meta_info, log and traces.
 
-    python sglang_runner.py SPEC.json OUT.json
+    python sglang_runner.py SPEC.json OUT.json [FIRST]
 
-SPEC: {"prompts": [[ids]], "max_tokens": N, "num_steps": K,
+SPEC: {"prompts": [[ids]], "max_tokens": N, "num_steps": K, "complete": bool,
        "runs": [{"name": str, "target": DIR, "draft": DIR}]}
-OUT:  {"sglang_version", "runs": {name: {"error", "load_seconds", "generate_seconds",
-       "outputs": [[ids]], "meta": [per prompt: meta_info's spec_* keys (spec_verify_ct, ...)]}}}
+OUT:  {"sglang_version", "pid", "runs": {name: {"error", "load_seconds", "generate_seconds",
+       "outputs": [[ids]], "meta": [per prompt: meta_info's spec_* keys (spec_verify_ct, ...)], "request_ids"}}}
 
-Every run gets its own `sgl.Engine`, one after the other (start-up is most of the cost: ~30 s on 2 cores); the
-tests start one runner per run, since SGLang ends the whole process tree when a scheduler dies. SGLang
-serves EAGLE-3 as a chain of K draft tokens (`speculative_eagle_topk=1`, K + 1 verified tokens), greedy, float32,
-with the `intel_amx` attention backend: its Python side runs, with this project's plain-torch stand-ins for the
-kernels it calls. This CPU has no AMX, for which SGLang would swap `intel_amx` for `torch_native`, which EAGLE refuses
-(srt/arg_groups/overrides.py, srt/speculative/draft_utils.py); `override_platform(has_amx=True)` keeps it. Each run's
-SGLang log (stderr: the `accept len` decode lines) lies between `=== sglang_runner: run NAME` and `... end NAME`.
-A run whose engine fails records the error and the others go on. OUT is rewritten after every run.
+SPEC may grow while the runner serves (the caller trains the next draft meanwhile): the runner serves runs[FIRST:] in
+order as they appear, and ends once SPEC is "complete" and every run is served. Every run gets its own `sgl.Engine`,
+one after the other, in this one process (SGLang imports once; each engine still spawns its own scheduler). SGLang
+ends its whole process tree, this runner included, when a scheduler dies: the caller then starts another runner from
+the run after the one that died (FIRST). SGLang serves EAGLE-3 as a chain of K draft tokens
+(`speculative_eagle_topk=1`, K + 1 verified tokens), greedy, float32, with the `intel_amx` attention backend: its
+Python side runs, with this project's plain-torch stand-ins for the kernels it calls. This CPU has no AMX, for which
+SGLang would swap `intel_amx` for `torch_native`, which EAGLE refuses (srt/arg_groups/overrides.py,
+srt/speculative/draft_utils.py); `override_platform(has_amx=True)` keeps it. Each run's SGLang log (stderr: the
+`accept len` decode lines) lies between `=== sglang_runner: run NAME` and `=== sglang_runner: end NAME`. A run whose
+engine fails records the error and the others go on. OUT is rewritten after every run.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import os
 import sys
 import time
 import traceback
+
+SPEC_WAIT_S = 1800  # the longest the caller may take to train the next draft
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
@@ -63,7 +69,7 @@ def serve(run: dict, spec: dict) -> dict:
                 # machine inflate: a generous fraction, and the KV pool capped at what the tests need.
                 mem_fraction_static=0.5,
                 max_total_tokens=8192,
-                skip_tokenizer_init=True,
+                skip_tokenizer_init=True,  # prompts are ids: no tokenizer process work
                 decode_log_interval=1,
                 random_seed=0,
                 log_level="info",
@@ -75,6 +81,7 @@ def serve(run: dict, spec: dict) -> dict:
             (out,) = engine.generate(input_ids=[list(prompt)], sampling_params=params)
             rec["outputs"].append([int(x) for x in out["output_ids"]])
             rec["meta"].append({key: v for key, v in out["meta_info"].items() if key.startswith("spec_")})
+            rec.setdefault("request_ids", []).append(str(out["meta_info"].get("id")))
         rec["generate_seconds"] = time.perf_counter() - t
     except Exception as e:  # noqa: BLE001 - recorded for the test to judge; the next run still goes
         lines = [ln for ln in f"{type(e).__name__}: {e}".splitlines() if ln.strip()]
@@ -86,20 +93,36 @@ def serve(run: dict, spec: dict) -> dict:
     return rec
 
 
+def read_spec(path: str, have: int) -> dict | None:
+    """The spec once it names more than `have` runs or is complete (the caller writes it atomically); None after
+    SPEC_WAIT_S."""
+    deadline = time.monotonic() + SPEC_WAIT_S
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            spec = json.loads(open(path).read())
+            if len(spec["runs"]) > have or spec.get("complete"):
+                return spec
+        time.sleep(0.2)
+    return None
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 3:
-        print("usage: sglang_runner.py SPEC.json OUT.json", file=sys.stderr)
+    if len(argv) not in (3, 4):
+        print("usage: sglang_runner.py SPEC.json OUT.json [FIRST]", file=sys.stderr)
         return 2
-    spec = json.loads(open(argv[1]).read())
     import sglang
 
-    result: dict = {"sglang_version": sglang.__version__, "runs": {}}
-    for run in spec["runs"]:
+    result: dict = {"sglang_version": sglang.__version__, "pid": os.getpid(), "runs": {}}
+    i = int(argv[3]) if len(argv) == 4 else 0
+    while (spec := read_spec(argv[1], i)) is not None and i < len(spec["runs"]):
+        run = spec["runs"][i]
         print(f"=== sglang_runner: run {run['name']}", file=sys.stderr, flush=True)
         result["runs"][run["name"]] = serve(run, spec)
         print(f"=== sglang_runner: end {run['name']}", file=sys.stderr, flush=True)
         write(argv[2], result)
-    return 0
+        i += 1
+    write(argv[2], result)
+    return 0 if spec is not None else 2
 
 
 if __name__ == "__main__":  # SGLang starts its scheduler with multiprocessing's spawn: this module is re-imported

@@ -18,13 +18,15 @@ ENV = EngineEnv("SGLang", "SGLANG", ".venv-sglang", ".eaglescope-sglang-complete
 
 
 def sglang_env() -> dict[str, str]:
-    """The environment for SGLang's interpreter: ours, less what belongs to eaglescope's environment, the stand-ins
-    on the path, offline, one OpenMP thread (on 2 cores SGLang's scheduler and the test process would otherwise wait on
-    each other's threads: a 16-token request took 30 s instead of 0.3 s)."""
+    """The environment for SGLang's interpreter: ours, less what belongs to eaglescope's environment, the stand-ins and
+    this checkout's src on the path, offline, one OpenMP thread (on 2 cores SGLang's scheduler and the test process
+    would otherwise wait on each other's threads: a 16-token request took 30 s instead of 0.3 s)."""
     env = dict(os.environ)
     for key in ("TRITON_INTERPRET", "PYTHONHOME", "VIRTUAL_ENV"):
         env.pop(key, None)
-    env["PYTHONPATH"] = str(STAND_INS)
+    # the stand-ins, and this checkout's eaglescope, whichever one the environment's editable install points at (the
+    # capture plugin and hooks run in SGLang's processes: they must be the code under test)
+    env["PYTHONPATH"] = os.pathsep.join([str(STAND_INS), str(REPO / "src")])
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", DO_NOT_TRACK="1", SGLANG_USE_CPU_ENGINE="1",
                OMP_NUM_THREADS="1")  # fmt: skip
     return env

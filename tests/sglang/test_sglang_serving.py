@@ -7,11 +7,17 @@ first id is 1. The Llama target's drafts use Llama attention, one of them EAGLE 
 DeepSeek-V3 target's drafts are MLA drafts (`train --draft-arch mla`), one of them with EAGLE 3.1's fc_norm and
 norm_output.
 
+Every engine runs under `eaglescope capture --engine sglang`, so one engine start gives SGLang's outputs, its
+`meta_info`, its log and eaglescope's trace of what it computed: the traces are checked against what SGLang itself
+reported, the clean ones must be healthy, and doctor must name each fault SGLang served first from its trace, and
+again from SGLang's own reports alone (its meta_info, its log).
+
 SGLang's own Python runs (scheduler, EAGLE worker v2, draft model, verify); its CPU kernels do not: they are this
 project's plain-torch stand-ins (tests/sglang/stand_ins, each tested against SGLang's own version of the op in
 test_sgl_kernel_stand_ins.py). SGLang lives in its own environment (scripts/sglang_env.sh) and is driven through
-sglang_runner.py in one subprocess that starts one engine per draft; without a usable SGLang every test here is
-skipped with one reason (conftest.py).
+sglang_runner.py, one process for every engine (started again only where SGLang ends it with an engine that died),
+which serves each draft as soon as it is trained, while the next one trains; without a usable SGLang every test here
+is skipped with one reason (conftest.py).
 
 The Llama target is tests/vllm's (an order-2 Markov chain learnt by a tiny Llama) with drafts trained briefly on its
 own continuations, so that they accept often but not always. The DeepSeek-V3 target is tests/models.py's tiny family
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import subprocess
 import sys
 import time
@@ -29,12 +36,15 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from models import make_checkpoint
-from sglang_support import HERE, sglang_env
+from sglang_support import HERE, REPO, sglang_env
 
+from eaglescope.capture import SUPPORTED_SGLANG
 from eaglescope.config import PrepareConfig
 from eaglescope.data.prepare import prepare
 from eaglescope.detective.engine_logs import parse_engine_log, read_engine_log
+from eaglescope.trace import load_trace
 
 sys.path.insert(0, str(HERE.parent / "vllm"))  # tests/vllm's target, data and helpers are reused as they are
 from capture_build import _edited as edited  # noqa: E402 - a copy of an export, its config/weights edited
@@ -46,6 +56,7 @@ MAX_NEW = 32
 N_PROMPTS = 4
 RUNNER_TIMEOUT_S = 2400  # every run together
 REDUCED_VOCAB = 32
+EAGLESCOPE = [sys.executable, "-m", "eaglescope.cli"]
 
 # The MLA draft of a random target learns little in 80 steps at 2e-3 (tests/vllm's experience; here 80 steps at 5e-3
 # accepted 3 drafts in 59 rounds): 200 steps at 5e-3.
@@ -85,9 +96,32 @@ FAULTS = {
     # d2t/t2d dropped from a reduced-vocabulary export: SGLang then maps draft ids to the first target ids
     "fault-no-vocab-map": ("llama", {"VOCAB_MAP"}),
     # the served config lost norm_before_fc (SGLang issue 32226's symptom): SGLang builds no input norm and skips the
-    # weight; doctor, handed the served directory, sees its config and weights disagree
+    # weight. Handed the served directory with SGLang's reports, doctor sees its config and weights disagree:
+    # EAGLE31_IGNORED, the static code for "the served config drops a 3.1 option its weights were trained with"
+    # (docs/doctor.md). With the trace the code is EAGLE31_NORM (TRACE_FAULTS)
     "fault-norm-before-fc-lost": ("llama", {"EAGLE31_IGNORED"}),
 }
+# The same faults from SGLang's trace (eaglescope capture --engine sglang): the codes doctor must name first, given the
+# draft the user has, and the stage it must name.
+TRACE_FAULTS = {
+    # target.aux holds layers [2, 3, 5] where the draft was trained on [3, 4, 6]: a capture fault, at target.aux
+    "fault-llama-convention-ids": ({"ENGINE_TAP_CONVENTION", "TAP_OFF_BY_ONE"}, "target.aux"),
+    # the seed: the embedding tap is captured as trained (deepseek_v2.py keeps ids [0, 3, 6]); the trace's verify
+    # decisions, with the contract's TTT length 1, show the missing TTT
+    "fault-seed": ({"NO_TTT", "TAP_EMBEDDING"}, None),
+    "fault-no-vocab-map": ({"VOCAB_MAP"}, None),
+    # doctor given the 3.1 draft as trained (the user's, with norm_before_fc): the trace shows SGLang's fc without
+    # the norm, which the golden path reproduces once the norm is skipped: EAGLE31_NORM at draft.fc.out, the trace
+    # code for a 3.1 norm skipped (docs/doctor.md)
+    "fault-norm-before-fc-lost": ({"EAGLE31_NORM"}, "draft.fc.out"),
+}
+# the draft doctor is handed with a fault's trace: the one the user has (for a fault made in a served copy of a
+# correct draft, that draft; otherwise the served one)
+TRACE_DOCTOR_DRAFT = {"fault-norm-before-fc-lost": "llama-eagle31"}
+# serving order: each run as soon as its draft exists (the faults right after the drafts they are made from)
+ORDER = ["llama-default", "fault-no-vocab-map", "llama-taps-1-4-6", "llama-eagle31", "fault-norm-before-fc-lost",
+         "dsv3-default", "dsv3-taps-3-4-6", "fault-llama-convention-ids", "dsv3-taps-2-3-6", "fault-seed"]  # fmt: skip
+REQUESTS = len(ORDER) * N_PROMPTS  # every request of every run is traced
 
 
 def build_dsv3(root: Path, tok, data: Path) -> tuple[Path, Path]:
@@ -125,28 +159,35 @@ def train_and_export(target: Path, prep: Path, out: Path, flags: list[str]) -> P
     return out
 
 
-def build(root: Path, b: dict) -> dict:
+def build(root: Path, b: dict, publish) -> dict:
+    """The targets, the drafts and the faults; `publish(name, target, draft)` hands each run to SGLang as soon as its
+    draft exists (the faults are made in the files SGLang serves, from the drafts above; the seed's is a draft of its
+    own)."""
     dsv3, dsv3_prep = build_dsv3(root, b["tok"], b["data"])
     targets = {"llama": b["target"], "deepseek_v3": dsv3}
     preps = {"llama": b["prep"], "deepseek_v3": dsv3_prep}
-    drafts = {}
-    for name, (family, flags, _, _) in CASES.items():
-        drafts[name] = train_and_export(targets[family], preps[family], root / f"sglang-{name}", flags)
-    tok, rng, perm = b["tok"], b["rng"], b["perm"]
-    prompts = [tok(order2_chain(rng, perm, rng.randint(8, 16)))["input_ids"] for _ in range(N_PROMPTS)]
-    # the faults, made in the files SGLang serves, from the drafts above (the seed's: a draft of its own)
-    seed = train_and_export(dsv3, dsv3_prep, root / "sglang-seed", [*MLA, "--taps", SEED_TAPS, "--ttt-length", "1"])
-    faults = {
-        "fault-llama-convention-ids": edited(drafts["dsv3-taps-3-4-6"], root / "fault-llama-convention-ids",
-                                             config=lambda c: c["eagle_config"].update(
-                                                 eagle_aux_hidden_state_layer_ids=[2, 3, 5])),
-        "fault-seed": seed,
-        "fault-no-vocab-map": edited(drafts["llama-default"], root / "fault-no-vocab-map",
-                                     weights=lambda sd: [sd.pop("d2t"), sd.pop("t2d")]),
-        "fault-norm-before-fc-lost": edited(drafts["llama-eagle31"], root / "fault-norm-before-fc-lost",
-                                            config=drop_norm_before_fc),
-    }  # fmt: skip
-    return {"targets": targets, "drafts": drafts, "faults": faults, "prompts": prompts}
+    drafts, faults = {}, {}
+
+    def make_fault(name: str) -> Path:
+        if name == "fault-llama-convention-ids":
+            return edited(drafts["dsv3-taps-3-4-6"], root / name, config=lambda c: c["eagle_config"].update(
+                eagle_aux_hidden_state_layer_ids=[2, 3, 5]))  # fmt: skip
+        if name == "fault-seed":
+            return train_and_export(dsv3, dsv3_prep, root / "sglang-seed", [*MLA, "--taps", SEED_TAPS, "--ttt-length",
+                                                                            "1"])  # fmt: skip
+        if name == "fault-no-vocab-map":
+            return edited(drafts["llama-default"], root / name, weights=lambda sd: [sd.pop("d2t"), sd.pop("t2d")])
+        return edited(drafts["llama-eagle31"], root / name, config=drop_norm_before_fc)
+
+    for name in ORDER:
+        if name in CASES:
+            family, flags, _, _ = CASES[name]
+            drafts[name] = train_and_export(targets[family], preps[family], root / f"sglang-{name}", flags)
+            publish(name, targets[family], drafts[name])
+        else:
+            faults[name] = make_fault(name)
+            publish(name, targets[FAULTS[name][0]], faults[name])
+    return {"targets": targets, "drafts": drafts, "faults": faults}
 
 
 def drop_norm_before_fc(cfg: dict) -> None:
@@ -163,55 +204,97 @@ def eaglescope_generate(target: Path, prompt: list[int], draft: Path | None) -> 
     return json.loads(out)
 
 
-def serve_one_by_one(python: str, spec: dict, root: Path, deadline: float) -> dict:
-    """Each run in its own runner process, one after the other: SGLang ends its whole process tree, the caller
-    included, when a scheduler dies (kill_process_tree), so a run SGLang refuses must not take the others with it.
-    {name: the run's record, with "log": its SGLang log}."""
-    runs = {}
-    for run in spec["runs"]:
-        name = run["name"]
-        spec_path, out, log = root / f"{name}.spec.json", root / f"{name}.out.json", root / f"{name}.sglang.log"
-        spec_path.write_text(json.dumps({**spec, "runs": [run]}))
+def capture_argv(python: str, spec: Path, out: Path, traces: Path, first: int) -> list[str]:
+    """The runner under `eaglescope capture --engine sglang`, as a user runs their own command under it."""
+    return [*EAGLESCOPE, "capture", "--engine", "sglang", "--out", str(traces), "--requests", str(REQUESTS), "--",
+            python, str(RUNNER), str(spec), str(out), str(first)]  # fmt: skip
+
+
+def log_part(text: str, name: str) -> str:
+    part = text.split(f"=== sglang_runner: run {name}\n", 1)[-1]
+    return part.split(f"=== sglang_runner: end {name}\n", 1)[0]
+
+
+def traces_by_request(traces: Path) -> dict[str, Path]:
+    index = json.loads((traces / "capture.json").read_text()) if (traces / "capture.json").is_file() else {}
+    return {t["request_id"]: traces / t["trace"] for t in index.get("traces", [])}
+
+
+def serve_all(python: str, spec: Path, root: Path, deadline: float) -> dict:
+    """Every run SGLang is handed through `spec`, under eaglescope capture, in one runner process; SGLang ends its whole
+    process tree, the runner included, when a scheduler dies (kill_process_tree), so the run that died is recorded as
+    failed and a new runner goes on from the next one. {name: the run's record, with "log": its SGLang log and
+    "traces": its requests' traces}, and "runners": how many runner processes it took."""
+    runs: dict = {}
+    first = attempt = 0
+    while True:
+        out, traces, log = root / f"runner-{attempt}.json", root / f"traces-{attempt}", root / f"runner-{attempt}.log"
         with log.open("w") as f:
             try:
-                rc = subprocess.run([python, str(RUNNER), str(spec_path), str(out)], stdout=f,
-                                    stderr=subprocess.STDOUT, env=sglang_env(),
-                                    timeout=max(1.0, deadline - time.monotonic())).returncode  # fmt: skip
+                argv, left = capture_argv(python, spec, out, traces, first), max(1.0, deadline - time.monotonic())
+                rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=sglang_env(), timeout=left).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         result = json.loads(out.read_text()) if out.exists() else {}
-        rec = result.get("runs", {}).get(name)
-        if rec is None:  # the runner died with its engine before writing the run
-            tail = [ln for ln in log.read_text().splitlines() if ln.strip()][-3:]
-            rec = {"error": f"SGLang runner exited {rc}: {' | '.join(tail)}", "outputs": [], "meta": []}
-        rec["log"] = log.read_text()
-        runs[name] = rec
-    return runs
+        text, by_request = log.read_text(), traces_by_request(traces)
+        names = [r["name"] for r in json.loads(spec.read_text())["runs"]]
+        while first < len(names) and (rec := result.get("runs", {}).get(names[first])) is not None:
+            rec |= {
+                "log": log_part(text, names[first]),
+                "traces": [by_request.get(r) for r in rec.get("request_ids", [])],
+            }
+            runs[names[first]] = rec
+            first += 1
+        if rc == "timeout" or first == len(names):  # out of time, or done (a runner ends once the spec is complete)
+            for name in names[first:]:
+                runs[name] = {"error": f"SGLang runner: {rc}", "outputs": [], "meta": [], "log": "", "traces": []}
+            return runs | {"runners": attempt + 1}
+        # the runner died with the engine of names[first]
+        tail = [ln for ln in log_part(text, names[first]).splitlines() if ln.strip()][-3:]
+        runs[names[first]] = {"error": f"SGLang runner exited {rc}: {' | '.join(tail)}", "outputs": [], "meta": [],
+                              "log": log_part(text, names[first]), "traces": []}  # fmt: skip
+        first, attempt = first + 1, attempt + 1
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, sglang_python: str) -> dict:
-    """SGLang serving every draft in turn, and eaglescope generate on the same prompts meanwhile."""
+    """SGLang serving every draft in turn under eaglescope capture, each as soon as it is trained, and eaglescope
+    generate on the same prompts meanwhile."""
     root = tmp_path_factory.mktemp("sglang")
     t0 = time.perf_counter()
-    env = build(root, base(tmp_path_factory))
-    built = time.perf_counter() - t0
-    spec = {"prompts": env["prompts"], "max_tokens": MAX_NEW, "num_steps": K,
-            "runs": [{"name": name, "target": str(env["targets"][family]), "draft": str(env["drafts"][name])}
-                     for name, (family, *_rest) in CASES.items()]
-                    + [{"name": name, "target": str(env["targets"][family]), "draft": str(env["faults"][name])}
-                       for name, (family, _) in FAULTS.items()]}  # fmt: skip
+    b = base(tmp_path_factory)
+    tok, rng, perm = b["tok"], b["rng"], b["perm"]
+    prompts = [tok(order2_chain(rng, perm, rng.randint(8, 16)))["input_ids"] for _ in range(N_PROMPTS)]
+    spec_path = root / "spec.json"
+    spec = {"prompts": prompts, "max_tokens": MAX_NEW, "num_steps": K, "runs": [], "complete": False}
+
+    def publish(name: str | None, target: Path | None = None, draft: Path | None = None) -> None:
+        if name is not None:
+            spec["runs"].append({"name": name, "target": str(target), "draft": str(draft)})
+        spec["complete"] = name is None
+        spec_path.with_suffix(".tmp").write_text(json.dumps(spec))
+        spec_path.with_suffix(".tmp").replace(spec_path)
+
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        sglang = pool.submit(serve_one_by_one, sglang_python, spec, root, time.monotonic() + RUNNER_TIMEOUT_S)
+        # SGLang imports while the drafts train, and serves each as soon as it is published
+        sglang = pool.submit(serve_all, sglang_python, spec_path, root, time.monotonic() + RUNNER_TIMEOUT_S)
+        try:
+            env = build(root, b, publish)
+        finally:
+            publish(None)  # complete: the runner ends after the last published run
+        env["prompts"] = prompts
+        built = time.perf_counter() - t0
         # eaglescope decodes while SGLang serves
         ours = {name: [eaglescope_generate(env["targets"][family], p, env["drafts"][name]) for p in env["prompts"]]
                 for name, (family, *_rest) in CASES.items()}  # fmt: skip
         greedy = {family: [eaglescope_generate(t, p, None) for p in env["prompts"]]
                   for family, t in env["targets"].items()}  # fmt: skip
         runs = sglang.result()
-    served = {"env": env, "sglang": runs, "ours": ours, "greedy": greedy,
+    runners = runs.pop("runners")
+    served = {"env": env, "sglang": runs, "ours": ours, "greedy": greedy, "runners": runners,
               "logs": {name: r["log"] for name, r in runs.items()}}  # fmt: skip
-    sys.stderr.write(f"built in {built:.1f}s; SGLang done {time.perf_counter() - t0:.1f}s after the start\n")
+    sys.stderr.write(f"built in {built:.1f}s; SGLang done {time.perf_counter() - t0:.1f}s after the start, "
+                     f"{runners} runner process(es)\n")  # fmt: skip
     sys.stderr.write(acceptance_table(served))
     (root / "acceptance.txt").write_text(acceptance_table(served))
     return served
@@ -261,6 +344,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("fault", list(FAULTS))
     if "source" in metafunc.fixturenames:
         metafunc.parametrize("source", ["meta_info", "log"])
+    if "run" in metafunc.fixturenames:
+        metafunc.parametrize("run", ORDER)
 
 
 def test_the_export_names_the_ids_sglangs_rule_needs(served, name):
@@ -333,10 +418,11 @@ def reported(served: dict, name: str, source: str, root: Path) -> Path:
     return path
 
 
-def doctor(target: Path, draft: Path, engine_log: Path) -> tuple[dict, float]:
+def doctor(target: Path, draft: Path, engine_log: Path | None = None, trace: Path | None = None) -> tuple[dict, float]:
+    """`eaglescope doctor --json` on SGLang's report (--engine-log) or its trace (--trace), and the seconds it took."""
+    what = ["--engine-log", str(engine_log)] if engine_log is not None else ["--trace", str(trace)]
     t0 = time.perf_counter()
-    rc, out, err = cli(["doctor", "--target", str(target), "--draft", str(draft), "--engine-log", str(engine_log),
-                        "--json"])  # fmt: skip
+    rc, out, err = cli(["doctor", "--target", str(target), "--draft", str(draft), *what, "--json"])
     seconds = time.perf_counter() - t0
     assert rc in (0, 1), err
     report = json.loads(out)
@@ -371,3 +457,128 @@ def test_fault_is_named_first_from_sglangs_reports(served, fault, source, tmp_pa
     sys.stderr.write(f"{fault} from SGLang's {source}: {found} in {seconds:.1f}s\n")
     assert found and found[0] in expected, report["findings"]
     assert expected <= set(found), report["findings"]
+
+
+# -- SGLang's traces (eaglescope capture --engine sglang) ------------------------------------------------------------
+def traces(served: dict, name: str) -> list[Path]:
+    run = loaded(served, name)
+    assert len(run["traces"]) == N_PROMPTS and all(t is not None for t in run["traces"]), (name, run["traces"])
+    return run["traces"]
+
+
+def test_every_request_sglang_served_is_traced_as_it_served_it(served, run):
+    """Each trace is of its request (prompt, producer, the pair served) and holds what SGLang decided: the tokens it
+    emitted, round for round the drafts it accepted (its own meta_info's histogram), and each chain it verified is
+    the one its draft steps proposed."""
+    record = loaded(served, run)
+    family = CASES[run][0] if run in CASES else FAULTS[run][0]
+    for t_path, prompt, out, meta in zip(traces(served, run), served["env"]["prompts"], record["outputs"],
+                                         record["meta"], strict=True):  # fmt: skip
+        t = load_trace(t_path)
+        assert t.producer == f"sglang-{SUPPORTED_SGLANG[0]} (eaglescope capture)"
+        assert t.meta["prompt_ids"] == prompt and t.meta["complete"] is True
+        assert t.meta["sglang"]["model"] == str(served["env"]["targets"][family])
+        emitted = [int(t.get("verify.bonus", 0)[0])]
+        hist = [0] * (K + 1)
+        for r in t.rounds()[1:]:
+            tokens, acc = t.get("verify.tokens", r), t.get("verify.accepted", r)
+            assert int(tokens[0]) == emitted[-1] and t.get("verify.parents", r).tolist() == list(range(-1, K))
+            assert [int(t.get(f"draft.step{k}.topk", r, part="ids")[0, 0]) for k in range(K)] == tokens[1:].tolist()
+            emitted += [int(tokens[i]) for i in acc.tolist()] + [int(t.get("verify.bonus", r)[0])]
+            hist[acc.numel()] += 1
+        assert emitted[: len(out)] == out and len(emitted) - len(out) <= K  # SGLang cuts the last round at max_tokens
+        assert len(t.rounds()) - 1 == meta["spec_verify_ct"] and hist == padded(meta["spec_correct_drafts_histogram"])
+
+
+def test_a_trace_holds_every_stage_sglang_hands_on(served):
+    """Shapes and hand-offs of a clean trace: round 0 is the prompt; each round's step 0 runs over the root and the
+    accepted rows of the round before (SGLang handed it all K + 1 verified rows: `sglang_rows`), at their own
+    positions; step k one past the sampled row; target.aux is the block of the taps side by side, low to high."""
+    t = load_trace(traces(served, "llama-taps-1-4-6")[0])
+    taps, H = CASES["llama-taps-1-4-6"][3], 64
+    P = len(t.meta["prompt_ids"])
+    assert t.meta["taps"]["layers"] == taps
+    assert t.get("target.aux", 0).shape == (P, len(taps) * H) and t.get("draft.fc.out", 1).shape == (P, H)
+    start = 0
+    for r in t.rounds():
+        assert torch.equal(t.get("target.aux", r), torch.cat([t.get(f"target.tap.{i}", r) for i in taps], -1))
+        if r == 0:
+            continue
+        pos = t.get("draft.step0.positions", r).tolist()
+        assert pos == list(range(start, start + len(pos)))
+        assert [int(t.get(f"draft.step{k}.positions", r)[0]) for k in range(1, K)] == [pos[-1] + k for k in range(1, K)]
+        start = pos[-1] + 1
+        if r >= 2:
+            a = t.get("verify.accepted", r - 1).numel()
+            assert t.get("next.hidden_in", r - 1).shape == (a + 1, len(taps) * H)
+            assert t.get("draft.step0.hidden_out", r).shape == (a + 1, H)
+    assert {ev.extra.get("sglang_rows") for ev in t if ev.stage == "next.hidden_in" and ev.round > 0} == {K + 1}
+
+
+def test_clean_sglang_trace_is_healthy(served, name):
+    """doctor's golden replay of a clean SGLang run agrees with it at every stage of every round (the Llama target's
+    drafts: healthy; the random DeepSeek-V3 target's, which accept little: at most UNDERTRAINED, never a wiring
+    fault)."""
+    family = CASES[name][0]
+    trace = traces(served, name)[0]
+    report, seconds = doctor(served["env"]["targets"][family], served["env"]["drafts"][name], trace=trace)
+    SECONDS[f"{name} trace"] = seconds
+    assert report["context"]["first_divergence"] is None, report["context"]["first_divergence"]
+    assert report["context"]["acceptance"]["served"]["source"] == "sglang trace"
+    if family == "llama":
+        assert report["healthy"], report["findings"]
+    else:
+        assert {f["code"] for f in report["findings"]} <= {"UNDERTRAINED"}, report["findings"]
+    stages = {row["stage"] for row in report["context"]["stage_table"]}
+    per_step = {f"draft.step{k}.{s}" for k in range(K) for s in ("tokens", "embed_in", "hidden_in", "hidden_out")}
+    taps = {f"target.tap.{i}" for i in CASES[name][3]}
+    assert taps | {"target.aux", "draft.fc.out", "next.hidden_in"} | per_step <= stages
+
+
+def test_fault_is_named_first_from_its_sglang_trace(served, fault):
+    family = FAULTS[fault][0]
+    expected, stage = TRACE_FAULTS[fault]
+    draft = served["env"]["drafts"].get(TRACE_DOCTOR_DRAFT.get(fault, ""), served["env"]["faults"][fault])
+    report, seconds = doctor(served["env"]["targets"][family], draft, trace=traces(served, fault)[0])
+    SECONDS[f"{fault} trace"] = seconds
+    found = [(f["code"], f["stage"]) for f in report["findings"]]
+    sys.stderr.write(f"{fault} from SGLang's trace: {found} in {seconds:.1f}s\n")
+    assert found and found[0][0] in expected, report["findings"]
+    assert stage is None or found[0][1] == stage, report["findings"]
+
+
+def test_unsupported_sglang_version_is_refused_in_one_line(sglang_python, tmp_path):
+    """A real SGLang that reports another version: the plugin loads through SGLang's own loader and refuses; the
+    capture ends the command (one that would otherwise sleep) and writes nothing."""
+    script = ("import sglang; sglang.__version__ = '0.9.0'\n"
+              "from sglang.srt.plugins import load_plugins\n"
+              "load_plugins()\n"
+              "import time; time.sleep(120)\n")  # fmt: skip
+    out = tmp_path / "trace"
+    t0 = time.perf_counter()
+    p = subprocess.run([*EAGLESCOPE, "capture", "--engine", "sglang", "--out", str(out), "--", sglang_python, "-c",
+                        script], capture_output=True, text=True, env=sglang_env(), timeout=300)  # fmt: skip
+    assert p.returncode == 2 and time.perf_counter() - t0 < 240
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("eaglescope: error:")]
+    assert len(errors) == 1 and "SGLang 0.5.23" in errors[0] and "0.9.0" in errors[0], p.stderr
+    assert not out.exists() and not list(tmp_path.glob(".trace*"))
+
+
+def test_docs_hook_table_names_every_wrapped_sglang_method():
+    """docs/sglang.md's capture table names exactly the methods sglang_hooks.py wraps."""
+    text = (REPO / "docs" / "sglang.md").read_text()
+    rows = text.split("| SGLang 0.5.23 method | what it holds | recorded as |", 1)[1].split("\n\n", 1)[0]
+    documented = {re.search(r"`([\w.]+)`", row).group(1).split(".")[-1] for row in rows.splitlines()[2:]}
+    hooks = (REPO / "src" / "eaglescope" / "capture" / "sglang_hooks.py").read_text()
+    wrapped = set(re.findall(r'wrap\(\w+, "(\w+)"', hooks))
+    assert wrapped <= documented
+
+
+def test_acceptance_and_seconds_tables(served, capsys):
+    """Printed for the record (pytest shows it): eaglescope against SGLang per case, and seconds per diagnosis."""
+    with capsys.disabled():
+        sys.stdout.write("\n" + acceptance_table(served))
+        sys.stdout.write(f"SGLang runner processes: {served['runners']}\n")
+        for key, seconds in sorted(SECONDS.items()):
+            sys.stdout.write(f"doctor {key}: {seconds:.1f} s\n")
+    assert served["runners"] >= 1

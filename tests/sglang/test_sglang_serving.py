@@ -115,9 +115,11 @@ TRACE_FAULTS = {
     # code for a 3.1 norm skipped (docs/doctor.md)
     "fault-norm-before-fc-lost": ({"EAGLE31_NORM"}, "draft.fc.out"),
 }
-# the draft doctor is handed with a fault's trace: the one the user has (for a fault made in a served copy of a
-# correct draft, that draft; otherwise the served one)
-TRACE_DOCTOR_DRAFT = {"fault-norm-before-fc-lost": "llama-eagle31"}
+# The draft the norm_before_fc fault is made from: EAGLE 3.1's norm_before_fc and norm_output, without fc_norm. Not
+# llama-eagle31 (all three options): there a per-tap RMSNorm follows the skipped one and normalises its scale away, so
+# only input_norm's trained weights (within a few % of 1 after this training) are missing, and SGLang's fc output
+# stayed within doctor's tolerance of the golden one (seen: that trace came out healthy), as in tests/vllm.
+NORM_BEFORE_FC = ["--norm-before-fc", "--norm-output"]
 # serving order: each run as soon as its draft exists (the faults right after the drafts they are made from)
 ORDER = ["llama-default", "fault-no-vocab-map", "llama-taps-1-4-6", "llama-eagle31", "fault-norm-before-fc-lost",
          "dsv3-default", "dsv3-taps-3-4-6", "fault-llama-convention-ids", "dsv3-taps-2-3-6", "fault-seed"]  # fmt: skip
@@ -166,7 +168,7 @@ def build(root: Path, b: dict, publish) -> dict:
     dsv3, dsv3_prep = build_dsv3(root, b["tok"], b["data"])
     targets = {"llama": b["target"], "deepseek_v3": dsv3}
     preps = {"llama": b["prep"], "deepseek_v3": dsv3_prep}
-    drafts, faults = {}, {}
+    drafts, faults, users = {}, {}, {}
 
     def make_fault(name: str) -> Path:
         if name == "fault-llama-convention-ids":
@@ -177,7 +179,9 @@ def build(root: Path, b: dict, publish) -> dict:
                                                                             "1"])  # fmt: skip
         if name == "fault-no-vocab-map":
             return edited(drafts["llama-default"], root / name, weights=lambda sd: [sd.pop("d2t"), sd.pop("t2d")])
-        return edited(drafts["llama-eagle31"], root / name, config=drop_norm_before_fc)
+        # the draft as the user trained it (what doctor is handed with the trace), and its served copy without the flag
+        users[name] = train_and_export(targets["llama"], preps["llama"], root / "sglang-norm-before-fc", NORM_BEFORE_FC)
+        return edited(users[name], root / name, config=drop_norm_before_fc)
 
     for name in ORDER:
         if name in CASES:
@@ -187,7 +191,7 @@ def build(root: Path, b: dict, publish) -> dict:
         else:
             faults[name] = make_fault(name)
             publish(name, targets[FAULTS[name][0]], faults[name])
-    return {"targets": targets, "drafts": drafts, "faults": faults}
+    return {"targets": targets, "drafts": drafts, "faults": faults, "user_drafts": users}
 
 
 def drop_norm_before_fc(cfg: dict) -> None:
@@ -430,7 +434,8 @@ def doctor(target: Path, draft: Path, engine_log: Path | None = None, trace: Pat
     return report, seconds
 
 
-SECONDS: dict[str, float] = {}
+SECONDS: dict[str, float] = {}  # seconds per diagnosis, and what it found (printed by the last test)
+FOUND: dict[str, list[str]] = {}
 
 
 def test_clean_sglang_runs_are_healthy_from_sglangs_reports(served, name, source, tmp_path):
@@ -441,6 +446,7 @@ def test_clean_sglang_runs_are_healthy_from_sglangs_reports(served, name, source
     report, seconds = doctor(served["env"]["targets"][family], served["env"]["drafts"][name],
                              reported(served, name, source, tmp_path))  # fmt: skip
     SECONDS[f"{name} {source}"] = seconds
+    FOUND[f"{name} {source}"] = [f"{f['code']}@{f['stage']}" for f in report["findings"]]
     assert report["context"]["acceptance"]["engine_log"]["engine"] == "sglang"
     if family == "llama":
         assert report["healthy"], report["findings"]
@@ -454,7 +460,7 @@ def test_fault_is_named_first_from_sglangs_reports(served, fault, source, tmp_pa
                              reported(served, fault, source, tmp_path))  # fmt: skip
     SECONDS[f"{fault} {source}"] = seconds
     found = [f["code"] for f in report["findings"]]
-    sys.stderr.write(f"{fault} from SGLang's {source}: {found} in {seconds:.1f}s\n")
+    FOUND[f"{fault} {source}"] = [f"{f['code']}@{f['stage']}" for f in report["findings"]]
     assert found and found[0] in expected, report["findings"]
     assert expected <= set(found), report["findings"]
 
@@ -523,6 +529,7 @@ def test_clean_sglang_trace_is_healthy(served, name):
     trace = traces(served, name)[0]
     report, seconds = doctor(served["env"]["targets"][family], served["env"]["drafts"][name], trace=trace)
     SECONDS[f"{name} trace"] = seconds
+    FOUND[f"{name} trace"] = [f"{f['code']}@{f['stage']}" for f in report["findings"]]
     assert report["context"]["first_divergence"] is None, report["context"]["first_divergence"]
     assert report["context"]["acceptance"]["served"]["source"] == "sglang trace"
     if family == "llama":
@@ -538,11 +545,12 @@ def test_clean_sglang_trace_is_healthy(served, name):
 def test_fault_is_named_first_from_its_sglang_trace(served, fault):
     family = FAULTS[fault][0]
     expected, stage = TRACE_FAULTS[fault]
-    draft = served["env"]["drafts"].get(TRACE_DOCTOR_DRAFT.get(fault, ""), served["env"]["faults"][fault])
+    # the draft the user has: for a fault made in a served copy of a correct draft, that draft; else the served one
+    draft = served["env"]["user_drafts"].get(fault, served["env"]["faults"][fault])
     report, seconds = doctor(served["env"]["targets"][family], draft, trace=traces(served, fault)[0])
     SECONDS[f"{fault} trace"] = seconds
     found = [(f["code"], f["stage"]) for f in report["findings"]]
-    sys.stderr.write(f"{fault} from SGLang's trace: {found} in {seconds:.1f}s\n")
+    FOUND[f"{fault} trace"] = [f"{c}@{st}" for c, st in found]
     assert found and found[0][0] in expected, report["findings"]
     assert stage is None or found[0][1] == stage, report["findings"]
 
@@ -580,5 +588,5 @@ def test_acceptance_and_seconds_tables(served, capsys):
         sys.stdout.write("\n" + acceptance_table(served))
         sys.stdout.write(f"SGLang runner processes: {served['runners']}\n")
         for key, seconds in sorted(SECONDS.items()):
-            sys.stdout.write(f"doctor {key}: {seconds:.1f} s\n")
+            sys.stdout.write(f"doctor {key}: {seconds:.1f} s {FOUND.get(key, '')}\n")
     assert served["runners"] >= 1

@@ -152,6 +152,46 @@ def match_rows(trace_rows: dict[str, torch.Tensor | T.Fingerprint], own_rows: di
     return pairing if moved and ours <= 0.5 * theirs else identity
 
 
+def parent_rows(hidden_in, parent_out) -> list[int] | None:
+    """For each row of a tree step's input features, the row of the previous step's outputs it equals (a healthy
+    step reads its parent's output as it is: equal tensors, equal fingerprints); None when a row equals none, as when
+    the features fed are not the parents' (a feedback mistake), or when either is missing."""
+    if hidden_in is None or parent_out is None or (err := pairwise_row_errors(hidden_in, parent_out)) is None:
+        return None
+    best = err.min(dim=-1)
+    return best.indices.tolist() if float(best.values.max()) <= 1e-4 else None
+
+
+def distinct_assignment(cost: torch.Tensor) -> list[int] | None:
+    """For each row of `cost` [R, C] (inf: not allowed) a distinct column: cheapest pairs first, then, for a row left
+    without one, an augmenting path that moves earlier rows to other allowed columns, so an assignment is found
+    whenever one exists. None when none exists."""
+    R, C = cost.shape
+    allowed = torch.isfinite(cost)
+    col_of, row_of = [-1] * R, [-1] * C
+    for flat in torch.argsort(cost.flatten(), stable=True).tolist():
+        r, c = divmod(flat, C)
+        if not allowed[r, c]:
+            break
+        if col_of[r] < 0 and row_of[c] < 0:
+            col_of[r], row_of[c] = c, r
+    options = [torch.nonzero(allowed[r]).flatten().tolist() for r in range(R)]
+
+    def augment(r: int, seen: set[int]) -> bool:
+        for c in options[r]:
+            if c not in seen:
+                seen.add(c)
+                if row_of[c] < 0 or augment(row_of[c], seen):
+                    col_of[r], row_of[c] = c, r
+                    return True
+        return False
+
+    for r in range(R):
+        if col_of[r] < 0 and not augment(r, set()):
+            return None
+    return col_of
+
+
 # -- following the trace -------------------------------------------------------------------------------------------
 class _Forced:
     """The trace's target-side decisions, round by round."""
@@ -176,10 +216,13 @@ def _following(proposer_cls: type[Eagle3Proposer], trace: T.Trace) -> type[Eagle
     replay); the traced run's choice decides which tokens the next draft step sees, so the replay follows
     it (its logprobs, or failing those its ids in their recorded rank order) to keep comparing like with like. Ids
     that are not valid outputs of the draft's vocabulary map (a VOCAB_MAP fault) are not followed: the replay keeps
-    its own. A tree step's rows are paired with the trace's by content (`match_rows`), so each node follows the
-    trace's choice for that node whatever order the engine keeps its frontier in; and where the trace shows which
-    candidates it expanded next (the next step's embeddings and parent features), the replay expands those, so a
-    near-tie between candidates of different rows cannot pick another frontier either.
+    its own. A tree step's rows are paired with the trace's by what each node is, its parent and its token: the
+    trace shows both exactly (its step tokens, and its step inputs equal to its parents' outputs, even fingerprinted),
+    so each node follows the trace's choice for that node whatever order the engine keeps its frontier in, and the
+    replay expands exactly the nodes the trace expanded next, so a near-tie between candidates of different rows
+    cannot pick another frontier either. Where the trace does not show the nodes exactly (no step tokens, or features
+    that are not the parents' under a feedback mistake) rows are paired by content (`match_rows`) and the next
+    frontier is told by its ids and its parents' features.
     """
     index = {(e.stage, e.round, e.part) for e in trace.events}
 
@@ -192,6 +235,8 @@ def _following(proposer_cls: type[Eagle3Proposer], trace: T.Trace) -> type[Eagle
         def __init__(self, *args, **kw) -> None:
             super().__init__(*args, **kw)
             self._own_rows: dict[str, torch.Tensor] = {}  # this step's tensors, to pair its rows with the trace's
+            self._paired: dict[int, list[int]] = {}  # step k → own row j holds the node of trace row [j], this round
+            self._prev_out: torch.Tensor | None = None  # the previous step's own outputs
 
         def _record(self, stage: str, tensor: torch.Tensor, **kw) -> None:
             super()._record(stage, tensor, **kw)
@@ -203,6 +248,8 @@ def _following(proposer_cls: type[Eagle3Proposer], trace: T.Trace) -> type[Eagle
             ids = value(T.draft_topk(k), rnd, T.TOPK_IDS)
             ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
             own, self._own_rows = self._own_rows, {}
+            if k == 0:
+                self._paired = {}
             rows = list(range(lp.shape[0]))  # own row j of `lp` follows the trace's row rows[j]
             h0 = own.get(T.draft_hidden_out(0))
             if k == 0 and ids is not None and h0 is not None and ids.shape[0] == h0.shape[0] > lp.shape[0]:
@@ -214,10 +261,13 @@ def _following(proposer_cls: type[Eagle3Proposer], trace: T.Trace) -> type[Eagle
             if k > 0:
                 rows = self._pair_rows(k, rnd, lp, ids, own)
                 self.rec.record(replay_rows(k), torch.tensor(rows, dtype=torch.long))
+            self._paired[k], self._prev_out = rows, own.get(T.draft_hidden_out(k))
             if ids is not None and max(rows) < ids.shape[0] and (k == 0 or ids.shape[0] == lp.shape[0]):
                 self._force(lp, k, rnd, ids.long()[torch.tensor(rows)].to(lp.device), rows, own)
 
         def _pair_rows(self, k: int, rnd: int, lp: torch.Tensor, ids, own: dict) -> list[int]:
+            if (by_nodes := self._pair_by_nodes(k, rnd, own)) is not None:
+                return by_nodes
             mine = {s: own[s] for s in (T.draft_embed_in(k), T.draft_hidden_in(k), T.draft_hidden_out(k)) if s in own}
             theirs = {s: v for s in mine if (v := value(s, rnd)) is not None}
             top = lp.topk(min(self.top_k, lp.shape[-1]), dim=-1)
@@ -255,7 +305,9 @@ def _following(proposer_cls: type[Eagle3Proposer], trace: T.Trace) -> type[Eagle
         def _expanded_next(self, k: int, rnd: int, draft_ids: torch.Tensor, own: dict) -> torch.Tensor | None:
             """[n, K] bool: which of this step's candidates (own row j, its child draft_ids[j, i]) the trace's step k+1
             rows hold, told by their embedding and their parent's features; None when the trace does not show it."""
-            by_tokens = self._expanded_by_tokens(k, rnd, draft_ids)
+            by_tokens = self._expanded_by_nodes(k, rnd, draft_ids)
+            if by_tokens is None:
+                by_tokens = self._expanded_by_tokens(k, rnd, draft_ids, own)
             if by_tokens is not None:
                 return by_tokens
             emb, parent = value(T.draft_embed_in(k + 1), rnd), value(T.draft_hidden_in(k + 1), rnd)
@@ -283,22 +335,73 @@ def _following(proposer_cls: type[Eagle3Proposer], trace: T.Trace) -> type[Eagle
             chosen[best.indices] = True
             return chosen.view(n, K).to(draft_ids.device)
 
-        def _expanded_by_tokens(self, k: int, rnd: int, draft_ids: torch.Tensor) -> torch.Tensor | None:
+        def _trace_nodes(self, k: int, rnd: int) -> list[tuple[int, int]] | None:
+            """(own row of the parent, token id) of each trace row of tree step k >= 1, the parent told by the trace's
+            own features (its step k input rows equal its step k-1 output rows) and put in the replay's rows by the
+            pairing of step k-1; None where the trace does not show it exactly."""
+            tokens = value(T.draft_tokens(k), rnd)
+            if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
+                return None
+            if k == 1:
+                parents = [0] * tokens.numel()  # every step-1 node is a child of the root
+            else:
+                parents = parent_rows(value(T.draft_hidden_in(k), rnd), value(T.draft_hidden_out(k - 1), rnd))
+                prev = self._paired.get(k - 1)
+                if parents is None or prev is None or sorted(prev) != list(range(len(prev))):
+                    return None
+                own_of = {r: j for j, r in enumerate(prev)}
+                parents = [own_of.get(p, -1) for p in parents]
+            return list(zip(parents, tokens.long().tolist(), strict=True))
+
+        def _pair_by_nodes(self, k: int, rnd: int, own: dict) -> list[int] | None:
+            """Rows paired by what a tree node is, its parent and its token, when both sides show it exactly (the
+            replay: its step input rows equal its previous outputs); None otherwise."""
+            theirs = self._trace_nodes(k, rnd)
+            tokens = own.get(T.draft_tokens(k))
+            parents = [0] * len(tokens) if k == 1 and tokens is not None else None
+            if k > 1:
+                parents = parent_rows(own.get(T.draft_hidden_in(k)), self._prev_out)
+            if theirs is None or parents is None or tokens is None or len(theirs) != len(parents):
+                return None
+            row_of = {node: r for r, node in enumerate(theirs)}
+            rows = [row_of.get(node, -1) for node in zip(parents, tokens.long().tolist(), strict=True)]
+            return rows if len(row_of) == len(theirs) and sorted(rows) == list(range(len(rows))) else None
+
+        def _expanded_by_nodes(self, k: int, rnd: int, draft_ids: torch.Tensor) -> torch.Tensor | None:
+            """[n, K] bool: the candidates that are the trace's step k+1 nodes (`_trace_nodes`), or None."""
+            nodes = self._trace_nodes(k + 1, rnd)
+            if nodes is None:
+                return None
+            cand = self.to_target_ids(draft_ids).cpu()
+            chosen = torch.zeros_like(cand, dtype=torch.bool)
+            for parent, token in nodes:
+                if not 0 <= parent < cand.shape[0] or not bool((hit := cand[parent] == token).any()):
+                    return None
+                chosen[parent] |= hit
+            return chosen.to(draft_ids.device) if int(chosen.sum()) == len(nodes) else None
+
+        def _expanded_by_tokens(self, k: int, rnd: int, draft_ids: torch.Tensor, own: dict) -> torch.Tensor | None:
             """The candidates the trace expanded next, told by the token ids its step k+1 read (exact in every trace
-            mode): used when each of those ids belongs to as many candidates as it occurs, so no parent need be told
-            apart; None otherwise (or when the trace has no step tokens)."""
+            mode): each of its rows is one candidate with that id, distinct candidates for distinct rows; where an id
+            belongs to more candidates than rows read it, the parents' features decide (the trace's step k+1
+            hidden_in against this step's outputs). None when the trace has no step tokens or reads ids no distinct
+            candidates have (then nothing the replay could expand reproduces it)."""
             nxt = value(T.draft_tokens(k + 1), rnd)
             if not isinstance(nxt, torch.Tensor) or nxt.dim() != 1 or nxt.numel() == 0:
                 return None
-            cand = self.to_target_ids(draft_ids).cpu()  # [n, K]
-            want = torch.unique(nxt.long(), return_counts=True)
-            chosen = torch.zeros_like(cand, dtype=torch.bool)
-            for tok, count in zip(*want):
-                hit = cand == tok
-                if int(hit.sum()) != int(count):
-                    return None
-                chosen |= hit
-            return chosen.to(draft_ids.device)
+            cand = self.to_target_ids(draft_ids).cpu().flatten()  # [n*K], candidate c = (row c // K, child c % K)
+            n, K = draft_ids.shape
+            same = nxt.long().cpu()[:, None] == cand[None, :]  # [rows, n*K]
+            cost = torch.zeros(same.shape, dtype=torch.float64)
+            parents, out = value(T.draft_hidden_in(k + 1), rnd), own.get(T.draft_hidden_out(k))
+            if parents is not None and out is not None and (err := pairwise_row_errors(parents, out)) is not None:
+                cost = err.double().cpu().repeat_interleave(K, dim=1)  # row r read candidate c's parent's output
+            picked = distinct_assignment(torch.where(same, cost, torch.inf))
+            if picked is None:
+                return None
+            chosen = torch.zeros(n * K, dtype=torch.bool)
+            chosen[torch.tensor(picked)] = True
+            return chosen.view(n, K).to(draft_ids.device)
 
     Following.__name__ = Following.__qualname__ = f"Following{proposer_cls.__name__}"
     return Following

@@ -171,30 +171,13 @@ def train_lm(pc: PretrainConfig, tokens: torch.Tensor, budget: float, batch: int
 
 @torch.inference_mode()
 def regenerate(model: LlamaModel, prompts: torch.Tensor, new: int, batch: int, device) -> torch.Tensor:
-    """The target's own greedy continuations of `prompts` [n, P], batched on a static slot cache."""
-    from eaglescope.fast import SlotCache
+    """The target's own greedy continuations of `prompts` [n, P], `batch` rows at a time (decode/vanilla.py's batched
+    loop on a slot cache)."""
+    from eaglescope.decode.vanilla import greedy_rows
 
-    a = model.args
-    n, P = prompts.shape
-    S = P + new
-    out = []
-    dtype = next(model.parameters()).dtype
-    for i in range(0, n, batch):
-        x = prompts[i : i + batch].to(device)
-        B = x.shape[0]
-        cache = SlotCache(a.num_layers, B, a.num_kv_heads, S, a.head_dim, dtype, device)
-        slots = torch.arange(P, device=device)
-        allslots = torch.arange(S, device=device)
-        mask = (allslots[None, :] <= slots[:, None])[None, None]
-        logits = model(x, slots.expand(B, P), mask, cache, slots)[0]
-        seq = [x, logits[:, -1:].argmax(-1)]
-        for t in range(P, S - 1):
-            s = torch.full((1,), t, device=device)
-            m = (allslots <= t)[None, None, None]
-            logits = model(seq[-1], s.expand(B, 1), m, cache, s)[0]
-            seq.append(logits[:, -1:].argmax(-1))
-        out.append(torch.cat(seq, 1).cpu())
-    return torch.cat(out)
+    return torch.cat(
+        [greedy_rows(model, prompts[i : i + batch].to(device), new).cpu() for i in range(0, len(prompts), batch)]
+    )
 
 
 def write_conversations(path: Path, tok, data: torch.Tensor, prefix: int) -> dict:

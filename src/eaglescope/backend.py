@@ -83,7 +83,7 @@ class Decoder:
         self.target, self.settings, self.max_len = target, settings, max_len
         self.backend = choose_backend(settings, target)
         self._draft = draft
-        self._fast: Runner | None = None
+        self.static_runner: Runner | None = None  # the static backend's runner, once built (and captured)
         self.info: dict = {}
 
     def draft(self) -> Eagle3Draft:
@@ -99,8 +99,8 @@ class Decoder:
     def _runner(self, prompt_ids, budget, sampling, gen, recorder) -> Runner:
         s, t = self.settings, self.target
         if self.backend == FAST:
-            if self._fast is not None and recorder is None:
-                return self._fast
+            if self.static_runner is not None and recorder is None:
+                return self.static_runner
             draft, shape = (self.draft(), s.shape) if self._eagle3() else (None, None)
             if draft is not None:
                 check_top_k(draft, shape[1])
@@ -108,7 +108,7 @@ class Decoder:
                     raise EagleScopeError("--fast with a draft needs a prompt of at least 2 tokens")
             runner, self.info = fast_runner(t, draft, shape, self.max_len, s.batch_invariant, recorder, s.trace_layers)
             if recorder is None:
-                self._fast = runner
+                self.static_runner = runner
             return runner
         if not s.speculative:
             proposer = NoProposer()

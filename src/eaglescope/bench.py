@@ -148,6 +148,11 @@ class Bench:
         return DecodeSettings(max_new, draft=draft, proposer=proposer, chain=chain, tree=tree, decoder=self.decoder,
                               batch_invariant=self.batch_invariant)  # fmt: skip
 
+    def static_runner(self, name: str):
+        """The static backend's runner of method `name` once it ran there (use_graph: whether it was captured)."""
+        dec = self._decoders.get(name)
+        return None if dec is None else dec.static_runner
+
     def backend(self, m: Method) -> str:
         return choose_backend(self.settings(m, 1), self.target)
 

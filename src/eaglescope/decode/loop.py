@@ -1,9 +1,10 @@
-"""The speculative loop, written once for every decoding path.
+"""The speculative loop, written once for every decoding path, and the reference backend.
 
 A round is `speculative_round`: propose a draft tree rooted at the last emitted token → verify it with one target
 forward → accept a path and a bonus token → commit the target's KV of root + accepted nodes and hand the target's
 features of exactly those positions to the proposer for the next round. `decode` drives rounds until the budget or
-a stop token: it is the only loop, and it keeps the statistics.
+a stop token: it is the only loop, and it keeps the statistics. The round's state is decode/round.py's RoundState,
+its steps are written once (docs/architecture.md says where each lives).
 
 What differs between paths is a backend, a `Runner` whose four round operations `speculative_round` calls:
 

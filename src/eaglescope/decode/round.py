@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from eaglescope import trace as T
 from eaglescope.decode.tree import DraftTree
 from eaglescope.decode.verify import VerifyResult, accept_greedy
+from eaglescope.target.llama import KVCache
 
 
 @dataclass
@@ -57,21 +57,12 @@ def emitted_tokens(tokens: torch.Tensor, path: torch.Tensor, accepted: torch.Ten
 
 
 # -- the draft's slot cache ----------------------------------------------------------------------------------------
-class SlotCache(nn.Module):
+class SlotCache(KVCache):
     """Keys/values [L, B, n_kv, S, D] (values [.., Dv] where they differ, as in multi-head latent attention); `write`
     puts T new entries at `slots` [T] and returns the whole layer, so attention masks decide what is visible.
 
     Why slots: a round's keys go to positions that do not depend on how much was accepted (the static backend's
     shapes stay fixed), and a module given a slot tensor as its `start` runs unchanged on this cache."""
-
-    def __init__(
-        self, num_layers: int, batch: int, n_kv: int, size: int, head_dim: int, dtype, device, v_dim: int | None = None
-    ) -> None:
-        super().__init__()
-        shape = (num_layers, batch, n_kv, size, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        vshape = shape if v_dim is None else (*shape[:-1], v_dim)
-        self.register_buffer("v", torch.zeros(vshape, dtype=dtype, device=device), persistent=False)
 
     @property
     def size(self) -> int:

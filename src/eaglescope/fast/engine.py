@@ -7,14 +7,12 @@ tree expansion, target verify, greedy acceptance, KV compaction, next round's fe
 that can be captured as one CUDA graph. The host reads one small tensor per round: how many tokens came out
 and which.
 
-Slots, not lengths: `SlotCache.write(layer, slots, k, v)` stores keys at explicit slot indices and returns
-the whole buffer; attention masks decide what is visible. LlamaModel / Eagle3Draft pass their `start`
-argument straight to `cache.write`, so handing them a slot tensor as `start` runs the unchanged modules on
-this cache.
-
-Draft cache layout: slots [0, ctx) hold step-0 keys of the context; tree-step keys of the current round go
-to a fixed region starting at `tree_base` (level l, frontier j → tree_base + (l-1)*K + j), so their slots
-never depend on the context length.
+The round's steps are not written here: the draft side (catch-up, tree expansion, hand-off) is
+decode/speculative.py's Eagle3Proposer, acceptance decode/verify.py's accept_greedy, the trace's stages
+decode/round.py's (docs/architecture.md). This backend owns how they run: slot caches (decode/round.py SlotCache:
+LlamaModel / Eagle3Draft pass their `start` argument straight to `cache.write`, so a slot tensor as `start` runs the
+unchanged modules on them), the target verify over them, the KV keep by moving the kept slots, tensors padded to the
+tree budget, and the capture.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class Eagle3Proposer(Proposer):
     def catch_up_positions(self, start, count: int) -> torch.Tensor:
         """RoPE positions of the pending features (`start`: int, or [1] on the static backend): their own sequence
         positions, continuing the cache."""
-        return start + torch.arange(count, device=self.device)
+        return start + self.slots[:count]
 
     def tree_position(self, root_position, level: int):
         """RoPE position of a depth-`level` node's query: root + level - 1, as TTT step `level` uses."""
@@ -138,7 +138,7 @@ class Eagle3Proposer(Proposer):
         rows past its pending count are padding: they land past the context, no real row sees them, and the next
         catch-up overwrites them)."""
         P = aux.shape[0]
-        slots = start + torch.arange(P, device=self.device)
+        slots = start + self.slots[:P]
         mask = self.slots[None, :] <= slots[:, None]  # the context before, and each row itself
         hidden = self.features(aux)  # [P, H]
         positions = self.catch_up_positions(start, P)

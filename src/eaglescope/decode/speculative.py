@@ -14,7 +14,7 @@ import torch
 
 from eaglescope import trace as T
 from eaglescope.decode.generation import DecodeSettings, SamplingConfig
-from eaglescope.decode.round import RoundState, SlotCache
+from eaglescope.decode.round import RoundState, SlotCache, StageBuffers
 from eaglescope.decode.sampling import process_logits, sample
 from eaglescope.decode.tree import DraftTree, TreeBuilder
 from eaglescope.draft import Eagle3Draft, check_draft_matches_target, load_draft
@@ -80,8 +80,10 @@ class Eagle3Proposer(Proposer):
         top_k: int,
         total_tokens: int,
         max_len: int,
-        recorder: T.TraceRecorder | None = None,
+        recorder: T.TraceRecorder | StageBuffers | None = None,
     ) -> None:
+        """`max_len`: the context positions the draft cache holds; `recorder`: where the draft stages go (a trace, or
+        the static backend's StageBuffers)."""
         self.draft = draft
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_len = max_len

@@ -4,7 +4,7 @@
     from scratch, saved as a checkpoint → target's own greedy continuations (batched) → conversations →
     `eaglescope prepare` → `eaglescope train`: EAGLE-3 draft (TTT 7) + ablation (TTT 1), each held to its
     budget by --max-seconds; small draft LM (same budget) → decode the same held-out prompts with every method
-    (the eaglescope rows through `eaglescope bench`'s Bench: fast_runner + decode, what `generate` runs) →
+    (the eaglescope rows through `eaglescope bench`'s Bench: backend.Decoder, what `generate` runs) →
     8B-shaped roofline.
 
     PYTHONPATH=src python3 bench/run_bench.py --out bench/results            # GPU, < 10 minutes
@@ -171,30 +171,13 @@ def train_lm(pc: PretrainConfig, tokens: torch.Tensor, budget: float, batch: int
 
 @torch.inference_mode()
 def regenerate(model: LlamaModel, prompts: torch.Tensor, new: int, batch: int, device) -> torch.Tensor:
-    """The target's own greedy continuations of `prompts` [n, P], batched on a static slot cache."""
-    from eaglescope.fast import SlotCache
+    """The target's own greedy continuations of `prompts` [n, P], `batch` rows at a time (decode/vanilla.py's batched
+    loop on a slot cache)."""
+    from eaglescope.decode.vanilla import greedy_rows
 
-    a = model.args
-    n, P = prompts.shape
-    S = P + new
-    out = []
-    dtype = next(model.parameters()).dtype
-    for i in range(0, n, batch):
-        x = prompts[i : i + batch].to(device)
-        B = x.shape[0]
-        cache = SlotCache(a.num_layers, B, a.num_kv_heads, S, a.head_dim, dtype, device)
-        slots = torch.arange(P, device=device)
-        allslots = torch.arange(S, device=device)
-        mask = (allslots[None, :] <= slots[:, None])[None, None]
-        logits = model(x, slots.expand(B, P), mask, cache, slots)[0]
-        seq = [x, logits[:, -1:].argmax(-1)]
-        for t in range(P, S - 1):
-            s = torch.full((1,), t, device=device)
-            m = (allslots <= t)[None, None, None]
-            logits = model(seq[-1], s.expand(B, 1), m, cache, s)[0]
-            seq.append(logits[:, -1:].argmax(-1))
-        out.append(torch.cat(seq, 1).cpu())
-    return torch.cat(out)
+    return torch.cat(
+        [greedy_rows(model, prompts[i : i + batch].to(device), new).cpu() for i in range(0, len(prompts), batch)]
+    )
 
 
 def write_conversations(path: Path, tok, data: torch.Tensor, prefix: int) -> dict:
@@ -285,8 +268,9 @@ def alpha_of(stats: SpecStats) -> list[float]:
 
 
 def eval_method(bench: Bench, m: Method, prompts, new, ref) -> dict:
-    """Every prompt through `eaglescope bench`'s Bench.run (the backend `generate` uses: fast_runner + decode on a
-    GPU), after one untimed warm-up (graph capture); tokens, seconds, τ/α, matches with `ref` (vanilla's outputs)."""
+    """Every prompt through `eaglescope bench`'s Bench.run (the backend `generate` uses: backend.Decoder, the static
+    one on a GPU), after one untimed warm-up (graph capture); tokens, seconds, τ/α, matches with `ref`
+    (vanilla's outputs)."""
     bench.run(m, prompts[0], min(new, 32))
     st, tok, secs, match, outputs = SpecStats(), 0, 0.0, 0, []
     for i, p in enumerate(prompts):
@@ -297,7 +281,7 @@ def eval_method(bench: Bench, m: Method, prompts, new, ref) -> dict:
         if m.kind != "vanilla" and r.stats is not None:
             st.merge(r.stats)
         match += int(ref is not None and r.token_ids == ref[i])
-    runner = getattr(bench, "_runners", {}).get(m.name)
+    runner = bench.static_runner(m.name)
     return {
         "tokens": tok, "seconds": secs, "stats": None if m.kind == "vanilla" else st, "match": match,
         "per_round": list(st.accepted), "graph": getattr(runner, "use_graph", None), "outputs": outputs,
@@ -1192,7 +1176,7 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     st["ablation"] = train_draft(tgt_dir, work / "prepared", abl_dir, 1, cfg["t_abl"], cfg, device)
     say(f"ablation (TTT 1, eaglescope train): {st['ablation']}")
     write_json(result_path, result)
-    # --- evaluation: every eaglescope row through eaglescope bench's Bench (fast_runner + decode) ---------------
+    # --- evaluation: every eaglescope row through eaglescope bench's Bench (backend.Decoder) ---------------
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     prompts = prefixes(corpus.heldout, tok, cfg["prompts"], 2, cfg["prefix"])
@@ -1204,7 +1188,7 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     if not isinstance(prod, NativeTarget):
         raise RuntimeError(f"{tgt_dir} did not load as a native target: the static-shape backend cannot run it")
     max_len = cfg["prefix"] + new
-    # on a GPU the target then runs on the batch-invariant kernels (fast_runner's default), as `generate` runs it
+    # on a GPU the target then runs on the batch-invariant kernels (the static backend's default), as `generate` runs it
     invariant = device.type == "cuda" and cfg["batch_invariant"] and inv_kernels.supports(prod.model.args.head_dim,
                                                                                           device)  # fmt: skip
     eagle = Bench(prod, str(draft_dir), True, max_len, cfg["batch_invariant"])

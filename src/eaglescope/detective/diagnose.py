@@ -1151,7 +1151,8 @@ _TOPK_ROUNDS = 2
 
 
 class _Offset(Eagle3Proposer):
-    """Reference proposer with one position rule shifted by `delta` from trace round `from_round` on."""
+    """The draft side of the round (the code both backends run) with one position rule shifted by `delta` from trace
+    round `from_round` on; the golden replay runs it on the reference backend."""
 
     delta = 0
     from_round = 1

@@ -24,8 +24,9 @@ import torch
 from eaglescope import trace as T
 from eaglescope.decode.generation import SamplingConfig, check_prompt
 from eaglescope.decode.loop import ReferenceRunner, decode
-from eaglescope.decode.speculative import Eagle3Proposer, parse_tree_shape, target_embedding
-from eaglescope.decode.tree import EAGLE_DEFAULT_TREE, DraftTree
+from eaglescope.decode.round import RoundState, record_tree
+from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
+from eaglescope.decode.tree import EAGLE_DEFAULT_TREE, DraftTree, parse_tree_shape
 from eaglescope.decode.verify import VerifyResult
 from eaglescope.draft import LoadedDraft
 from eaglescope.errors import EagleScopeError
@@ -445,15 +446,15 @@ class _ReplayRunner(ReferenceRunner):
         while self.rec.round < self.round:  # keep round numbers aligned with the trace's
             self.rec.next_round()
 
-    def propose(self) -> DraftTree:
+    def propose(self) -> RoundState:
         own = self.proposer.propose(self.tokens, self.target.cache_len)  # records the draft stages
         ft, fp = self.forced.get(T.VERIFY_TOKENS, self.round), self.forced.get(T.VERIFY_PARENTS, self.round)
         tree = own if ft is None or fp is None else DraftTree.from_parents(ft.long(), fp.long())
-        self.rec.record(T.VERIFY_TOKENS, tree.tokens)
-        self.rec.record(T.VERIFY_PARENTS, tree.parents)
-        return tree
+        record_tree(self.rec, tree)
+        return RoundState(tree)
 
-    def accept(self, tree: DraftTree, out: TargetOutput) -> VerifyResult:
+    def verdict(self, state: RoundState) -> VerifyResult:
+        tree = state.tree
         fa, fb = self.forced.get(T.VERIFY_ACCEPTED, self.round), self.forced.get(T.VERIFY_BONUS, self.round)
         if fa is None or fb is None:
             raise EagleScopeError(f"trace round {self.round} lacks verify.accepted / verify.bonus: cannot follow it")

@@ -26,6 +26,7 @@ import torch
 
 from eaglescope.draft import Eagle3Draft
 from eaglescope.target.llama import GrowingCache
+from eaglescope.train.attention import ttt_attention
 
 LOSS_MASK_SHIFT = "shifted"  # recorded in the draft contract
 STEP_WEIGHT = 0.8  # L = Σ_k 0.8^k · L_k
@@ -53,20 +54,26 @@ class Unrolled:
     hidden_out: list[torch.Tensor]  # per step: [B, T, H] pre-norm outputs
 
 
-def ttt_unroll(draft: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, ttt_length: int) -> Unrolled:
-    """Run `ttt_length` draft steps over a batch. input_ids [B, T] (target ids), aux [B, T, nH]."""
+def ttt_unroll(
+    draft: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, ttt_length: int, attention: str = "dense"
+) -> Unrolled:
+    """Run `ttt_length` draft steps over a batch. input_ids [B, T] (target ids), aux [B, T, nH]. `attention`: "dense"
+    (SDPA under ttt_mask, what decoding's masked attention computes) or "flex" (the same function over the
+    block-sparse key set, train/attention.py)."""
     B, T = input_ids.shape
     device = input_ids.device
     cache = GrowingCache()
     hidden = draft.project(aux)
     base_pos = torch.arange(T, device=device).expand(B, T)
     logits, outs = [], []
-    for k in range(ttt_length):
-        embeds = draft.embed_tokens(shift_left(input_ids, k + 1))
-        out = draft.step(embeds, hidden, base_pos + k, cache, k * T, ttt_mask(T, k, device))
-        logits.append(draft.logits(out))
-        outs.append(out)
-        hidden = out
+    with ttt_attention(draft, attention):
+        for k in range(ttt_length):
+            embeds = draft.embed_tokens(shift_left(input_ids, k + 1))
+            mask = ttt_mask(T, k, device) if attention == "dense" else None
+            out = draft.step(embeds, hidden, base_pos + k, cache, k * T, mask)
+            logits.append(draft.logits(out))
+            outs.append(out)
+            hidden = out
     return Unrolled(logits, outs)
 
 

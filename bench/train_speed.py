@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary (default 32000; smoke 128)")
     ap.add_argument("--time-limit", type=float, default=450.0, help="no new run starts after this many seconds")
     ap.add_argument("--profile", action="store_true", help="one more run of the first batch size under torch.profiler")
+    ap.add_argument("--profile-only", action="store_true", help="the profiled run alone (of the first batch size)")
     args = ap.parse_args(argv)
     smoke = args.smoke
     shape = TINY if smoke else LLAMA_8B
@@ -213,12 +214,14 @@ def main(argv: list[str] | None = None) -> int:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        target = build_target(shape, work / "target", device, getattr(torch, dtype))
+        target = work / "target"
+        if not (args.work and (target / "config.json").is_file()):  # --work kept from an earlier run: reused
+            build_target(shape, target, device, getattr(torch, dtype))
         result["build_target_s"] = time.perf_counter() - t0
         n_eval = 2
         n = result["settings"]["num_samples"] = max(batches) * steps + n_eval
         data = write_prepared(work / "data", target, n, length, draft_vocab)
-        for b in batches:
+        for b in [] if args.profile_only else batches:
             if time.perf_counter() - t_start > args.time_limit:
                 runs.append({"batch_size": b, "rc": None, "skipped": f"--time-limit {args.time_limit:.0f} s reached"})
                 continue
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             write()
             print(json.dumps({k: runs[-1].get(k) for k in ("batch_size", "rc", "tokens_per_second",
                               "fraction_of_peak", "peak_memory_gb", "wall_s")}), file=sys.stderr)  # fmt: skip
-        if args.profile and time.perf_counter() - t_start < args.time_limit:
+        if args.profile_only or (args.profile and time.perf_counter() - t_start < args.time_limit):
             profiled = profile_run(target, data, work / "draft-profile", batches[0], length, n_eval / n, device, dtype)
             path.with_name(path.stem + "-profile.txt").write_text(profiled.pop("table") + "\n")
             result["profile"] = profiled

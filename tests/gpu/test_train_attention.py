@@ -1,6 +1,7 @@
-"""Training's flex attention on the GPU (train/attention.py, compiled) against the dense masked attention it replaces,
-in float32: the TTT loss and every parameter's gradient, and the held-out acc_k and α_k of the order-2-chain run of
-tests/test_train.py (TTT 7, 150 steps) trained with each. The CPU half (logits, block mask) is
+"""Training's GPU path, compiled (flex attention, train/attention.py; the loss's chunk kernels, train/ttt.py), against
+what it replaced, in float32: dense masked SDPA and the loss computed eagerly (tests/test_train_speed.py's dense
+reference for the gradients). The TTT loss and every parameter's gradient, and the held-out acc_k and α_k of the
+order-2-chain run of tests/test_train.py (TTT 7, 150 steps) trained each way. The CPU half (logits, block mask) is
 tests/test_train_attention.py; the CPU has no flex backward."""
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ def test_flex_loss_and_gradients_equal_the_dense_ones(tmp_path, B, T):
     aux = torch.randn(B, T, draft.fc.in_features, generator=g).cuda()
     teacher = (3 * torch.randn(B, T, 96, generator=g)).cuda()
     loss_mask = (torch.rand(B, T, generator=g) < 0.7).long().cuda()
+    from test_train_speed import dense_ttt_loss
+
     results = {}
-    for kind in ("dense", "flex"):
+    for kind, loss_fn in (("dense", dense_ttt_loss), ("flex", ttt.ttt_loss)):
         draft.zero_grad()
-        res = ttt.ttt_loss(draft, ttt.ttt_unroll(draft, ids, aux, K, kind), teacher, loss_mask, per_sample=True)
+        res = loss_fn(draft, ttt.ttt_unroll(draft, ids, aux, K, kind), teacher, loss_mask, per_sample=True)
         res.loss.backward()
         results[kind] = (res, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None})
     (a, ga), (b, gb) = results["flex"], results["dense"]
@@ -49,6 +52,8 @@ def test_same_seed_heldout_acc_with_dense_attention_within_noise(tmp_path_factor
     runs = {}
     for kind in ("flex", "dense"):
         monkeypatch.setattr(train_loop, "default_attention", lambda draft, device, kind=kind: kind)
+        if kind == "dense":  # and the loss's chunks eager, as before
+            monkeypatch.setattr(ttt, "_chunk_fns", lambda device: (ttt._chunk_loss, ttt._chunk_grad))
         cfg = config(env, tmp_path / kind, ttt_length=TTT, max_steps=STEPS, device="cuda", dtype="float32")
         runs[kind] = train(cfg, progress=False)
     a, b = runs["flex"], runs["dense"]

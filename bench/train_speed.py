@@ -14,13 +14,14 @@
    stderr line are the result: tokens/s, model FLOPs per token, fraction of the dense bf16 peak, peak memory
    (docs/training-speed.md).
 
-The JSON (OUT/train-speed-<time>.json) has one entry per run under `runs` (batch_size, tokens_per_second,
-fraction_of_peak, peak_memory_gb, model_flops_per_token, rc, ...) and the commit. A run that fails (out of memory)
-is a result too: its exit code and last stderr lines.
+The JSON (OUT/train-speed-<time>.json, rewritten after every run) has one entry per run under `runs` (batch_size,
+tokens_per_second, fraction_of_peak, peak_memory_gb, model_flops_per_token, rc, commit, ...) and the commit. A run
+that fails (out of memory) is a result too: its exit code and last stderr lines.
 
 --profile adds one more run of the first batch size, in this process through `eaglescope.train.loop.train`, under
 torch.profiler for two steps after a warm-up step: where the step's time goes, op by op (OUT/...-profile.txt, and the
-top rows under `profile` in the JSON).
+top rows under `profile` in the JSON); --profile-only makes that run alone. With --work, a target already built there
+by an earlier invocation is reused.
 """
 
 from __future__ import annotations
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             out = work / f"draft-b{b}"
             runs.append(run_one(train_argv(target, data, out, b, steps, length, n_eval / n, device, dtype), out, b))
+            runs[-1]["commit"] = result["commit"]
             write()
             print(json.dumps({k: runs[-1].get(k) for k in ("batch_size", "rc", "tokens_per_second",
                               "fraction_of_peak", "peak_memory_gb", "wall_s")}), file=sys.stderr)  # fmt: skip

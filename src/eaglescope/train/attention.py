@@ -24,6 +24,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 ATTENTION_KINDS = ("dense", "flex")
 _MAX_MASKS = 32  # block masks kept per process (one per padded length T and step)
+RECOMPILE_LIMIT = 64  # graphs of the compiled flex_attention before dynamo stops compiling it (torch's default: 8)
 
 _block_masks: dict[tuple[int, int, str], BlockMask] = {}
 _compiled_flex = None
@@ -64,7 +65,11 @@ def flex_ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         raise ValueError(f"flex TTT attention: {S} keys are not a whole number of {T}-slot steps")
     block_mask = ttt_block_mask(T, S, q.device)
     # Autocast has cast the projections already (SDPA would run in that dtype too); the compiled kernel runs outside it.
-    with torch.autocast(q.device.type, enabled=False):
+    # Each padded length T, batch size (an evaluation's last batch), grad mode and step 0 (whose keys are a transposed
+    # view, S = T) against later steps can ask for a graph of its own before dynamo makes the sizes symbolic: 8 graphs
+    # for 10 lengths of a real run's spread (counted with dynamo's eager backend), and torch's default limit of 8 would
+    # then run flex uncompiled, materialising every score, for the rest of the run (tests/gpu hit it, short samples).
+    with torch.autocast(q.device.type, enabled=False), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         flex = _flex_for(q.device)
         return flex(q, k.to(q.dtype), v.to(q.dtype), block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 

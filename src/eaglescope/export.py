@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 import warnings
 from pathlib import Path
 
@@ -730,34 +729,32 @@ def _load(draft: str, target_fp: TargetFingerprint | None) -> LoadedDraft:
         return load_draft(draft, target_num_layers=target_fp.num_layers if target_fp else None)
 
 
-# -- command line ---------------------------------------------------------------------------------
-def cmd_inspect(args) -> int:
-    tdir, fp = _target_info(args.target)
-    loaded = _load(args.draft_dir, fp)
+# -- the two commands' work ---------------------------------------------------------------------
+def inspect_checkpoint(draft: str, target: str | None = None) -> dict:
+    """`eaglescope inspect`: what the draft at `draft` says (describe_draft), checked against `target` if given."""
+    tdir, fp = _target_info(target)
+    loaded = _load(draft, fp)
     emb = load_target_embedding(tdir) if tdir is not None and loaded.has_embedding else None
-    d = describe_draft(loaded, fp, emb)
-    print(json.dumps(d, indent=2) if args.json else format_description(d))
-    return 0
+    return describe_draft(loaded, fp, emb)
 
 
-def cmd_export(args) -> int:
-    check_destination(args.out, EXPORT, inputs=[args.draft, args.target])
-    tdir, fp = _target_info(args.target)
-    loaded = _load(args.draft, fp)
+def export_checkpoint(
+    draft: str,
+    to: str,
+    out: str,
+    target: str | None = None,
+    with_embedding: bool = False,
+    dtype: str | None = None,
+) -> dict:
+    """`eaglescope export`: the draft written at `out` in engine `to`'s convention → the export report.
+    `dtype` is a name in _DTYPES; None keeps the source's."""
+    check_destination(out, EXPORT, inputs=[draft, target])
+    tdir, fp = _target_info(target)
+    loaded = _load(draft, fp)
     if fp is not None:
         check_draft_matches_target(loaded.contract, fp)
-    emb = load_target_embedding(tdir) if args.with_embedding and tdir is not None else None
-    if args.dtype is None:
-        name = loaded.hf_config.get("torch_dtype") or loaded.hf_config.get("dtype") or "float32"
-        dtype = _DTYPES.get(name, torch.float32)
-    else:
-        dtype = _DTYPES[args.dtype]
+    emb = load_target_embedding(tdir) if with_embedding and tdir is not None else None
+    if dtype is None:
+        dtype = loaded.hf_config.get("torch_dtype") or loaded.hf_config.get("dtype") or "float32"
     arch = fp.architecture if fp is not None else None
-    report = export_draft(loaded, args.to, args.out, args.with_embedding, emb, dtype, arch, tdir)
-    if args.json:
-        print(json.dumps(report, indent=2))
-        for w in report["warnings"]:  # JSON on stdout stays machine-readable; people still see warnings
-            print(f"eaglescope: warning: {w}", file=sys.stderr)
-    else:
-        print(format_export_report(report))
-    return 0
+    return export_draft(loaded, to, out, with_embedding, emb, _DTYPES.get(dtype, torch.float32), arch, tdir)

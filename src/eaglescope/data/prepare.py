@@ -531,22 +531,4 @@ def _finish(out: Path, cfg, prog, num_shards, target, taps, template_sha, data, 
     return manifest
 
 
-# -- command line ----------------------------------------------------------------------------
-def cmd_prepare(args) -> int:
-    fields = set(PrepareConfig.__dataclass_fields__)
-    cfg = PrepareConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    m = prepare(cfg)
-    parts = [
-        f"{m['num_samples']} samples",
-        f"{m['num_tokens']} tokens ({m['num_supervised_tokens']} supervised)",
-        f"{m['skipped']} skipped",
-        f"{m['truncated']} truncated to {m['max_length']}",
-        f"draft vocab {m['draft_vocab_size']}",
-    ]
-    if m["hidden_states"]:
-        parts.append(f"{len(m['shards'])} hidden-state shards")
-    print(f"{cfg.out}: " + ", ".join(parts))
-    return 0
-
-
-__all__ = ["PrepareConfig", "prepare", "regenerate_conversation", "end_of_turn_ids", "cmd_prepare"]
+__all__ = ["PrepareConfig", "prepare", "regenerate_conversation", "end_of_turn_ids"]

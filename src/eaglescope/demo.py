@@ -36,6 +36,7 @@ from eaglescope.detective.doctor import format_report, run_doctor
 from eaglescope.detective.report import write_html
 from eaglescope.draft import check_draft_matches_target, load_draft
 from eaglescope.errors import EagleScopeError
+from eaglescope.jsonfile import read_object
 from eaglescope.outputs import check_destination, dir_kind, write_file
 from eaglescope.pretrain import PretrainConfig, pretrain, save_target
 from eaglescope.target import load_target
@@ -479,7 +480,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     results["seconds"] = time.perf_counter() - t0
     results["config"] = asdict(cfg)
     # what ran, not what was asked: the time cap may have cut pretraining short
-    results["target"] = (json.loads((target_dir / "eaglescope_pretrain.json").read_text()) or {}).get("stats")
+    results["target"] = (read_object(target_dir / "eaglescope_pretrain.json", EagleScopeError) or {}).get("stats")
 
     name = "demo-results.json" if cfg.scenario == "default" else f"demo-results-{cfg.scenario}.json"
     write_file(work / name, json.dumps(results, indent=2, default=str) + "\n")

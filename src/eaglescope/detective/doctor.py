@@ -1,7 +1,7 @@
 """`eaglescope doctor`: why does this draft accept so little? A ranked list of named causes.
 
     static     always: contract vs target fingerprint, engine tap conventions, vocab map, embedding, template
-    trace      with --trace: the trace against eaglescope's golden replay, stage by stage (diagnose.py): a full
+    trace      with --trace: the trace against eaglescope's golden replay, stage by stage (diagnose/): a full
                replay when the target's layers are on disk, else a draft-side replay from the trace's own capture
                (draft_replay.py), which cannot name causes in the capture itself; context["replay"] says which ran
     behaviour  with --data and/or --engine-log: served α_k (eaglescope's own decoder on prompts from --data, or
@@ -124,9 +124,7 @@ def run_doctor(
     auto (a full replay when the target's layers are on disk, else draft-side), full, or draft-side. `progress`
     reports each stage through logging."""
 
-    def say(msg: str) -> None:
-        if progress:
-            log.info("doctor: %s", msg)
+    say = _say if progress else lambda _msg: None
 
     if prompts < 1 or max_new_tokens < 1 or depth < 1 or eval_samples < 1:
         raise EagleScopeError("--prompts, --max-new-tokens, --depth and --eval-samples must be >= 1")
@@ -140,18 +138,9 @@ def run_doctor(
     served_by_sglang = served_engine is not None and served_engine.engine == "sglang" and engines == ("sglang",)
     findings, static_ctx = static_checks(target_dir, draft_dir, engines, sglang_rule_of_target=served_by_sglang)
     notes: list[str] = []
-    context: dict = {
-        "inputs": {
-            "target": str(target_dir),
-            "draft": str(draft_dir),
-            "data": None if data is None else str(data),
-            "trace": None if trace is None else str(trace),
-            "engine_log": None if engine_log is None else str(engine_log),
-            "engines_checked": list(engines),
-        },
-        "static": static_ctx,
-        "notes": notes,
-    }
+    named = {"target": target_dir, "draft": draft_dir, "data": data, "trace": trace, "engine_log": engine_log}
+    inputs = {k: None if v is None else str(v) for k, v in named.items()} | {"engines_checked": list(engines)}
+    context: dict = {"inputs": inputs, "static": static_ctx, "notes": notes}
     if mode is not None:
         context["replay"] = mode.to_dict()
 
@@ -189,6 +178,10 @@ def run_doctor(
                                max_new_tokens, depth, eval_samples, say, context, notes)  # fmt: skip
     ranked = rank(findings)
     return DoctorReport(healthy=not ranked, findings=ranked, context=context)
+
+
+def _say(msg: str) -> None:
+    log.info("doctor: %s", msg)
 
 
 def _read_inputs(target_dir, draft_dir, data, trace, engine_log):
@@ -237,7 +230,7 @@ def _replayable(mode, loaded_trace, target, loaded, taps_found, findings, contex
 
 
 def _trace_findings(target, loaded, loaded_trace, trace, draft_dir, static_ctx, context, alone: bool) -> list:
-    """The trace against its golden replay (diagnose.py); context gains what the comparison found."""
+    """The trace against its golden replay (diagnose/); context gains what the comparison found."""
     found, ctx = diagnose_trace(target, loaded, trace)
     context.update(ctx)
     if found or not alone:

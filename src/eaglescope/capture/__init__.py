@@ -64,7 +64,7 @@ def _staging() -> Path | None:
 def note(line: str) -> None:
     """One line for `eaglescope capture` to report (and logged now, in the engine's process: plugin.py installs
     eaglescope's one-line stderr handler there, so it can be found in the engine's log)."""
-    log.warning("capture: %s", line)
+    log.info("capture: %s", line)
     staging = _staging()
     if staging is not None:
         try:

@@ -46,7 +46,7 @@ def register() -> None:
             try:
                 with open(staging / REFUSED, "x", encoding="utf-8") as f:
                     f.write(refused + "\n")
-                log.error("capture: %s", refused)
+                log.info("capture: %s", refused)  # the command itself ends with the one error line
             except FileExistsError:
                 pass
             return

@@ -1,4 +1,4 @@
-"""Training throughput and memory at 8B shape (issue 27): `eaglescope train` online, TTT 7, 2,048-token samples.
+"""Training throughput and memory at 8B shape: `eaglescope train` online, TTT 7, 2,048-token samples.
 
     PYTHONPATH=src python3 bench/train_speed.py --out bench/results              # one H200, < 8 min
     PYTHONPATH=src python3 bench/train_speed.py --smoke --out /tmp/ts          # CPU, tiny shape, the same code

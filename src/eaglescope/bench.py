@@ -23,9 +23,8 @@ from eaglescope.decode.stats import SpecStats
 from eaglescope.decode.tree import parse_tree_shape
 from eaglescope.errors import EagleScopeError
 from eaglescope.figures import png_data_uri, pyplot
-from eaglescope.outputs import OutputKind, check_destination, write_file
+from eaglescope.outputs import OutputKind, write_file
 from eaglescope.progress import Progress
-from eaglescope.target import load_target, parse_device, parse_dtype
 from eaglescope.target.base import Target
 
 log = logging.getLogger(__name__)
@@ -324,40 +323,12 @@ def write_report(res: dict, path: str) -> Path:
     return write_file(path, template.render(res=res, png=figure(res), mark=BENCH_REPORT_MARK))
 
 
-def cmd_bench(args) -> int:
-    if args.html:
-        check_destination(args.html, BENCH_REPORT, flag="--html")  # refused before minutes of decoding
-    methods = [parse_method(m) for m in (args.method or DEFAULT_METHODS)]
-    if args.draft is None:
-        if any(m.kind == "eagle3" for m in methods) and args.method:
-            raise EagleScopeError("EAGLE-3 methods (chain=K, tree=...) need --draft DIR")
-        methods = [m for m in methods if m.kind != "eagle3"]
-    if args.max_new_tokens < 1:
-        raise EagleScopeError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    device = parse_device(args.device)
-    target = load_target(args.target, device=device, dtype=parse_dtype(args.dtype, device), backend=args.backend)
-    prompts = read_prompts(Path(args.prompts), target.tokenizer, args.chat)
-    if args.limit is not None:
-        prompts = prompts[: args.limit]
-    res = run_bench(target, args.draft, prompts, methods, args.max_new_tokens, not args.reference,
-                    not args.no_batch_invariant)  # fmt: skip
-    print(json.dumps(_finite(res), indent=2, allow_nan=False) if args.json else format_table(res))
-    if args.html:
-        write_report(res, args.html)
-        if not args.json:
-            print(f"report: {args.html}")
-    return 0 if res["all_identical"] else 1
-
-
-def _finite(x):
-    """NaN (an α_k no round reached) as null: --json output is strict JSON."""
-    if isinstance(x, float):
-        return None if math.isnan(x) or math.isinf(x) else x
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
-
-
-__all__ = ["run_bench", "read_prompts", "parse_method", "format_table", "cmd_bench"]
+__all__ = [
+    "run_bench",
+    "read_prompts",
+    "parse_method",
+    "format_table",
+    "write_report",
+    "BENCH_REPORT",
+    "DEFAULT_METHODS",
+]

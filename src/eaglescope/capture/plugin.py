@@ -15,7 +15,8 @@ import os
 import sys
 from types import ModuleType
 
-from eaglescope.capture import HOOKED, LOADED, REFUSED, _staging, note, unsupported_line
+from eaglescope.capture import HOOKED, LOADED, REFUSED, _staging, log, note, unsupported_line
+from eaglescope.log import configure as configure_logging
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 
@@ -34,6 +35,7 @@ def register() -> None:
     staging = _staging()
     if staging is None:
         return
+    configure_logging()  # no eaglescope command runs in this process to install the handler
     try:
         _touch(LOADED.format(pid=os.getpid()))
         import vllm  # lazy: this reads the version without loading the engine
@@ -44,7 +46,7 @@ def register() -> None:
             try:
                 with open(staging / REFUSED, "x", encoding="utf-8") as f:
                     f.write(refused + "\n")
-                print(f"eaglescope capture: {refused}", file=sys.stderr, flush=True)
+                log.info("capture: %s", refused)  # the command itself ends with the one error line
             except FileExistsError:
                 pass
             return

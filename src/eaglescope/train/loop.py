@@ -46,7 +46,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -71,8 +70,8 @@ from eaglescope.target import load_target, parse_device, parse_dtype
 from eaglescope.target.head import TargetHead, load_target_head
 from eaglescope.target.loading import read_config
 from eaglescope.train.attention import default_attention
-from eaglescope.train.metrics import Batch, evaluate, format_report
-from eaglescope.train.speed import FlopModel, Throughput, format_speed
+from eaglescope.train.metrics import Batch, evaluate
+from eaglescope.train.speed import FlopModel, Throughput
 from eaglescope.train.ttt import (
     LOSS_MASK_SHIFT,
     Unrolled,
@@ -748,17 +747,4 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
     return TrainResult(out, step, metrics, history)
 
 
-# -- command line --------------------------------------------------------------------------------
-def cmd_train(args) -> int:
-    fields = set(TrainConfig.__dataclass_fields__)
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    res = train(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"{res.out}: {res.steps} steps; {res.metrics.get('split', 'held-out')} {format_report(res.metrics)}")
-        tb = cfg.log_dir or str(res.out / "tb")
-        print(f"TensorBoard logs: {tb} (view with: tensorboard --logdir {tb})")
-        print(f"eaglescope train: {format_speed(res.metrics['speed'])}", file=sys.stderr)
-    return 0
-
-
-__all__ = ["TrainConfig", "TrainResult", "train", "cmd_train", "collate", "make_batch", "lr_factor"]
+__all__ = ["TrainConfig", "TrainResult", "train", "collate", "make_batch", "lr_factor"]

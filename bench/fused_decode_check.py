@@ -5,7 +5,8 @@
 1. For each kernel (qkv, o, gate_up, down over all 32 layers; lm_head) times every (BLOCK_N, BLOCK_K, warps) of
    a small grid as one CUDA graph and reports its bandwidth against the copy bandwidth of the same run.
 2. With the fastest blocks: the whole step (graph) against the matmul-only stack of the same weights, the copy
-   bandwidth, and the compiled-layers step (products as reductions, attention as products: NOTES.md v8).
+   bandwidth, and the compiled-layers step (products as reductions, attention as products: the fastest compiled
+   variant in bench/results/bench-roofline-20261129T111036.json).
 3. The fused step's logits and cache writes against the model's own modules for the same step.
 """
 
@@ -172,6 +173,117 @@ def step_ms(ft: FastTarget, prompt: list[int], ctx: int) -> float:
     return graphed_ms(van._step, ft.device, reps=50)
 
 
+def _vs_modules(ft, model, ctx: int, S: int, device) -> dict:
+    """The fused step's logits and the cache entries it writes, against the model's own modules for the same step."""
+    with torch.inference_mode():
+        tok, pos = torch.tensor([7], device=device), torch.tensor([ctx], device=device)
+        mask = (torch.arange(S, device=device) <= ctx)[None, :]
+        fused_logits, _ = ft.run(tok, pos, mask, pos)
+        kf, vf = ft.cache.k[:, :, :, ctx].clone(), ft.cache.v[:, :, :, ctx].clone()
+        set_attention(model, "sdpa")  # the reference: the modules as they are
+        ref_logits, _ = ft._run_eager(tok, pos, mask, pos)
+        kr, vr = ft.cache.k[:, :, :, ctx], ft.cache.v[:, :, :, ctx]
+        return {
+            "max_abs_logit_diff": float((fused_logits - ref_logits).abs().max()),
+            "logit_scale": float(ref_logits.abs().max()),
+            "argmax_same": int(fused_logits.argmax()) == int(ref_logits.argmax()),
+            "max_abs_k_diff": float((kf - kr).abs().max()),
+            "max_abs_v_diff": float((vf - vr).abs().max()),
+        }
+
+
+def _verify_on_modules(ft, model, ctx: int, vocab: int, sizes, compiled: bool, device, res: dict, save) -> None:
+    """Verify costs: one token on the fused kernels, T tokens on the modules (compiled layers), with attention as
+    products and with the fused attention kernel."""
+    for impl in ("matmul", "fused") if compiled else ("matmul",):
+        torch._dynamo.reset()
+        set_attention(model, impl)
+        if device.type == "cuda":
+            compile_layers(model.model.layers)
+        v = verify_ms(ft, ctx, vocab, sizes=sizes)
+        res[f"verify_ms_{impl}_attention"] = {str(t): round(x, 4) for t, x in v.items()}
+        res[f"verify_cost_ratio_{impl}_attention"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
+        print(f"verify, {impl} attention", json.dumps(res[f"verify_cost_ratio_{impl}_attention"]),
+              json.dumps(res[f"verify_ms_{impl}_attention"]), flush=True)  # fmt: skip
+        save()
+
+
+def _fused_verify(
+    model, prompt, ctx: int, S: int, sizes, smoke: bool, sweep_blocks: bool, device, res: dict, save
+) -> None:
+    """Verifies on the fused verify kernels (fast/fused_verify.py): T-row tensor-core products, same layout; the
+    fastest mix of attention kernel and cuBLAS products."""
+    a = model.args
+    torch._dynamo.reset()
+    try:
+        ft3 = FastTarget(model, S, fused_decode=True, fused_verify=True, float32_logits=True)
+    except ValueError as e:  # the smoke model's heads are too narrow for the tensor-core tiles
+        res["fused_verify"] = f"not run: {e}"
+    else:
+        ft3.prefill(torch.tensor(prompt, device=device))
+        with torch.inference_mode():  # the verify kernels against the modules, 24 chain tokens
+            T = min(24, S - ctx - 1)
+            toks = torch.randint(0, a.vocab_size, (T,), device=device)
+            slots = ctx + torch.arange(T, device=device)
+            tmask = torch.arange(S, device=device)[None, :] <= slots[:, None]
+            got, _ = ft3.run(toks, slots, tmask, slots)
+            set_attention(model, "matmul")
+            want, _ = ft3._run_eager(toks, slots, tmask, slots)
+            res["fused_verify_vs_modules"] = {
+                "max_abs_logit_diff": float((got - want).abs().max()),
+                "argmax_same_rows": int((got.argmax(-1) == want.argmax(-1)).sum()),
+                "rows": T,
+            }
+        fv = ft3.fused_rows
+        res["verify_products"] = verify_products(fv, device, res["copy_bandwidth_gbs"], 4 if smoke else 64)
+        save()
+        if sweep_blocks:
+            res["verify_sweep"] = sweep_verify(ft3, ctx, a.vocab_size, smoke)
+            res["verify_best_blocks"] = dict(fv.blocks)
+            res["verify_products_best"] = verify_products(fv, device, res["copy_bandwidth_gbs"], 4 if smoke else 64)
+            save()
+        best = None
+        for cublas in (CUBLAS_PRODUCTS, tuple(p for p in CUBLAS_PRODUCTS if p != "qkv"), ()):
+            for attention in ("fused", "matmul"):  # attention: the grouped kernel or two products and a softmax
+                fv.attention, fv.cublas = attention, cublas
+                v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
+                key = f"{attention}_attention_cublas_{'_'.join(cublas) or 'none'}"
+                res[f"verify_ms_fused_verify_{key}"] = {str(t): round(x, 4) for t, x in v.items()}
+                print(f"verify, fused verify kernels, {key}", json.dumps({t: round(x / v[1], 4) for t, x in v.items()}),
+                      json.dumps(v), flush=True)  # fmt: skip
+                if best is None or v[sizes[-2]] < best[1][sizes[-2]]:  # the 64-token verify (smoke: 4)
+                    best = ((attention, cublas), v)
+                save()
+        (fv.attention, fv.cublas), v = best
+        attention = f"{fv.attention} attention, cuBLAS for {fv.cublas or 'none'}"
+        res["verify_mix"] = {"attention": fv.attention, "cublas": list(fv.cublas)}
+        res["verify_ms_fused_verify"] = {str(t): round(x, 4) for t, x in v.items()}
+        res["verify_cost_ratio_fused_verify"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
+        print("verify, fused verify kernels", json.dumps(res["fused_verify_vs_modules"]), attention,
+              json.dumps(res["verify_cost_ratio_fused_verify"]), json.dumps(res["verify_ms_fused_verify"]),
+              flush=True)  # fmt: skip
+        save()
+        del ft3
+
+
+def _compiled_step(model, prompt, ctx: int, S: int, wbytes: int, vocab: int, res: dict) -> None:
+    """The compiled-layers step (products as reductions, attention as products) and its verify, in the same run."""
+    torch._inductor.config.coordinate_descent_tuning = True
+    torch._dynamo.reset()
+    use_gemv_reductions(model.model.layers)
+    use_matmul_attention(model)
+    ft2 = FastTarget(model, S)
+    compile_layers(model.model.layers)
+    ms2 = step_ms(ft2, prompt, ctx)
+    gbs2 = wbytes / ms2 / 1e6
+    res["compiled_step"] = {"ms": round(ms2, 4), "gbs": round(gbs2, 1),
+                            "of_copy": round(gbs2 / res["copy_bandwidth_gbs"], 4)}  # fmt: skip
+    print("compiled step", json.dumps(res["compiled_step"]), flush=True)
+    v = verify_ms(ft2, ctx, vocab, sizes=(1, 64))
+    res["compiled_verify_ms"] = {str(t): round(x, 4) for t, x in v.items()}
+    print("compiled verify", json.dumps(res["compiled_verify_ms"]), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
@@ -223,109 +335,17 @@ def main() -> int:
     res["matmul_stack_of_copy"] = round(wbytes / res["matmul_stack_ms"] / 1e6 / res["copy_bandwidth_gbs"], 4)
     print("fused step", json.dumps(res["fused_step"]), flush=True)
 
-    # the same step on the modules: logits and the cache entries it writes
-    with torch.inference_mode():
-        tok, pos = torch.tensor([7], device=device), torch.tensor([ctx], device=device)
-        mask = (torch.arange(S, device=device) <= ctx)[None, :]
-        fused_logits, _ = ft.run(tok, pos, mask, pos)
-        kf, vf = ft.cache.k[:, :, :, ctx].clone(), ft.cache.v[:, :, :, ctx].clone()
-        set_attention(model, "sdpa")  # the reference: the modules as they are
-        ref_logits, _ = ft._run_eager(tok, pos, mask, pos)
-        kr, vr = ft.cache.k[:, :, :, ctx], ft.cache.v[:, :, :, ctx]
-        res["vs_modules"] = {
-            "max_abs_logit_diff": float((fused_logits - ref_logits).abs().max()),
-            "logit_scale": float(ref_logits.abs().max()),
-            "argmax_same": int(fused_logits.argmax()) == int(ref_logits.argmax()),
-            "max_abs_k_diff": float((kf - kr).abs().max()),
-            "max_abs_v_diff": float((vf - vr).abs().max()),
-        }
+    res["vs_modules"] = _vs_modules(ft, model, ctx, S, device)
     print("vs modules", json.dumps(res["vs_modules"]), flush=True)
     save()
 
-    # verify costs: one token on the fused kernels, T tokens on the modules (compiled layers), with attention as
-    # products and with the fused attention kernel
     sizes = (1, 8, 16, 24, 32, 64, 128) if not args.smoke else (1, 4, 8)
-    for impl in ("matmul",) if args.no_compiled else ("matmul", "fused"):
-        torch._dynamo.reset()
-        set_attention(model, impl)
-        if device.type == "cuda":
-            compile_layers(model.model.layers)
-        v = verify_ms(ft, ctx, a.vocab_size, sizes=sizes)
-        res[f"verify_ms_{impl}_attention"] = {str(t): round(x, 4) for t, x in v.items()}
-        res[f"verify_cost_ratio_{impl}_attention"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
-        print(f"verify, {impl} attention", json.dumps(res[f"verify_cost_ratio_{impl}_attention"]),
-              json.dumps(res[f"verify_ms_{impl}_attention"]), flush=True)  # fmt: skip
-        save()
+    _verify_on_modules(ft, model, ctx, a.vocab_size, sizes, not args.no_compiled, device, res, save)
 
-    # verifies on the fused verify kernels (fast/fused_verify.py): T-row tensor-core products, same layout
-    torch._dynamo.reset()
-    try:
-        ft3 = FastTarget(model, S, fused_decode=True, fused_verify=True, float32_logits=True)
-    except ValueError as e:  # the smoke model's heads are too narrow for the tensor-core tiles
-        res["fused_verify"] = f"not run: {e}"
-    else:
-        ft3.prefill(torch.tensor(prompt, device=device))
-        with torch.inference_mode():  # the verify kernels against the modules, 24 chain tokens
-            T = min(24, S - ctx - 1)
-            toks = torch.randint(0, a.vocab_size, (T,), device=device)
-            slots = ctx + torch.arange(T, device=device)
-            tmask = torch.arange(S, device=device)[None, :] <= slots[:, None]
-            got, _ = ft3.run(toks, slots, tmask, slots)
-            set_attention(model, "matmul")
-            want, _ = ft3._run_eager(toks, slots, tmask, slots)
-            res["fused_verify_vs_modules"] = {
-                "max_abs_logit_diff": float((got - want).abs().max()),
-                "argmax_same_rows": int((got.argmax(-1) == want.argmax(-1)).sum()),
-                "rows": T,
-            }
-        fv = ft3.fused_rows
-        res["verify_products"] = verify_products(fv, device, res["copy_bandwidth_gbs"], 4 if args.smoke else 64)
-        save()
-        if args.sweep_verify:
-            res["verify_sweep"] = sweep_verify(ft3, ctx, a.vocab_size, args.smoke)
-            res["verify_best_blocks"] = dict(fv.blocks)
-            res["verify_products_best"] = verify_products(
-                fv, device, res["copy_bandwidth_gbs"], 4 if args.smoke else 64
-            )
-            save()
-        best = None
-        for cublas in (CUBLAS_PRODUCTS, tuple(p for p in CUBLAS_PRODUCTS if p != "qkv"), ()):
-            for attention in ("fused", "matmul"):  # attention: the grouped kernel or two products and a softmax
-                fv.attention, fv.cublas = attention, cublas
-                v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
-                key = f"{attention}_attention_cublas_{'_'.join(cublas) or 'none'}"
-                res[f"verify_ms_fused_verify_{key}"] = {str(t): round(x, 4) for t, x in v.items()}
-                print(f"verify, fused verify kernels, {key}", json.dumps({t: round(x / v[1], 4) for t, x in v.items()}),
-                      json.dumps(v), flush=True)  # fmt: skip
-                if best is None or v[sizes[-2]] < best[1][sizes[-2]]:  # the 64-token verify (smoke: 4)
-                    best = ((attention, cublas), v)
-                save()
-        (fv.attention, fv.cublas), v = best
-        attention = f"{fv.attention} attention, cuBLAS for {fv.cublas or 'none'}"
-        res["verify_mix"] = {"attention": fv.attention, "cublas": list(fv.cublas)}
-        res["verify_ms_fused_verify"] = {str(t): round(x, 4) for t, x in v.items()}
-        res["verify_cost_ratio_fused_verify"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
-        print("verify, fused verify kernels", json.dumps(res["fused_verify_vs_modules"]), attention,
-              json.dumps(res["verify_cost_ratio_fused_verify"]), json.dumps(res["verify_ms_fused_verify"]),
-              flush=True)  # fmt: skip
-        save()
-        del ft3
+    _fused_verify(model, prompt, ctx, S, sizes, args.smoke, args.sweep_verify, device, res, save)
 
-    if not args.no_compiled and device.type == "cuda":  # NOTES.md v8's best, measured in the same run
-        torch._inductor.config.coordinate_descent_tuning = True
-        torch._dynamo.reset()
-        use_gemv_reductions(model.model.layers)
-        use_matmul_attention(model)
-        ft2 = FastTarget(model, S)
-        compile_layers(model.model.layers)
-        ms2 = step_ms(ft2, prompt, ctx)
-        gbs2 = wbytes / ms2 / 1e6
-        res["compiled_step"] = {"ms": round(ms2, 4), "gbs": round(gbs2, 1),
-                                "of_copy": round(gbs2 / res["copy_bandwidth_gbs"], 4)}  # fmt: skip
-        print("compiled step", json.dumps(res["compiled_step"]), flush=True)
-        v = verify_ms(ft2, ctx, a.vocab_size, sizes=(1, 64))
-        res["compiled_verify_ms"] = {str(t): round(x, 4) for t, x in v.items()}
-        print("compiled verify", json.dumps(res["compiled_verify_ms"]), flush=True)
+    if not args.no_compiled and device.type == "cuda":  # the best compiled variant, measured in the same run
+        _compiled_step(model, prompt, ctx, S, wbytes, a.vocab_size, res)
 
     save()
     print("wrote", path)

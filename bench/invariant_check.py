@@ -165,7 +165,7 @@ def main() -> int:
         # the 8B model is swapped in place and back (two copies would be 32 GB)
         model = base if args.llama8b else copy.deepcopy(base)
         ft = FastTarget(model, size, fuse=True, float32_logits=True, batch_invariant=name != "default")
-        if name.endswith("unsliced"):  # without K-sliced products (NOTES.md v9)
+        if name.endswith("unsliced"):  # without K-sliced products (their gain: invariant-check-8b-20261129T125130.json)
             use_batch_invariant(model, enable=False)
             use_batch_invariant(model, sliced=False)
         with torch.inference_mode():

@@ -203,7 +203,8 @@ class SyntheticRunner(ReferenceRunner):
     def first_token(self, prefill) -> int:
         return 1000
 
-    def accept(self, tree, out) -> VerifyResult:
+    def verdict(self, state) -> VerifyResult:
+        tree = state.tree
         want = int(torch.randint(0, 3, (1,), generator=self.target.g))
         parents, accepted, node = tree.parents.tolist(), [], 0
         for _ in range(want):
@@ -229,11 +230,11 @@ class FeedbackPostnorm(Eagle3Proposer):
 class StaleFirstRows(Eagle3Proposer):
     first_wrong: int | None = None  # the first round whose hand-off this fault changes
 
-    def next_round_features(self, verify_out, result):
-        rows = list(range(len(result.path)))  # the first a+1 verified rows in tree order, not root + accepted
-        if rows != list(result.path) and self.first_wrong is None:
+    def next_round_features(self, aux, path):
+        rows = torch.arange(path.shape[0], device=path.device)  # the first a+1 verified rows in tree order
+        if not torch.equal(rows, path) and self.first_wrong is None:
             self.first_wrong = self.rec.round
-        return verify_out.aux[rows]
+        return aux[rows]
 
 
 class VocabMapLost(Eagle3Proposer):

@@ -4,7 +4,7 @@
     from scratch, saved as a checkpoint → target's own greedy continuations (batched) → conversations →
     `eaglescope prepare` → `eaglescope train`: EAGLE-3 draft (TTT 7) + ablation (TTT 1), each held to its
     budget by --max-seconds; small draft LM (same budget) → decode the same held-out prompts with every method
-    (the eaglescope rows through `eaglescope bench`'s Bench: fast_runner + decode, what `generate` runs) →
+    (the eaglescope rows through `eaglescope bench`'s Bench: backend.Decoder, what `generate` runs) →
     8B-shaped roofline.
 
     PYTHONPATH=src python3 bench/run_bench.py --out bench/results            # GPU, < 10 minutes
@@ -171,30 +171,13 @@ def train_lm(pc: PretrainConfig, tokens: torch.Tensor, budget: float, batch: int
 
 @torch.inference_mode()
 def regenerate(model: LlamaModel, prompts: torch.Tensor, new: int, batch: int, device) -> torch.Tensor:
-    """The target's own greedy continuations of `prompts` [n, P], batched on a static slot cache."""
-    from eaglescope.fast import SlotCache
+    """The target's own greedy continuations of `prompts` [n, P], `batch` rows at a time (decode/vanilla.py's batched
+    loop on a slot cache)."""
+    from eaglescope.decode.vanilla import greedy_rows
 
-    a = model.args
-    n, P = prompts.shape
-    S = P + new
-    out = []
-    dtype = next(model.parameters()).dtype
-    for i in range(0, n, batch):
-        x = prompts[i : i + batch].to(device)
-        B = x.shape[0]
-        cache = SlotCache(a.num_layers, B, a.num_kv_heads, S, a.head_dim, dtype, device)
-        slots = torch.arange(P, device=device)
-        allslots = torch.arange(S, device=device)
-        mask = (allslots[None, :] <= slots[:, None])[None, None]
-        logits = model(x, slots.expand(B, P), mask, cache, slots)[0]
-        seq = [x, logits[:, -1:].argmax(-1)]
-        for t in range(P, S - 1):
-            s = torch.full((1,), t, device=device)
-            m = (allslots <= t)[None, None, None]
-            logits = model(seq[-1], s.expand(B, 1), m, cache, s)[0]
-            seq.append(logits[:, -1:].argmax(-1))
-        out.append(torch.cat(seq, 1).cpu())
-    return torch.cat(out)
+    return torch.cat(
+        [greedy_rows(model, prompts[i : i + batch].to(device), new).cpu() for i in range(0, len(prompts), batch)]
+    )
 
 
 def write_conversations(path: Path, tok, data: torch.Tensor, prefix: int) -> dict:
@@ -285,8 +268,9 @@ def alpha_of(stats: SpecStats) -> list[float]:
 
 
 def eval_method(bench: Bench, m: Method, prompts, new, ref) -> dict:
-    """Every prompt through `eaglescope bench`'s Bench.run (the backend `generate` uses: fast_runner + decode on a
-    GPU), after one untimed warm-up (graph capture); tokens, seconds, τ/α, matches with `ref` (vanilla's outputs)."""
+    """Every prompt through `eaglescope bench`'s Bench.run (the backend `generate` uses: backend.Decoder, the static
+    one on a GPU), after one untimed warm-up (graph capture); tokens, seconds, τ/α, matches with `ref`
+    (vanilla's outputs)."""
     bench.run(m, prompts[0], min(new, 32))
     st, tok, secs, match, outputs = SpecStats(), 0, 0.0, 0, []
     for i, p in enumerate(prompts):
@@ -297,7 +281,7 @@ def eval_method(bench: Bench, m: Method, prompts, new, ref) -> dict:
         if m.kind != "vanilla" and r.stats is not None:
             st.merge(r.stats)
         match += int(ref is not None and r.token_ids == ref[i])
-    runner = getattr(bench, "_runners", {}).get(m.name)
+    runner = bench.static_runner(m.name)
     return {
         "tokens": tok, "seconds": secs, "stats": None if m.kind == "vanilla" else st, "match": match,
         "per_round": list(st.accepted), "graph": getattr(runner, "use_graph", None), "outputs": outputs,
@@ -785,6 +769,43 @@ def verify_ms(ft: FastTarget, ctx: int, vocab: int, sizes=(1, 8, 16, 32, 64, 128
     return times
 
 
+@dataclass
+class _Roofline:
+    """What every stage of the roofline shares: the 8B-shaped target, its sizes, and the results filled in place."""
+
+    model: LlamaModel
+    device: torch.device
+    dtype: torch.dtype
+    res: dict
+    left: object  # () -> seconds left of the budget
+    checkpoint: object  # () -> None: write what was measured so far
+    prompt: list[int]
+    taps: tuple[int, ...]
+    prompt_len: int = 64
+    ctx_new: int = 256
+
+    @property
+    def a(self):
+        return self.model.args
+
+    @property
+    def base_ctx(self) -> int:
+        return self.prompt_len + 128
+
+    @property
+    def S(self) -> int:  # cache slots: the prompt, the new tokens and room for a round
+        return self.prompt_len + self.ctx_new + 160
+
+    @property
+    def wbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if "embed_tokens" not in n)
+
+    @property
+    def kv_bytes(self) -> int:
+        a = self.a
+        return 2 * a.num_layers * a.num_kv_heads * self.base_ctx * a.head_dim * 2
+
+
 def roofline(
     smoke: bool,
     replay: dict | None,
@@ -802,7 +823,6 @@ def roofline(
     one then serves every later measurement; all three are reported. A matmul-only stack of the same fused
     weights (no norms, attention, RoPE) gives the ceiling the kernels around the products are held to."""
     t_start = time.perf_counter()
-    left = lambda: budget_s - (time.perf_counter() - t_start)  # noqa: E731
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     dims = SMOKE_DIMS if smoke else LLAMA_8B_DIMS
     model = random_target(dims, device, dtype)
@@ -811,16 +831,48 @@ def roofline(
     res = {} if res is None else res
     res.update({"shape": dims, "dtype": str(dtype), "fused_projections": True})
     res["copy_bandwidth_gbs"] = copy_bandwidth_gbs((1 << 30) if not smoke else (1 << 20), device, dtype)
-    taps = TapContract.default(a.num_layers).layers
-    prompt_len, ctx_new = 64, 256
-    base_ctx = prompt_len + 128
-    S = prompt_len + ctx_new + 160
-    wbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    kv_bytes = 2 * a.num_layers * a.num_kv_heads * base_ctx * a.head_dim * 2
-    res["weight_bytes"] = wbytes
+    rf = _Roofline(
+        model, device, dtype, res, lambda: budget_s - (time.perf_counter() - t_start), checkpoint,
+        prompt=[], taps=TapContract.default(a.num_layers).layers,
+    )  # fmt: skip
+    res["weight_bytes"] = rf.wbytes
+    _matmul_ceiling(rf)
+    rf.prompt = torch.randint(0, a.vocab_size, (rf.prompt_len,)).tolist()
+    ft, van, compiled, mm_attn = _fastest_decode(rf, _decode_variants(rf, compile_target, variant_names))
+    r = van.generate(rf.prompt, rf.ctx_new)
+    res["decode_tokens_per_second_end_to_end"] = round(rf.ctx_new / r.seconds, 2)
 
-    # the ceiling: the same fused products back to back, nothing else
-    mats = [m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    # verify cost: T tokens (a chain) at the same context, each shape captured in its own graph
+    times = verify_ms(ft, rf.base_ctx, a.vocab_size)
+    res["verify_ms"] = {str(k): round(v, 4) for k, v in times.items()}
+    res["verify_cost_ratio"] = {str(T): round(ms_T / times[1], 4) for T, ms_T in times.items()}
+    checkpoint()
+    say(f"roofline verify: {res['verify_cost_ratio']}")
+
+    draft = _draft_8b(rf, compiled, mm_attn)
+    shape = tuple(replay["shape"]) if replay else (7, 10, 60)
+    res["replay_shape"] = list(shape)
+    _draft_step(rf, draft, K=shape[1])
+    # end-to-end replay of the acceptance lengths measured on the trained target
+    if replay and replay.get("per_round"):
+        _replayed_acceptance(rf, ft, van, draft, shape, replay["per_round"][: (400 if not smoke else 40)], compiled)
+    if device.type == "cuda" and rf.left() > 60:
+        try:
+            checkpoint()
+            van.pos.fill_(rf.base_ctx)  # the step writes out[i] and cache slot pos: keep both inside their buffers
+            van.i.fill_(1)
+            res["decode_profile"] = _profile_step(van._step)
+        except Exception as e:
+            res["decode_profile"] = f"profiler failed: {type(e).__name__}: {e}"
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def _matmul_ceiling(rf: _Roofline) -> None:
+    """The ceiling: the same fused products back to back, nothing else."""
+    res, device, dtype = rf.res, rf.device, rf.dtype
+    mats = [m.weight for n, m in rf.model.named_modules() if isinstance(m, torch.nn.Linear)]
     ins = {w.shape[1]: torch.randn(1, w.shape[1], device=device, dtype=dtype) for w in mats}
 
     def stack():
@@ -828,41 +880,49 @@ def roofline(
             F.linear(ins[w.shape[1]], w)
 
     res["matmul_stack_ms"] = round(graphed_ms(stack, device, reps=30), 4)
-    res["matmul_stack_fraction_of_copy"] = round(wbytes / res["matmul_stack_ms"] / 1e6 / res["copy_bandwidth_gbs"], 4)
+    res["matmul_stack_fraction_of_copy"] = round(
+        rf.wbytes / res["matmul_stack_ms"] / 1e6 / res["copy_bandwidth_gbs"], 4
+    )
     say(f"roofline: copy {res['copy_bandwidth_gbs']} GB/s, matmul-only stack {res['matmul_stack_ms']} ms")
-    prompt = torch.randint(0, a.vocab_size, (prompt_len,)).tolist()
 
-    def decode_variant(
-        name: str, compiled: bool, gemv: bool, mm_attn: bool, fused: bool | str
-    ) -> tuple[dict, FastTarget, FastVanilla]:
-        t_c = time.perf_counter()
-        torch._dynamo.reset()
-        torch._inductor.config.coordinate_descent_tuning = gemv
-        # layers only: they are the compiled region (an eager lm_head as a reduction would materialise V×H)
-        use_gemv_reductions(model.model.layers, gemv)
-        use_matmul_attention(model, mm_attn)
-        ft = FastTarget(model, S, taps=taps, compile=compiled, fused_decode=bool(fused), fused_verify=fused == "verify")
-        if not compiled:  # undo an earlier variant's regional compilation
-            for layer in model.model.layers:
-                layer._compiled_call_impl = None
-        van = FastVanilla(ft, ctx_new)
-        van.generate(prompt, 16)
-        cap = time.perf_counter() - t_c
-        van.pos.fill_(base_ctx)
-        van.i.fill_(1)
-        step = event_ms(lambda: van.graph.replay() if van.graph is not None else van._step(), reps=50)
-        gbs = (wbytes + kv_bytes) / step / 1e6
-        v = {
-            "variant": name,
-            "step_ms": round(step, 4),
-            "tokens_per_second": round(1e3 / step, 2),
-            "bandwidth_gbs": round(gbs, 1),
-            "fraction_of_copy": round(gbs / res["copy_bandwidth_gbs"], 4),
-            "compile_and_capture_seconds": round(cap, 1),
-        }
-        say(f"roofline decode: {v}")
-        return v, ft, van
 
+def _decode_variant(
+    rf: _Roofline, name: str, compiled: bool, gemv: bool, mm_attn: bool, fused: bool | str
+) -> tuple[dict, FastTarget, FastVanilla]:
+    model, prompt, base_ctx = rf.model, rf.prompt, rf.base_ctx
+    t_c = time.perf_counter()
+    torch._dynamo.reset()
+    torch._inductor.config.coordinate_descent_tuning = gemv
+    # layers only: they are the compiled region (an eager lm_head as a reduction would materialise V×H)
+    use_gemv_reductions(model.model.layers, gemv)
+    use_matmul_attention(model, mm_attn)
+    ft = FastTarget(
+        model, rf.S, taps=rf.taps, compile=compiled, fused_decode=bool(fused), fused_verify=fused == "verify"
+    )
+    if not compiled:  # undo an earlier variant's regional compilation
+        for layer in model.model.layers:
+            layer._compiled_call_impl = None
+    van = FastVanilla(ft, rf.ctx_new)
+    van.generate(prompt, 16)
+    cap = time.perf_counter() - t_c
+    van.pos.fill_(base_ctx)
+    van.i.fill_(1)
+    step = event_ms(lambda: van.graph.replay() if van.graph is not None else van._step(), reps=50)
+    gbs = (rf.wbytes + rf.kv_bytes) / step / 1e6
+    v = {
+        "variant": name,
+        "step_ms": round(step, 4),
+        "tokens_per_second": round(1e3 / step, 2),
+        "bandwidth_gbs": round(gbs, 1),
+        "fraction_of_copy": round(gbs / rf.res["copy_bandwidth_gbs"], 4),
+        "compile_and_capture_seconds": round(cap, 1),
+    }
+    say(f"roofline decode: {v}")
+    return v, ft, van
+
+
+def _decode_variants(rf: _Roofline, compile_target: bool, variant_names: tuple[str, ...]) -> list[tuple]:
+    """(name, compiled, gemv, mm_attn, fused) of each decode variant to measure, in the order asked for."""
     variants = [("eager", "fused, eager, CUDA graph", False, False, False, False)]
     if compile_target:
         variants += [
@@ -877,7 +937,7 @@ def roofline(
                 False,
             ),
         ]
-    if fused_decode_supported(model, device) is None:
+    if fused_decode_supported(rf.model, rf.device) is None:
         # one-token steps on fast/fused_decode.py's kernels; verifies on compiled layers (attention as products)
         variants.append(("fused_kernels", "one-token steps in five kernels per layer, CUDA graph", compile_target,
                          False, True, True))  # fmt: skip
@@ -886,21 +946,27 @@ def roofline(
                          compile_target, False, True, "verify"))  # fmt: skip
     # in the order asked for: when time runs short, the later ones are skipped
     variants = sorted((v for v in variants if v[0] in variant_names), key=lambda v: variant_names.index(v[0]))
-    variants = [v[1:] for v in variants]
+    return [v[1:] for v in variants]
+
+
+def _fastest_decode(rf: _Roofline, variants: list[tuple]) -> tuple[FastTarget, FastVanilla, bool, bool]:
+    """Measure each variant (res["decode_variants"]); → the fastest one's (target, vanilla decoder, compiled,
+    attention as products), which serves every later measurement."""
+    res = rf.res
     measured, best, last = [], None, None
     for name, compiled, gemv, mm_attn, fused in variants:
-        if measured and left() < 200:
-            say(f"roofline: skipping variant {name!r} ({left():.0f} s left)")
+        if measured and rf.left() < 200:
+            say(f"roofline: skipping variant {name!r} ({rf.left():.0f} s left)")
             continue
         try:
-            v, ft, van = decode_variant(name, compiled, gemv, mm_attn, fused)
+            v, ft, van = _decode_variant(rf, name, compiled, gemv, mm_attn, fused)
             last = (name, ft, van)
         except Exception as e:  # report it and go on with the variants that work
             v = {"variant": name, "error": f"{type(e).__name__}: {e}"[:500]}
             say(f"roofline: variant {name!r} failed: {v['error']}")
         measured.append(v)
         res["decode_variants"] = measured
-        checkpoint()
+        rf.checkpoint()
         if "step_ms" in v and (best is None or v["step_ms"] < best[0]["step_ms"]):
             best = (v, compiled, gemv, mm_attn, fused)
     res["decode_variants"] = measured
@@ -908,48 +974,46 @@ def roofline(
     if last is not None and last[0] == bv["variant"]:
         ft, van = last[1], last[2]
     else:  # rebuild the fastest variant (its numbers stay the ones measured above)
-        _, ft, van = decode_variant(bv["variant"], compiled, gemv, mm_attn, fused)
+        _, ft, van = _decode_variant(rf, bv["variant"], compiled, gemv, mm_attn, fused)
     res["decode_variant"] = bv["variant"]
     res["compiled"] = compiled
     res["decode_step_ms"] = bv["step_ms"]
     res["decode_tokens_per_second"] = bv["tokens_per_second"]
     res["decode_bandwidth_gbs"] = bv["bandwidth_gbs"]
     res["decode_fraction_of_copy"] = bv["fraction_of_copy"]
-    r = van.generate(prompt, ctx_new)
-    res["decode_tokens_per_second_end_to_end"] = round(ctx_new / r.seconds, 2)
+    return ft, van, compiled, mm_attn
 
-    # verify cost: T tokens (a chain) at the same context, each shape captured in its own graph
-    times = verify_ms(ft, base_ctx, a.vocab_size)
-    res["verify_ms"] = {str(k): round(v, 4) for k, v in times.items()}
-    res["verify_cost_ratio"] = {str(T): round(ms_T / times[1], 4) for T, ms_T in times.items()}
-    checkpoint()
-    say(f"roofline verify: {res['verify_cost_ratio']}")
 
-    # 8B-sized EAGLE-3 draft, fused and (with --compile) its layer compiled
+def _draft_8b(rf: _Roofline, compiled: bool, mm_attn: bool) -> Eagle3Draft:
+    """An 8B-sized EAGLE-3 draft with random weights, fused and (with --compile) its layer compiled."""
+    a = rf.a
     dc = DraftConfig(
         hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_heads=a.num_heads,
         num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size,
         draft_vocab_size=min(32000, a.vocab_size), target_hidden_size=a.hidden_size, num_aux=3,
         max_position_embeddings=8192, rope=a.rope,
     )  # fmt: skip
-    draft = Eagle3Draft(dc).to(device)
+    draft = Eagle3Draft(dc).to(rf.device)
     with torch.no_grad():
         for n_, p in draft.named_parameters():
             if p.dim() > 1 and n_ != "embed_tokens.weight":
                 p.normal_(0, 0.02)
-    draft.load_target_embedding(model.model.embed_tokens.weight.float())
-    draft = fuse_projections(to_infer(draft, dtype))
+    draft.load_target_embedding(rf.model.model.embed_tokens.weight.float())
+    draft = fuse_projections(to_infer(draft, rf.dtype))
     # autotuning every kernel of the draft layer and the tree builder costs minutes; it paid only for the products
     torch._inductor.config.coordinate_descent_tuning = False
     if mm_attn:
         use_matmul_attention(draft)
     if compiled:
         compile_layers([draft.midlayer])
-    shape = tuple(replay["shape"]) if replay else (7, 10, 60)
-    res["replay_shape"] = list(shape)
+    return draft
+
+
+def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
+    """One tree level of K frontier rows: res["draft_step_ms"] (and its profile on a GPU)."""
     from eaglescope.fast import SlotCache
 
-    K = shape[1]
+    device, dtype, dc, S, base_ctx = rf.device, rf.dtype, draft.config, rf.S, rf.base_ctx
     dcache = SlotCache(1, 1, dc.num_kv_heads, S, dc.head_dim, dtype, device)
     emb = torch.randn(1, K, dc.hidden_size, device=device, dtype=dtype)
     hid = torch.randn(1, K, dc.hidden_size, device=device, dtype=dtype)
@@ -961,55 +1025,45 @@ def roofline(
         o = draft.step(emb, hid, dpos, dcache, dslots, dmask)
         torch.log_softmax(draft.logits(o).float(), -1).topk(K, -1)
 
-    res["draft_step_ms"] = round(graphed_ms(dstep, device, reps=50), 4)
-    if device.type == "cuda" and left() > 150:  # where the step's time goes (~0.2 ms would be its weights at 85%)
+    rf.res["draft_step_ms"] = round(graphed_ms(dstep, device, reps=50), 4)
+    if device.type == "cuda" and rf.left() > 150:  # where the step's time goes (~0.2 ms would be its weights at 85%)
         try:
-            res["draft_step_profile"] = _profile_step(dstep)
+            rf.res["draft_step_profile"] = _profile_step(dstep)
         except Exception as e:
-            res["draft_step_profile"] = f"profiler failed: {type(e).__name__}: {e}"
-    say(f"roofline draft step: {res['draft_step_ms']} ms ({left():.0f} s left)")
+            rf.res["draft_step_profile"] = f"profiler failed: {type(e).__name__}: {e}"
+    say(f"roofline draft step: {rf.res['draft_step_ms']} ms ({rf.left():.0f} s left)")
 
-    # end-to-end replay of the acceptance lengths measured on the trained target
-    if replay and replay.get("per_round"):
-        pr = replay["per_round"][: (400 if not smoke else 40)]
-        t_c = time.perf_counter()
-        checkpoint()
-        # compiling the 8B round took 36 s (bench-all-20261129T150034.json) and its replay ~6 s more
-        compile_round = compiled and left() > 80
-        if compiled and not compile_round:  # the round then runs eager kernels in its graph: a slower round, lower η
-            say(f"roofline replay: {left():.0f} s left, too few to compile the round; it runs uncompiled")
-        fe = FastEagle(ft, draft, *shape, max_len=prompt_len + ctx_new + 2, replay=True, compile=compile_round)
-        fe.generate(prompt, 32, replay=pr)
-        res["replay_compile_and_capture_seconds"] = round(time.perf_counter() - t_c, 1)
-        res["replay_round_compiled"] = fe.compiled
-        sync()
-        rr = fe.generate(prompt, ctx_new, replay=pr)
-        sync()
-        tau = len(rr.tokens) / len(rr.accepted)
-        tps = len(rr.tokens) / rr.seconds
-        sync()
-        vv = van.generate(prompt, ctx_new)
-        sync()
-        vtps = ctx_new / vv.seconds
-        res["replay_rounds"] = len(rr.accepted)
-        res["replay_round_ms"] = round(rr.seconds / len(rr.accepted) * 1e3, 4)
-        res["replay_tau"] = round(tau, 4)
-        res["replay_tokens_per_second"] = round(tps, 2)
-        res["replay_vanilla_tokens_per_second"] = round(vtps, 2)
-        res["replay_speedup"] = round(tps / vtps, 4)
-        res["replay_eta"] = round(tps / vtps / tau, 4)
-        say(f"roofline replay: τ {tau:.2f}, {tps:.1f} vs {vtps:.1f} tok/s, round {res['replay_round_ms']} ms")
-    if device.type == "cuda" and left() > 60:
-        try:
-            checkpoint()
-            van.pos.fill_(base_ctx)  # the step writes out[i] and cache slot pos: keep both inside their buffers
-            van.i.fill_(1)
-            res["decode_profile"] = _profile_step(van._step)
-        except Exception as e:
-            res["decode_profile"] = f"profiler failed: {type(e).__name__}: {e}"
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return res
+
+def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compiled: bool) -> None:
+    """The fast round at 8B with the acceptance lengths `pr` measured on the trained target: τ, tok/s, η."""
+    res, prompt, ctx_new = rf.res, rf.prompt, rf.ctx_new
+    t_c = time.perf_counter()
+    rf.checkpoint()
+    # compiling the 8B round took 36 s (bench-all-20261129T150034.json) and its replay ~6 s more
+    compile_round = compiled and rf.left() > 80
+    if compiled and not compile_round:  # the round then runs eager kernels in its graph: a slower round, lower η
+        say(f"roofline replay: {rf.left():.0f} s left, too few to compile the round; it runs uncompiled")
+    fe = FastEagle(ft, draft, *shape, max_len=rf.prompt_len + ctx_new + 2, replay=True, compile=compile_round)
+    fe.generate(prompt, 32, replay=pr)
+    res["replay_compile_and_capture_seconds"] = round(time.perf_counter() - t_c, 1)
+    res["replay_round_compiled"] = fe.compiled
+    sync()
+    rr = fe.generate(prompt, ctx_new, replay=pr)
+    sync()
+    tau = len(rr.tokens) / len(rr.accepted)
+    tps = len(rr.tokens) / rr.seconds
+    sync()
+    vv = van.generate(prompt, ctx_new)
+    sync()
+    vtps = ctx_new / vv.seconds
+    res["replay_rounds"] = len(rr.accepted)
+    res["replay_round_ms"] = round(rr.seconds / len(rr.accepted) * 1e3, 4)
+    res["replay_tau"] = round(tau, 4)
+    res["replay_tokens_per_second"] = round(tps, 2)
+    res["replay_vanilla_tokens_per_second"] = round(vtps, 2)
+    res["replay_speedup"] = round(tps / vtps, 4)
+    res["replay_eta"] = round(tps / vtps / tau, 4)
+    say(f"roofline replay: τ {tau:.2f}, {tps:.1f} vs {vtps:.1f} tok/s, round {res['replay_round_ms']} ms")
 
 
 # -- main -------------------------------------------------------------------------------------------
@@ -1037,7 +1091,45 @@ def write_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def main() -> int:
+def _config(args) -> dict:
+    """The run's sizes and budgets (sizes()) with the command line's changes."""
+    cfg = sizes(args.smoke)
+    cfg["hf_workers"], cfg["hf_timed"], cfg["hf_reserve_s"] = args.hf_workers, args.hf_timed, args.hf_reserve_s
+    cfg["vendor_rows"] = not args.no_vendor_rows
+    cfg["d_lr"] = 3e-3 if args.smoke else 8e-4
+    cfg["batch_invariant"] = not args.no_batch_invariant
+    cfg["float32_pass"] = args.float32_pass
+    for k in ("t_target", "t_draft", "t_abl", "t_lm"):
+        cfg[k] *= args.scale
+    if args.n_seq:
+        cfg["n_seq"] = args.n_seq
+    return cfg
+
+
+def _run_meta(device, smoke: bool) -> dict:
+    """When, where and on what versions the run ran."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    meta = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        # the device copy of the tree has no .git: the caller passes the commit in the environment
+        "commit": os.environ.get("EAGLESCOPE_COMMIT") or (commit if len(commit) == 40 else "unknown"),
+        "smoke": smoke,
+    }
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return meta
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--work", default="/tmp/eaglescope-bench")
@@ -1059,7 +1151,11 @@ def main() -> int:
     ap.add_argument("--no-vendor-rows", action="store_true", help="skip the cuBLAS + SDPA comparison rows")
     ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prepare-worker", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = _parser().parse_args()
     if args.hf_worker:
         return hf_worker(args.hf_worker)
     if args.prepare_worker:
@@ -1071,37 +1167,11 @@ def main() -> int:
             print("run_bench: eaglescope train needs tensorboard (pip install 'tensorboard>=2.14')", file=sys.stderr)
             return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = sizes(args.smoke)
-    cfg["hf_workers"], cfg["hf_timed"], cfg["hf_reserve_s"] = args.hf_workers, args.hf_timed, args.hf_reserve_s
-    cfg["vendor_rows"] = not args.no_vendor_rows
-    cfg["d_lr"] = 3e-3 if args.smoke else 8e-4
-    cfg["batch_invariant"] = not args.no_batch_invariant
-    cfg["float32_pass"] = args.float32_pass
-    for k in ("t_target", "t_draft", "t_abl", "t_lm"):
-        cfg[k] *= args.scale
-    if args.n_seq:
-        cfg["n_seq"] = args.n_seq
+    cfg = _config(args)
     out_dir, work = Path(args.out), Path(args.work)
     out_dir.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    meta = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        # the device copy of the tree has no .git: the caller passes the commit in the environment
-        "commit": os.environ.get("EAGLESCOPE_COMMIT") or (commit if len(commit) == 40 else "unknown"),
-        "smoke": args.smoke,
-    }
-    try:
-        import transformers
-
-        meta["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+    meta = _run_meta(device, args.smoke)
     stamp = meta["date"].replace(":", "").replace("-", "")[:15]
     result_path = out_dir / f"bench-{'smoke-' if args.smoke else ''}{args.part}-{stamp}.json"
     result: dict = {**meta, "config": cfg, "rows": [], "roofline": None, "stages": {}}
@@ -1146,10 +1216,23 @@ def main() -> int:
     return 0
 
 
-def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Path) -> tuple[EagleResults, dict]:
-    """Corpus → target → the product's prepare and train → every eaglescope method through the product's bench on
-    the held-out prompts → exactness; the rows so far go into `result`. Returns the eaglescope results and the
-    transformers job (HF checkpoints, prompts, vanilla outputs)."""
+@dataclass
+class _Trained:
+    """What the training half of run_train_eval hands the evaluation: the corpus, the target, the drafts."""
+
+    corpus: object
+    tok: object
+    target: LlamaModel  # float32, on the device
+    tgt_dir: Path
+    lm: LlamaModel
+    lpc: PretrainConfig
+    draft_dir: Path
+    abl_dir: Path
+
+
+def _train_stage(cfg: dict, work: Path, device, result: dict, result_path: Path) -> _Trained:
+    """Corpus → target → its own continuations → the product's prepare and train (EAGLE-3 and the TTT-1 ablation),
+    and the draft LM; each stage's record in result["stages"]."""
     st = result["stages"]
     corpus, tok, train_ids = build_corpus(cfg, work, device)
     st["corpus"] = {
@@ -1192,7 +1275,64 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     st["ablation"] = train_draft(tgt_dir, work / "prepared", abl_dir, 1, cfg["t_abl"], cfg, device)
     say(f"ablation (TTT 1, eaglescope train): {st['ablation']}")
     write_json(result_path, result)
-    # --- evaluation: every eaglescope row through eaglescope bench's Bench (fast_runner + decode) ---------------
+    return _Trained(corpus, tok, target, tgt_dir, lm, lpc, draft_dir, abl_dir)
+
+
+def _exactness(cfg, st, target_f32, prod, runs, ref, prompts, trees, paths, device) -> tuple[dict, list]:
+    """Flips against vanilla (with their float32 logit margins), and the kernels without batch invariance for
+    comparison (`generate --no-batch-invariant`); → (st["exactness"], the comparison rows). `trees`: the official
+    and the tuned tree methods; `paths`: the target's and the draft's directories."""
+    (official, best), (tgt_dir, draft_dir) = trees, paths
+    new, n = cfg["new"], len(prompts)
+    max_len = cfg["prefix"] + new
+    invariant = st["kernels"].startswith("batch-invariant")
+    ex = {"kernels": st["kernels"], "bf16_flips": {}}
+    for k, (r, sh) in runs.items():
+        ex["bf16_flips"][f"{k} {tuple(sh)}"] = flip_margins(target_f32, prompts, ref, r["outputs"], device)
+    default_rows = []
+    if invariant and cfg["vendor_rows"]:
+        # the same model as `generate --no-batch-invariant` runs it (fused decode and verify kernels where the
+        # target allows): what invariance costs in speed, and what it buys in exactness
+        use_batch_invariant(prod.model, enable=False)
+        other = Bench(prod, str(draft_dir), True, max_len, batch_invariant=False)
+        vd = eval_method(other, parse_method("vanilla"), prompts, new, None)
+        ref_d, vd["match"] = vd["outputs"], n
+        base_d = vd["tokens"] / vd["seconds"]
+        kern = "--no-batch-invariant kernels"
+        default_rows.append((f"eaglescope vanilla, {kern}", vd, base_d))
+        for m, name in ((official, "official"), (best, "tuned")):
+            r = eval_method(other, m, prompts, new, ref_d)
+            default_rows.append((f"eagle3 tree {name} {m.shape}, {kern}", r, base_d))
+            ex["bf16_flips"][f"{kern}: eagle3 tree {name} {m.shape}"] = flip_margins(
+                target_f32, prompts, ref_d, r["outputs"], device
+            )
+        ex["default_vanilla_equals_invariant_vanilla"] = round(sum(a == b for a, b in zip(ref_d, ref)) / n, 4)
+        say(
+            f"{kern}: vanilla {base_d:.1f} tok/s; "
+            + ", ".join(
+                f"{k}: {r['tokens'] / r['seconds']:.1f} tok/s, match {r['match']}" for k, r, _ in default_rows[1:]
+            )
+        )
+    if cfg["float32_pass"]:
+        fp = exactness_fp32(tgt_dir, draft_dir, [official.shape, best.shape], prompts, new, max_len, device)
+        ex["float32"] = fp["methods"]
+        ex["float32_vanilla_equals_bf16_vanilla"] = round(
+            sum(a == b for a, b in zip(fp["float32_vanilla"], ref)) / n, 4
+        )
+        say(f"exactness float32: {ex['float32']}, fp32 vanilla == bf16 {ex['float32_vanilla_equals_bf16_vanilla']}")
+
+    return ex, default_rows
+
+
+def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Path) -> tuple[EagleResults, dict]:
+    """Corpus → target → the product's prepare and train → every eaglescope method through the product's bench on
+    the held-out prompts → exactness; the rows so far go into `result`. Returns the eaglescope results and the
+    transformers job (HF checkpoints, prompts, vanilla outputs)."""
+    st = result["stages"]
+    tr = _train_stage(cfg, work, device, result, result_path)
+    corpus, tok, target, tgt_dir = tr.corpus, tr.tok, tr.target, tr.tgt_dir
+    lm, lpc, draft_dir, abl_dir = tr.lm, tr.lpc, tr.draft_dir, tr.abl_dir
+    # --- evaluation: every eaglescope row through eaglescope bench's Bench (backend.Decoder) ---------------
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     prompts = prefixes(corpus.heldout, tok, cfg["prompts"], 2, cfg["prefix"])
@@ -1204,7 +1344,7 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     if not isinstance(prod, NativeTarget):
         raise RuntimeError(f"{tgt_dir} did not load as a native target: the static-shape backend cannot run it")
     max_len = cfg["prefix"] + new
-    # on a GPU the target then runs on the batch-invariant kernels (fast_runner's default), as `generate` runs it
+    # on a GPU the target then runs on the batch-invariant kernels (the static backend's default), as `generate` runs it
     invariant = device.type == "cuda" and cfg["batch_invariant"] and inv_kernels.supports(prod.model.args.head_dim,
                                                                                           device)  # fmt: skip
     eagle = Bench(prod, str(draft_dir), True, max_len, cfg["batch_invariant"])
@@ -1244,41 +1384,9 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     st["decode_seconds"] = round(time.perf_counter() - t0, 1)
     # --- exactness: flips against vanilla, and the kernels without batch invariance for comparison -------------
     t0 = time.perf_counter()
-    ex = {"kernels": st["kernels"], "bf16_flips": {}}
-    for k, (r, sh) in runs.items():
-        ex["bf16_flips"][f"{k} {tuple(sh)}"] = flip_margins(target_f32, prompts, ref, r["outputs"], device)
-    default_rows = []
-    if invariant and cfg["vendor_rows"]:
-        # the same model as `generate --no-batch-invariant` runs it (fused decode and verify kernels where the
-        # target allows): what invariance costs in speed, and what it buys in exactness
-        del eagle, abl  # their decoders ran the invariant modules, swapped out now
-        use_batch_invariant(prod.model, enable=False)
-        other = Bench(prod, str(draft_dir), True, max_len, batch_invariant=False)
-        vd = eval_method(other, parse_method("vanilla"), prompts, new, None)
-        ref_d, vd["match"] = vd["outputs"], n
-        base_d = vd["tokens"] / vd["seconds"]
-        kern = "--no-batch-invariant kernels"
-        default_rows.append((f"eaglescope vanilla, {kern}", vd, base_d))
-        for m, name in ((official, "official"), (best, "tuned")):
-            r = eval_method(other, m, prompts, new, ref_d)
-            default_rows.append((f"eagle3 tree {name} {m.shape}, {kern}", r, base_d))
-            ex["bf16_flips"][f"{kern}: eagle3 tree {name} {m.shape}"] = flip_margins(
-                target_f32, prompts, ref_d, r["outputs"], device
-            )
-        ex["default_vanilla_equals_invariant_vanilla"] = round(sum(a == b for a, b in zip(ref_d, ref)) / n, 4)
-        say(
-            f"{kern}: vanilla {base_d:.1f} tok/s; "
-            + ", ".join(
-                f"{k}: {r['tokens'] / r['seconds']:.1f} tok/s, match {r['match']}" for k, r, _ in default_rows[1:]
-            )
-        )
-    if cfg["float32_pass"]:
-        fp = exactness_fp32(tgt_dir, draft_dir, [official.shape, best.shape], prompts, new, max_len, device)
-        ex["float32"] = fp["methods"]
-        ex["float32_vanilla_equals_bf16_vanilla"] = round(
-            sum(a == b for a, b in zip(fp["float32_vanilla"], ref)) / n, 4
-        )
-        say(f"exactness float32: {ex['float32']}, fp32 vanilla == bf16 {ex['float32_vanilla_equals_bf16_vanilla']}")
+    del eagle, abl  # their decoders ran the invariant modules, which _exactness may swap out
+    trees, paths = (official, best), (tgt_dir, draft_dir)
+    ex, default_rows = _exactness(cfg, st, target_f32, prod, runs, ref, prompts, trees, paths, device)
     ex["seconds"] = round(time.perf_counter() - t0, 1)
     st["exactness"] = ex
     del target_f32, target

@@ -1,4 +1,4 @@
-"""`eaglescope train` on one GPU against `torchrun --nproc-per-node N` with the same global batch (issue 20).
+"""`eaglescope train` on one GPU against `torchrun --nproc-per-node N` with the same global batch.
 
     PYTHONPATH=src python3 bench/train_ddp.py --out DIR [--work DIR] [--nproc 2] [--steps 120] [--global-batch 16]
         [--fast] [--device cpu]

@@ -1,4 +1,4 @@
-"""Training throughput and memory at 8B shape (issue 27): `eaglescope train` online, TTT 7, 2,048-token samples.
+"""Training throughput and memory at 8B shape: `eaglescope train` online, TTT 7, 2,048-token samples.
 
     PYTHONPATH=src python3 bench/train_speed.py --out bench/results              # one H200, < 8 min
     PYTHONPATH=src python3 bench/train_speed.py --smoke --out /tmp/ts          # CPU, tiny shape, the same code
@@ -14,13 +14,14 @@
    stderr line are the result: tokens/s, model FLOPs per token, fraction of the dense bf16 peak, peak memory
    (docs/training-speed.md).
 
-The JSON (OUT/train-speed-<time>.json) has one entry per run under `runs` (batch_size, tokens_per_second,
-fraction_of_peak, peak_memory_gb, model_flops_per_token, rc, ...) and the commit. A run that fails (out of memory)
-is a result too: its exit code and last stderr lines.
+The JSON (OUT/train-speed-<time>.json, rewritten after every run) has one entry per run under `runs` (batch_size,
+tokens_per_second, fraction_of_peak, peak_memory_gb, model_flops_per_token, rc, commit, ...) and the commit. A run
+that fails (out of memory) is a result too: its exit code and last stderr lines.
 
 --profile adds one more run of the first batch size, in this process through `eaglescope.train.loop.train`, under
 torch.profiler for two steps after a warm-up step: where the step's time goes, op by op (OUT/...-profile.txt, and the
-top rows under `profile` in the JSON).
+top rows under `profile` in the JSON); --profile-only makes that run alone. With --work, a target already built there
+by an earlier invocation is reused.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def run_one(argv: list[str], out: Path, batch: int) -> dict:
     res = subprocess.run(argv, capture_output=True, text=True)
     row: dict = {"batch_size": batch, "rc": res.returncode, "wall_s": time.perf_counter() - t0, "argv": argv[2:]}
     lines = [x for x in res.stderr.splitlines() if x.strip()]
-    row["stderr_tail"] = lines[-4:]
+    row["stderr_tail"] = lines[-4:] if res.returncode == 0 else lines[-30:]  # a failure: its traceback
     if res.returncode == 0:
         speed = json.loads((out / "training_metrics.json").read_text())["speed"]
         row |= {
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary (default 32000; smoke 128)")
     ap.add_argument("--time-limit", type=float, default=450.0, help="no new run starts after this many seconds")
     ap.add_argument("--profile", action="store_true", help="one more run of the first batch size under torch.profiler")
+    ap.add_argument("--profile-only", action="store_true", help="the profiled run alone (of the first batch size)")
     args = ap.parse_args(argv)
     smoke = args.smoke
     shape = TINY if smoke else LLAMA_8B
@@ -186,27 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = "float32" if smoke else "bfloat16"
     t_start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="train-speed-") as tmp:
-        work = args.work or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        target = build_target(shape, work / "target", device, getattr(torch, dtype))
-        built = time.perf_counter() - t0
-        n_eval = 2
-        n = max(batches) * steps + n_eval
-        data = write_prepared(work / "data", target, n, length, draft_vocab)
-        runs = []
-        for b in batches:
-            if time.perf_counter() - t_start > args.time_limit:
-                runs.append({"batch_size": b, "rc": None, "skipped": f"--time-limit {args.time_limit:.0f} s reached"})
-                continue
-            out = work / f"draft-b{b}"
-            runs.append(run_one(train_argv(target, data, out, b, steps, length, n_eval / n, device, dtype), out, b))
-            print(json.dumps({k: runs[-1].get(k) for k in ("batch_size", "rc", "tokens_per_second",
-                              "fraction_of_peak", "peak_memory_gb", "wall_s")}), file=sys.stderr)  # fmt: skip
-        profiled = None
-        if args.profile and time.perf_counter() - t_start < args.time_limit:
-            profiled = profile_run(target, data, work / "draft-profile", batches[0], length, n_eval / n, device, dtype)
+    path = args.out / f"train-speed-{datetime.now(UTC):%Y%m%dT%H%M%S}{'-smoke' if smoke else ''}.json"
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not smoke else "cpu",
@@ -219,19 +201,42 @@ def main(argv: list[str] | None = None) -> int:
             "draft_vocab_size": draft_vocab,
             "sample_tokens": length,
             "steps": steps,
-            "num_samples": n,
             "dtype": dtype,
         },  # fmt: skip
-        "build_target_s": built,
-        "wall_s": time.perf_counter() - t_start,
-        "runs": runs,
+        "runs": [],
     }
-    path = args.out / f"train-speed-{datetime.now(UTC):%Y%m%dT%H%M%S}{'-smoke' if smoke else ''}.json"
-    if profiled is not None:
-        table = profiled.pop("table")
-        path.with_name(path.stem + "-profile.txt").write_text(table + "\n")
-        result["profile"] = profiled
-    path.write_text(json.dumps(result, indent=2) + "\n")
+
+    def write() -> None:  # after every run: a command stopped at its time limit still leaves the runs it finished
+        result["wall_s"] = time.perf_counter() - t_start
+        path.write_text(json.dumps(result, indent=2) + "\n")
+
+    runs = result["runs"]
+    with tempfile.TemporaryDirectory(prefix="train-speed-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        target = work / "target"
+        if not (args.work and (target / "config.json").is_file()):  # --work kept from an earlier run: reused
+            build_target(shape, target, device, getattr(torch, dtype))
+        result["build_target_s"] = time.perf_counter() - t0
+        n_eval = 2
+        n = result["settings"]["num_samples"] = max(batches) * steps + n_eval
+        data = write_prepared(work / "data", target, n, length, draft_vocab)
+        for b in [] if args.profile_only else batches:
+            if time.perf_counter() - t_start > args.time_limit:
+                runs.append({"batch_size": b, "rc": None, "skipped": f"--time-limit {args.time_limit:.0f} s reached"})
+                continue
+            out = work / f"draft-b{b}"
+            runs.append(run_one(train_argv(target, data, out, b, steps, length, n_eval / n, device, dtype), out, b))
+            runs[-1]["commit"] = result["commit"]
+            write()
+            print(json.dumps({k: runs[-1].get(k) for k in ("batch_size", "rc", "tokens_per_second",
+                              "fraction_of_peak", "peak_memory_gb", "wall_s")}), file=sys.stderr)  # fmt: skip
+        if args.profile_only or (args.profile and time.perf_counter() - t_start < args.time_limit):
+            profiled = profile_run(target, data, work / "draft-profile", batches[0], length, n_eval / n, device, dtype)
+            path.with_name(path.stem + "-profile.txt").write_text(profiled.pop("table") + "\n")
+            result["profile"] = profiled
+    write()
     print(json.dumps({"path": str(path), "runs": [{k: r.get(k) for k in ("batch_size", "rc", "tokens_per_second",
           "fraction_of_peak", "peak_memory_gb")} for r in runs]}, indent=2))  # fmt: skip
     return 0 if all(r["rc"] == 0 for r in runs) else 1

@@ -15,7 +15,9 @@ bash scripts/speculators_env.sh >/dev/null || true
 ruff check src tests bench
 ruff format --check src tests bench
 set +e
-python -m pytest -q -p no:cacheprovider "$@"
+# Two workers, one per core of CI's two (EAGLESCOPE_TEST_WORKERS=0 runs in one process): tests/conftest.py keeps each
+# module on one worker and the vLLM and SGLang suites together on one.
+python -m pytest -q -p no:cacheprovider -n "${EAGLESCOPE_TEST_WORKERS:-2}" --dist loadgroup "$@"
 rc=$?
 set -e
 # pytest's 5 means "no tests collected": a selection that matched nothing is not a failure here.

@@ -24,6 +24,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The real-engine suites: one engine on the machine at a time
+ENGINE_SUITES = ("vllm", "sglang")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # scripts/test.sh runs two pytest-xdist workers (--dist loadgroup), one per core of CI's two: a module's tests stay
+    # on one worker, so its module fixtures are built once, and the vLLM and SGLang suites share one worker, one
+    # engine at a time, while the other worker runs the rest of the suite. Without xdist the marker does nothing.
+    here = Path(__file__).parent
+    for item in items:
+        rel = Path(str(item.fspath)).resolve().relative_to(here.resolve())
+        group = "engines" if rel.parts[0] in ENGINE_SUITES else rel.as_posix()
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def product_logging():
     # The library reports through logging; the CLI installs the one stderr handler (eaglescope.log). Tests that call

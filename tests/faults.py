@@ -141,10 +141,11 @@ class OwnPositionTokens(RoundCounting):
         super().start(prompt_ids, prefill, first_token)
 
     def paired_tokens(self, following):
-        own = [self._prev] + list(following[:-1])
-        self._prev = following[-1]
+        following = following.to(self.device)
+        own = torch.cat([torch.tensor([self._prev], device=self.device), following[:-1]])
+        self._prev = int(following[-1])
         # these tokens are consumed by the next round's step 0
-        return torch.tensor(own if self.round + 1 >= self.shift_from_round else following, device=self.device)
+        return own if self.round + 1 >= self.shift_from_round else following
 
 
 def oracle(cls: type[Eagle3Proposer], sequence: list[int]) -> type[Eagle3Proposer]:

@@ -1,6 +1,6 @@
 """Bad input, every command: one stderr line `eaglescope: error: …`, exit code 2, and the user's files untouched.
 
-The product's rule (issue 15): whatever nonsense a user gives, the command answers with exactly one line on stderr
+The product's rule: whatever nonsense a user gives, the command answers with exactly one line on stderr
 starting `eaglescope: error: ` and exit status 2: never a traceback, never `eaglescope: internal error`, never a
 Python or library warning beside it, never exit 0. Nothing the user owns changes: every guarded file and directory
 is byte-identical afterwards (an output is built beside its destination and swapped in only when complete, and a

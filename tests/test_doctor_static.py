@@ -261,7 +261,7 @@ def test_mla_draft_served_as_llama_and_vllm_ignoring_norm_before_fc_are_named(tm
 def test_an_inferred_contract_is_labelled_inferred_wherever_it_is_shown(tmp_path, capsys):
     """A checkpoint without an eaglescope section (official EAGLE, SpecForge): its taps are the engines' reading of
     its config, not a record of training. doctor (text, JSON, HTML), inspect and export say so, never "the draft
-    was trained on [...]", and an export keeps the label in the section it writes (issue 18)."""
+    was trained on [...]", and an export keeps the label in the section it writes."""
     from eaglescope.cli import main
     from eaglescope.detective.doctor import format_report, run_doctor
     from eaglescope.detective.report import html_of

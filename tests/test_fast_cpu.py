@@ -1,4 +1,6 @@
-"""The GPU fast path's logic, run eagerly on the CPU: it must decode exactly like the reference loop."""
+"""The static-shape backend run eagerly on the CPU. Both backends drive the one round (decode/round.py, the draft
+side in Eagle3Proposer): these tests prove the static one runs it exactly as the reference one does, with the static
+backend's own parts (slot caches, padded catch-up, the KV keep by moving slots, queued rounds, compiled pieces)."""
 
 from __future__ import annotations
 
@@ -32,27 +34,36 @@ def trees_and_logits(draw):
     return tokens, parents, best, V
 
 
+def _deepest_matching_path(tokens, parents, best) -> list[int]:
+    """Greedy acceptance by enumeration: every node's root path, kept when each token is the target's argmax at its
+    parent; the deepest wins, the first in node order among equals."""
+    winner: list[int] = [0]
+    for node in range(1, len(tokens)):
+        path = [node]
+        while parents[path[-1]] > 0:
+            path.append(parents[path[-1]])
+        path = [0, *path[::-1]]
+        if all(tokens[c] == best[p] for p, c in zip(path, path[1:])) and len(path) > len(winner):
+            winner = path
+    return winner
+
+
 @settings(max_examples=200, deadline=None)
 @given(trees_and_logits())
-def test_accept_greedy_equals_reference_verify(case):
+def test_accept_greedy_is_the_deepest_matching_path(case):
+    """The one greedy acceptance (both backends, verify_greedy on the host) against enumerating every root path, on
+    trees in any node order (parents precede children only)."""
     tokens, parents, best, V = case
-    # Node order by depth, as TreeBuilder emits and accept_greedy's path extraction assumes.
     tree = DraftTree.from_parents(tokens, parents)
-    order = torch.sort(tree.depths, stable=True).indices.tolist()
-    remap = {old: new for new, old in enumerate(order)}
-    tree = DraftTree.from_parents(
-        [tokens[o] for o in order], [-1 if parents[o] < 0 else remap[parents[o]] for o in order]
+    want = _deepest_matching_path(tokens, parents, best)
+    a, path, bonus = accept_greedy(
+        tree.tokens, tree.parents, tree.depths, tree.ancestor_mask(), torch.tensor(best), max(tree.max_depth, 1)
     )
-    best = [best[o] for o in order]
+    assert path[: int(a) + 1].tolist() == want
+    assert int(bonus) == best[want[-1]]
     logits = torch.nn.functional.one_hot(torch.tensor(best), V).float()
     ref = verify_greedy(tree, logits)
-    D = tree.max_depth
-    a, path, bonus = accept_greedy(
-        tree.tokens, tree.parents, tree.depths, tree.ancestor_mask(), torch.tensor(best), max(D, 1)
-    )
-    assert int(a) == len(ref.accepted)
-    assert path[: int(a) + 1].tolist() == ref.path
-    assert int(bonus) == ref.bonus
+    assert ref.path == want and ref.tokens == [tokens[c] for c in want[1:]] + [best[want[-1]]]
 
 
 def test_accept_greedy_force_picks_a_path_of_that_depth():

@@ -14,7 +14,8 @@ from tolerance import assert_close_float32
 
 from eaglescope import trace as T
 from eaglescope.cli import main
-from eaglescope.decode.speculative import target_embedding
+from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
+from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.detective.diagnose import diagnose_trace
 from eaglescope.detective.doctor import run_doctor
 from eaglescope.draft import load_draft, save_draft
@@ -105,3 +106,34 @@ def test_doctor_names_a_tap_fault_made_in_the_fast_path(dirs, tmp_path):
     assert findings, ctx.get("first_divergence")
     top = findings[0]
     assert top.code == "TAP_OFF_BY_ONE" and top.stage.startswith("target."), [(f.code, f.stage) for f in findings]
+
+
+class _FeedbackPostnorm(Eagle3Proposer):
+    """A tree step fed its parent's normed output instead of the pre-norm one (an engine's wiring mistake)."""
+
+    def child_hidden(self, parent_out):
+        return self.draft.norm(parent_out)
+
+
+def test_doctor_names_a_hook_fault_run_on_the_fast_path(dirs, tmp_path):
+    """The static backend runs the draft side of the round through Eagle3Proposer, the code doctor's hypotheses
+    hook: one hook overridden there (the fault) runs inside the static round, and doctor names it from that trace."""
+    _, target_dir, draft_dir = dirs
+    target = load_target(target_dir, device="cpu")
+    loaded = load_draft(draft_dir, target.num_layers)
+    loaded.model.load_target_embedding(target_embedding(target))
+    prompt = [int(t) for t in PROMPT.split(",")]
+    rec = T.TraceRecorder(tmp_path / "t", producer="test-fast-engine")
+    rec.set_meta(prompt_ids=prompt, settings={"chain": None, "tree": "3,2,6"}, taps=loaded.contract.taps.to_dict())
+    max_len = len(prompt) + 24
+    ft = FastTarget(target.model, max_len + 6 + 4 + 2, taps=loaded.contract.taps.layers)
+    fe = FastEagle(ft, loaded.model, 3, 2, 6, max_len=max_len, recorder=rec, proposer_cls=_FeedbackPostnorm)
+    out = fe.generate(prompt, 16)
+    rec.close()
+    assert out.tokens == generate_vanilla(target, prompt, 16, stop_ids=[]).token_ids  # still lossless
+    findings, ctx = diagnose_trace(target, load_draft(draft_dir, target.num_layers), tmp_path / "t")
+    assert findings, ctx.get("first_divergence")
+    top = findings[0]
+    assert (top.code, top.stage, top.round) == ("FEEDBACK_POSTNORM", T.draft_hidden_in(1), 1), [
+        (f.code, f.stage, f.round) for f in findings
+    ]

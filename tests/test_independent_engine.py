@@ -1,4 +1,4 @@
-"""eaglescope doctor against an engine it did not write (issue 18): tests/engines/plain_eagle3.py, a plain EAGLE-3
+"""eaglescope doctor against an engine it did not write: tests/engines/plain_eagle3.py, a plain EAGLE-3
 decoder built from the checkpoint and trace formats alone, its faults injected as code changes in that engine.
 
 (a) the engine is lossless: its greedy output is transformers' greedy `generate`, chain and tree, and its sampled
@@ -31,7 +31,8 @@ from layerless import layerless_copy
 
 from eaglescope import trace as T
 from eaglescope.cli import main
-from eaglescope.detective.diagnose import Head, _resolve_ties, _tie_aware_pairs
+from eaglescope.detective.diagnose.evidence import Head
+from eaglescope.detective.diagnose.head import _resolve_ties, _tie_aware_pairs
 from eaglescope.detective.doctor import run_doctor
 from eaglescope.detective.draft_replay import DRAFT_SIDE, FULL, TARGET_SIDE_CODES
 from eaglescope.detective.replay import match_rows, tree_shape

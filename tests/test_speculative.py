@@ -8,7 +8,6 @@ the extremes (always, never, sometimes accepted) and the statistics they must pr
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -22,6 +21,7 @@ from hypothesis import strategies as st
 from models import make_checkpoint
 from safetensors.torch import load_file, save_file
 
+from eaglescope.decode.generation import DecodeSettings
 from eaglescope.decode.loop import generate_speculative
 from eaglescope.decode.speculative import (
     DraftLMProposer,
@@ -29,10 +29,9 @@ from eaglescope.decode.speculative import (
     NgramProposer,
     Proposer,
     build_proposer,
-    parse_tree_shape,
     target_embedding,
 )
-from eaglescope.decode.tree import DraftTree
+from eaglescope.decode.tree import DraftTree, parse_tree_shape
 from eaglescope.decode.vanilla import SamplingConfig, generate_vanilla
 from eaglescope.draft import save_draft
 from eaglescope.errors import EagleScopeError
@@ -368,10 +367,8 @@ def test_context_limit_ends_generation_like_vanilla(targets, drafts):
 
 
 # -- misconfiguration -----------------------------------------------------------------------------------------
-def _args(draft: Path | None, proposer: str = "eagle3", chain: int | None = 3, tree: str | None = None):
-    return argparse.Namespace(
-        draft=None if draft is None else str(draft), proposer=proposer, chain=chain, tree=tree, backend="auto"
-    )
+def _settings(draft: Path | None, proposer: str = "eagle3", chain: int | None = 3, tree: str | None = None):
+    return DecodeSettings(8, draft=None if draft is None else str(draft), proposer=proposer, chain=chain, tree=tree)
 
 
 def _saved_draft(ckpts, targets, out: Path, reduced: bool = False, **fingerprint_changes) -> Path:
@@ -385,7 +382,7 @@ def test_saved_draft_loads_and_stays_lossless(ckpts, targets, drafts, tmp_path):
     """The positive control for the refusals below: a matching draft goes through build_proposer."""
     tgt = targets["llama"]
     path = _saved_draft(ckpts, targets, tmp_path / "ok", reduced=True)
-    prop = build_proposer(_args(path, chain=None, tree="3,2,6"), tgt, SamplingConfig(), max_len=40)
+    prop = build_proposer(_settings(path, chain=None, tree="3,2,6"), tgt, max_len=40)
     assert isinstance(prop, Eagle3Proposer) and (prop.depth, prop.top_k, prop.total_tokens) == (3, 2, 6)
     assert_lossless(tgt, prop, PROMPT, 16)
 
@@ -399,7 +396,7 @@ def test_draft_for_another_target_is_refused(ckpts, targets, tmp_path, field, va
         tgt = _target_with_tokenizer(ckpts["llama"], tmp_path / "tok_target")
     path = _saved_draft(ckpts, targets, tmp_path / "d", **{field: value})
     with pytest.raises(EagleScopeError, match="tokenizer" if field == "tokenizer_sha256" else f"{field}={value}"):
-        build_proposer(_args(path), tgt, SamplingConfig(), max_len=40)
+        build_proposer(_settings(path), tgt, max_len=40)
 
 
 def _target_with_tokenizer(src: Path, out: Path):
@@ -422,7 +419,7 @@ def test_reduced_vocab_draft_without_d2t_is_refused(ckpts, targets, tmp_path):
     sd = load_file(str(path / "model.safetensors"))
     save_file({k: v for k, v in sd.items() if k not in ("d2t", "t2d")}, str(path / "model.safetensors"))
     with pytest.raises(EagleScopeError, match="d2t"):
-        build_proposer(_args(path), targets["llama"], SamplingConfig(), max_len=40)
+        build_proposer(_settings(path), targets["llama"], max_len=40)
 
 
 @pytest.mark.parametrize("layers,num_layers,match", [([2, 4, 9], 8, "out of range"), ([2, 6, 9], 12, "12-layer")])
@@ -433,17 +430,17 @@ def test_draft_taps_that_do_not_fit_the_target_are_refused(ckpts, targets, tmp_p
     cfg["eaglescope"]["taps"]["num_layers"] = num_layers
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(EagleScopeError, match=match):
-        build_proposer(_args(path), targets["llama"], SamplingConfig(), max_len=40)
+        build_proposer(_settings(path), targets["llama"], max_len=40)
 
 
 def test_draft_lm_with_another_vocabulary_is_refused(ckpts, targets):
     with pytest.raises(EagleScopeError, match="vocabulary"):
-        build_proposer(_args(ckpts["lm16"], "draft-lm"), targets["llama"], SamplingConfig(), max_len=40)
+        build_proposer(_settings(ckpts["lm16"], "draft-lm"), targets["llama"], max_len=40)
 
 
 def test_eagle3_without_a_draft_is_refused(targets):
     with pytest.raises(EagleScopeError, match="--draft"):
-        build_proposer(_args(None), targets["llama"], SamplingConfig(), max_len=40)
+        build_proposer(_settings(None), targets["llama"], max_len=40)
 
 
 def test_target_without_taps_is_refused(ckpts, drafts):

@@ -29,7 +29,7 @@ sys.path.insert(0, str(BENCH))
 import train_speed  # noqa: E402  (bench/train_speed.py: the synthetic prepared data and the smoke run)
 
 
-# -- the dense soft cross-entropy that the chunked one replaced (train/ttt.py before issue 27), as the reference ------
+# -- the dense soft cross-entropy the chunked one replaced in train/ttt.py, as the reference ------------------------
 def dense_ttt_loss(draft, unrolled, teacher, loss_mask, valid=None, per_sample=False) -> TTTLoss:
     vocab_ids = draft_vocab_ids(draft)
     if isinstance(teacher, torch.Tensor):

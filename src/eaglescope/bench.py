@@ -16,19 +16,16 @@ from pathlib import Path
 
 import jinja2
 
+from eaglescope.backend import Decoder, choose_backend
 from eaglescope.data.chat import parse_conversation
-from eaglescope.decode.generation import GenerationResult, SamplingConfig, begin_generation, check_prompt
-from eaglescope.decode.loop import ReferenceRunner, decode, generate_vanilla
-from eaglescope.decode.speculative import Eagle3Proposer, NgramProposer, build_proposer, parse_tree_shape
+from eaglescope.decode.generation import DecodeSettings, GenerationResult, check_prompt
 from eaglescope.decode.stats import SpecStats
+from eaglescope.decode.tree import parse_tree_shape
 from eaglescope.errors import EagleScopeError
-from eaglescope.fast.run import fast_runner
 from eaglescope.figures import png_data_uri, pyplot
-from eaglescope.outputs import OutputKind, check_destination, write_file
+from eaglescope.outputs import OutputKind, write_file
 from eaglescope.progress import Progress
-from eaglescope.target import load_target, parse_device, parse_dtype
 from eaglescope.target.base import Target
-from eaglescope.target.llama import NativeTarget
 
 log = logging.getLogger(__name__)
 
@@ -138,53 +135,36 @@ class Bench:
     """One loaded target (and draft); `run(method, prompt)` decodes through the backend `generate` would use."""
 
     def __init__(self, target: Target, draft_dir: str | None, fast: bool, max_len: int, batch_invariant: bool = True):
-        self.target, self.draft_dir, self.fast, self.max_len = target, draft_dir, fast, max_len
+        self.target, self.draft_dir, self.max_len = target, draft_dir, max_len
+        self.decoder = "auto" if fast else "reference"
         self.batch_invariant = batch_invariant
-        self._runners: dict[str, object] = {}
+        self._decoders: dict[str, Decoder] = {}  # one a method: its static runner is built (captured) once
         self._draft = None
 
-    def draft(self):
-        if self._draft is None:
-            if self.draft_dir is None:
-                raise EagleScopeError("EAGLE-3 methods (chain=K, tree=...) need --draft DIR")
-            args = _Args(draft=self.draft_dir, chain=1, tree=None, proposer="eagle3", backend="auto")
-            self._draft = build_proposer(args, self.target, SamplingConfig(), self.max_len + 2).draft
-        return self._draft
+    def settings(self, m: Method, max_new: int) -> DecodeSettings:
+        draft, proposer = (self.draft_dir, "eagle3") if m.kind == "eagle3" else (None, m.kind)
+        chain, tree = (None, ",".join(map(str, m.shape))) if m.shape else (None, None)
+        return DecodeSettings(max_new, draft=draft, proposer=proposer, chain=chain, tree=tree, decoder=self.decoder,
+                              batch_invariant=self.batch_invariant)  # fmt: skip
+
+    def static_runner(self, name: str):
+        """The static backend's runner of method `name` once it ran there (use_graph: whether it was captured)."""
+        dec = self._decoders.get(name)
+        return None if dec is None else dec.static_runner
 
     def backend(self, m: Method) -> str:
-        return "fast" if self.fast and m.kind != "ngram" else "reference"
+        return choose_backend(self.settings(m, 1), self.target)
 
     def run(self, m: Method, prompt: list[int], max_new: int) -> GenerationResult:
-        t = self.target
-        sampling, budget, stop, gen = begin_generation(t, prompt, max_new, SamplingConfig(), [])
-        if self.backend(m) == "fast":
-            runner = self._runners.get(m.name)
-            if runner is None:
-                draft = None if m.kind == "vanilla" else self.draft()
-                runner, _ = fast_runner(t, draft, m.shape, self.max_len, self.batch_invariant)
-                self._runners[m.name] = runner
-            return decode(runner, prompt, budget, max_new, stop, t.device)
+        dec = self._decoders.get(m.name)
+        if dec is None:
+            if m.kind == "eagle3" and self.draft_dir is None:
+                raise EagleScopeError("EAGLE-3 methods (chain=K, tree=...) need --draft DIR")
+            dec = self._decoders[m.name] = Decoder(self.target, self.settings(m, max_new), self.max_len, self._draft)
+        res = dec.run(prompt, [], max_new)
         if m.kind == "eagle3":
-            depth, top_k, total = m.shape
-            proposer = Eagle3Proposer(self.draft(), depth, top_k, total, len(prompt) + budget + 1)
-            return decode(ReferenceRunner(t, proposer, sampling, gen), prompt, budget, max_new, stop, t.device)
-        taps, _ = t.taps, t.set_taps(None)  # vanilla and n-gram read no features: the target computes none
-        try:
-            if m.kind == "vanilla":
-                return generate_vanilla(t, prompt, max_new, stop_ids=[])
-            runner = ReferenceRunner(t, NgramProposer(m.shape[0]), sampling, gen)
-            return decode(runner, prompt, budget, max_new, stop, t.device)
-        finally:
-            t.set_taps(taps)
-
-
-@dataclass
-class _Args:
-    draft: str
-    chain: int | None
-    tree: str | None
-    proposer: str
-    backend: str
+            self._draft = dec.draft()  # loaded once for every EAGLE-3 method
+        return res
 
 
 def run_bench(
@@ -343,42 +323,12 @@ def write_report(res: dict, path: str) -> Path:
     return write_file(path, template.render(res=res, png=figure(res), mark=BENCH_REPORT_MARK))
 
 
-def cmd_bench(args) -> int:
-    if args.html:
-        check_destination(args.html, BENCH_REPORT, flag="--html")  # refused before minutes of decoding
-    methods = [parse_method(m) for m in (args.method or DEFAULT_METHODS)]
-    if args.draft is None:
-        if any(m.kind == "eagle3" for m in methods) and args.method:
-            raise EagleScopeError("EAGLE-3 methods (chain=K, tree=...) need --draft DIR")
-        methods = [m for m in methods if m.kind != "eagle3"]
-    if args.max_new_tokens < 1:
-        raise EagleScopeError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    device = parse_device(args.device)
-    target = load_target(args.target, device=device, dtype=parse_dtype(args.dtype, device), backend=args.backend)
-    prompts = read_prompts(Path(args.prompts), target.tokenizer, args.chat)
-    if args.limit is not None:
-        prompts = prompts[: args.limit]
-    fast = device.type == "cuda" and isinstance(target, NativeTarget) and not args.reference
-    if device.type == "cuda" and not fast and not args.reference:
-        log.info("bench: the target is not native Llama-family: the reference backend")
-    res = run_bench(target, args.draft, prompts, methods, args.max_new_tokens, fast, not args.no_batch_invariant)
-    print(json.dumps(_finite(res), indent=2, allow_nan=False) if args.json else format_table(res))
-    if args.html:
-        write_report(res, args.html)
-        if not args.json:
-            print(f"report: {args.html}")
-    return 0 if res["all_identical"] else 1
-
-
-def _finite(x):
-    """NaN (an α_k no round reached) as null: --json output is strict JSON."""
-    if isinstance(x, float):
-        return None if math.isnan(x) or math.isinf(x) else x
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
-
-
-__all__ = ["run_bench", "read_prompts", "parse_method", "format_table", "cmd_bench"]
+__all__ = [
+    "run_bench",
+    "read_prompts",
+    "parse_method",
+    "format_table",
+    "write_report",
+    "BENCH_REPORT",
+    "DEFAULT_METHODS",
+]

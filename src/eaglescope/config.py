@@ -1,5 +1,5 @@
 """The settings of `prepare` and `train`, defined once: the functions take them, and the command line takes
-its flags and defaults from these fields (eaglescope.commands). Standard library only, so `--help` is instant."""
+its flags and defaults from these fields (eaglescope.cli.parsers). Standard library only, so `--help` is instant."""
 
 from __future__ import annotations
 

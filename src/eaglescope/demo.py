@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -35,6 +36,7 @@ from eaglescope.detective.doctor import format_report, run_doctor
 from eaglescope.detective.report import write_html
 from eaglescope.draft import check_draft_matches_target, load_draft
 from eaglescope.errors import EagleScopeError
+from eaglescope.jsonfile import read_object
 from eaglescope.outputs import check_destination, dir_kind, write_file
 from eaglescope.pretrain import PretrainConfig, pretrain, save_target
 from eaglescope.target import load_target
@@ -132,8 +134,13 @@ def open_workdir(work: Path) -> None:
     (work / DEMO_MARKER).write_text("eaglescope demo cache: every entry here is rebuilt on demand\n")
 
 
+# The demo's account of each step is its output, read as it happens: it goes to this logger, which the command
+# writes to stdout as it stands (indented tables included); elsewhere it is ordinary INFO logging.
+STEPS = logging.getLogger(__name__ + ".steps")
+
+
 def _say(msg: str) -> None:
-    print(msg, flush=True)
+    STEPS.info(msg)
 
 
 def _cached(path: Path, key: str) -> bool:
@@ -473,7 +480,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     results["seconds"] = time.perf_counter() - t0
     results["config"] = asdict(cfg)
     # what ran, not what was asked: the time cap may have cut pretraining short
-    results["target"] = (json.loads((target_dir / "eaglescope_pretrain.json").read_text()) or {}).get("stats")
+    results["target"] = (read_object(target_dir / "eaglescope_pretrain.json", EagleScopeError) or {}).get("stats")
 
     name = "demo-results.json" if cfg.scenario == "default" else f"demo-results-{cfg.scenario}.json"
     write_file(work / name, json.dumps(results, indent=2, default=str) + "\n")
@@ -484,19 +491,4 @@ def run_demo(cfg: DemoConfig) -> dict:
     return results
 
 
-def cmd_demo(args) -> int:
-    workdir = args.workdir or str(default_workdir())
-    cfg = DemoConfig(workdir=workdir, fast=args.fast, seed=args.seed, scenario=getattr(args, "scenario", "default"))
-    if args.pretrain_steps is not None:
-        if args.pretrain_steps < 10:
-            raise EagleScopeError(f"--pretrain-steps must be >= 10, got {args.pretrain_steps}")
-        cfg.pretrain_steps = args.pretrain_steps
-    if args.time_budget is not None:
-        if not (args.time_budget >= 0 and math.isfinite(args.time_budget)):
-            raise EagleScopeError(f"--time-budget must be a number of seconds >= 0, got {args.time_budget}")
-        cfg.pretrain_budget_s = args.time_budget or None
-    res = run_demo(cfg)
-    return 0 if res["identical"] else 1
-
-
-__all__ = ["DemoConfig", "run_demo", "EagleScopeError"]
+__all__ = ["DemoConfig", "run_demo", "default_workdir", "STEPS"]

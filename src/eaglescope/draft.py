@@ -124,7 +124,7 @@ class Eagle3Draft(nn.Module):
         positions: torch.Tensor,  # [B, T] RoPE positions
         cache: KVCache,  # keys/values of every earlier query this one may see
         start: int,  # cache slot where this call's keys go
-        mask: torch.Tensor,  # [B|1, 1, T, start+T] bool, True = attend
+        mask: torch.Tensor | None,  # [B|1, 1, T, start+T] bool, True = attend; None where the attention impl knows it
     ) -> torch.Tensor:
         """One draft layer application → what the next step receives [B, T, H]: the pre-norm output, or the
         post-norm one with EAGLE 3.1's norm_output."""

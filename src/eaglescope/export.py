@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 import warnings
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from eaglescope.draft import (
 )
 from eaglescope.drafts.config import SGLANG_MLA_ARCHITECTURE
 from eaglescope.errors import EagleScopeError
+from eaglescope.jsonfile import read_object
 from eaglescope.outputs import check_destination, dir_kind, staged_dir
 from eaglescope.taps import (
     SERVING_ENGINES,
@@ -161,7 +161,7 @@ def saved_weight_names(path: Path) -> set[str]:
             with safe_open(str(single), "pt") as f:
                 names = set(f.keys())
         elif index.is_file():
-            names = set(json.loads(index.read_text())["weight_map"])
+            names = set(read_object(index, ValueError)["weight_map"])
         else:
             names = set(load_state_dict(path))
     except (SafetensorError, OSError, ValueError, KeyError, json.JSONDecodeError) as e:
@@ -300,17 +300,58 @@ def describe_draft(
     architecture (`applies_to_target`, None when it is unknown). A row that does not apply raises no warning.
     """
     ct, c = loaded.contract, loaded.model.config
-    taps = ct.taps
-    L = taps.num_layers
     warns: list[str] = []
     if ct.inferred:
         warns.append(
-            f"no eaglescope section: taps {list(taps.layers)} inferred from the "
+            f"no eaglescope section: taps {list(ct.taps.layers)} inferred from the "
             f"{ct.extra.get('inferred_from', 'engine default')}; the real training taps are unknown"
         )
     arch = _architecture(loaded, target_fp)
     sglang_rule = sglang_convention(arch)
     ids = config_tap_ids(loaded.hf_config)
+    engines = _engine_rows(ct, ids, sglang_rule, warns)
+    vocab, vocab_warns = _vocab_map_report(loaded, saved_weight_names(loaded.path))
+    warns += vocab_warns
+    embedding = _embedding_report(loaded, target_embedding, warns)
+    spec, spec_warns = _speculators_report(loaded)
+    warns += spec_warns
+    for engine in (*SERVING_ENGINES, "speculators"):
+        r = engine_options(c, engine)
+        if r["ignores"]:
+            warns.append(
+                f"EAGLE31: {engine} ignores this draft's {', '.join(r['ignores'])}: it would draft with another "
+                "function than the one trained (accept length near 1, SGLang issue 32226)"
+            )
+    target = None
+    if target_fp is not None:
+        try:
+            check_draft_matches_target(ct, target_fp)
+            target = {"matches": True, "reason": None, "fingerprint": target_fp.to_dict()}
+        except EagleScopeError as e:
+            target = {"matches": False, "reason": str(e), "fingerprint": target_fp.to_dict()}
+            warns.append(f"target mismatch: {e}")
+    return {
+        "path": str(loaded.path),
+        "architectures": loaded.hf_config.get("architectures") or [],
+        "contract": _contract_report(ct),
+        "config": _config_report(c),
+        "engine_options": {e: engine_options(c, e) for e in (*SERVING_ENGINES, "speculators")},
+        "embedding": embedding,
+        "vocab_map": vocab,
+        "config_tap_ids": ids,
+        "engines": engines,
+        "sglang_rule": {"architecture": arch, "convention": sglang_rule},
+        "speculators": spec,
+        "target": target,
+        "warnings": warns,
+    }
+
+
+def _engine_rows(ct: DraftContract, ids, sglang_rule: str | None, warns: list[str]) -> dict:
+    """Per serving engine (and SGLang rule): what it will capture from `ids`, and whether that is the contract's
+    taps; a row that applies and does not match adds a warning with the fix."""
+    taps = ct.taps
+    L = taps.num_layers
     engines = {}
     for engine in SERVING_ENGINES:
         cap = engine_capture(ids, engine, L)
@@ -335,9 +376,11 @@ def describe_draft(
             f"ENGINE_TAP_CONVENTION: {engine} will capture {cap} ({'; '.join(_names(cap, L))}) but the draft "
             f"{trained_on(ct)}; {fix}"
         )
-    saved = saved_weight_names(loaded.path)
-    vocab, vocab_warns = _vocab_map_report(loaded, saved)
-    warns += vocab_warns
+    return engines
+
+
+def _embedding_report(loaded: LoadedDraft, target_embedding: torch.Tensor | None, warns: list[str]) -> dict:
+    """Whether the draft saves an embedding, and whether it is the target's (when the target's is given)."""
     embedding: dict = {"saved": loaded.has_embedding, "matches_target": None}
     if loaded.has_embedding and target_embedding is not None:
         w = loaded.model.embed_tokens.weight.detach().cpu()
@@ -349,65 +392,43 @@ def describe_draft(
                 "drafting would read wrong token vectors (TorchSpec issue 38; SGLang replaces it with the "
                 "target's); re-export without --with-embedding, or with it and --target"
             )
-    spec, spec_warns = _speculators_report(loaded)
-    warns += spec_warns
-    for engine in (*SERVING_ENGINES, "speculators"):
-        r = engine_options(c, engine)
-        if r["ignores"]:
-            warns.append(
-                f"EAGLE31: {engine} ignores this draft's {', '.join(r['ignores'])}: it would draft with another "
-                "function than the one trained (accept length near 1, SGLang issue 32226)"
-            )
-    target = None
-    if target_fp is not None:
-        try:
-            check_draft_matches_target(ct, target_fp)
-            target = {"matches": True, "reason": None, "fingerprint": target_fp.to_dict()}
-        except EagleScopeError as e:
-            target = {"matches": False, "reason": str(e), "fingerprint": target_fp.to_dict()}
-            warns.append(f"target mismatch: {e}")
+    return embedding
+
+
+def _contract_report(ct: DraftContract) -> dict:
+    taps = ct.taps
     return {
-        "path": str(loaded.path),
-        "architectures": loaded.hf_config.get("architectures") or [],
-        "contract": {
-            "taps": list(taps.layers),
-            "tap_names": taps.describe(),
-            "index_convention": taps.to_dict()["index_convention"],
-            "num_layers": L,
-            "is_default": taps.is_default,
-            "inferred": ct.inferred,
-            "inferred_from": ct.extra.get("inferred_from") if ct.inferred else None,
-            "target": ct.target.to_dict() if ct.target else None,
-            "ttt_length": ct.ttt_length,
-            "loss_mask_shift": ct.loss_mask_shift,
-            "draft_vocab_source": ct.draft_vocab_source,
-        },
-        "config": {
-            "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size,
-            "num_heads": c.num_heads,
-            "num_kv_heads": c.num_kv_heads,
-            "head_dim": c.head_dim,
-            "vocab_size": c.vocab_size,
-            "draft_vocab_size": c.draft_vocab_size,
-            "target_hidden_size": c.target_hidden_size,
-            "num_aux": c.num_aux,
-            "rope_theta": c.rope.theta,
-            "norm_before_residual": c.norm_before_residual,
-            "draft_arch": c.arch,
-            "mla": None if c.mla is None else vars(c.mla),
-            "eagle31": c.eagle31,
-            "logit_scale": c.logit_scale,
-        },
-        "engine_options": {e: engine_options(c, e) for e in (*SERVING_ENGINES, "speculators")},
-        "embedding": embedding,
-        "vocab_map": vocab,
-        "config_tap_ids": ids,
-        "engines": engines,
-        "sglang_rule": {"architecture": arch, "convention": sglang_rule},
-        "speculators": spec,
-        "target": target,
-        "warnings": warns,
+        "taps": list(taps.layers),
+        "tap_names": taps.describe(),
+        "index_convention": taps.to_dict()["index_convention"],
+        "num_layers": taps.num_layers,
+        "is_default": taps.is_default,
+        "inferred": ct.inferred,
+        "inferred_from": ct.extra.get("inferred_from") if ct.inferred else None,
+        "target": ct.target.to_dict() if ct.target else None,
+        "ttt_length": ct.ttt_length,
+        "loss_mask_shift": ct.loss_mask_shift,
+        "draft_vocab_source": ct.draft_vocab_source,
+    }
+
+
+def _config_report(c) -> dict:
+    return {
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_heads": c.num_heads,
+        "num_kv_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "num_aux": c.num_aux,
+        "rope_theta": c.rope.theta,
+        "norm_before_residual": c.norm_before_residual,
+        "draft_arch": c.arch,
+        "mla": None if c.mla is None else vars(c.mla),
+        "eagle31": c.eagle31,
+        "logit_scale": c.logit_scale,
     }
 
 
@@ -546,28 +567,8 @@ def speculators_command(export_dir: Path, target_dir: Path | None, kwargs: dict)
     ]
 
 
-def export_draft(
-    loaded: LoadedDraft,
-    engine: str,
-    out: Path | str,
-    with_embedding: bool = False,
-    target_embedding: torch.Tensor | None = None,
-    dtype: torch.dtype | None = None,
-    architecture: str | None = None,
-    target_dir: Path | None = None,
-) -> dict:
-    """Write a checkpoint directory `engine` loads unchanged; return a report of what was written.
-
-    `architecture` is the target's (for SGLang's rule; default: the contract's fingerprint), `target_dir` only
-    goes into the printed `speculators convert` command.
-
-    The embedding is saved only when asked (`with_embedding`, from the real target): vLLM drafts with a saved one
-    instead of the target's (so it can only be wrong, never better), SGLang replaces it with the target's; only
-    `speculators convert` needs it in the file (see speculators_problems).
-    """
-    architecture = architecture or _architecture(loaded, None)
-    ids, warns = choose_engine_ids(loaded.contract.taps, engine, architecture)
-    model, c = loaded.model, loaded.model.config
+def _check_exportable(c, engine: str, with_embedding: bool, target_embedding: torch.Tensor | None) -> None:
+    """Refuse an export `engine` would serve as another function than the one trained, or with a wrong embedding."""
     if engine.startswith("sglang") and c.norm_before_residual:
         raise EagleScopeError(
             f"the draft uses norm_before_residual, which SGLang {SGLANG_VERSION_READ} does not implement (its "
@@ -590,7 +591,11 @@ def export_draft(
                 f"the target's embedding has shape {tuple(target_embedding.shape)}, the draft expects "
                 f"{(c.vocab_size, c.hidden_size)}"
             )
-    dtype = dtype or model.fc.weight.dtype
+
+
+def _export_weights(loaded: LoadedDraft, engine: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The draft's tensors as the export saves them: weights in `dtype`, the vocabulary map in its own types."""
+    model, c = loaded.model, loaded.model.config
     state = model.state_dict()
     sd: dict[str, torch.Tensor] = {}
     for k in weight_names(model):
@@ -609,6 +614,34 @@ def export_draft(
         # with d2t fails to load. At full size the map is the identity (validate_vocab_map: strictly increasing
         # target ids), which is also what every loader assumes when d2t is absent.
         del sd["d2t"], sd["t2d"]
+    return sd
+
+
+def export_draft(
+    loaded: LoadedDraft,
+    engine: str,
+    out: Path | str,
+    with_embedding: bool = False,
+    target_embedding: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    architecture: str | None = None,
+    target_dir: Path | None = None,
+) -> dict:
+    """Write a checkpoint directory `engine` loads unchanged; return a report of what was written.
+
+    `architecture` is the target's (for SGLang's rule; default: the contract's fingerprint), `target_dir` only
+    goes into the printed `speculators convert` command.
+
+    The embedding is saved only when asked (`with_embedding`, from the real target): vLLM drafts with a saved one
+    instead of the target's (so it can only be wrong, never better), SGLang replaces it with the target's; only
+    `speculators convert` needs it in the file (see speculators_problems).
+    """
+    architecture = architecture or _architecture(loaded, None)
+    ids, warns = choose_engine_ids(loaded.contract.taps, engine, architecture)
+    c = loaded.model.config
+    _check_exportable(c, engine, with_embedding, target_embedding)
+    dtype = dtype or loaded.model.fc.weight.dtype
+    sd = _export_weights(loaded, engine, dtype)
     if with_embedding:
         sd["embed_tokens.weight"] = target_embedding.detach().cpu().to(dtype).contiguous()
     cfg = c.to_hf_config(ids)
@@ -641,11 +674,6 @@ def export_draft(
             f"the draft {trained_on(loaded.contract)}: the ids written are for those taps, and the exported "
             "eaglescope section keeps them marked as inferred"
         )
-    kwargs = speculators_kwargs(loaded)
-    argv = speculators_command(out, target_dir, kwargs)
-    problems = speculators_problems(loaded, with_embedding)
-    if target_dir is None:
-        problems.append("no --target given: replace TARGET with the target's directory")
     return {
         "engine": engine,
         "out": str(out),
@@ -661,16 +689,26 @@ def export_draft(
         "captures_names": {e: _names(cap, L) for e, cap in captures.items()},
         "sglang_rule": {"architecture": architecture, "convention": rule} if engine == "sglang" else None,
         "embedding_saved": with_embedding,
-        "speculators": {
-            "version": SPECULATORS_VERSION,
-            "argv": argv,
-            "command": shlex.join(argv),
-            "algorithm_kwargs": kwargs,
-            "embedding_required": True,
-            "ready": not problems,
-            "problems": problems,
-        },
+        "speculators": _speculators_conversion(loaded, out, target_dir, with_embedding),
         "warnings": warns,
+    }
+
+
+def _speculators_conversion(loaded: LoadedDraft, out: Path, target_dir: Path | None, with_embedding: bool) -> dict:
+    """The `speculators convert` command that turns the export into a speculators checkpoint with the same taps."""
+    kwargs = speculators_kwargs(loaded)
+    argv = speculators_command(out, target_dir, kwargs)
+    problems = speculators_problems(loaded, with_embedding)
+    if target_dir is None:
+        problems.append("no --target given: replace TARGET with the target's directory")
+    return {
+        "version": SPECULATORS_VERSION,
+        "argv": argv,
+        "command": shlex.join(argv),
+        "algorithm_kwargs": kwargs,
+        "embedding_required": True,
+        "ready": not problems,
+        "problems": problems,
     }
 
 
@@ -730,34 +768,32 @@ def _load(draft: str, target_fp: TargetFingerprint | None) -> LoadedDraft:
         return load_draft(draft, target_num_layers=target_fp.num_layers if target_fp else None)
 
 
-# -- command line ---------------------------------------------------------------------------------
-def cmd_inspect(args) -> int:
-    tdir, fp = _target_info(args.target)
-    loaded = _load(args.draft_dir, fp)
+# -- the two commands' work ---------------------------------------------------------------------
+def inspect_checkpoint(draft: str, target: str | None = None) -> dict:
+    """`eaglescope inspect`: what the draft at `draft` says (describe_draft), checked against `target` if given."""
+    tdir, fp = _target_info(target)
+    loaded = _load(draft, fp)
     emb = load_target_embedding(tdir) if tdir is not None and loaded.has_embedding else None
-    d = describe_draft(loaded, fp, emb)
-    print(json.dumps(d, indent=2) if args.json else format_description(d))
-    return 0
+    return describe_draft(loaded, fp, emb)
 
 
-def cmd_export(args) -> int:
-    check_destination(args.out, EXPORT, inputs=[args.draft, args.target])
-    tdir, fp = _target_info(args.target)
-    loaded = _load(args.draft, fp)
+def export_checkpoint(
+    draft: str,
+    to: str,
+    out: str,
+    target: str | None = None,
+    with_embedding: bool = False,
+    dtype: str | None = None,
+) -> dict:
+    """`eaglescope export`: the draft written at `out` in engine `to`'s convention → the export report.
+    `dtype` is a name in _DTYPES; None keeps the source's."""
+    check_destination(out, EXPORT, inputs=[draft, target])
+    tdir, fp = _target_info(target)
+    loaded = _load(draft, fp)
     if fp is not None:
         check_draft_matches_target(loaded.contract, fp)
-    emb = load_target_embedding(tdir) if args.with_embedding and tdir is not None else None
-    if args.dtype is None:
-        name = loaded.hf_config.get("torch_dtype") or loaded.hf_config.get("dtype") or "float32"
-        dtype = _DTYPES.get(name, torch.float32)
-    else:
-        dtype = _DTYPES[args.dtype]
+    emb = load_target_embedding(tdir) if with_embedding and tdir is not None else None
+    if dtype is None:
+        dtype = loaded.hf_config.get("torch_dtype") or loaded.hf_config.get("dtype") or "float32"
     arch = fp.architecture if fp is not None else None
-    report = export_draft(loaded, args.to, args.out, args.with_embedding, emb, dtype, arch, tdir)
-    if args.json:
-        print(json.dumps(report, indent=2))
-        for w in report["warnings"]:  # JSON on stdout stays machine-readable; people still see warnings
-            print(f"eaglescope: warning: {w}", file=sys.stderr)
-    else:
-        print(format_export_report(report))
-    return 0
+    return export_draft(loaded, to, out, with_embedding, emb, _DTYPES.get(dtype, torch.float32), arch, tdir)

@@ -313,6 +313,43 @@ def _fl(t: torch.Tensor) -> list[float]:
     return [float(v) for v in t.flatten().tolist()]
 
 
+def _exact_measures(a: torch.Tensor, b: torch.Tensor, S: int) -> dict:
+    """compare's measures from the full tensors."""
+    xa, xb = _rows(a).double(), _rows(b).double()
+    d = xa - xb
+    R = xa.shape[0]
+    return {
+        "exact": a.dtype == b.dtype and bool(torch.equal(a.detach().cpu(), b.detach().cpu())),
+        "rel_l2": float(_rel(d, xb)),
+        "cos": float(_cos(xa.flatten(), xb.flatten(), dim=0)),
+        "max_abs_diff": float(d.abs().max()) if d.numel() else 0.0,
+        "row_rel_err": _fl(_rel(d, xb, dim=-1)),
+        "row_cos": _fl(_cos(xa, xb)),
+        "seg_rel_err": _fl(
+            _rel(
+                d.reshape(R, S, -1).transpose(0, 1).reshape(S, -1),
+                xb.reshape(R, S, -1).transpose(0, 1).reshape(S, -1),
+                dim=-1,
+            )
+        ),
+    }
+
+
+def _projected_measures(pa: Fingerprint, pb: Fingerprint, S: int) -> dict:
+    """compare's measures estimated from the 16-dim projections (Johnson-Lindenstrauss); identical inputs give 0."""
+    d = pa.proj.double() - pb.proj.double()  # [R, S, 16]
+    R = d.shape[0]
+    return {
+        "rel_l2": float(_rel(d, pb.proj)),
+        "cos": float(_cos(pa.proj.flatten(), pb.proj.flatten(), dim=0)),
+        "row_rel_err": _fl(_rel(d.reshape(R, -1), pb.proj.reshape(R, -1), dim=-1)),
+        "row_cos": _fl(_cos(pa.proj.reshape(R, -1), pb.proj.reshape(R, -1))),
+        "seg_rel_err": _fl(_rel(d.transpose(0, 1).reshape(S, -1), pb.proj.transpose(0, 1).reshape(S, -1), dim=-1)),
+        "max_abs_diff": float((pa.head - pb.head).abs().max()) if pa.head.numel() else 0.0,
+        "exact": None,
+    }
+
+
 def compare(
     a: torch.Tensor | Fingerprint,
     b: torch.Tensor | Fingerprint,
@@ -367,34 +404,7 @@ def compare(
     out["row_norm_ratio"] = _fl(_ratio(pa.row_norm, pb.row_norm))
     out["norm_ratio"] = float(_ratio(pa.row_norm.double().norm(), pb.row_norm.double().norm()))
     out["seg_norm_ratio"] = _fl(_ratio(pa.seg_norm.double().norm(dim=0), pb.seg_norm.double().norm(dim=0)))
-    if out["method"] == "full":
-        xa, xb = _rows(a).double(), _rows(b).double()
-        d = xa - xb
-        out["exact"] = a.dtype == b.dtype and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
-        out["rel_l2"] = float(_rel(d, xb))
-        out["cos"] = float(_cos(xa.flatten(), xb.flatten(), dim=0))
-        out["max_abs_diff"] = float(d.abs().max()) if d.numel() else 0.0
-        out["row_rel_err"] = _fl(_rel(d, xb, dim=-1))
-        out["row_cos"] = _fl(_cos(xa, xb))
-        R = xa.shape[0]
-        out["seg_rel_err"] = _fl(
-            _rel(
-                d.reshape(R, S, -1).transpose(0, 1).reshape(S, -1),
-                xb.reshape(R, S, -1).transpose(0, 1).reshape(S, -1),
-                dim=-1,
-            )
-        )
-    else:
-        # The 16-dim projections estimate relative errors (Johnson-Lindenstrauss); identical inputs give 0.
-        d = pa.proj.double() - pb.proj.double()  # [R, S, 16]
-        R = d.shape[0]
-        out["rel_l2"] = float(_rel(d, pb.proj))
-        out["cos"] = float(_cos(pa.proj.flatten(), pb.proj.flatten(), dim=0))
-        out["row_rel_err"] = _fl(_rel(d.reshape(R, -1), pb.proj.reshape(R, -1), dim=-1))
-        out["row_cos"] = _fl(_cos(pa.proj.reshape(R, -1), pb.proj.reshape(R, -1)))
-        out["seg_rel_err"] = _fl(_rel(d.transpose(0, 1).reshape(S, -1), pb.proj.transpose(0, 1).reshape(S, -1), dim=-1))
-        out["max_abs_diff"] = float((pa.head - pb.head).abs().max()) if pa.head.numel() else 0.0
-        out["exact"] = None
+    out |= _exact_measures(a, b, S) if out["method"] == "full" else _projected_measures(pa, pb, S)
     bad = [i for i, e in enumerate(out["row_rel_err"]) if not e <= tol]
     out["first_bad_row"] = bad[0] if bad else None
     norm_ok = all(abs(r - 1.0) <= tol for r in out["row_norm_ratio"])
@@ -430,10 +440,7 @@ def trace_kind(producer: str):
     """The output kind of traces written by `producer` (what a TraceRecorder of that producer may replace)."""
 
     def written_by_producer(p: Path) -> bool:
-        try:
-            return json.loads((p / MANIFEST).read_text()).get("producer") == producer
-        except (OSError, ValueError, AttributeError):
-            return False
+        return (_outputs.read_json(p / MANIFEST) or {}).get("producer") == producer
 
     return _outputs.dir_kind(
         f"trace written by {producer}",

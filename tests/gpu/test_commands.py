@@ -13,7 +13,7 @@ from faults import aux_of_round, edit_trace, permute_segments
 from models import make_checkpoint
 
 from eaglescope import trace as T
-from eaglescope.detective.diagnose import PRECISION_16
+from eaglescope.detective.diagnose.evidence import PRECISION_16
 from eaglescope.detective.replay import replay_hs
 from eaglescope.draft import save_draft
 

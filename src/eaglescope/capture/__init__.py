@@ -17,9 +17,11 @@ This module holds only the names both halves share, so that importing it costs n
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # The switch: the staging directory the traces are written into (set by `eaglescope capture` only).
 ENV_DIR = "EAGLESCOPE_CAPTURE_DIR"
@@ -67,8 +69,9 @@ def _staging() -> Path | None:
 
 
 def note(line: str) -> None:
-    """One line for `eaglescope capture` to report (and on stderr now, prefixed so it can be found in a log)."""
-    print(f"eaglescope capture: {line}", file=sys.stderr, flush=True)
+    """One line for `eaglescope capture` to report (and logged now, in the engine's process: plugin.py installs
+    eaglescope's one-line stderr handler there, so it can be found in the engine's log)."""
+    log.info("capture: %s", line)
     staging = _staging()
     if staging is not None:
         try:

@@ -16,8 +16,8 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from eaglescope import outputs
@@ -130,19 +130,37 @@ def _nothing_captured(staging: Path, rc: int, notes: list[str], engine: str = "v
     return EagleScopeError(f"nothing was captured{status}: {why}")
 
 
-def cmd_capture(args) -> int:
-    command = list(args.command or [])
+@dataclass
+class Captured:
+    """What a capture wrote, for the command to report."""
+
+    out: Path  # the trace (one request) or the directory of request-<k>/ traces
+    first: Path  # the first trace written
+    traces: int
+    requested: int
+    exit_status: int  # the user's command's
+    notes: list[str]  # the plugin's notes, one line each
+    raised: list[str]  # the engine's step errors while traced requests were in flight
+    engine: str = "vllm"  # "vllm" | "sglang"
+
+
+def capture(
+    command: list[str], out: str | Path, requests: int = 1, mode: str = "full", layers: bool = False,
+    engine: str = "vllm",
+) -> Captured:  # fmt: skip
+    """Run `command` with the capture switched on; the traces of its first `requests` requests end up at `out`."""
+    command = list(command or [])
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise EagleScopeError("give the command to run after --, e.g. eaglescope capture ... -- python serve.py")
-    if args.requests < 1:
-        raise EagleScopeError(f"--requests must be >= 1, got {args.requests}")
-    engine = getattr(args, "engine", "vllm")
-    layers = bool(getattr(args, "layers", False))
+    if requests < 1:
+        raise EagleScopeError(f"--requests must be >= 1, got {requests}")
+    if engine not in ENGINES:
+        raise EagleScopeError(f"--engine must be one of {', '.join(ENGINES)}, not {engine}")
     if layers and engine != "vllm":
         raise EagleScopeError(f"--layers is supported with --engine vllm only, not {engine}")
-    out = outputs.check_destination(args.out, CAPTURE_KIND, flag="--out")
+    out = outputs.check_destination(out, CAPTURE_KIND, flag="--out")
     outputs.clean_stale(out)
     staging = out.with_name(f".{out.name}{outputs.TMP_TAG}{os.getpid()}")
     try:
@@ -153,7 +171,7 @@ def cmd_capture(args) -> int:
     except OSError as e:
         raise EagleScopeError(f"cannot write beside {out}: {e.strerror or e}") from None
     try:
-        env = _child_env(staging, args.requests, args.mode, layers, engine)
+        env = _child_env(staging, requests, mode, bool(layers), engine)
         rc, refused = _run(command, env, staging)
         if refused:
             raise EagleScopeError(refused)
@@ -166,15 +184,15 @@ def cmd_capture(args) -> int:
         )
         if not slots:
             raise _nothing_captured(staging, rc, notes, engine)
-        if args.requests == 1:
+        if requests == 1:
             outputs.swap_in(slots[0][1], out)
         else:
             index = {
                 "written_by": WRITTEN_BY,
                 "engine": engine,
                 "supported_versions": list(SUPPORTED[engine]),
-                "mode": args.mode,
-                "requested": args.requests,
+                "mode": mode,
+                "requested": requests,
                 "command": command,
                 "exit_status": rc,
                 "traces": [_summary(path, engine) for _, path in slots],
@@ -189,26 +207,8 @@ def cmd_capture(args) -> int:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    for line in notes:
-        print(f"eaglescope capture: note: {line}", file=sys.stderr)
-    where = out if args.requests == 1 else out / slots[0][1].name
-    short = f" of the {args.requests} asked for" if len(slots) < args.requests else ""
-    print(
-        f"eaglescope capture: {len(slots)} trace(s){short} written to {out}; diagnose with: eaglescope doctor "
-        f"--target TARGET --draft DRAFT --trace {where}",
-        file=sys.stderr,
-    )
-    if rc:
-        print(f"eaglescope capture: warning: the command exited with status {rc}", file=sys.stderr)
-    if raised:
-        # The command may have caught the error and gone on; the traces of those requests still stop early.
-        print(
-            f"eaglescope capture: warning: {ENGINE_NAMES[engine]}'s engine step raised while {len(raised)} traced "
-            "request(s) were in flight; their traces stop there (marked incomplete: doctor reports TRACE_INCOMPLETE)",
-            file=sys.stderr,
-        )
-        return rc or 1
-    return rc
+    first = out if requests == 1 else out / slots[0][1].name
+    return Captured(out, first, len(slots), requests, rc, notes, raised, engine)
 
 
 def _read_lines(path: Path) -> list[str]:
@@ -230,4 +230,4 @@ def _summary(path: Path, engine: str) -> dict:
     }
 
 
-__all__ = ["cmd_capture", "CAPTURE_KIND"]
+__all__ = ["capture", "Captured", "CAPTURE_KIND"]

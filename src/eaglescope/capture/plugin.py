@@ -19,7 +19,8 @@ import os
 import sys
 from types import ModuleType
 
-from eaglescope.capture import ENV_ENGINE, HOOKED, LOADED, REFUSED, _staging, note, unsupported_line
+from eaglescope.capture import ENV_ENGINE, HOOKED, LOADED, REFUSED, _staging, log, note, unsupported_line
+from eaglescope.log import configure as configure_logging
 
 # engine → the module whose import means "this process runs the model", where that engine's hooks are installed
 HOOKED_MODULES = {
@@ -52,6 +53,7 @@ def _start(engine: str) -> None:
     staging = _staging()
     if staging is None or os.environ.get(ENV_ENGINE, "vllm") != engine:
         return
+    configure_logging()  # no eaglescope command runs in this process to install the handler
     try:
         _touch(LOADED.format(pid=os.getpid()))
         package = importlib.import_module(engine)  # already imported: the engine is calling its plugins
@@ -61,7 +63,7 @@ def _start(engine: str) -> None:
             try:
                 with open(staging / REFUSED, "x", encoding="utf-8") as f:
                     f.write(refused + "\n")
-                print(f"eaglescope capture: {refused}", file=sys.stderr, flush=True)
+                log.info("capture: %s", refused)  # the command itself ends with the one error line
             except FileExistsError:
                 pass
             return

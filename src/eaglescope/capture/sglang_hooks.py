@@ -63,6 +63,7 @@ import torch
 from eaglescope.capture import ENV_DIR, ENV_MODE, ENV_REQUESTS, note, producer, unsupported_line
 from eaglescope.capture.slots import TracedRequest, claim_slot, report_raised, target_fingerprint
 from eaglescope.capture.slots import rows as _rows
+from eaglescope.capture.slots import wrap as _wrap
 from eaglescope.trace import (
     DRAFT_FC_OUT,
     NEXT_HIDDEN_IN,
@@ -438,6 +439,84 @@ _raised = _guarded(Capture.raised)
 _close = _guarded(Capture.close)
 
 
+# The wrappers: each reads what SGLang computed around the method it wraps and never changes its result.
+def _forward_batch_generation_hook(orig):
+    def run(self, batch, *a, **kw):
+        if (cap := _capture()) is not None:
+            _begin_step(cap, self, batch)
+        try:
+            return orig(self, batch, *a, **kw)
+        except Exception as e:
+            if (cap := _capture()) is not None:
+                _raised(cap, e)
+            raise
+        finally:
+            if (cap := _capture()) is not None:
+                cap.draft = None
+
+    return run
+
+
+def _extend_for_prefill_hook(orig):
+    def run(self, batch, target_hidden_states, next_token_ids, *a, **kw):
+        if (cap := _capture()) is not None and cap.layout:
+            _on_prefill_handoff(cap, target_hidden_states, next_token_ids)
+        try:
+            return orig(self, batch, target_hidden_states, next_token_ids, *a, **kw)
+        finally:
+            if (cap := _capture()) is not None:
+                cap.draft = None
+
+    return run
+
+
+def _verify_hook(orig):
+    def run(self, batch, *a, **kw):
+        verify_input = batch.spec_info
+        out = orig(self, batch, *a, **kw)
+        if (cap := _capture()) is not None and cap.layout:
+            _on_verified(cap, self, verify_input, out)
+        return out
+
+    return run
+
+
+def _extend_for_decode_hook(orig):
+    def run(self, batch, batch_result, *a, **kw):
+        if (cap := _capture()) is not None and cap.handoff:
+            _on_decode_handoff(cap, batch_result)
+        try:
+            return orig(self, batch, batch_result, *a, **kw)
+        finally:
+            if (cap := _capture()) is not None:
+                cap.draft = None
+
+    return run
+
+
+def _draft_forward_hook(orig):
+    def run(self, forward_batch, *a, **kw):
+        if (cap := _capture()) is not None and cap.layout:
+            _begin_draft_steps(cap)
+        try:
+            return orig(self, forward_batch, *a, **kw)
+        finally:
+            if (cap := _capture()) is not None:
+                cap.draft = None
+
+    return run
+
+
+def _update_finish_state_hook(orig):
+    def run(self, *a, **kw):
+        out = orig(self, *a, **kw)
+        if (cap := _capture()) is not None and str(self.rid) in cap.traces and self.finished():
+            _close(cap, str(self.rid), _ended(self.finished_reason))
+        return out
+
+    return run
+
+
 def install(worker_module: ModuleType) -> None:
     """Wrap SGLang's EAGLE worker and Req methods (class level, once per process)."""
     global _CAPTURE
@@ -454,85 +533,9 @@ def install(worker_module: ModuleType) -> None:
     _CAPTURE = Capture(staging, limit, os.environ.get(ENV_MODE, "full"), str(sglang.__version__))
     atexit.register(_CAPTURE.close_all, "exit")
     Worker, DraftWorker = worker_module.EAGLEWorkerV2, worker_module.EagleDraftWorker
-
-    def wrap(cls, name: str, make) -> None:
-        orig = getattr(cls, name)
-        setattr(cls, name, functools.wraps(orig)(make(orig)))
-
-    def forward_batch_generation(orig):
-        def run(self, batch, *a, **kw):
-            if (cap := _capture()) is not None:
-                _begin_step(cap, self, batch)
-            try:
-                return orig(self, batch, *a, **kw)
-            except Exception as e:
-                if (cap := _capture()) is not None:
-                    _raised(cap, e)
-                raise
-            finally:
-                if (cap := _capture()) is not None:
-                    cap.draft = None
-
-        return run
-
-    def extend_for_prefill(orig):
-        def run(self, batch, target_hidden_states, next_token_ids, *a, **kw):
-            if (cap := _capture()) is not None and cap.layout:
-                _on_prefill_handoff(cap, target_hidden_states, next_token_ids)
-            try:
-                return orig(self, batch, target_hidden_states, next_token_ids, *a, **kw)
-            finally:
-                if (cap := _capture()) is not None:
-                    cap.draft = None
-
-        return run
-
-    def verify(orig):
-        def run(self, batch, *a, **kw):
-            verify_input = batch.spec_info
-            out = orig(self, batch, *a, **kw)
-            if (cap := _capture()) is not None and cap.layout:
-                _on_verified(cap, self, verify_input, out)
-            return out
-
-        return run
-
-    def extend_for_decode(orig):
-        def run(self, batch, batch_result, *a, **kw):
-            if (cap := _capture()) is not None and cap.handoff:
-                _on_decode_handoff(cap, batch_result)
-            try:
-                return orig(self, batch, batch_result, *a, **kw)
-            finally:
-                if (cap := _capture()) is not None:
-                    cap.draft = None
-
-        return run
-
-    def draft_forward(orig):
-        def run(self, forward_batch, *a, **kw):
-            if (cap := _capture()) is not None and cap.layout:
-                _begin_draft_steps(cap)
-            try:
-                return orig(self, forward_batch, *a, **kw)
-            finally:
-                if (cap := _capture()) is not None:
-                    cap.draft = None
-
-        return run
-
-    def update_finish_state(orig):
-        def run(self, *a, **kw):
-            out = orig(self, *a, **kw)
-            if (cap := _capture()) is not None and str(self.rid) in cap.traces and self.finished():
-                _close(cap, str(self.rid), _ended(self.finished_reason))
-            return out
-
-        return run
-
-    wrap(Worker, "forward_batch_generation", forward_batch_generation)
-    wrap(Worker, "verify", verify)
-    wrap(DraftWorker, "_draft_extend_for_prefill", extend_for_prefill)
-    wrap(DraftWorker, "_draft_extend_for_decode", extend_for_decode)
-    wrap(DraftWorker, "draft_forward", draft_forward)
-    wrap(Req, "update_finish_state", update_finish_state)
+    _wrap(Worker, "forward_batch_generation", _forward_batch_generation_hook)
+    _wrap(Worker, "verify", _verify_hook)
+    _wrap(DraftWorker, "_draft_extend_for_prefill", _extend_for_prefill_hook)
+    _wrap(DraftWorker, "_draft_extend_for_decode", _extend_for_decode_hook)
+    _wrap(DraftWorker, "draft_forward", _draft_forward_hook)
+    _wrap(Req, "update_finish_state", _update_finish_state_hook)

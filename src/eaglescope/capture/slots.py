@@ -91,6 +91,13 @@ def target_fingerprint(path: str) -> dict | None:
         return None
 
 
+def wrap(cls, name: str, make) -> None:
+    """Replace method `name` of `cls` by `make(original)` (class level, once per process): the hooks' wrappers read
+    what the engine computed around the method and never change its result."""
+    orig = getattr(cls, name)
+    setattr(cls, name, functools.wraps(orig)(make(orig)))
+
+
 def rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
     """Rows [a, b) copied to the CPU now: engines reuse their buffers (and CUDA graphs their outputs) before a round
     is committed."""

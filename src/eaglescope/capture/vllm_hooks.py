@@ -70,6 +70,7 @@ from eaglescope.capture import (
 )
 from eaglescope.capture.slots import TracedRequest, claim_slot, report_raised, target_fingerprint
 from eaglescope.capture.slots import rows as _rows
+from eaglescope.capture.slots import wrap as _wrap
 from eaglescope.capture.vllm_layers import LayerStates, record_prefill
 from eaglescope.trace import (
     DRAFT_FC_OUT,
@@ -618,6 +619,85 @@ def _hook_draft_model(model) -> None:
     model._eaglescope_hooked = True
 
 
+# The wrappers: each reads what vLLM computed around the method it wraps and never changes its result.
+
+
+def _execute_model_hook(orig):
+    def run(self, scheduler_output, *a, **kw):
+        if (cap := _capture()) is not None:
+            _begin_step(cap, self, scheduler_output)
+        try:
+            return orig(self, scheduler_output, *a, **kw)
+        except Exception as e:
+            if (cap := _capture()) is not None:
+                _raised(cap, "engine step (the target's forward, execute_model)", e)
+            raise
+
+    return run
+
+
+def _sample_tokens_hook(orig):
+    def run(self, *a, **kw):
+        try:
+            out = orig(self, *a, **kw)
+        except Exception as e:
+            if (cap := _capture()) is not None:
+                _raised(cap, "engine step (its sampler or drafter, sample_tokens)", e)
+            raise
+        if (cap := _capture()) is not None and cap.step is not None and cap.step["runner"] is self:
+            _end_step(cap)
+        return out
+
+    return run
+
+
+def _model_forward_hook(orig):
+    def run(self, *a, **kw):
+        out = orig(self, *a, **kw)
+        if (cap := _capture()) is not None and cap.step is not None:
+            args = dict(zip(("input_ids", "positions"), a)) | kw
+            _on_target(cap, self, args.get("input_ids"), args.get("positions"), out)
+        return out
+
+    return run
+
+
+def _sample_hook(orig):
+    def run(self, *a, **kw):
+        out = orig(self, *a, **kw)
+        if (cap := _capture()) is not None and cap.step is not None:
+            _on_sampled(cap, self, out.sampled_token_ids)
+        return out
+
+    return run
+
+
+def _propose_hook(orig):
+    names = ("num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
+             "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata")  # fmt: skip
+
+    def run(self, *a, **kw):
+        cap = _capture()
+        active = cap is not None and bool(_begin_propose(cap, self, dict(zip(names, a)) | kw))
+        try:
+            return orig(self, *a, **kw)
+        finally:
+            if active:
+                cap.end_propose()
+
+    return run
+
+
+def _sample_draft_hook(orig):
+    def run(self, hidden_states, *a, **kw):
+        out = orig(self, hidden_states, *a, **kw)
+        if (cap := _capture()) is not None and cap.propose is not None:
+            _on_draft_sample(cap, self, hidden_states, out[0])
+        return out
+
+    return run
+
+
 def install(runner_module: ModuleType) -> None:
     """Wrap vLLM's model runner and drafter methods (class level, once per process)."""
     global _CAPTURE
@@ -636,83 +716,9 @@ def install(runner_module: ModuleType) -> None:
     atexit.register(_CAPTURE.close_all, "exit")
     Runner = runner_module.GPUModelRunner
 
-    def wrap(cls, name: str, make) -> None:
-        orig = getattr(cls, name)
-        setattr(cls, name, functools.wraps(orig)(make(orig)))
-
-    def execute_model(orig):
-        def run(self, scheduler_output, *a, **kw):
-            if (cap := _capture()) is not None:
-                _begin_step(cap, self, scheduler_output)
-            try:
-                return orig(self, scheduler_output, *a, **kw)
-            except Exception as e:
-                if (cap := _capture()) is not None:
-                    _raised(cap, "engine step (the target's forward, execute_model)", e)
-                raise
-
-        return run
-
-    def sample_tokens(orig):
-        def run(self, *a, **kw):
-            try:
-                out = orig(self, *a, **kw)
-            except Exception as e:
-                if (cap := _capture()) is not None:
-                    _raised(cap, "engine step (its sampler or drafter, sample_tokens)", e)
-                raise
-            if (cap := _capture()) is not None and cap.step is not None and cap.step["runner"] is self:
-                _end_step(cap)
-            return out
-
-        return run
-
-    def model_forward(orig):
-        def run(self, *a, **kw):
-            out = orig(self, *a, **kw)
-            if (cap := _capture()) is not None and cap.step is not None:
-                args = dict(zip(("input_ids", "positions"), a)) | kw
-                _on_target(cap, self, args.get("input_ids"), args.get("positions"), out)
-            return out
-
-        return run
-
-    def sample(orig):
-        def run(self, *a, **kw):
-            out = orig(self, *a, **kw)
-            if (cap := _capture()) is not None and cap.step is not None:
-                _on_sampled(cap, self, out.sampled_token_ids)
-            return out
-
-        return run
-
-    def propose(orig):
-        names = ("num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
-                 "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata")  # fmt: skip
-
-        def run(self, *a, **kw):
-            cap = _capture()
-            active = cap is not None and bool(_begin_propose(cap, self, dict(zip(names, a)) | kw))
-            try:
-                return orig(self, *a, **kw)
-            finally:
-                if active:
-                    cap.end_propose()
-
-        return run
-
-    def sample_draft(orig):
-        def run(self, hidden_states, *a, **kw):
-            out = orig(self, hidden_states, *a, **kw)
-            if (cap := _capture()) is not None and cap.propose is not None:
-                _on_draft_sample(cap, self, hidden_states, out[0])
-            return out
-
-        return run
-
-    wrap(Runner, "execute_model", execute_model)
-    wrap(Runner, "sample_tokens", sample_tokens)
-    wrap(Runner, "_model_forward", model_forward)
-    wrap(Runner, "_sample", sample)
-    wrap(SpecDecodeBaseProposer, "propose", propose)
-    wrap(SpecDecodeBaseProposer, "_sample_draft_tokens", sample_draft)
+    _wrap(Runner, "execute_model", _execute_model_hook)
+    _wrap(Runner, "sample_tokens", _sample_tokens_hook)
+    _wrap(Runner, "_model_forward", _model_forward_hook)
+    _wrap(Runner, "_sample", _sample_hook)
+    _wrap(SpecDecodeBaseProposer, "propose", _propose_hook)
+    _wrap(SpecDecodeBaseProposer, "_sample_draft_tokens", _sample_draft_hook)

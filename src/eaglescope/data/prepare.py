@@ -17,7 +17,6 @@ loss-masked tokens, and prepare.json is written last (atomically): present means
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -50,6 +49,7 @@ from eaglescope.data.vocab import build_draft_vocab, count_tokens, validate_voca
 from eaglescope.decode.generation import SamplingConfig
 from eaglescope.decode.vanilla import generate_vanilla, greedy_batch
 from eaglescope.errors import EagleScopeError
+from eaglescope.jsonfile import read_object
 from eaglescope.outputs import check_destination, has_partial, open_partial, partial_dir, read_json, swap_in
 from eaglescope.progress import Progress
 from eaglescope.taps import TapContract
@@ -434,7 +434,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
         _seed_from(out, part, inputs)
     num_shards = math.ceil(len(convs) / cfg.shard_samples)
     prog_path = part / PROGRESS
-    prog = json.loads(prog_path.read_text()) if prog_path.is_file() else {"inputs": inputs, "shards": {}}
+    prog = read_object(prog_path, EagleScopeError) if prog_path.is_file() else {"inputs": inputs, "shards": {}}
     if not prog_path.is_file():
         write_json_atomic(prog, prog_path)
     stop_ids = sorted(set(target.eos_token_ids) | set(end_of_turn_ids(tok)))
@@ -531,22 +531,4 @@ def _finish(out: Path, cfg, prog, num_shards, target, taps, template_sha, data, 
     return manifest
 
 
-# -- command line ----------------------------------------------------------------------------
-def cmd_prepare(args) -> int:
-    fields = set(PrepareConfig.__dataclass_fields__)
-    cfg = PrepareConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    m = prepare(cfg)
-    parts = [
-        f"{m['num_samples']} samples",
-        f"{m['num_tokens']} tokens ({m['num_supervised_tokens']} supervised)",
-        f"{m['skipped']} skipped",
-        f"{m['truncated']} truncated to {m['max_length']}",
-        f"draft vocab {m['draft_vocab_size']}",
-    ]
-    if m["hidden_states"]:
-        parts.append(f"{len(m['shards'])} hidden-state shards")
-    print(f"{cfg.out}: " + ", ".join(parts))
-    return 0
-
-
-__all__ = ["PrepareConfig", "prepare", "regenerate_conversation", "end_of_turn_ids", "cmd_prepare"]
+__all__ = ["PrepareConfig", "prepare", "regenerate_conversation", "end_of_turn_ids"]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eaglescope.decode.sampling import process_logits, sample
+from eaglescope.decode.tree import parse_tree_shape
 from eaglescope.errors import EagleScopeError
 from eaglescope.target.base import Target
 
@@ -38,6 +39,34 @@ class SamplingConfig:
             raise EagleScopeError(f"top-k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:  # also refuses NaN
             raise EagleScopeError(f"top-p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """What a decode is asked to do, read from a command's flags once (the command layer) and passed down typed."""
+
+    max_new_tokens: int
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    draft: str | None = None  # an EAGLE-3 draft directory, or a draft LM's (proposer "draft-lm")
+    proposer: str = "eagle3"  # eagle3 | ngram | draft-lm; none of them without a draft (vanilla), but ngram
+    chain: int | None = None  # a chain of K draft tokens, or
+    tree: str | None = None  # an EAGLE-2 tree "DEPTH,TOPK,TOTAL" (neither: the EAGLE default tree)
+    decoder: str = "auto"  # auto (the static-shape backend on a GPU wherever it can run) | fast | reference
+    batch_invariant: bool = True  # the static backend's target on the batch-invariant kernels (GPU)
+    backend: str = "auto"  # how a draft LM is loaded (native or transformers)
+    trace: str | None = None  # record a trace of the run into this directory
+    trace_mode: str = "full"  # full | fingerprint
+    trace_layers: bool = False  # the trace also gets every layer's state of the prefill
+    target_dir: str | None = None  # where the target came from (a trace's provenance)
+
+    @property
+    def speculative(self) -> bool:
+        return self.draft is not None or self.proposer == "ngram"
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(depth, top_k, total_tokens) of the draft tree."""
+        return parse_tree_shape(self.chain, self.tree)
 
 
 @dataclass
@@ -98,4 +127,12 @@ def begin_generation(
     return sampling, budget, stop, sampling.generator(target.device)
 
 
-__all__ = ["SamplingConfig", "GenerationResult", "check_prompt", "begin_generation", "choose_token", "sync"]
+__all__ = [
+    "DecodeSettings",
+    "SamplingConfig",
+    "GenerationResult",
+    "check_prompt",
+    "begin_generation",
+    "choose_token",
+    "sync",
+]

@@ -1,9 +1,10 @@
-"""The speculative loop, written once for every decoding path.
+"""The speculative loop, written once for every decoding path, and the reference backend.
 
 A round is `speculative_round`: propose a draft tree rooted at the last emitted token → verify it with one target
 forward → accept a path and a bonus token → commit the target's KV of root + accepted nodes and hand the target's
 features of exactly those positions to the proposer for the next round. `decode` drives rounds until the budget or
-a stop token: it is the only loop, and it keeps the statistics.
+a stop token: it is the only loop, and it keeps the statistics. The round's state is decode/round.py's RoundState,
+its steps are written once (docs/architecture.md says where each lives).
 
 What differs between paths is a backend, a `Runner` whose four round operations `speculative_round` calls:
 
@@ -17,7 +18,6 @@ What differs between paths is a backend, a `Runner` whose four round operations 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -29,15 +29,14 @@ from eaglescope.decode.generation import (
     GenerationResult,
     SamplingConfig,
     begin_generation,
-    check_prompt,
     choose_token,
     sync,
 )
+from eaglescope.decode.round import RoundState, record_prefill, record_target, record_tree, record_verdict
 from eaglescope.decode.speculative import (
     Eagle3Proposer,
     NoProposer,
     Proposer,
-    build_proposer,
 )
 from eaglescope.decode.stats import SpecStats
 from eaglescope.decode.tree import DraftTree
@@ -57,13 +56,13 @@ class RoundReport:
     tree: DraftTree | None = None  # the verified tree, where the backend keeps one on the host
 
 
-def speculative_round(b: Runner):
+def speculative_round(b: Runner) -> RoundState:
     """One round, the same for every backend: propose → verify → accept → commit (KV kept, features handed on)."""
-    tree = b.propose()
-    verified = b.verify(tree)
-    accepted = b.accept(tree, verified)
-    b.commit(tree, accepted, verified)
-    return tree, accepted
+    state = b.propose()
+    b.verify(state)
+    b.accept(state)
+    b.commit(state)
+    return state
 
 
 class Runner(ABC):
@@ -79,16 +78,20 @@ class Runner(ABC):
         """Prefill the prompt (room for `budget` new tokens); → the first generated token."""
 
     @abstractmethod
-    def propose(self): ...
+    def propose(self) -> RoundState:
+        """The round's tree (the draft side: catch-up, expansion)."""
 
     @abstractmethod
-    def verify(self, tree): ...
+    def verify(self, state: RoundState) -> None:
+        """One target forward over the tree: fills logits and aux."""
 
     @abstractmethod
-    def accept(self, tree, verified): ...
+    def accept(self, state: RoundState) -> None:
+        """Fills accepted, path, bonus and emitted."""
 
     @abstractmethod
-    def commit(self, tree, accepted, verified) -> None: ...
+    def commit(self, state: RoundState) -> None:
+        """Keeps the target KV of the path, hands its features on, records the verdict."""
 
     @abstractmethod
     def launch(self) -> None:
@@ -176,12 +179,8 @@ class ReferenceRunner(Runner):
             self.rec.record(stage, tensor, **kw)
 
     def _record_target(self, out: TargetOutput) -> None:
-        if self.rec is None or out.aux is None or self.target.taps is None:
-            return
-        H = self.target.hidden_size
-        for j, layer in enumerate(self.target.taps.layers):
-            self.rec.record(T.target_tap(layer), out.aux[:, j * H : (j + 1) * H])
-        self.rec.record(T.TARGET_AUX, out.aux, segments=self.target.taps.count)
+        if self.rec is not None and out.aux is not None and self.target.taps is not None:
+            record_target(self.rec, out.aux, self.target.taps.layers)
 
     def target_forward(self, tokens: torch.Tensor, positions=None, tree_mask=None) -> TargetOutput:
         return self.target.forward(tokens, positions=positions, tree_mask=tree_mask)
@@ -200,12 +199,11 @@ class ReferenceRunner(Runner):
             prefill = self.target_forward(ids)
         t.commit()
         first = self.first_token(prefill)
-        self._record_target(prefill)
-        if layers:
-            self.rec.record_layers(states, final, normed_inputs(t, states))
-        self._record(T.VERIFY_BONUS, torch.tensor([first]))
-        if prefill.aux is not None:
-            self._record(T.NEXT_HIDDEN_IN, prefill.aux)
+        if self.rec is not None:
+            layers = (states, final, normed_inputs(t, states)) if layers else None
+            record_prefill(
+                self.rec, lambda aux: self._record_target(prefill), prefill.aux, torch.tensor([first]), layers
+            )
         self.tokens = list(prompt_ids) + [first]
         self.proposer.start(list(prompt_ids), prefill, first)
         return first
@@ -218,42 +216,48 @@ class ReferenceRunner(Runner):
             self.rec.next_round()
 
     # -- the round's operations ---------------------------------------------------------------------------------
-    def propose(self) -> DraftTree:
+    def propose(self) -> RoundState:
         tree = self.proposer.propose(self.tokens, self.target.cache_len)
-        self._record(T.VERIFY_TOKENS, tree.tokens)
-        self._record(T.VERIFY_PARENTS, tree.parents)
-        return tree
+        if self.rec is not None:
+            record_tree(self.rec, tree)
+        return RoundState(tree)
 
-    def verify(self, tree: DraftTree) -> TargetOutput:
-        dev = self.target.device
+    def verify(self, state: RoundState) -> None:
+        dev, tree = self.target.device, state.tree
         out = self.target_forward(
             tree.tokens.to(dev),
             positions=self.target.cache_len + tree.depths.to(dev),
             tree_mask=tree.ancestor_mask().to(dev),
         )
+        state.logits, state.aux = out.logits, out.aux
         self._record_target(out)
-        return out
 
-    def accept(self, tree: DraftTree, out: TargetOutput) -> VerifyResult:
+    def verdict(self, state: RoundState) -> VerifyResult:
+        """The acceptance on the host: greedy (verify.accept_greedy), or recursive rejection sampling."""
         if self.sampling.greedy:
-            return verify_greedy(tree, out.logits)
+            return verify_greedy(state.tree, state.logits)
         s = self.sampling
-        return verify_sampling(tree, out.logits, s.temperature, s.top_k, s.top_p, self.gen)
+        return verify_sampling(state.tree, state.logits, s.temperature, s.top_k, s.top_p, self.gen)
 
-    def commit(self, tree: DraftTree, res: VerifyResult, out: TargetOutput) -> None:
-        self.target.commit(torch.tensor(res.path, device=self.target.device))
-        self._record(T.VERIFY_ACCEPTED, torch.tensor(res.accepted, dtype=torch.long))
-        self._record(T.VERIFY_BONUS, torch.tensor([res.bonus]))
-        self.tokens += res.tokens
-        self.proposer.accepted(tree, res, out)
-        if isinstance(self.proposer, Eagle3Proposer):
-            self._record(T.NEXT_HIDDEN_IN, self.proposer.pending_aux)
+    def accept(self, state: RoundState) -> None:
+        state.settle(self.verdict(state))
+
+    def commit(self, state: RoundState) -> None:
+        self.target.commit(state.path.to(self.target.device))
+        self.tokens += state.emitted.tolist()
+        self.proposer.accepted(state)
+        if self.rec is not None:
+            handed = self.proposer.pending_aux if isinstance(self.proposer, Eagle3Proposer) else None
+            record_verdict(self.rec, state, handed)
 
     # -- running rounds -----------------------------------------------------------------------------------------
     def launch(self) -> None:
         self.next_round()
-        tree, res = speculative_round(self)
-        self._report = RoundReport(res.tokens, len(res.accepted), tree.max_depth, tree.num_nodes - 1, tree)
+        state = speculative_round(self)
+        tree = state.tree
+        self._report = RoundReport(
+            state.emitted.tolist(), int(state.accepted), tree.max_depth, tree.num_nodes - 1, tree
+        )
 
     def read(self) -> RoundReport:
         rep, self._report = self._report, None
@@ -292,48 +296,6 @@ def generate_vanilla(
     return res
 
 
-def open_trace(args) -> T.TraceRecorder | None:
-    """`generate --trace DIR`'s recorder (None without the flag); its meta comes from `trace_meta`."""
-    if not args.trace:
-        return None
-    return T.TraceRecorder(
-        args.trace, mode=args.trace_mode, producer="eaglescope", inputs=(args.target, args.draft), flag="--trace"
-    )
-
-
-def trace_meta(recorder: T.TraceRecorder, args, target: Target, prompt_ids, sampling: SamplingConfig) -> None:
-    """What a trace of `eaglescope generate` says about its run (the prompt, the target, taps, the settings)."""
-    recorder.set_meta(
-        prompt_ids=list(prompt_ids),
-        target=target.fingerprint.to_dict(),
-        taps=target.taps.to_dict() if target.taps else None,
-        settings={
-            "chain": args.chain,
-            "tree": args.tree,
-            "temperature": sampling.temperature,
-            "top_k": sampling.top_k,
-            "top_p": sampling.top_p,
-            "seed": sampling.seed,
-            "max_new_tokens": args.max_new_tokens,
-            "proposer": args.proposer,
-            "fast": bool(getattr(args, "fast", False)),
-        },
-    )
-
-
-def run_speculative_from_args(args, target: Target, prompt_ids, sampling, stop) -> GenerationResult:
-    """`eaglescope generate --draft …` (or --proposer ngram) on the reference backend, with an optional trace."""
-    budget = check_prompt(target, prompt_ids, args.max_new_tokens)
-    recorder = open_trace(args)
-    proposer = build_proposer(args, target, sampling, len(prompt_ids) + budget + 1, recorder)
-    if recorder is not None:
-        trace_meta(recorder, args, target, prompt_ids, sampling)
-    # the recorder writes its trace when the block ends, or drops it when the block raises
-    with recorder if recorder is not None else contextlib.nullcontext():
-        return generate_speculative(target, proposer, prompt_ids, args.max_new_tokens, sampling, stop, recorder,
-                                    trace_layers=bool(getattr(args, "trace_layers", False)))  # fmt: skip
-
-
 __all__ = [
     "RoundReport",
     "Runner",
@@ -342,5 +304,4 @@ __all__ = [
     "decode",
     "generate_speculative",
     "generate_vanilla",
-    "run_speculative_from_args",
 ]

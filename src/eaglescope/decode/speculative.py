@@ -13,10 +13,10 @@ from abc import ABC, abstractmethod
 import torch
 
 from eaglescope import trace as T
-from eaglescope.decode.generation import SamplingConfig
+from eaglescope.decode.generation import DecodeSettings, SamplingConfig
+from eaglescope.decode.round import RoundState, SlotCache, StageBuffers
 from eaglescope.decode.sampling import process_logits, sample
-from eaglescope.decode.tree import EAGLE_DEFAULT_TREE, DraftTree, TreeBuilder
-from eaglescope.decode.verify import VerifyResult
+from eaglescope.decode.tree import DraftTree, TreeBuilder
 from eaglescope.draft import Eagle3Draft, check_draft_matches_target, load_draft
 from eaglescope.errors import EagleScopeError
 from eaglescope.target import load_target
@@ -40,8 +40,8 @@ class Proposer(ABC):
     def propose(self, tokens: list[int], root_position: int) -> DraftTree:
         """A tree whose root is tokens[-1], which sits at `root_position` in the target's sequence."""
 
-    def accepted(self, tree: DraftTree, result: VerifyResult, verify_out: TargetOutput) -> None:  # noqa: B027
-        """After verification: `result.path` are the tree nodes whose target KV was kept."""
+    def accepted(self, state: RoundState) -> None:  # noqa: B027
+        """After verification: `state.path` are the tree nodes whose target KV was kept."""
 
 
 class NoProposer(Proposer):
@@ -58,29 +58,17 @@ class NoProposer(Proposer):
         return DraftTree.chain([tokens[-1]])
 
 
-def parse_tree_shape(chain: int | None, tree: str | None) -> tuple[int, int, int]:
-    """(depth, top_k, total_tokens). A chain of K is a tree of depth K, top_k 1, K+1 nodes."""
-    if chain is not None:
-        if chain < 1:
-            raise EagleScopeError(f"--chain must be >= 1, got {chain}")
-        return chain, 1, chain + 1
-    if tree is None:
-        return EAGLE_DEFAULT_TREE
-    try:
-        depth, top_k, total = (int(x) for x in tree.split(","))
-    except ValueError:
-        raise EagleScopeError(f"--tree must be DEPTH,TOPK,TOTAL (e.g. 7,10,60), got {tree!r}") from None
-    if depth < 1 or top_k < 1 or total < 2:
-        raise EagleScopeError(f"--tree needs depth >= 1, top_k >= 1 and total >= 2, got {tree!r}")
-    return depth, top_k, total
-
-
 class Eagle3Proposer(Proposer):
     """EAGLE-3 draft: catch-up over newly accepted positions from the target's taps, then an EAGLE-2 tree.
 
-    Draft cache slots: [0, committed) hold step-0 keys of every context position (features from
-    the target); tree nodes of the current round are appended after them and dropped when the
-    round ends (the next catch-up overwrites those slots).
+    The draft side of the round for both backends: `catch_up` and `expand` are device tensors only (no host read, no
+    data-dependent shape), so the static-shape backend (fast/engine.py) captures them in its round's graph, passing
+    tensors padded to its budget where the reference backend (`propose`) passes exact ones. The hook methods below
+    are one wiring decision each: doctor's fault hypotheses and the tests override exactly one, on this same code.
+
+    Draft cache slots (a SlotCache): [0, max_len) hold step-0 keys of every context position (features from the
+    target); tree level l writes its frontier's keys at tree_base + (l-1)*top_k + j, whatever the context length,
+    and the next catch-up never reads them.
     """
 
     name = "eagle3"
@@ -92,16 +80,19 @@ class Eagle3Proposer(Proposer):
         top_k: int,
         total_tokens: int,
         max_len: int,
-        recorder: T.TraceRecorder | None = None,
+        recorder: T.TraceRecorder | StageBuffers | None = None,
     ) -> None:
+        """`max_len`: the context positions the draft cache holds; `recorder`: where the draft stages go (a trace, or
+        the static backend's StageBuffers)."""
         self.draft = draft
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_len = max_len
         self.rec = recorder
         p = draft.fc.weight
         self.device, self.dtype = p.device, p.dtype
-        # Every expansion adds at most top_k nodes (the frontier), so a round appends at most this many keys.
-        self.cache = draft.new_cache(1, max_len + depth * top_k + 1)
+        self.tree_base = max_len
+        self.cache = draft_slot_cache(draft, max_len + max(depth - 1, 1) * top_k)
+        self.slots = torch.arange(self.cache.size, device=self.device)
         self.committed = 0
         self.pending_aux: torch.Tensor | None = None  # [P, nH] target features of positions not yet caught up
         self.pending_tokens: torch.Tensor | None = None  # [P] the token that follows each of those positions
@@ -115,13 +106,13 @@ class Eagle3Proposer(Proposer):
         """Step-0 input features: fc over the target's concatenated taps [P, nH] → [P, H]."""
         return self.draft.project(aux.to(self.dtype))
 
-    def next_round_features(self, verify_out: TargetOutput, result: VerifyResult) -> torch.Tensor:
-        """Target features of exactly the positions whose KV survived: root + accepted."""
-        return verify_out.aux[torch.tensor(result.path, device=verify_out.aux.device)]
+    def next_round_features(self, aux: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """Target features [N, nH] of exactly the positions whose KV survived: root + accepted (`path`)."""
+        return aux[path]
 
-    def paired_tokens(self, following: list[int]) -> torch.Tensor:
+    def paired_tokens(self, following: torch.Tensor) -> torch.Tensor:
         """The token paired with each pending feature: the one *after* its position."""
-        return torch.tensor(following, device=self.device)
+        return following.to(self.device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.draft.embed_tokens(token_ids)
@@ -130,54 +121,104 @@ class Eagle3Proposer(Proposer):
         """Features a tree step reads: its parent's own pre-norm output (never the target's again)."""
         return parent_out
 
-    def catch_up_positions(self, start: int, count: int) -> torch.Tensor:
-        """RoPE positions of the pending features: their own sequence positions, continuing the cache."""
-        return torch.arange(start, start + count, device=self.device)
+    def catch_up_positions(self, start, count: int) -> torch.Tensor:
+        """RoPE positions of the pending features (`start`: int, or [1] on the static backend): their own sequence
+        positions, continuing the cache."""
+        return start + self.slots[:count]
 
-    def tree_position(self, root_position: int, level: int) -> int:
+    def tree_position(self, root_position, level: int):
         """RoPE position of a depth-`level` node's query: root + level - 1, as TTT step `level` uses."""
         return root_position + level - 1
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.draft.to_target_ids(draft_ids)
 
-    # -- protocol ------------------------------------------------------------------------
+    # -- the draft side of a round (both backends) ------------------------------------------------------------
+    def catch_up(self, aux: torch.Tensor, tokens: torch.Tensor, start) -> torch.Tensor:
+        """Step 0 over positions start.. (aux [P, nH], each paired with the token after it, tokens [P]); their keys
+        go to draft slots start..start+P-1 → the pre-norm outputs [P, H]. `start`: int, or [1] (static backend, whose
+        rows past its pending count are padding: they land past the context, no real row sees them, and the next
+        catch-up overwrites them)."""
+        P = aux.shape[0]
+        slots = start + self.slots[:P]
+        mask = self.slots[None, :] <= slots[:, None]  # the context before, and each row itself
+        hidden = self.features(aux)  # [P, H]
+        positions = self.catch_up_positions(start, P)
+        self._record(T.DRAFT_FC_OUT, hidden)
+        self._record(T.draft_tokens(0), tokens)
+        self._record(T.draft_positions(0), positions)
+        embeds = self.embed(tokens)
+        self._record(T.draft_embed_in(0), embeds)
+        self._record(T.draft_hidden_in(0), hidden)
+        out = self.draft.step(embeds[None], hidden[None], positions[None], self.cache, slots, mask[None, None])[0]
+        self._record(T.draft_hidden_out(0), out)
+        return out
+
+    def expand(self, h_root: torch.Tensor, root, root_position, context) -> DraftTree:
+        """EAGLE-2 tree expansion from the root's features h_root [1, H] (the catch-up's output for the position
+        before the root): `depth` levels of top_k, reranked to total_tokens nodes (target ids). `root`, `root_position`
+        and `context` (the draft positions committed, the root's included): ints, or [1] on the static backend."""
+        d, dev, K = self.draft, self.device, self.top_k
+        b = TreeBuilder(0, K, dev)
+        b.tokens = _as_index(root, dev).clone()
+        lp = self._logprobs(h_root)
+        self._record_topk(1, lp)
+        frontier = b.expand(torch.zeros(1, dtype=torch.long, device=dev), lp)
+        ctx_mask = self.slots < context  # [S]: the committed context, seen by every tree query
+        lo = self.tree_base
+        processed: list[torch.Tensor] = []  # the frontiers whose keys sit in the tree region, in slot order
+        prev_front, prev_out = None, None
+        for level in range(1, self.depth):
+            m = frontier.shape[0]  # top_k from level 1 on (every level keeps the global top_k candidates)
+            if prev_front is None:
+                parent_out = h_root.expand(m, -1)
+            else:  # each frontier node's parent is in the previous frontier: read its output
+                par = b.parents[frontier]
+                parent_out = prev_out[(prev_front[None, :] == par[:, None]).float().argmax(1)]
+            hidden_in = self.child_hidden(parent_out)
+            processed.append(frontier)
+            cols = torch.cat(processed)
+            anc = b.ancestor_mask(frontier)[:, cols]  # [m, level*m] over the tree region's slots
+            mask = torch.cat(
+                [ctx_mask[None, :lo].expand(m, -1), anc, ctx_mask[None, lo + cols.shape[0] :].expand(m, -1)], 1
+            )
+            slots = lo + (level - 1) * K + torch.arange(m, device=dev)
+            positions = _as_index(self.tree_position(root_position, level), dev).expand(m)
+            tok = self.to_target_ids(b.tokens[frontier])  # the embedding is the target's
+            self._record(T.draft_tokens(level), tok)
+            self._record(T.draft_positions(level), positions)
+            embeds = self.embed(tok)
+            self._record(T.draft_embed_in(level), embeds)
+            self._record(T.draft_hidden_in(level), hidden_in)
+            out = d.step(embeds[None], hidden_in[None], positions[None], self.cache, slots, mask[None, None])[0]
+            self._record(T.draft_hidden_out(level), out)
+            prev_front, prev_out = frontier, out
+            lp = self._logprobs(out)
+            self._record_topk(level + 1, lp)
+            frontier = b.expand(frontier, lp)
+        tree = b.finalize(self.total_tokens)
+        tokens = torch.cat([tree.tokens[:1], self.to_target_ids(tree.tokens[1:])])
+        return DraftTree(tokens, tree.parents, tree.depths, tree.scores, source=tree.source, mask=tree.mask)
+
+    def handed_on(self, aux: torch.Tensor, path: torch.Tensor, emitted: torch.Tensor):
+        """What the next round's catch-up reads (RoundState's verify features, path and emitted tokens) → (features of
+        root + accepted [L, nH], the token after each [L])."""
+        return self.next_round_features(aux, path), self.paired_tokens(emitted)
+
+    # -- protocol (the reference backend) --------------------------------------------------------------------
     def start(self, prompt_ids, prefill, first_token) -> None:
         if prefill.aux is None:
             raise EagleScopeError("the target returned no tap features: set its taps to the draft's contract")
         self.committed = 0
         self.pending_aux = prefill.aux
-        self.pending_tokens = self.paired_tokens(prompt_ids[1:] + [first_token])
+        self.pending_tokens = self.paired_tokens(torch.tensor(prompt_ids[1:] + [first_token], device=self.device))
 
-    def accepted(self, tree, result, verify_out) -> None:
-        self.pending_aux = self.next_round_features(verify_out, result)
-        self.pending_tokens = self.paired_tokens([int(tree.tokens[i]) for i in result.accepted] + [result.bonus])
+    def accepted(self, state) -> None:
+        self.pending_aux, self.pending_tokens = self.handed_on(state.aux, state.path, state.emitted)
 
     def _record(self, stage: str, tensor: torch.Tensor, **kw) -> None:
         if self.rec is not None:
             self.rec.record(stage, tensor, **kw)
-
-    @torch.inference_mode()
-    def catch_up(self) -> torch.Tensor:
-        """Step 0 over the pending positions; commits their keys. Returns the last pre-norm output [H]."""
-        P = self.pending_aux.shape[0]
-        start = self.committed
-        if start + P + self.depth * self.top_k + 1 > self.cache.max_len:
-            raise EagleScopeError("draft cache overflow: sequence longer than the decoder was sized for")
-        hidden = self.features(self.pending_aux)  # [P, H]
-        positions = self.catch_up_positions(start, P)
-        mask = torch.ones(P, start + P, dtype=torch.bool, device=self.device)
-        mask[:, start:] = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
-        self._record(T.DRAFT_FC_OUT, hidden)
-        self._record(T.draft_tokens(0), self.pending_tokens)
-        self._record(T.draft_positions(0), positions)
-        embeds = self.embed(self.pending_tokens)
-        self._record(T.draft_embed_in(0), embeds)
-        self._record(T.draft_hidden_in(0), hidden)
-        out = self.draft.step(embeds[None], hidden[None], positions[None], self.cache, start, mask[None, None])[0]
-        self._record(T.draft_hidden_out(0), out)
-        self.committed = start + P
-        return out[-1]
 
     def _logprobs(self, hidden_out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary log-probs [m, Vd] in float32."""
@@ -185,53 +226,34 @@ class Eagle3Proposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, tokens, root_position) -> DraftTree:
-        if root_position != self.committed + self.pending_aux.shape[0]:
+        P, start = self.pending_aux.shape[0], self.committed
+        if root_position != start + P:
             raise RuntimeError(
-                f"draft/target out of step: root at {root_position}, draft has {self.committed} committed + "
-                f"{self.pending_aux.shape[0]} pending"
+                f"draft/target out of step: root at {root_position}, draft has {start} committed + {P} pending"
             )
-        h_root = self.catch_up()  # features of the position before the root, paired with the root token
-        builder = TreeBuilder(tokens[-1], self.top_k, self.device)
-        lp = self._logprobs(h_root[None])
-        self._record_topk(1, lp)
-        frontier = builder.expand(torch.zeros(1, dtype=torch.long, device=self.device), lp)
-        hidden_of = {0: h_root}  # builder id → pre-norm output of the step that consumed that node
-        processed: list[int] = []  # builder ids whose keys sit in the tree slots, in slot order
-        for level in range(1, self.depth):
-            ids = frontier.tolist()
-            m = len(ids)
-            parents = builder.parents[frontier].tolist()
-            tgt_tok = self.to_target_ids(builder.tokens[frontier])  # the embedding is the target's
-            hidden_in = self.child_hidden(torch.stack([hidden_of[p] for p in parents]))
-            start = self.committed + len(processed)
-            anc = builder.ancestor_mask(frontier)  # [m, num_nodes]
-            cols = torch.tensor(processed + ids, dtype=torch.long, device=self.device)
-            mask = torch.cat([torch.ones(m, self.committed, dtype=torch.bool, device=self.device), anc[:, cols]], 1)
-            positions = torch.full((m,), self.tree_position(root_position, level), device=self.device)
-            self._record(T.draft_tokens(level), tgt_tok)
-            self._record(T.draft_positions(level), positions)
-            embeds = self.embed(tgt_tok)
-            self._record(T.draft_embed_in(level), embeds)
-            self._record(T.draft_hidden_in(level), hidden_in)
-            step_mask = mask[None, None]
-            out = self.draft.step(embeds[None], hidden_in[None], positions[None], self.cache, start, step_mask)[0]
-            self._record(T.draft_hidden_out(level), out)
-            for j, i in enumerate(ids):
-                hidden_of[i] = out[j]
-            processed += ids
-            lp = self._logprobs(out)
-            self._record_topk(level + 1, lp)
-            frontier = builder.expand(frontier, lp)
-        tree = builder.finalize(self.total_tokens)
-        toks = tree.tokens.clone()
-        toks[1:] = self.to_target_ids(toks[1:])
-        tree.tokens = toks
-        return tree
+        if start + P > self.tree_base:
+            raise EagleScopeError("draft cache overflow: sequence longer than the decoder was sized for")
+        out = self.catch_up(self.pending_aux, self.pending_tokens, start)
+        self.committed = start + P
+        # the features of the position before the root, paired with the root token
+        return self.expand(out[-1:], tokens[-1], root_position, self.committed)
 
     def _record_topk(self, step: int, lp: torch.Tensor) -> None:
         if self.rec is not None:
             v, i = lp.topk(min(self.top_k, lp.shape[-1]), dim=-1)
             self.rec.record(T.draft_topk(step - 1), {T.TOPK_IDS: self.to_target_ids(i), T.TOPK_LOGPROBS: v})
+
+
+def _as_index(x, device) -> torch.Tensor:
+    """An int (reference backend) or a [1] device tensor (static backend) as a [1] long tensor."""
+    return x.reshape(1) if isinstance(x, torch.Tensor) else torch.tensor([int(x)], device=device)
+
+
+def draft_slot_cache(draft: Eagle3Draft, size: int) -> SlotCache:
+    """A SlotCache of `size` slots shaped like the draft's own cache (MLA's values are narrower than its keys)."""
+    probe = draft.new_cache(1, 1)
+    k, v = probe.k, probe.v
+    return SlotCache(k.shape[0], 1, k.shape[2], size, k.shape[4], k.dtype, k.device, v_dim=v.shape[4])
 
 
 class NgramProposer(Proposer):
@@ -302,35 +324,48 @@ class DraftLMProposer(Proposer):
             q = torch.stack(probs + [torch.zeros_like(probs[0])]).to("cpu")  # row i: q the child of node i came from
         return DraftTree.chain([tokens[-1], *draft], draft_probs=q)
 
-    def accepted(self, tree, result, verify_out) -> None:
+    def accepted(self, state) -> None:
         # The LM consumed tokens[:-1]... plus drafts 1..k-1; keep what is still on the true path.
-        keep = self._context + min(len(result.accepted), self.k - 1)
+        keep = self._context + min(int(state.accepted), self.k - 1)
         self.lm.truncate(keep)
 
 
-def build_proposer(args, target: Target, sampling: SamplingConfig, max_len: int, recorder=None) -> Proposer:
-    """The proposer the CLI flags ask for."""
-    depth, top_k, total = parse_tree_shape(args.chain, args.tree)
-    if args.proposer == "ngram":
+def build_proposer(
+    settings: DecodeSettings, target: Target, max_len: int, recorder=None, draft: Eagle3Draft | None = None
+) -> Proposer:
+    """The proposer `settings` ask for (`draft`: an EAGLE-3 draft already loaded by `load_eagle3`)."""
+    depth, top_k, total = settings.shape
+    if settings.proposer == "ngram":
         return NgramProposer(depth)
-    if args.draft is None:
-        raise EagleScopeError(f"--proposer {args.proposer} needs --draft DIR")
-    if args.proposer == "draft-lm":
-        lm = load_target(args.draft, device=target.device, dtype=target.dtype, backend=args.backend)
+    if settings.draft is None and draft is None:
+        raise EagleScopeError(f"--proposer {settings.proposer} needs --draft DIR")
+    if settings.proposer == "draft-lm":
+        lm = load_target(settings.draft, device=target.device, dtype=target.dtype, backend=settings.backend)
         if lm.vocab_size != target.vocab_size:
             raise EagleScopeError(
                 f"draft LM vocabulary ({lm.vocab_size}) differs from the target's ({target.vocab_size})"
             )
-        return DraftLMProposer(lm, depth if args.chain is not None else 4, sampling, max_len)
-    loaded = load_draft(args.draft, target.num_layers, device=target.device, dtype=target.dtype)
-    check_draft_matches_target(loaded.contract, target.fingerprint)
-    n_draft = loaded.model.config.draft_vocab_size
+        return DraftLMProposer(lm, depth if settings.chain is not None else 4, settings.sampling, max_len)
+    draft = draft if draft is not None else load_eagle3(settings.draft, target)
+    check_top_k(draft, top_k)
+    return Eagle3Proposer(draft, depth, top_k, total, max_len, recorder)
+
+
+def check_top_k(draft: Eagle3Draft, top_k: int) -> None:
+    n_draft = draft.config.draft_vocab_size
     if top_k > n_draft:
         raise EagleScopeError(f"--tree top-k {top_k} exceeds the draft's vocabulary of {n_draft} tokens")
+
+
+def load_eagle3(path: str, target: Target) -> Eagle3Draft:
+    """An EAGLE-3 draft for `target`: loaded, checked against the target, given the target's embedding where it
+    ships none; the target's taps set to the draft's contract."""
+    loaded = load_draft(path, target.num_layers, device=target.device, dtype=target.dtype)
+    check_draft_matches_target(loaded.contract, target.fingerprint)
     if not loaded.has_embedding:
         loaded.model.load_target_embedding(target_embedding(target))
     target.set_taps(loaded.contract.taps)
-    return Eagle3Proposer(loaded.model, depth, top_k, total, max_len, recorder)
+    return loaded.model
 
 
 def target_embedding(target: Target) -> torch.Tensor:

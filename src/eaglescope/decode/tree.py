@@ -262,3 +262,20 @@ class TreeBuilder:
         if check:  # host syncs; connectivity holds by construction, tests check it
             tree.validate()  # a missing ancestor would show up as parent -1 here
         return tree
+
+
+def parse_tree_shape(chain: int | None, tree: str | None) -> tuple[int, int, int]:
+    """(depth, top_k, total_tokens). A chain of K is a tree of depth K, top_k 1, K+1 nodes."""
+    if chain is not None:
+        if chain < 1:
+            raise EagleScopeError(f"--chain must be >= 1, got {chain}")
+        return chain, 1, chain + 1
+    if tree is None:
+        return EAGLE_DEFAULT_TREE
+    try:
+        depth, top_k, total = (int(x) for x in tree.split(","))
+    except ValueError:
+        raise EagleScopeError(f"--tree must be DEPTH,TOPK,TOTAL (e.g. 7,10,60), got {tree!r}") from None
+    if depth < 1 or top_k < 1 or total < 2:
+        raise EagleScopeError(f"--tree needs depth >= 1, top_k >= 1 and total >= 2, got {tree!r}")
+    return depth, top_k, total

@@ -47,31 +47,46 @@ def _children_by_score(tree: DraftTree) -> list[list[int]]:
     return [sorted(kids, key=lambda c: -scores[c]) for kids in tree.children_lists()]
 
 
-def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
-    """Longest root path whose every token equals the target argmax at its parent.
+def accept_greedy(
+    tokens: torch.Tensor,  # [N] tree tokens (target ids), node 0 = root
+    parents: torch.Tensor,  # [N], parents[0] = -1
+    depths: torch.Tensor,  # [N]
+    anc: torch.Tensor,  # [N, N] bool ancestor mask (self included)
+    best: torch.Tensor,  # [N] target argmax after each node
+    max_depth: int,
+    force: torch.Tensor | None = None,  # [1] long: accept this depth instead (replay), for cost studies
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy verification without host syncs → (accepted count [1], path [max_depth+1], bonus [1]).
 
-    Lossless because every emitted token is the target argmax given exactly the emitted prefix.
-    With duplicate siblings the deepest matching path wins (ties: first in node order)."""
+    The deepest node whose whole root path matches the target argmax, first in node order among equals (lossless:
+    every emitted token is the target's argmax given exactly the emitted prefix). path[d] = its ancestor at depth d
+    (0 past its depth)."""
+    # the root always "matches"; no item assignment: a Python scalar written into a CUDA tensor is a host
+    # copy, which CUDA graph capture refuses
+    match = (tokens == best[parents.clamp(min=0)]) | (parents < 0)
+    ok = ~(anc & ~match[None, :]).any(1)
+    key = torch.where(ok, depths, -1) if force is None else torch.where(depths <= force, depths, -1)
+    # [1]-shaped indices throughout: indexing with a 0-dim tensor would read it on the host (a sync)
+    last = key.float().argmax().view(1)  # float: argmax over integer tensors is not implemented everywhere
+    a = depths.index_select(0, last)
+    levels = torch.arange(max_depth + 1, device=tokens.device)
+    sel = anc.index_select(0, last) & (depths[None, :] == levels[:, None])  # [D+1, N]
+    path = sel.float().argmax(1)
+    return a, path, best.index_select(0, last)
+
+
+def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
+    """Longest root path whose every token equals the target argmax at its parent (`accept_greedy`, read back to the
+    host). With duplicate siblings the deepest matching path wins (ties: first in node order)."""
     _check(tree, target_logits)
-    best = target_logits.argmax(-1).tolist()
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    depth = [0] * len(tokens)  # accepted depth of each node on a matching path, -1 off every such path
-    last = 0
-    for i in range(1, len(tokens)):  # parents precede children: one pass marks every matching path
-        p = parents[i]
-        if depth[p] >= 0 and tokens[i] == best[p]:
-            depth[i] = depth[p] + 1
-            if depth[i] > depth[last]:
-                last = i
-        else:
-            depth[i] = -1
-    accepted = []
-    while last > 0:
-        accepted.append(last)
-        last = parents[last]
-    accepted.reverse()
-    cur = accepted[-1] if accepted else 0
-    return VerifyResult(accepted, best[cur], [tokens[c] for c in accepted] + [best[cur]])
+    best = target_logits.argmax(-1)
+    tokens = tree.tokens.to(best.device)
+    mask = tree.ancestor_mask().to(best.device)
+    a, path, bonus = accept_greedy(tokens, tree.parents.to(best.device), tree.depths.to(best.device), mask, best,
+                                   tree.max_depth)  # fmt: skip
+    n = int(a)
+    accepted = path[1 : n + 1].tolist()
+    return VerifyResult(accepted, int(bonus), tokens[path[1 : n + 1]].tolist() + [int(bonus)])
 
 
 def verify_sampling(

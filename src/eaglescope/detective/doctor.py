@@ -1,7 +1,7 @@
 """`eaglescope doctor`: why does this draft accept so little? A ranked list of named causes.
 
     static     always: contract vs target fingerprint, engine tap conventions, vocab map, embedding, template
-    trace      with --trace: the trace against eaglescope's golden replay, stage by stage (diagnose.py): a full
+    trace      with --trace: the trace against eaglescope's golden replay, stage by stage (diagnose/): a full
                replay when the target's layers are on disk, else a draft-side replay from the trace's own capture
                (draft_replay.py), which cannot name causes in the capture itself; context["replay"] says which ran
     behaviour  with --data and/or --engine-log: served α_k (eaglescope's own decoder on prompts from --data, or
@@ -15,8 +15,8 @@ round, meaning}, ...most likely first], "context": {...}, "codes": {code: meanin
 from __future__ import annotations
 
 import json
+import logging
 import math
-import sys
 import warnings
 from pathlib import Path
 
@@ -49,15 +49,16 @@ from eaglescope.detective.engine_logs import read_engine_log
 from eaglescope.detective.findings import CODES, DoctorReport, Finding, rank
 from eaglescope.detective.layer_taps import MODE as LAYER_MODE
 from eaglescope.detective.layer_taps import aux_in_full, check_taps, taps_line, unchecked_note
-from eaglescope.detective.report import REPORT, first_divergent_stage, write_html
+from eaglescope.detective.report import first_divergent_stage
 from eaglescope.detective.static import DEFAULT_ENGINES, contract_taps, static_checks
 from eaglescope.draft import load_draft
 from eaglescope.errors import EagleScopeError
-from eaglescope.outputs import check_destination
 from eaglescope.target import load_target, parse_device, parse_dtype
 from eaglescope.target.head import read_fingerprint
 from eaglescope.target.loading import check_dir, fingerprint_of, read_config
 from eaglescope.trace import TraceError, load_trace
+
+log = logging.getLogger(__name__)
 
 
 def _load_models(target_dir, draft_dir, device, dtype, backend):
@@ -120,38 +121,17 @@ def run_doctor(
     replay: str = "auto",
 ) -> DoctorReport:
     """Every check the inputs allow → DoctorReport (findings most likely first; healthy = no findings). `replay`:
-    auto (a full replay when the target's layers are on disk, else draft-side), full, or draft-side."""
+    auto (a full replay when the target's layers are on disk, else draft-side), full, or draft-side. `progress`
+    reports each stage through logging."""
 
-    def say(msg: str) -> None:
-        if progress:
-            print(f"eaglescope doctor: {msg}", file=sys.stderr)
+    say = _say if progress else lambda _msg: None
 
     if prompts < 1 or max_new_tokens < 1 or depth < 1 or eval_samples < 1:
         raise EagleScopeError("--prompts, --max-new-tokens, --depth and --eval-samples must be >= 1")
-    notes: list[str] = []
-    loaded_trace = None
-    if trace is not None:
-        try:  # a bad trace path is the user's input: say so before minutes of loading
-            loaded_trace = load_trace(trace)
-        except TraceError as e:
-            raise EagleScopeError(f"cannot read trace {trace}: {e}") from None
-    if data is not None and not Path(data).exists():
-        raise EagleScopeError(f"--data {data} does not exist")
-    served_engine = read_engine_log(engine_log) if engine_log is not None else None
-    for path, what in ((target_dir, "target"), (draft_dir, "draft")):
-        read_config(check_dir(path, what))  # input errors come before the first progress line
+    loaded_trace, served_engine = _read_inputs(target_dir, draft_dir, data, trace, engine_log)
     mode = choose_replay(target_dir, replay) if loaded_trace is not None else None
     draft_side = mode is not None and mode.mode == DRAFT_SIDE
-    if data is not None:
-        check_data(Path(data))
-    if engines is None:
-        if served_engine is not None:
-            engines = (served_engine.engine,)
-        elif loaded_trace is not None and str(loaded_trace.producer).startswith(("vllm-", "sglang-")):
-            # eaglescope capture's traces: the engine that served is known
-            engines = (str(loaded_trace.producer).split("-", 1)[0],)
-        else:
-            engines = DEFAULT_ENGINES
+    engines = engines or _engines_to_check(served_engine, loaded_trace)
 
     say("static checks")
     # SGLang's own report or trace says SGLang served this target: its ids are read by the rule of the target's family
@@ -160,18 +140,10 @@ def run_doctor(
     )
     served_by_sglang = sglang_said and engines == ("sglang",)
     findings, static_ctx = static_checks(target_dir, draft_dir, engines, sglang_rule_of_target=served_by_sglang)
-    context: dict = {
-        "inputs": {
-            "target": str(target_dir),
-            "draft": str(draft_dir),
-            "data": None if data is None else str(data),
-            "trace": None if trace is None else str(trace),
-            "engine_log": None if engine_log is None else str(engine_log),
-            "engines_checked": list(engines),
-        },
-        "static": static_ctx,
-        "notes": notes,
-    }
+    notes: list[str] = []
+    named = {"target": target_dir, "draft": draft_dir, "data": data, "trace": trace, "engine_log": engine_log}
+    inputs = {k: None if v is None else str(v) for k, v in named.items()} | {"engines_checked": list(engines)}
+    context: dict = {"inputs": inputs, "static": static_ctx, "notes": notes}
     if mode is not None:
         context["replay"] = mode.to_dict()
 
@@ -194,40 +166,11 @@ def run_doctor(
                 raise
             notes.append(f"the draft does not load ({e}); the static findings explain why, runtime checks skipped")
 
-    replayable = loaded is not None
-    if draft_side and loaded is not None and not aux_in_full(loaded_trace) and context["layer_taps"]["checked"]:
-        # nothing to play the draft back from, but the taps were checked: the fingerprints-only mode alone
-        context["replay"] |= {"mode": LAYER_MODE, "why": f"{mode.why} and the trace's target.aux is fingerprinted"}
-        notes.append("the draft side was not replayed: a draft-side replay needs target.aux in full (record it with "
-                     "full=True), or --target with its layers")  # fmt: skip
-        replayable = False
-    elif draft_side and loaded is not None:
-        unusable = check_capture_width(loaded_trace, loaded.contract.taps.count, target.hidden_size)
-        replayable = unusable is None
-        if unusable is not None and not taps_found:  # else the per-layer states already said what it holds
-            findings.append(_capture_unusable(mode, *unusable))
-    if trace is not None and replayable:
+    if loaded is not None and trace is not None and _replayable(mode, loaded_trace, target, loaded, taps_found,
+                                                                findings, context):  # fmt: skip
         say(f"comparing trace {trace} with the golden {mode.mode}")
-        f, ctx = diagnose_trace(target, loaded, trace)
-        findings += f
-        context.update(ctx)
-        if not f and data is None and served_engine is None:
-            # The trace replays clean, so the wiring is right; its own verify decisions are then what was served.
-            # Without a teacher-forced reference only NO_TTT can be told from them (the contract's TTT length
-            # corroborates it); the other behavioural causes need --data or --engine-log.
-            served_trace = from_trace(loaded_trace)
-            if served_trace is not None:
-                ttt = static_ctx.get("contract", {}).get("ttt_length")
-                training = read_training_metrics(draft_dir)
-                verdict = diagnose_behaviour(served_trace, None, training, ttt)
-                findings += [x for x in verdict.findings if x.code == "NO_TTT"]
-                context["acceptance"] = {
-                    "served": served_trace.to_dict(),
-                    "predicted": None,
-                    "training": training.to_dict() if training else None,
-                    "ttt_length": ttt,
-                    "depth": len(served_trace.alpha),
-                }
+        findings += _trace_findings(target, loaded, loaded_trace, trace, draft_dir, static_ctx, context,
+                                    alone=data is None and served_engine is None)  # fmt: skip
 
     if draft_side and data is not None:
         notes.append("--data was not used: teacher-forced acceptance runs the target, whose layers a draft-side replay "
@@ -238,6 +181,80 @@ def run_doctor(
                                max_new_tokens, depth, eval_samples, say, context, notes)  # fmt: skip
     ranked = rank(findings)
     return DoctorReport(healthy=not ranked, findings=ranked, context=context)
+
+
+def _say(msg: str) -> None:
+    log.info("doctor: %s", msg)
+
+
+def _read_inputs(target_dir, draft_dir, data, trace, engine_log):
+    """(the loaded trace or None, the read engine log or None); every input error is raised here, before the first
+    progress line and minutes of loading."""
+    loaded_trace = None
+    if trace is not None:
+        try:
+            loaded_trace = load_trace(trace)
+        except TraceError as e:
+            raise EagleScopeError(f"cannot read trace {trace}: {e}") from None
+    if data is not None and not Path(data).exists():
+        raise EagleScopeError(f"--data {data} does not exist")
+    served_engine = read_engine_log(engine_log) if engine_log is not None else None
+    for path, what in ((target_dir, "target"), (draft_dir, "draft")):
+        read_config(check_dir(path, what))
+    if data is not None:
+        check_data(Path(data))
+    return loaded_trace, served_engine
+
+
+def _engines_to_check(served_engine, loaded_trace) -> tuple[str, ...]:
+    """The engines whose tap conventions are checked when none was asked for: the one known to have served."""
+    if served_engine is not None:
+        return (served_engine.engine,)
+    if loaded_trace is not None and str(loaded_trace.producer).startswith(("vllm-", "sglang-")):
+        return (str(loaded_trace.producer).split("-", 1)[0],)  # eaglescope capture's traces: the engine is known
+    return DEFAULT_ENGINES
+
+
+def _replayable(mode, loaded_trace, target, loaded, taps_found, findings, context) -> bool:
+    """Whether the trace can be played back against the loaded models. A draft-side replay needs target.aux in full
+    and of the width the draft's fc reads; when it is not, the reason goes into context (or findings)."""
+    if mode.mode != DRAFT_SIDE:
+        return True
+    if not aux_in_full(loaded_trace) and context["layer_taps"]["checked"]:
+        # nothing to play the draft back from, but the taps were checked: the fingerprints-only mode alone
+        context["replay"] |= {"mode": LAYER_MODE, "why": f"{mode.why} and the trace's target.aux is fingerprinted"}
+        context["notes"].append("the draft side was not replayed: a draft-side replay needs target.aux in full "
+                                "(record it with full=True), or --target with its layers")  # fmt: skip
+        return False
+    unusable = check_capture_width(loaded_trace, loaded.contract.taps.count, target.hidden_size)
+    if unusable is not None and not taps_found:  # else the per-layer states already said what it holds
+        findings.append(_capture_unusable(mode, *unusable))
+    return unusable is None
+
+
+def _trace_findings(target, loaded, loaded_trace, trace, draft_dir, static_ctx, context, alone: bool) -> list:
+    """The trace against its golden replay (diagnose/); context gains what the comparison found."""
+    found, ctx = diagnose_trace(target, loaded, trace)
+    context.update(ctx)
+    if found or not alone:
+        return found
+    # The trace replays clean, so the wiring is right; its own verify decisions are then what was served. Without a
+    # teacher-forced reference (`alone`: no --data, no --engine-log) only NO_TTT can be told from them (the
+    # contract's TTT length corroborates it); the other behavioural causes need --data or --engine-log.
+    served_trace = from_trace(loaded_trace)
+    if served_trace is None:
+        return found
+    ttt = static_ctx.get("contract", {}).get("ttt_length")
+    training = read_training_metrics(draft_dir)
+    verdict = diagnose_behaviour(served_trace, None, training, ttt)
+    context["acceptance"] = {
+        "served": served_trace.to_dict(),
+        "predicted": None,
+        "training": training.to_dict() if training else None,
+        "ttt_length": ttt,
+        "depth": len(served_trace.alpha),
+    }
+    return [x for x in verdict.findings if x.code == "NO_TTT"]
 
 
 def _taps_from_fingerprints(target_dir, draft_dir, trace, context: dict, notes: list[str]) -> list:
@@ -389,31 +406,3 @@ def check_data(data: Path) -> None:
     else:
         if not any(True for _ in read_conversations(data)):
             raise EagleScopeError(f"--data {data} holds no conversations")
-
-
-def cmd_doctor(args) -> int:
-    if args.html:  # refused before the minutes of checks, not after
-        check_destination(args.html, REPORT, flag="--html")
-    report = run_doctor(
-        args.target,
-        args.draft,
-        data=args.data,
-        trace=args.trace,
-        engine_log=args.engine_log,
-        prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens,
-        device=args.device,
-        dtype=args.dtype,
-        backend=args.backend,
-        depth=args.depth,
-        eval_samples=args.eval_samples,
-        engines=tuple(args.engine) if args.engine else None,
-        replay=args.replay,
-        progress=True,  # on stderr: --json on stdout stays parseable
-    )
-    if args.html:
-        write_html(report, args.html)
-    print(report_json(report) if args.json else format_report(report))
-    if args.html and not args.json:
-        print(f"report: {args.html}")
-    return 0 if report.healthy else 1

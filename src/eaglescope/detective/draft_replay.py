@@ -5,7 +5,7 @@ even be on the machine. Everything the draft computes still follows from what th
 (the trace's own `target.aux` of every round), the tokens and the verify decisions, plus the target's input
 embedding (read tensor by tensor from the shards). `RecordedTarget` is a Target that plays the traced run's target
 back from those: its forward returns the recorded `target.aux` of the round, so the one replay (replay.py) and the
-one diagnosis (diagnose.py) run unchanged on top of it. Every draft-side cause is named as with the full target.
+one diagnosis (diagnose/) run unchanged on top of it. Every draft-side cause is named as with the full target.
 
 What this mode cannot name: whether `target.aux` holds the contract's taps (TAP_OFF_BY_ONE, TAP_WRONG_LAYER,
 TAP_ORDER, TAP_EMBEDDING, TAP_NORMED, EAGLE-2 wiring's final normed state) — that needs the hidden states the target

@@ -5,7 +5,7 @@ An engine that records `target.layer.<i>` (every hidden state of its prefill: `T
 `target.aux` holds by matching the two against each other. Both come from the same forward of the same engine, so
 the target's decoder layers are not needed: a target directory holding config.json, the tokenizer, the embedding
 and lm_head is enough (the copy `train` accepts; a 1T-parameter target need not be loaded). The naming is
-diagnose.py's (`diagnose_taps` → `_classify_taps`); only the candidates differ: the engine's recorded states of
+diagnose/taps.py's (`diagnose_taps` → `_classify_taps`); only the candidates differ: the engine's recorded states of
 round 0 instead of the golden replay's. doctor runs it where a draft-side replay takes the capture as recorded
 (draft_replay.py), beside that replay, or alone when the trace's target.aux is fingerprinted and cannot be played back.
 
@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from eaglescope import trace as T
-from eaglescope.detective.diagnose import Cmp, Evidence, compare_rows, diagnose_taps, precision_of
+from eaglescope.detective.diagnose.evidence import Cmp, Evidence, compare_rows, precision_of
+from eaglescope.detective.diagnose.taps import diagnose_taps
 from eaglescope.detective.findings import Finding
 from eaglescope.detective.replay import REPLAY_FINAL
 from eaglescope.taps import TapContract

@@ -24,8 +24,9 @@ import torch
 from eaglescope import trace as T
 from eaglescope.decode.generation import SamplingConfig, check_prompt
 from eaglescope.decode.loop import ReferenceRunner, decode
-from eaglescope.decode.speculative import Eagle3Proposer, parse_tree_shape, target_embedding
-from eaglescope.decode.tree import EAGLE_DEFAULT_TREE, DraftTree
+from eaglescope.decode.round import RoundState, record_tree
+from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
+from eaglescope.decode.tree import EAGLE_DEFAULT_TREE, DraftTree, parse_tree_shape
 from eaglescope.decode.verify import VerifyResult
 from eaglescope.draft import LoadedDraft
 from eaglescope.errors import EagleScopeError
@@ -152,6 +153,46 @@ def match_rows(trace_rows: dict[str, torch.Tensor | T.Fingerprint], own_rows: di
     return pairing if moved and ours <= 0.5 * theirs else identity
 
 
+def parent_rows(hidden_in, parent_out) -> list[int] | None:
+    """For each row of a tree step's input features, the row of the previous step's outputs it equals (a healthy
+    step reads its parent's output as it is: equal tensors, equal fingerprints); None when a row equals none, as when
+    the features fed are not the parents' (a feedback mistake), or when either is missing."""
+    if hidden_in is None or parent_out is None or (err := pairwise_row_errors(hidden_in, parent_out)) is None:
+        return None
+    best = err.min(dim=-1)
+    return best.indices.tolist() if float(best.values.max()) <= 1e-4 else None
+
+
+def distinct_assignment(cost: torch.Tensor) -> list[int] | None:
+    """For each row of `cost` [R, C] (inf: not allowed) a distinct column: cheapest pairs first, then, for a row left
+    without one, an augmenting path that moves earlier rows to other allowed columns, so an assignment is found
+    whenever one exists. None when none exists."""
+    R, C = cost.shape
+    allowed = torch.isfinite(cost)
+    col_of, row_of = [-1] * R, [-1] * C
+    for flat in torch.argsort(cost.flatten(), stable=True).tolist():
+        r, c = divmod(flat, C)
+        if not allowed[r, c]:
+            break
+        if col_of[r] < 0 and row_of[c] < 0:
+            col_of[r], row_of[c] = c, r
+    options = [torch.nonzero(allowed[r]).flatten().tolist() for r in range(R)]
+
+    def augment(r: int, seen: set[int]) -> bool:
+        for c in options[r]:
+            if c not in seen:
+                seen.add(c)
+                if row_of[c] < 0 or augment(row_of[c], seen):
+                    col_of[r], row_of[c] = c, r
+                    return True
+        return False
+
+    for r in range(R):
+        if col_of[r] < 0 and not augment(r, set()):
+            return None
+    return col_of
+
+
 # -- following the trace -------------------------------------------------------------------------------------------
 class _Forced:
     """The trace's target-side decisions, round by round."""
@@ -169,6 +210,191 @@ class _Forced:
         return obj
 
 
+class _FollowsTrace:
+    """The proposer methods a replay overrides to follow a trace (mixed in before the proposer class: see _following).
+    `_trace` and `_in_trace` are set on the class _following makes."""
+
+    _trace: T.Trace
+    _in_trace: set
+
+    def _traced(self, stage: str, rnd: int, part: str | None = None):
+        """The trace's value of (stage, round, part), or None when the trace has none."""
+        if (stage, rnd, part) not in self._in_trace:
+            return None
+        return self._trace.get(stage, rnd, part=part) if part else self._trace.get(stage, rnd)
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self._own_rows: dict[str, torch.Tensor] = {}  # this step's tensors, to pair its rows with the trace's
+        self._paired: dict[int, list[int]] = {}  # step k → own row j holds the node of trace row [j], this round
+        self._prev_out: torch.Tensor | None = None  # the previous step's own outputs
+
+    def _record(self, stage: str, tensor: torch.Tensor, **kw) -> None:
+        super()._record(stage, tensor, **kw)
+        self._own_rows[stage] = tensor
+
+    def _record_topk(self, step: int, lp: torch.Tensor) -> None:
+        k = step - 1
+        rnd = self.rec.round if self.rec is not None else None
+        ids = self._traced(T.draft_topk(k), rnd, T.TOPK_IDS)
+        ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+        own, self._own_rows = self._own_rows, {}
+        if k == 0:
+            self._paired = {}
+        rows = list(range(lp.shape[0]))  # own row j of `lp` follows the trace's row rows[j]
+        h0 = own.get(T.draft_hidden_out(0))
+        if k == 0 and ids is not None and h0 is not None and ids.shape[0] == h0.shape[0] > lp.shape[0]:
+            # the trace keeps step 0's top-k of every row (docs/trace-format.md allows both): so does the replay
+            super()._record_topk(step, self._logprobs(h0))
+            rows = [ids.shape[0] - 1]  # the last row (the root's) proposes
+        else:
+            super()._record_topk(step, lp)
+        if k > 0:
+            rows = self._pair_rows(k, rnd, lp, ids, own)
+            self.rec.record(replay_rows(k), torch.tensor(rows, dtype=torch.long))
+        self._paired[k], self._prev_out = rows, own.get(T.draft_hidden_out(k))
+        if ids is not None and max(rows) < ids.shape[0] and (k == 0 or ids.shape[0] == lp.shape[0]):
+            self._force(lp, k, rnd, ids.long()[torch.tensor(rows)].to(lp.device), rows, own)
+
+    def _pair_rows(self, k: int, rnd: int, lp: torch.Tensor, ids, own: dict) -> list[int]:
+        if (by_nodes := self._pair_by_nodes(k, rnd, own)) is not None:
+            return by_nodes
+        mine = {s: own[s] for s in (T.draft_embed_in(k), T.draft_hidden_in(k), T.draft_hidden_out(k)) if s in own}
+        theirs = {s: v for s in mine if (v := self._traced(s, rnd)) is not None}
+        top = lp.topk(min(self.top_k, lp.shape[-1]), dim=-1)
+        if ids is not None:
+            mine[T.TOPK_IDS], theirs[T.TOPK_IDS] = self.to_target_ids(top.indices), ids
+        if (vals := self._traced(T.draft_topk(k), rnd, T.TOPK_LOGPROBS)) is not None:
+            mine[T.TOPK_LOGPROBS], theirs[T.TOPK_LOGPROBS] = top.values, vals
+        return match_rows(theirs, mine) if mine else list(range(lp.shape[0]))
+
+    def _force(self, lp: torch.Tensor, k: int, rnd: int, ids: torch.Tensor, rows: list[int], own: dict) -> None:
+        """Make `lp` (the caller expands the tree from it right after) the traced run's choice for these rows."""
+        t2d = self.draft.t2d
+        if int(ids.min()) < 0 or int(ids.max()) >= t2d.shape[0] or not bool(t2d[ids].all()):
+            return
+        draft_ids = (torch.cumsum(t2d.long(), 0) - 1)[ids]
+        if not torch.equal(self.to_target_ids(draft_ids), ids):
+            return
+        vals = self._traced(T.draft_topk(k), rnd, T.TOPK_LOGPROBS)
+        if isinstance(vals, torch.Tensor) and vals.dim() == 2 and vals.shape[0] > max(rows):
+            vals = vals[torch.tensor(rows)]
+        if not isinstance(vals, torch.Tensor) or vals.shape != ids.shape:
+            # fingerprinted log-probs: the replay's own values of those ids, put in the trace's rank order (a bf16
+            # near-tie may rank them the other way here)
+            vals = lp.gather(-1, draft_ids).sort(dim=-1, descending=True).values
+        # Exact ties (bf16 logits round to equal values) would leave the child order to topk's tie-breaking:
+        # a nudge far below any real gap keeps the recorded rank order.
+        vals = vals.to(lp) - 1e-6 * torch.arange(vals.shape[-1], device=lp.device, dtype=lp.dtype)
+        if k > 0 and (chosen := self._expanded_next(k, rnd, draft_ids, own)) is not None:
+            # candidates the traced run did not expand next: far below every one it did
+            vals = torch.where(chosen, vals, vals - 1e4)
+        forced = torch.full_like(lp, -torch.inf)
+        forced.scatter_(-1, draft_ids, vals)
+        lp.copy_(forced)
+
+    def _expanded_next(self, k: int, rnd: int, draft_ids: torch.Tensor, own: dict) -> torch.Tensor | None:
+        """[n, K] bool: which of this step's candidates (own row j, its child draft_ids[j, i]) the trace's step k+1
+        rows hold, told by their embedding and their parent's features; None when the trace does not show it."""
+        by_tokens = self._expanded_by_nodes(k, rnd, draft_ids)
+        if by_tokens is None:
+            by_tokens = self._expanded_by_tokens(k, rnd, draft_ids, own)
+        if by_tokens is not None:
+            return by_tokens
+        emb, parent = self._traced(T.draft_embed_in(k + 1), rnd), self._traced(T.draft_hidden_in(k + 1), rnd)
+        out = own.get(T.draft_hidden_out(k))
+        if out is None or (emb is None and parent is None):
+            return None
+        n, K = draft_ids.shape
+        cost = torch.zeros(0)
+        with torch.inference_mode():
+            cand_emb = self.embed(self.to_target_ids(draft_ids.flatten()))  # [n*K, H]
+        cand_parent = out.repeat_interleave(K, dim=0)
+        for theirs, mine in ((emb, cand_emb), (parent, cand_parent)):
+            if theirs is None:
+                continue
+            err = pairwise_row_errors(theirs, mine)
+            if err is None:
+                return None
+            cost = err.clamp(max=1.0) if cost.numel() == 0 else cost + err.clamp(max=1.0)
+        best = cost.min(dim=-1)
+        picked = best.indices.tolist()
+        # every next-step row must be one candidate, clearly (the wrong ones are a token or a parent away)
+        if len(set(picked)) != len(picked) or float(best.values.max()) > 0.5:
+            return None
+        chosen = torch.zeros(n * K, dtype=torch.bool)
+        chosen[best.indices] = True
+        return chosen.view(n, K).to(draft_ids.device)
+
+    def _trace_nodes(self, k: int, rnd: int) -> list[tuple[int, int]] | None:
+        """(own row of the parent, token id) of each trace row of tree step k >= 1, the parent told by the trace's
+        own features (its step k input rows equal its step k-1 output rows) and put in the replay's rows by the
+        pairing of step k-1; None where the trace does not show it exactly."""
+        tokens = self._traced(T.draft_tokens(k), rnd)
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
+            return None
+        if k == 1:
+            parents = [0] * tokens.numel()  # every step-1 node is a child of the root
+        else:
+            parents = parent_rows(self._traced(T.draft_hidden_in(k), rnd), self._traced(T.draft_hidden_out(k - 1), rnd))
+            prev = self._paired.get(k - 1)
+            if parents is None or prev is None or sorted(prev) != list(range(len(prev))):
+                return None
+            own_of = {r: j for j, r in enumerate(prev)}
+            parents = [own_of.get(p, -1) for p in parents]
+        return list(zip(parents, tokens.long().tolist(), strict=True))
+
+    def _pair_by_nodes(self, k: int, rnd: int, own: dict) -> list[int] | None:
+        """Rows paired by what a tree node is, its parent and its token, when both sides show it exactly (the
+        replay: its step input rows equal its previous outputs); None otherwise."""
+        theirs = self._trace_nodes(k, rnd)
+        tokens = own.get(T.draft_tokens(k))
+        parents = [0] * len(tokens) if k == 1 and tokens is not None else None
+        if k > 1:
+            parents = parent_rows(own.get(T.draft_hidden_in(k)), self._prev_out)
+        if theirs is None or parents is None or tokens is None or len(theirs) != len(parents):
+            return None
+        row_of = {node: r for r, node in enumerate(theirs)}
+        rows = [row_of.get(node, -1) for node in zip(parents, tokens.long().tolist(), strict=True)]
+        return rows if len(row_of) == len(theirs) and sorted(rows) == list(range(len(rows))) else None
+
+    def _expanded_by_nodes(self, k: int, rnd: int, draft_ids: torch.Tensor) -> torch.Tensor | None:
+        """[n, K] bool: the candidates that are the trace's step k+1 nodes (`_trace_nodes`), or None."""
+        nodes = self._trace_nodes(k + 1, rnd)
+        if nodes is None:
+            return None
+        cand = self.to_target_ids(draft_ids).cpu()
+        chosen = torch.zeros_like(cand, dtype=torch.bool)
+        for parent, token in nodes:
+            if not 0 <= parent < cand.shape[0] or not bool((hit := cand[parent] == token).any()):
+                return None
+            chosen[parent] |= hit
+        return chosen.to(draft_ids.device) if int(chosen.sum()) == len(nodes) else None
+
+    def _expanded_by_tokens(self, k: int, rnd: int, draft_ids: torch.Tensor, own: dict) -> torch.Tensor | None:
+        """The candidates the trace expanded next, told by the token ids its step k+1 read (exact in every trace
+        mode): each of its rows is one candidate with that id, distinct candidates for distinct rows; where an id
+        belongs to more candidates than rows read it, the parents' features decide (the trace's step k+1
+        hidden_in against this step's outputs). None when the trace has no step tokens or reads ids no distinct
+        candidates have (then nothing the replay could expand reproduces it)."""
+        nxt = self._traced(T.draft_tokens(k + 1), rnd)
+        if not isinstance(nxt, torch.Tensor) or nxt.dim() != 1 or nxt.numel() == 0:
+            return None
+        cand = self.to_target_ids(draft_ids).cpu().flatten()  # [n*K], candidate c = (row c // K, child c % K)
+        n, K = draft_ids.shape
+        same = nxt.long().cpu()[:, None] == cand[None, :]  # [rows, n*K]
+        cost = torch.zeros(same.shape, dtype=torch.float64)
+        parents, out = self._traced(T.draft_hidden_in(k + 1), rnd), own.get(T.draft_hidden_out(k))
+        if parents is not None and out is not None and (err := pairwise_row_errors(parents, out)) is not None:
+            cost = err.double().cpu().repeat_interleave(K, dim=1)  # row r read candidate c's parent's output
+        picked = distinct_assignment(torch.where(same, cost, torch.inf))
+        if picked is None:
+            return None
+        chosen = torch.zeros(n * K, dtype=torch.bool)
+        chosen[torch.tensor(picked)] = True
+        return chosen.view(n, K).to(draft_ids.device)
+
+
 def _following(proposer_cls: type[Eagle3Proposer], trace: T.Trace) -> type[Eagle3Proposer]:
     """`proposer_cls` that records its own top-k but grows the tree the traced run grew.
 
@@ -176,132 +402,17 @@ def _following(proposer_cls: type[Eagle3Proposer], trace: T.Trace) -> type[Eagle
     replay); the traced run's choice decides which tokens the next draft step sees, so the replay follows
     it (its logprobs, or failing those its ids in their recorded rank order) to keep comparing like with like. Ids
     that are not valid outputs of the draft's vocabulary map (a VOCAB_MAP fault) are not followed: the replay keeps
-    its own. A tree step's rows are paired with the trace's by content (`match_rows`), so each node follows the
-    trace's choice for that node whatever order the engine keeps its frontier in; and where the trace shows which
-    candidates it expanded next (the next step's embeddings and parent features), the replay expands those, so a
-    near-tie between candidates of different rows cannot pick another frontier either.
+    its own. A tree step's rows are paired with the trace's by what each node is, its parent and its token: the
+    trace shows both exactly (its step tokens, and its step inputs equal to its parents' outputs, even fingerprinted),
+    so each node follows the trace's choice for that node whatever order the engine keeps its frontier in, and the
+    replay expands exactly the nodes the trace expanded next, so a near-tie between candidates of different rows
+    cannot pick another frontier either. Where the trace does not show the nodes exactly (no step tokens, or features
+    that are not the parents' under a feedback mistake) rows are paired by content (`match_rows`) and the next
+    frontier is told by its ids and its parents' features.
     """
     index = {(e.stage, e.round, e.part) for e in trace.events}
-
-    def value(stage: str, rnd: int, part: str | None = None):
-        if (stage, rnd, part) not in index:
-            return None
-        return trace.get(stage, rnd, part=part) if part else trace.get(stage, rnd)
-
-    class Following(proposer_cls):
-        def __init__(self, *args, **kw) -> None:
-            super().__init__(*args, **kw)
-            self._own_rows: dict[str, torch.Tensor] = {}  # this step's tensors, to pair its rows with the trace's
-
-        def _record(self, stage: str, tensor: torch.Tensor, **kw) -> None:
-            super()._record(stage, tensor, **kw)
-            self._own_rows[stage] = tensor
-
-        def _record_topk(self, step: int, lp: torch.Tensor) -> None:
-            k = step - 1
-            rnd = self.rec.round if self.rec is not None else None
-            ids = value(T.draft_topk(k), rnd, T.TOPK_IDS)
-            ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
-            own, self._own_rows = self._own_rows, {}
-            rows = list(range(lp.shape[0]))  # own row j of `lp` follows the trace's row rows[j]
-            h0 = own.get(T.draft_hidden_out(0))
-            if k == 0 and ids is not None and h0 is not None and ids.shape[0] == h0.shape[0] > lp.shape[0]:
-                # the trace keeps step 0's top-k of every row (docs/trace-format.md allows both): so does the replay
-                super()._record_topk(step, self._logprobs(h0))
-                rows = [ids.shape[0] - 1]  # the last row (the root's) proposes
-            else:
-                super()._record_topk(step, lp)
-            if k > 0:
-                rows = self._pair_rows(k, rnd, lp, ids, own)
-                self.rec.record(replay_rows(k), torch.tensor(rows, dtype=torch.long))
-            if ids is not None and max(rows) < ids.shape[0] and (k == 0 or ids.shape[0] == lp.shape[0]):
-                self._force(lp, k, rnd, ids.long()[torch.tensor(rows)].to(lp.device), rows, own)
-
-        def _pair_rows(self, k: int, rnd: int, lp: torch.Tensor, ids, own: dict) -> list[int]:
-            mine = {s: own[s] for s in (T.draft_embed_in(k), T.draft_hidden_in(k), T.draft_hidden_out(k)) if s in own}
-            theirs = {s: v for s in mine if (v := value(s, rnd)) is not None}
-            top = lp.topk(min(self.top_k, lp.shape[-1]), dim=-1)
-            if ids is not None:
-                mine[T.TOPK_IDS], theirs[T.TOPK_IDS] = self.to_target_ids(top.indices), ids
-            if (vals := value(T.draft_topk(k), rnd, T.TOPK_LOGPROBS)) is not None:
-                mine[T.TOPK_LOGPROBS], theirs[T.TOPK_LOGPROBS] = top.values, vals
-            return match_rows(theirs, mine) if mine else list(range(lp.shape[0]))
-
-        def _force(self, lp: torch.Tensor, k: int, rnd: int, ids: torch.Tensor, rows: list[int], own: dict) -> None:
-            """Make `lp` (the caller expands the tree from it right after) the traced run's choice for these rows."""
-            t2d = self.draft.t2d
-            if int(ids.min()) < 0 or int(ids.max()) >= t2d.shape[0] or not bool(t2d[ids].all()):
-                return
-            draft_ids = (torch.cumsum(t2d.long(), 0) - 1)[ids]
-            if not torch.equal(self.to_target_ids(draft_ids), ids):
-                return
-            vals = value(T.draft_topk(k), rnd, T.TOPK_LOGPROBS)
-            if isinstance(vals, torch.Tensor) and vals.dim() == 2 and vals.shape[0] > max(rows):
-                vals = vals[torch.tensor(rows)]
-            if not isinstance(vals, torch.Tensor) or vals.shape != ids.shape:
-                # fingerprinted log-probs: the replay's own values of those ids, put in the trace's rank order (a bf16
-                # near-tie may rank them the other way here)
-                vals = lp.gather(-1, draft_ids).sort(dim=-1, descending=True).values
-            # Exact ties (bf16 logits round to equal values) would leave the child order to topk's tie-breaking:
-            # a nudge far below any real gap keeps the recorded rank order.
-            vals = vals.to(lp) - 1e-6 * torch.arange(vals.shape[-1], device=lp.device, dtype=lp.dtype)
-            if k > 0 and (chosen := self._expanded_next(k, rnd, draft_ids, own)) is not None:
-                # candidates the traced run did not expand next: far below every one it did
-                vals = torch.where(chosen, vals, vals - 1e4)
-            forced = torch.full_like(lp, -torch.inf)
-            forced.scatter_(-1, draft_ids, vals)
-            lp.copy_(forced)
-
-        def _expanded_next(self, k: int, rnd: int, draft_ids: torch.Tensor, own: dict) -> torch.Tensor | None:
-            """[n, K] bool: which of this step's candidates (own row j, its child draft_ids[j, i]) the trace's step k+1
-            rows hold, told by their embedding and their parent's features; None when the trace does not show it."""
-            by_tokens = self._expanded_by_tokens(k, rnd, draft_ids)
-            if by_tokens is not None:
-                return by_tokens
-            emb, parent = value(T.draft_embed_in(k + 1), rnd), value(T.draft_hidden_in(k + 1), rnd)
-            out = own.get(T.draft_hidden_out(k))
-            if out is None or (emb is None and parent is None):
-                return None
-            n, K = draft_ids.shape
-            cost = torch.zeros(0)
-            with torch.inference_mode():
-                cand_emb = self.embed(self.to_target_ids(draft_ids.flatten()))  # [n*K, H]
-            cand_parent = out.repeat_interleave(K, dim=0)
-            for theirs, mine in ((emb, cand_emb), (parent, cand_parent)):
-                if theirs is None:
-                    continue
-                err = pairwise_row_errors(theirs, mine)
-                if err is None:
-                    return None
-                cost = err.clamp(max=1.0) if cost.numel() == 0 else cost + err.clamp(max=1.0)
-            best = cost.min(dim=-1)
-            picked = best.indices.tolist()
-            # every next-step row must be one candidate, clearly (the wrong ones are a token or a parent away)
-            if len(set(picked)) != len(picked) or float(best.values.max()) > 0.5:
-                return None
-            chosen = torch.zeros(n * K, dtype=torch.bool)
-            chosen[best.indices] = True
-            return chosen.view(n, K).to(draft_ids.device)
-
-        def _expanded_by_tokens(self, k: int, rnd: int, draft_ids: torch.Tensor) -> torch.Tensor | None:
-            """The candidates the trace expanded next, told by the token ids its step k+1 read (exact in every trace
-            mode): used when each of those ids belongs to as many candidates as it occurs, so no parent need be told
-            apart; None otherwise (or when the trace has no step tokens)."""
-            nxt = value(T.draft_tokens(k + 1), rnd)
-            if not isinstance(nxt, torch.Tensor) or nxt.dim() != 1 or nxt.numel() == 0:
-                return None
-            cand = self.to_target_ids(draft_ids).cpu()  # [n, K]
-            want = torch.unique(nxt.long(), return_counts=True)
-            chosen = torch.zeros_like(cand, dtype=torch.bool)
-            for tok, count in zip(*want):
-                hit = cand == tok
-                if int(hit.sum()) != int(count):
-                    return None
-                chosen |= hit
-            return chosen.to(draft_ids.device)
-
-    Following.__name__ = Following.__qualname__ = f"Following{proposer_cls.__name__}"
-    return Following
+    name = f"Following{proposer_cls.__name__}"
+    return type(name, (_FollowsTrace, proposer_cls), {"_trace": trace, "_in_trace": index, "__qualname__": name})
 
 
 class _ReplayRunner(ReferenceRunner):
@@ -342,15 +453,15 @@ class _ReplayRunner(ReferenceRunner):
         while self.rec.round < self.round:  # keep round numbers aligned with the trace's
             self.rec.next_round()
 
-    def propose(self) -> DraftTree:
+    def propose(self) -> RoundState:
         own = self.proposer.propose(self.tokens, self.target.cache_len)  # records the draft stages
         ft, fp = self.forced.get(T.VERIFY_TOKENS, self.round), self.forced.get(T.VERIFY_PARENTS, self.round)
         tree = own if ft is None or fp is None else DraftTree.from_parents(ft.long(), fp.long())
-        self.rec.record(T.VERIFY_TOKENS, tree.tokens)
-        self.rec.record(T.VERIFY_PARENTS, tree.parents)
-        return tree
+        record_tree(self.rec, tree)
+        return RoundState(tree)
 
-    def accept(self, tree: DraftTree, out: TargetOutput) -> VerifyResult:
+    def verdict(self, state: RoundState) -> VerifyResult:
+        tree = state.tree
         fa, fb = self.forced.get(T.VERIFY_ACCEPTED, self.round), self.forced.get(T.VERIFY_BONUS, self.round)
         if fa is None or fb is None:
             raise EagleScopeError(f"trace round {self.round} lacks verify.accepted / verify.bonus: cannot follow it")

@@ -7,14 +7,12 @@ tree expansion, target verify, greedy acceptance, KV compaction, next round's fe
 that can be captured as one CUDA graph. The host reads one small tensor per round: how many tokens came out
 and which.
 
-Slots, not lengths: `SlotCache.write(layer, slots, k, v)` stores keys at explicit slot indices and returns
-the whole buffer; attention masks decide what is visible. LlamaModel / Eagle3Draft pass their `start`
-argument straight to `cache.write`, so handing them a slot tensor as `start` runs the unchanged modules on
-this cache.
-
-Draft cache layout: slots [0, ctx) hold step-0 keys of the context; tree-step keys of the current round go
-to a fixed region starting at `tree_base` (level l, frontier j → tree_base + (l-1)*K + j), so their slots
-never depend on the context length.
+The round's steps are not written here: the draft side (catch-up, tree expansion, hand-off) is
+decode/speculative.py's Eagle3Proposer, acceptance decode/verify.py's accept_greedy, the trace's stages
+decode/round.py's (docs/architecture.md). This backend owns how they run: slot caches (decode/round.py SlotCache:
+LlamaModel / Eagle3Draft pass their `start` argument straight to `cache.write`, so a slot tensor as `start` runs the
+unchanged modules on them), the target verify over them, the KV keep by moving the kept slots, tensors padded to the
+tree budget, and the capture.
 """
 
 from __future__ import annotations
@@ -28,18 +26,23 @@ from torch import nn
 import eaglescope.fast.invariant as inv
 from eaglescope import trace as T
 from eaglescope.decode.loop import RoundReport, Runner, decode, speculative_round
-from eaglescope.decode.tree import TreeBuilder
+from eaglescope.decode.round import (
+    RoundState,
+    SlotCache,
+    StageBuffers,
+    emitted_tokens,
+    record_prefill,
+    record_target,
+    record_tree,
+    record_verdict,
+)
+from eaglescope.decode.speculative import Eagle3Proposer
+from eaglescope.decode.tree import DraftTree
+from eaglescope.decode.verify import accept_greedy
 from eaglescope.draft import Eagle3Draft
 from eaglescope.fast.fused_decode import FusedDecode, attend_fused
 from eaglescope.fast.fused_verify import FusedVerify
-from eaglescope.fast.layers import (
-    Float32Logits,
-    GemvLinear,
-    SlotCache,
-    accept_greedy,
-    argmax_rows,
-    compile_layers,
-)
+from eaglescope.fast.layers import Float32Logits, GemvLinear, argmax_rows, compile_layers
 from eaglescope.target.llama import LlamaModel, QKVProjection, RMSNorm, fuse_projections
 
 log = logging.getLogger(__name__)
@@ -203,6 +206,9 @@ class FastVanilla(Runner):
         self.i = torch.zeros(1, dtype=torch.long, device=dev)
         self.out = torch.zeros(max_new + 1, dtype=torch.long, device=dev)
         self.slots_all = torch.arange(target.size, device=dev)
+        self.tree = DraftTree(
+            self.tok, torch.full_like(self.tok, -1), torch.zeros_like(self.tok), torch.zeros(1, device=dev)
+        )
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
         self.graph = None
         self.chunk = max_new
@@ -210,19 +216,20 @@ class FastVanilla(Runner):
         self._pending: list[tuple[int, int]] = []
 
     # -- the round: the root alone ---------------------------------------------------------------------------------
-    def propose(self):
-        return self.tok
+    def propose(self) -> RoundState:
+        return RoundState(self.tree)
 
-    def verify(self, tree):
+    def verify(self, state: RoundState) -> None:
         mask = (self.slots_all <= self.pos)[None, :]
-        return self.t.run(tree, self.pos, mask, self.pos)[0]
+        state.logits = self.t.run(state.tree.tokens, self.pos, mask, self.pos)[0]
 
-    def accept(self, tree, logits):
-        return argmax_rows(logits[-1:])
+    def accept(self, state: RoundState) -> None:
+        # greedy acceptance of a tree of the root alone: nothing to accept, the bonus is the argmax
+        state.bonus = state.emitted = argmax_rows(state.logits[-1:])
 
-    def commit(self, tree, nxt, logits) -> None:
-        self.out.index_copy_(0, self.i, nxt)
-        self.tok.copy_(nxt)
+    def commit(self, state: RoundState) -> None:
+        self.out.index_copy_(0, self.i, state.bonus)
+        self.tok.copy_(state.bonus)
         self.pos.add_(1)
         self.i.add_(1)
 
@@ -284,9 +291,11 @@ class FastEagle(Runner):
     """EAGLE-3 greedy speculative decoding on the static-shape backend: `speculative_round` over device tensors
     only, captured as one CUDA graph; one host read per round, the next round queued before that read.
 
-    Reuses `TreeBuilder` (on-device EAGLE-2 expansion and rerank) and `Eagle3Draft.step`; the acceptance is
-    `accept_greedy`. `replay` (a list of accepted lengths) forces the acceptance instead of checking tokens:
-    every network still runs, so a replayed run pays every cost of a real one (used at 8B scale)."""
+    The round's steps are the shared ones: the draft side is `Eagle3Proposer.catch_up` / `expand` (decode/
+    speculative.py) on tensors padded to the tree budget, acceptance `accept_greedy`, the hand-off
+    `Eagle3Proposer.handed_on`; this backend owns the slot caches, the target verify and the KV keep. `replay` (a
+    list of accepted lengths) forces the acceptance instead of checking tokens: every network still runs, so a
+    replayed run pays every cost of a real one (used at 8B scale)."""
 
     run_ahead = True
 
@@ -303,38 +312,37 @@ class FastEagle(Runner):
         compile: bool = False,
         recorder: T.TraceRecorder | None = None,
         trace_layers: bool = False,
+        proposer_cls: type[Eagle3Proposer] = Eagle3Proposer,
     ) -> None:
         """`compile` torch.compiles the draft side of a round and the acceptance (not the target: compile
         its layers through FastTarget). `recorder` records every round as a trace: each stage tensor is copied,
         inside the (captured) round, into a buffer of its own, and the host records the buffers after reading the
         round; rounds then run one at a time, uncompiled. `trace_layers`: the trace also records every layer's
-        state of the prefill (TraceRecorder.record_layers)."""
+        state of the prefill (TraceRecorder.record_layers). `proposer_cls`: the draft side's class (a subclass
+        overriding one hook runs that wiring on this backend)."""
         self.t, self.draft = target, draft
         self.rec, self.trace_layers = recorder, trace_layers
-        self._stage: dict[str, torch.Tensor] = {}
-        self._prefill_rows: dict[str, torch.Tensor] | None = None
+        self.stages = StageBuffers(recorder) if recorder is not None else None
         self.D, self.K, self.N = depth, top_k, total_tokens
         self.Pmax = depth + 1  # root + at most `depth` accepted positions feed the next catch-up
         dev = self.device = target.device
         if target.size < max_len + total_tokens + self.Pmax:
             raise ValueError(f"target cache {target.size} < {max_len + total_tokens + self.Pmax} needed")
+        # the catch-up's pad rows land past the context: the draft's context region is Pmax longer than max_len
+        self.proposer = proposer_cls(draft, depth, top_k, total_tokens, max_len + self.Pmax, recorder=self.stages)
         c = draft.config
-        self.tree_base = max_len + self.Pmax
-        self.dsize = self.tree_base + max(depth - 1, 1) * top_k
-        p = draft.fc.weight
-        self.dcache = SlotCache(1, 1, c.num_kv_heads, self.dsize, c.head_dim, p.dtype, dev)
         nH = c.num_aux * c.target_hidden_size
         z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
         self.t_len, self.d_len, self.pend_n, self.root = z(1), z(1), z(1), z(1)
         self.force = z(1)
         self.pend_aux = z(self.Pmax, nH, dt=target.dtype)
         self.pend_tok = z(self.Pmax)
+        self.round_n = z(1)  # with a recorder: this round's pending count, for the trace (pend_n is the next one's)
         self.report = z(self.Pmax + 1)  # [n_emitted, emitted tokens (padded)]
         self._reports = torch.zeros(2, self.Pmax + 1, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if dev.type == "cuda" else []
         self.max_len = max_len
         self.t_slots = torch.arange(target.size, device=dev)
-        self.d_slots = torch.arange(self.dsize, device=dev)
         self.replay = replay
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
         self.graph = None
@@ -354,126 +362,64 @@ class FastEagle(Runner):
         self._forced: list[int] | None = None
 
     # -- the round's operations (device tensors only: the whole round is one graph) --------------------------------
-    def _logprobs(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.draft.logits(h).float(), dim=-1)
-
-    def _keep(self, name: str, t: torch.Tensor) -> None:
-        """With a recorder: copy a stage tensor into its own static buffer (allocated on the first, uncaptured
-        run), which the host reads after the round (`_record_round`)."""
-        if self.rec is None:
-            return
-        buf = self._stage.get(name)
-        if buf is None:
-            buf = self._stage[name] = torch.empty_like(t)
-        buf.copy_(t)
-
     def _draft_tree(self):
-        """Draft catch-up over the pending positions, then EAGLE-2 expansion → (tokens, parents, depths, mask)."""
-        d, dev, K = self.draft, self.device, self.K
-        # catch-up over the pending positions (padded to Pmax; pad rows land past the context and are
-        # overwritten next round, and no query of this round can see them)
-        rows = torch.arange(self.Pmax, device=dev)
-        slots = self.d_len + rows
-        mask = self.d_slots[None, :] <= slots[:, None]
-        hidden = d.project(self.pend_aux)
-        emb = d.embed_tokens(self.pend_tok)
-        out = d.step(emb[None], hidden[None], slots[None], self.dcache, slots, mask[None, None])[0]
-        h_root = out.index_select(0, self.pend_n - 1)  # [1, H]
-        self._keep("pend_n", self.pend_n)
-        self._keep("pend_aux", self.pend_aux)
-        self._keep(T.DRAFT_FC_OUT, hidden)
-        self._keep(T.draft_tokens(0), self.pend_tok)
-        self._keep(T.draft_positions(0), slots)
-        self._keep(T.draft_embed_in(0), emb)
-        self._keep(T.draft_hidden_out(0), out)
-        ctx = self.d_len + self.pend_n  # == root position
-        self.d_len.copy_(ctx)
-        root_pos = self.t_len
-        b = TreeBuilder(0, K, dev)
-        b.tokens = self.root.clone()
-        lp = self._logprobs(h_root)
-        self._keep(T.draft_topk(0), lp)
-        frontier = b.expand(torch.zeros(1, dtype=torch.long, device=dev), lp)
-        ctx_mask = self.d_slots < ctx  # [dsize]
-        processed: list[torch.Tensor] = []
-        prev_front, prev_out = None, None
-        for level in range(1, self.D):
-            m = frontier.shape[0]
-            if prev_front is None:
-                hidden_in = h_root.expand(m, -1)
-            else:  # each frontier node's parent is in the previous frontier: read its output
-                par = b.parents[frontier]
-                hidden_in = prev_out[(prev_front[None, :] == par[:, None]).float().argmax(1)]
-            processed.append(frontier)
-            cols = torch.cat(processed)
-            anc = b.ancestor_mask(frontier)[:, cols]  # [m, level*m] over the tree region's slots
-            lo = self.tree_base
-            tmask = torch.cat(
-                [ctx_mask[None, :lo].expand(m, -1), anc, ctx_mask[None, lo + cols.shape[0] :].expand(m, -1)], 1
-            )
-            slots = lo + (level - 1) * K + torch.arange(m, device=dev)
-            positions = (root_pos + level - 1).expand(m)
-            tok = d.to_target_ids(b.tokens[frontier])
-            emb = d.embed_tokens(tok)
-            out = d.step(emb[None], hidden_in[None], positions[None], self.dcache, slots, tmask[None, None])[0]
-            prev_front, prev_out = frontier, out
-            lp = self._logprobs(out)
-            stages = ((T.draft_tokens(level), tok), (T.draft_positions(level), positions),
-                      (T.draft_embed_in(level), emb), (T.draft_hidden_in(level), hidden_in))  # fmt: skip
-            for name, t in stages:
-                self._keep(name, t)
-            self._keep(T.draft_hidden_out(level), out)
-            self._keep(T.draft_topk(level), lp)
-            frontier = b.expand(frontier, lp)
-        tree = b.finalize(self.N)
-        tokens = torch.cat([tree.tokens[:1], d.to_target_ids(tree.tokens[1:])])
-        self._keep(T.VERIFY_TOKENS, tokens)
-        self._keep(T.VERIFY_PARENTS, tree.parents)
-        return tokens, tree.parents, tree.depths, tree.mask
+        """The shared draft side over the pending positions (padded to Pmax) → the tree's tensors."""
+        p = self.proposer
+        if self.stages is not None:
+            self.round_n.copy_(self.pend_n)
+        out = p.catch_up(self.pend_aux, self.pend_tok, self.d_len)
+        h_root = out.index_select(0, self.pend_n - 1)  # [1, H]: the position before the root
+        self.d_len.add_(self.pend_n)  # == the root's position
+        tree = p.expand(h_root, self.root, self.t_len, self.d_len)
+        if self.stages is not None:
+            record_tree(self.stages, tree)
+        return tree.tokens, tree.parents, tree.depths, tree.scores, tree.mask
 
-    def _accept(self, tree, logits):
-        """Greedy acceptance without host syncs → (accepted count [1], path [D+1], bonus [1])."""
-        tokens, parents, depths, tmask = tree
-        return accept_greedy(
-            tokens, parents, depths, tmask, argmax_rows(logits), self.D, self.force if self.replay else None
-        )
+    def _accept(self, tokens, parents, depths, tmask, logits):
+        """Greedy acceptance without host syncs → (accepted count [1], path [D+1], bonus [1], emitted [D+1])."""
+        force = self.force if self.replay else None
+        a, path, bonus = accept_greedy(tokens, parents, depths, tmask, argmax_rows(logits), self.D, force)
+        return a, path, bonus, emitted_tokens(tokens, path, a, bonus)
 
-    def _commit(self, tokens, accepted, aux) -> None:
-        """Keep root + accepted KV (contiguous after the context), next round's pending features and tokens."""
-        a, path, bonus = accepted
+    def _commit(self, a, path, bonus, emitted, aux) -> None:
+        """Keep root + accepted KV (contiguous after the context), hand their features and tokens on."""
         j = torch.arange(self.Pmax, device=self.device)
         self.t.cache.move(self.t_len + path, self.t_len + j)
-        acc = tokens[path[1:]]
-        emit = torch.where(j < a, torch.cat([acc, acc[:1]]), bonus)
-        self.pend_aux.copy_(aux[path])
-        self.pend_tok.copy_(emit)
+        features, following = self.proposer.handed_on(aux, path, emitted)
+        self.pend_aux.copy_(features)
+        self.pend_tok.copy_(following)
         self.pend_n.copy_(a + 1)
         self.root.copy_(bonus)
         self.t_len.add_(a + 1)
         self.report[:1].copy_(a + 1)
-        self.report[1:].copy_(emit)
+        self.report[1:].copy_(emitted)
 
-    def propose(self):
-        return self._draft_fn()
+    def propose(self) -> RoundState:
+        tokens, parents, depths, scores, mask = self._draft_fn()
+        return RoundState(DraftTree(tokens, parents, depths, scores, mask=mask))
 
-    def verify(self, tree):
-        """Target verify over the tree at slots t_len..t_len+N-1 → (logits, aux)."""
-        tokens, parents, depths, tmask = tree
-        N = tokens.shape[0]
+    def verify(self, state: RoundState) -> None:
+        """Target verify over the tree at slots t_len..t_len+N-1 → logits, aux."""
+        tree = state.tree
+        N = tree.tokens.shape[0]
         rel = self.t_slots - self.t_len
         inwin = (rel >= 0) & (rel < N)
-        vmask = (tmask[:, rel.clamp(0, N - 1)] & inwin[None, :]) | (rel < 0)[None, :]
+        vmask = (tree.mask[:, rel.clamp(0, N - 1)] & inwin[None, :]) | (rel < 0)[None, :]
         vslots = self.t_len + torch.arange(N, device=self.device)
-        return self.t.run(tokens, self.t_len + depths, vmask, vslots)
+        state.logits, state.aux = self.t.run(tree.tokens, self.t_len + tree.depths, vmask, vslots)
+        if self.stages is not None:
+            record_target(self.stages, state.aux, self.t.taps)
 
-    def accept(self, tree, verified):
-        accepted = self._accept_fn(tree, verified[0])
-        self._keep("aux", verified[1])
-        self._keep("path", accepted[1])
-        return accepted
+    def accept(self, state: RoundState) -> None:
+        t = state.tree
+        state.accepted, state.path, state.bonus, state.emitted = self._accept_fn(
+            t.tokens, t.parents, t.depths, t.mask, state.logits
+        )
 
-    def commit(self, tree, accepted, verified) -> None:
-        self._commit_fn(tree[0], accepted, verified[1])
+    def commit(self, state: RoundState) -> None:
+        self._commit_fn(state.accepted, state.path, state.bonus, state.emitted, state.aux)
+        if self.stages is not None:
+            record_verdict(self.stages, state, self.pend_aux)
 
     @torch.inference_mode()
     def _round(self) -> None:
@@ -484,31 +430,28 @@ class FastEagle(Runner):
     def _start(self, prompt: list[int], record: bool = True) -> int:
         ids = torch.tensor(prompt, device=self.device)
         n = ids.shape[0]
+        record = record and self.rec is not None
         layers = None
-        if self.rec is not None and record and self.trace_layers:
+        if record and self.trace_layers:
             logits, aux, *layers = self.t.prefill_layers(ids)
         else:
             logits, aux = self.t.prefill(ids)
         first = logits[-1:].argmax(-1)
-        # draft prefill: positions 0..n-2 paired with tokens 1..n-1; the last position stays pending
-        P0 = n - 1
-        slots = torch.arange(P0, device=self.device)
-        mask = self.d_slots[None, :] <= slots[:, None]
-        d = self.draft
-        emb, hidden = d.embed_tokens(ids[1:]), d.project(aux[:P0])
-        out = d.step(emb[None], hidden[None], slots[None], self.dcache, slots, mask[None, None])[0]
-        if self.rec is not None and record:
-            # The reference catches up over the whole prompt in round 1; this path did the first n-1 rows here.
-            # The trace shows round 1 as the reference computes it: these rows, then the round's own.
-            self._prefill_rows = {T.DRAFT_FC_OUT: hidden, T.draft_tokens(0): ids[1:], T.draft_positions(0): slots,
-                                  T.draft_embed_in(0): emb, T.draft_hidden_out(0): out}  # fmt: skip
-            self._record_target(aux)
-            if layers is not None:
-                self.rec.record_layers(*layers)
-            self.rec.record(T.VERIFY_BONUS, first.cpu())
-            self.rec.record(T.NEXT_HIDDEN_IN, aux)
+        if record:
+            record_prefill(self.rec, lambda a: record_target(self.rec, a, self.t.taps), aux, first, layers)
+        # draft prefill: the shared catch-up over positions 0..n-2 (paired with tokens 1..n-1); the last position
+        # stays pending. The reference backend catches up over the whole prompt in round 1, so the trace shows these
+        # rows in round 1, before the round's own.
+        p, rec = self.proposer, self.proposer.rec
+        p.rec = self.stages if record else None
+        if record:
+            self.stages.hold(True)
+        p.catch_up(aux[: n - 1], ids[1:], 0)
+        if record:
+            self.stages.hold(False)
+        p.rec = rec
         self.t_len.fill_(n)
-        self.d_len.fill_(P0)
+        self.d_len.fill_(n - 1)
         self.pend_n.fill_(1)
         self.pend_aux[:1].copy_(aux[n - 1 :])
         self.pend_tok[:1].copy_(first)
@@ -571,48 +514,14 @@ class FastEagle(Runner):
             self._record_round(n - 1)
         return RoundReport(rep[1 : 1 + n], n - 1, self.D, self.N - 1)
 
-    # -- the trace (host side, after the round was read) ---------------------------------------------------------
-    def _record_target(self, aux: torch.Tensor) -> None:
-        taps = self.t.taps
-        H = aux.shape[-1] // len(taps)
-        for j, layer in enumerate(taps):
-            self.rec.record(T.target_tap(layer), aux[:, j * H : (j + 1) * H])
-        self.rec.record(T.TARGET_AUX, aux, segments=len(taps))
-
-    def _record_topk(self, step: int, lp: torch.Tensor) -> None:
-        v, i = lp.topk(min(self.K, lp.shape[-1]), dim=-1)
-        self.rec.record(T.draft_topk(step), {T.TOPK_IDS: self.draft.to_target_ids(i), T.TOPK_LOGPROBS: v})
-
     def _record_round(self, accepted: int) -> None:
-        """The round just read, in the reference's stages and order (docs/trace-format.md)."""
-        rec, st = self.rec, self._stage
-        rec.next_round()
-        n = int(st["pend_n"])
-        first, self._prefill_rows = self._prefill_rows or {}, None
-
-        def rows(name: str) -> torch.Tensor:
-            own = st[name][:n]
-            return torch.cat([first[name], own]) if name in first else own
-
-        rec.record(T.DRAFT_FC_OUT, rows(T.DRAFT_FC_OUT))
-        for name in (T.draft_tokens(0), T.draft_positions(0), T.draft_embed_in(0)):
-            rec.record(name, rows(name))
-        rec.record(T.draft_hidden_in(0), rows(T.DRAFT_FC_OUT))  # step 0 reads fc's output
-        rec.record(T.draft_hidden_out(0), rows(T.draft_hidden_out(0)))
-        self._record_topk(0, st[T.draft_topk(0)])
-        for level in range(1, self.D):
-            names = (T.draft_tokens(level), T.draft_positions(level), T.draft_embed_in(level), T.draft_hidden_in(level),
-                     T.draft_hidden_out(level))  # fmt: skip
-            for name in names:
-                rec.record(name, st[name])
-            self._record_topk(level, st[T.draft_topk(level)])
-        rec.record(T.VERIFY_TOKENS, st[T.VERIFY_TOKENS])
-        rec.record(T.VERIFY_PARENTS, st[T.VERIFY_PARENTS])
-        self._record_target(st["aux"])
-        path = st["path"][: accepted + 1]
-        rec.record(T.VERIFY_ACCEPTED, path[1:].clone())
-        rec.record(T.VERIFY_BONUS, self.root.cpu())
-        rec.record(T.NEXT_HIDDEN_IN, st["aux"][path])
+        """The round just read, in the stages and order the shared steps recorded them, padding rows cut."""
+        self.rec.next_round()
+        caught_up = int(self.round_n)
+        rows = {s: caught_up for s in (T.DRAFT_FC_OUT, T.draft_tokens(0), T.draft_positions(0), T.draft_embed_in(0),
+                                       T.draft_hidden_in(0), T.draft_hidden_out(0))}  # fmt: skip
+        rows |= {T.VERIFY_ACCEPTED: accepted, T.NEXT_HIDDEN_IN: accepted + 1}
+        self.stages.flush(rows)
 
     def room_for_another(self, emitted: int) -> bool:
         # the queued round must fit whatever the unread one accepts (<= Pmax positions each)

@@ -1,35 +1,11 @@
-"""Building blocks of the static-shape path: the slot cache, Linear variants for one-row products and float32
-logits, row-wise argmax, greedy tree acceptance without host syncs, and attention/compile switches."""
+"""Building blocks of the static-shape path: Linear variants for one-row products and float32 logits, row-wise argmax,
+and compile switches (the slot cache and greedy acceptance are the round's own: decode/round.py, decode/verify.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-class SlotCache(nn.Module):
-    """Keys/values [L, B, n_kv, S, D]; `write` puts T new entries at `slots` [T] and returns the full layer."""
-
-    def __init__(self, num_layers: int, batch: int, n_kv: int, size: int, head_dim: int, dtype, device) -> None:
-        super().__init__()
-        shape = (num_layers, batch, n_kv, size, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    @property
-    def size(self) -> int:
-        return self.k.shape[3]
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
-        return self.k[layer], self.v[layer]
-
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy slots src[j] → dst[j] for all layers; gathers first, so overlapping src/dst are safe."""
-        for buf in (self.k, self.v):
-            buf.index_copy_(3, dst, buf.index_select(3, src))
 
 
 class GemvLinear(nn.Module):
@@ -118,30 +94,3 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     vals, idx = x.reshape(R, V // chunk, chunk).max(-1)  # the first maximum within each chunk
     best = vals.argmax(-1, keepdim=True)  # the first chunk holding the row's maximum
     return (best * chunk + idx.gather(-1, best)).squeeze(-1)
-
-
-def accept_greedy(
-    tokens: torch.Tensor,  # [N] tree tokens (target ids), node 0 = root
-    parents: torch.Tensor,  # [N], parents[0] = -1
-    depths: torch.Tensor,  # [N]
-    anc: torch.Tensor,  # [N, N] bool ancestor mask (self included)
-    best: torch.Tensor,  # [N] target argmax after each node
-    max_depth: int,
-    force: torch.Tensor | None = None,  # [1] long: accept this depth instead (replay), for cost studies
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy verification without host syncs → (accepted count [1], path [max_depth+1], bonus [1]).
-
-    Same answer as `verify.verify_greedy`: the deepest node whose whole root path matches the target
-    argmax, first in node order among equals. path[d] = its ancestor at depth d (0 past its depth)."""
-    # the root always "matches"; no item assignment: a Python scalar written into a CUDA tensor is a host
-    # copy, which CUDA graph capture refuses
-    match = (tokens == best[parents.clamp(min=0)]) | (parents < 0)
-    ok = ~(anc & ~match[None, :]).any(1)
-    key = torch.where(ok, depths, -1) if force is None else torch.where(depths <= force, depths, -1)
-    # [1]-shaped indices throughout: indexing with a 0-dim tensor would read it on the host (a sync)
-    last = key.float().argmax().view(1)  # float: argmax over integer tensors is not implemented everywhere
-    a = depths.index_select(0, last)
-    levels = torch.arange(max_depth + 1, device=tokens.device)
-    sel = anc.index_select(0, last) & (depths[None, :] == levels[:, None])  # [D+1, N]
-    path = sel.float().argmax(1)
-    return a, path, best.index_select(0, last)

@@ -1,16 +1,14 @@
-"""`eaglescope generate --fast`: the static-shape decoders behind the command line.
+"""The static-shape backend as the backend chooser (eaglescope/backend.py) builds it: what it can run, and its runner.
 
-Greedy only, native targets only, EAGLE-3 or no proposer: the fast path's acceptance is greedy and its modules
-are eaglescope's own. Anything else gets one clear error instead of a silent fallback."""
+Greedy only, native targets only, EAGLE-3 or no proposer: the fast path's acceptance is greedy and its modules are
+eaglescope's own."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
-from eaglescope.decode.generation import GenerationResult, SamplingConfig, begin_generation
-from eaglescope.decode.loop import Runner, decode, open_trace, trace_meta
-from eaglescope.decode.speculative import build_proposer, parse_tree_shape
+from eaglescope.decode.generation import DecodeSettings
+from eaglescope.decode.loop import Runner
 from eaglescope.draft import Eagle3Draft
 from eaglescope.errors import EagleScopeError
 from eaglescope.fast import invariant
@@ -22,23 +20,17 @@ from eaglescope.target.base import Target
 from eaglescope.target.llama import NativeTarget, fuse_projections
 
 
-def why_not_fast(args, target: Target, sampling: SamplingConfig) -> str | None:
-    """None when the static-shape backend can run this `generate`, else why not (one clause)."""
-    if not sampling.greedy:
+def why_not_fast(settings: DecodeSettings, target: Target) -> str | None:
+    """None when the static-shape backend can run this decode, else why not (one clause)."""
+    if not settings.sampling.greedy:
         return "it decodes greedily only (--temperature is set)"
     if not isinstance(target, NativeTarget):
         return "it needs a native target (llama, qwen2, qwen3, mistral), not the transformers backend"
-    if args.proposer != "eagle3":
-        return f"it runs EAGLE-3 drafts only, not --proposer {args.proposer}"
-    if args.draft and "kv_lora_rank" in (read_json(Path(args.draft) / "config.json") or {}):
+    if settings.speculative and settings.proposer != "eagle3":
+        return f"it runs EAGLE-3 drafts only, not --proposer {settings.proposer}"
+    if settings.draft and "kv_lora_rank" in (read_json(Path(settings.draft) / "config.json") or {}):
         return "its slot caches hold Llama-attention drafts; this draft uses multi-head latent attention (MLA)"
     return None
-
-
-def check_fast_args(args, target: Target, sampling: SamplingConfig) -> None:
-    why = why_not_fast(args, target, sampling)
-    if why is not None:
-        raise EagleScopeError(f"--fast cannot run this: {why}")
 
 
 def fast_runner(
@@ -73,29 +65,3 @@ def fast_runner(
         target.model, max_len + total + depth + 3, taps=target.taps.layers, fused_verify=verify_rows, **common
     )
     return FastEagle(ft, draft, depth, top_k, total, max_len + 2, recorder=recorder, trace_layers=trace_layers), info
-
-
-def generate_fast(args, target: Target, prompt_ids: list[int], sampling: SamplingConfig, stop_ids) -> GenerationResult:
-    check_fast_args(args, target, sampling)
-    _, budget, stop, _ = begin_generation(target, prompt_ids, args.max_new_tokens, sampling, stop_ids)
-    recorder = draft = shape = None
-    if args.draft is not None:
-        if len(prompt_ids) < 2:
-            raise EagleScopeError("--fast with a draft needs a prompt of at least 2 tokens")
-        shape = parse_tree_shape(args.chain, args.tree)
-        proposer = build_proposer(args, target, sampling, len(prompt_ids) + budget + 2)  # loads, checks, sets taps
-        draft = proposer.draft
-        recorder = open_trace(args)
-        if recorder is not None:
-            trace_meta(recorder, args, target, prompt_ids, sampling)
-    invariant_kernels = not getattr(args, "no_batch_invariant", False)
-    layers = bool(getattr(args, "trace_layers", False))
-    runner, info = fast_runner(target, draft, shape, len(prompt_ids) + budget, invariant_kernels, recorder, layers)
-    if draft is None:
-        runner.chunk = 16 if stop else budget  # a stop token is looked for every 16 steps, not every step
-    with recorder if recorder is not None else contextlib.nullcontext():  # written when complete, else dropped
-        result = decode(runner, prompt_ids, budget, args.max_new_tokens, stop, target.device)
-    if draft is None:
-        result.stats = None
-    result.extra = info
-    return result

@@ -16,7 +16,6 @@ Cache protocol (what tree verification needs):
 from __future__ import annotations
 
 import hashlib
-import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from eaglescope.errors import EagleScopeError
+from eaglescope.jsonfile import read_object_or_none
 from eaglescope.taps import TapContract
 
 
@@ -77,10 +77,7 @@ def chat_template_of(model_dir: Path) -> str | None:
         return jinja.read_text()
     cfg = model_dir / "tokenizer_config.json"
     if cfg.is_file():
-        try:
-            tpl = json.loads(cfg.read_text()).get("chat_template")
-        except json.JSONDecodeError:
-            return None
+        tpl = (read_object_or_none(cfg) or {}).get("chat_template")
         if isinstance(tpl, list):  # named templates: the default one is what serving uses
             tpl = next((t["template"] for t in tpl if t.get("name") == "default"), None)
         return tpl

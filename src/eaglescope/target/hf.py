@@ -90,6 +90,79 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(e).__name__
 
 
+def _read_hf_config(model_dir: Path, trust_remote_code: bool):
+    """(config.json as read, transformers' config, its text config, architectures) of a checkpoint a target can be
+    loaded from; every reason it cannot is one EagleScopeError."""
+    raw = read_config(model_dir)
+    if "auto_map" in raw and not trust_remote_code:
+        raise EagleScopeError(
+            f"{model_dir} ships its own modeling code (auto_map in config.json); eaglescope does not run it "
+            "unless trust_remote_code is set"
+        )
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError) as e:
+        kind = raw.get("model_type", "<missing model_type>")
+        raise EagleScopeError(
+            f"transformers does not know the model type {kind!r} of {model_dir}: {str(e).splitlines()[0]}"
+        ) from None
+    except (OSError, TypeError) as e:
+        raise EagleScopeError(f"cannot read the config of {model_dir}: {str(e).splitlines()[0]}") from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise EagleScopeError(f"{model_dir} is an encoder-decoder model; a target must be a decoder-only LM")
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    archs = getattr(config, "architectures", None) or []
+    if not archs:
+        raise EagleScopeError(f"{model_dir}/config.json names no architectures; cannot tell which model it is")
+    needed = ("num_hidden_layers", "hidden_size", "vocab_size")
+    missing = [k for k in needed if not isinstance(getattr(text, k, None), int)]
+    if missing:
+        raise EagleScopeError(f"{model_dir}/config.json lacks {', '.join(missing)}")
+    _check_cache_supported(config)
+    if not any(any(model_dir.glob(g)) for g in _WEIGHT_GLOBS):
+        raise EagleScopeError(f"{model_dir} holds no weights (*.safetensors or pytorch_model*.bin)")
+    check_index(model_dir)  # transformers would follow an index to shards outside the directory
+    return raw, config, text, archs
+
+
+def _load_hf_weights(model_dir: Path, config, dtype, attn_implementation: str, trust_remote_code: bool, arch: str):
+    """The causal LM of `config` with every weight from `model_dir` (never a randomly initialised one)."""
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            model_dir,
+            config=config,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+        )
+    except ValueError as e:
+        if "Unrecognized configuration" in str(e) or "not supported" in str(e).lower():
+            raise EagleScopeError(
+                f"transformers has no causal-LM class for {arch} in {model_dir}: {str(e).splitlines()[0]}"
+            ) from None
+        raise EagleScopeError(f"cannot load the weights in {model_dir}: {str(e).splitlines()[0]}") from None
+    except (RuntimeError, OSError) as e:
+        if "mismatch" in str(e).lower():
+            raise EagleScopeError(
+                f"the weights in {model_dir} do not fit its config.json: tensor shapes differ"
+            ) from None
+        raise EagleScopeError(f"cannot load the weights in {model_dir}: {_first_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 - e.g. UnpicklingError from weights_only: the files, not a bug
+        raise EagleScopeError(
+            f"cannot load the weights in {model_dir} safely ({type(e).__name__}: {_first_line(e)}); eaglescope "
+            "never runs pickled code: convert the checkpoint to safetensors"
+        ) from None
+    # transformers silently random-initialises missing or mismatched weights; a target must never be random.
+    bad = list(info.get("missing_keys") or []) + [str(m[0]) for m in info.get("mismatched_keys") or []]
+    if bad:
+        raise EagleScopeError(
+            f"the weights in {model_dir} do not fit its config: {len(bad)} tensors missing or of the wrong "
+            f"shape (first: {bad[0]})"
+        )
+    return model
+
+
 class HFTarget(Target):
     """A transformers causal LM behind the `Target` interface (batch 1 cache path + batched taps path)."""
 
@@ -133,69 +206,8 @@ class HFTarget(Target):
     ) -> HFTarget:
 
         model_dir = check_dir(model_dir)
-        raw = read_config(model_dir)
-        if "auto_map" in raw and not trust_remote_code:
-            raise EagleScopeError(
-                f"{model_dir} ships its own modeling code (auto_map in config.json); eaglescope does not run it "
-                "unless trust_remote_code is set"
-            )
-        try:
-            config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-        except (ValueError, KeyError) as e:
-            kind = raw.get("model_type", "<missing model_type>")
-            raise EagleScopeError(
-                f"transformers does not know the model type {kind!r} of {model_dir}: {str(e).splitlines()[0]}"
-            ) from None
-        except (OSError, TypeError) as e:
-            raise EagleScopeError(f"cannot read the config of {model_dir}: {str(e).splitlines()[0]}") from None
-        if getattr(config, "is_encoder_decoder", False):
-            raise EagleScopeError(f"{model_dir} is an encoder-decoder model; a target must be a decoder-only LM")
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        archs = getattr(config, "architectures", None) or []
-        if not archs:
-            raise EagleScopeError(f"{model_dir}/config.json names no architectures; cannot tell which model it is")
-        needed = ("num_hidden_layers", "hidden_size", "vocab_size")
-        missing = [k for k in needed if not isinstance(getattr(text, k, None), int)]
-        if missing:
-            raise EagleScopeError(f"{model_dir}/config.json lacks {', '.join(missing)}")
-        _check_cache_supported(config)
-        if not any(any(model_dir.glob(g)) for g in _WEIGHT_GLOBS):
-            raise EagleScopeError(f"{model_dir} holds no weights (*.safetensors or pytorch_model*.bin)")
-        check_index(model_dir)  # transformers would follow an index to shards outside the directory
-
-        try:
-            model, info = AutoModelForCausalLM.from_pretrained(
-                model_dir,
-                config=config,
-                dtype=dtype,
-                attn_implementation=attn_implementation,
-                trust_remote_code=trust_remote_code,
-                output_loading_info=True,
-            )
-        except ValueError as e:
-            if "Unrecognized configuration" in str(e) or "not supported" in str(e).lower():
-                raise EagleScopeError(
-                    f"transformers has no causal-LM class for {archs[0]} in {model_dir}: {str(e).splitlines()[0]}"
-                ) from None
-            raise EagleScopeError(f"cannot load the weights in {model_dir}: {str(e).splitlines()[0]}") from None
-        except (RuntimeError, OSError) as e:
-            if "mismatch" in str(e).lower():
-                raise EagleScopeError(
-                    f"the weights in {model_dir} do not fit its config.json: tensor shapes differ"
-                ) from None
-            raise EagleScopeError(f"cannot load the weights in {model_dir}: {_first_line(e)}") from None
-        except Exception as e:  # noqa: BLE001 - e.g. UnpicklingError from weights_only: the files, not a bug
-            raise EagleScopeError(
-                f"cannot load the weights in {model_dir} safely ({type(e).__name__}: {_first_line(e)}); eaglescope "
-                "never runs pickled code: convert the checkpoint to safetensors"
-            ) from None
-        # transformers silently random-initialises missing or mismatched weights; a target must never be random.
-        bad = list(info.get("missing_keys") or []) + [str(m[0]) for m in info.get("mismatched_keys") or []]
-        if bad:
-            raise EagleScopeError(
-                f"the weights in {model_dir} do not fit its config: {len(bad)} tensors missing or of the wrong "
-                f"shape (first: {bad[0]})"
-            )
+        raw, config, text, archs = _read_hf_config(model_dir, trust_remote_code)
+        model = _load_hf_weights(model_dir, config, dtype, attn_implementation, trust_remote_code, archs[0])
         check_finite(dict(model.state_dict()), model_dir)
         model.to(device).eval()
         model.requires_grad_(False)

@@ -11,7 +11,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from eaglescope.errors import EagleScopeError
-from eaglescope.jsonfile import read_object
+from eaglescope.jsonfile import read_object, read_object_or_none
 from eaglescope.target.base import TargetFingerprint, chat_template_of, sha256_text, tokenizer_sha256
 
 
@@ -60,12 +60,9 @@ def check_index(model_dir: Path) -> dict[str, str] | None:
     index = model_dir / "model.safetensors.index.json"
     if not index.is_file():
         return None
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError("weight_map must map tensor names to shard file names")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise EagleScopeError(f"{index} is malformed ({e})") from None
+    weight_map = read_object(index, EagleScopeError).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise EagleScopeError(f"{index} is malformed (weight_map must map tensor names to shard file names)")
     for shard in set(weight_map.values()):
         _inside(model_dir, shard, index)
     return weight_map
@@ -163,10 +160,7 @@ def eos_token_ids(model_dir: Path, cfg: dict, tokenizer=None) -> list[int]:
     gen = model_dir / "generation_config.json"
     sources = [cfg.get("eos_token_id")]
     if gen.is_file():
-        try:
-            sources.insert(0, json.loads(gen.read_text()).get("eos_token_id"))
-        except json.JSONDecodeError:
-            pass
+        sources.insert(0, (read_object_or_none(gen) or {}).get("eos_token_id"))
     if tokenizer is not None:
         sources.append(tokenizer.eos_token_id)
     for s in sources:

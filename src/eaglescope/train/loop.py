@@ -46,7 +46,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -70,8 +69,9 @@ from eaglescope.taps import TapContract
 from eaglescope.target import load_target, parse_device, parse_dtype
 from eaglescope.target.head import TargetHead, load_target_head
 from eaglescope.target.loading import read_config
-from eaglescope.train.metrics import Batch, evaluate, format_report
-from eaglescope.train.speed import FlopModel, Throughput, format_speed
+from eaglescope.train.attention import default_attention
+from eaglescope.train.metrics import Batch, evaluate
+from eaglescope.train.speed import FlopModel, Throughput
 from eaglescope.train.ttt import (
     LOSS_MASK_SHIFT,
     Unrolled,
@@ -227,12 +227,12 @@ def _check_ranks_agree(facts: dict[str, tuple[str, str]], d: Dist) -> None:
 class _Unroll(nn.Module):
     """What DDP wraps: its forward is the TTT unroll, so gradient sync follows the real graph."""
 
-    def __init__(self, draft: Eagle3Draft, ttt_length: int) -> None:
+    def __init__(self, draft: Eagle3Draft, ttt_length: int, attention: str = "dense") -> None:
         super().__init__()
-        self.draft, self.ttt_length = draft, ttt_length
+        self.draft, self.ttt_length, self.attention = draft, ttt_length, attention
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(ttt_unroll(self.draft, input_ids, aux, self.ttt_length).logits)
+        return tuple(ttt_unroll(self.draft, input_ids, aux, self.ttt_length, self.attention).logits)
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -575,7 +575,8 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
             total, fitted, spent = int(fit["total"]), bool(fit["fitted"]), float(fit["seconds"])
     warmup = warmup_for(total)
 
-    fwd: nn.Module = _Unroll(draft, cfg.ttt_length)
+    attention = default_attention(draft, device)  # flex on a GPU: the TTT mask's blocks only (train/attention.py)
+    fwd: nn.Module = _Unroll(draft, cfg.ttt_length, attention)
     if W > 1:
         _check_ranks_agree(_job_facts(cfg, data, target, draft), d)
         # No buffer broadcast before each forward: the buffers (vocab map, RoPE tables) never change, and the check
@@ -607,7 +608,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
 
     def run_eval() -> dict:
         indices, split = (eval_idx, "held-out") if eval_idx else (train_idx, "train")
-        res = evaluate(draft, eval_batches(indices), cfg.ttt_length, compute_dtype if amp else None)
+        res = evaluate(draft, eval_batches(indices), cfg.ttt_length, compute_dtype if amp else None, attention)
         res["split"], res["num_samples"], res["step"] = split, len(indices), step
         if writer is not None:
             for k, a in enumerate(res["acc"]):
@@ -746,17 +747,4 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
     return TrainResult(out, step, metrics, history)
 
 
-# -- command line --------------------------------------------------------------------------------
-def cmd_train(args) -> int:
-    fields = set(TrainConfig.__dataclass_fields__)
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    res = train(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"{res.out}: {res.steps} steps; {res.metrics.get('split', 'held-out')} {format_report(res.metrics)}")
-        tb = cfg.log_dir or str(res.out / "tb")
-        print(f"TensorBoard logs: {tb} (view with: tensorboard --logdir {tb})")
-        print(f"eaglescope train: {format_speed(res.metrics['speed'])}", file=sys.stderr)
-    return 0
-
-
-__all__ = ["TrainConfig", "TrainResult", "train", "cmd_train", "collate", "make_batch", "lr_factor"]
+__all__ = ["TrainConfig", "TrainResult", "train", "collate", "make_batch", "lr_factor"]

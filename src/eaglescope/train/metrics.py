@@ -116,9 +116,11 @@ def evaluate(
     batches: Iterable[Batch],
     ttt_length: int,
     autocast_dtype: torch.dtype | None = None,
+    attention: str = "dense",
 ) -> dict:
     """Teacher-forced metrics over `batches`: acc (unconditional, per step), alpha (conditional),
-    predicted_accept_length, loss (per-step soft CE, weighted by supervised positions), counts."""
+    predicted_accept_length, loss (per-step soft CE, weighted by supervised positions), counts. `attention`: as
+    ttt_unroll takes it."""
     was_training = draft.training
     draft.eval()
     totals: dict[str, list[int]] = {}
@@ -127,7 +129,7 @@ def evaluate(
     try:
         for batch in batches:
             with _autocast(batch.input_ids.device, autocast_dtype):
-                unrolled = ttt_unroll(draft, batch.input_ids, batch.aux, ttt_length)
+                unrolled = ttt_unroll(draft, batch.input_ids, batch.aux, ttt_length, attention)
             res = ttt_loss(draft, unrolled, batch.teacher, batch.loss_mask, batch.valid)
             hits, sup = step_hits(draft, unrolled.logits, batch)
             for key, vals in hit_counts(hits.flatten(0, 1), sup.flatten(0, 1)).items():

@@ -26,6 +26,7 @@ import torch
 
 from eaglescope.draft import Eagle3Draft
 from eaglescope.target.llama import GrowingCache
+from eaglescope.train.attention import ttt_attention
 
 LOSS_MASK_SHIFT = "shifted"  # recorded in the draft contract
 STEP_WEIGHT = 0.8  # L = Σ_k 0.8^k · L_k
@@ -53,20 +54,26 @@ class Unrolled:
     hidden_out: list[torch.Tensor]  # per step: [B, T, H] pre-norm outputs
 
 
-def ttt_unroll(draft: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, ttt_length: int) -> Unrolled:
-    """Run `ttt_length` draft steps over a batch. input_ids [B, T] (target ids), aux [B, T, nH]."""
+def ttt_unroll(
+    draft: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, ttt_length: int, attention: str = "dense"
+) -> Unrolled:
+    """Run `ttt_length` draft steps over a batch. input_ids [B, T] (target ids), aux [B, T, nH]. `attention`: "dense"
+    (SDPA under ttt_mask, what decoding's masked attention computes) or "flex" (the same function over the
+    block-sparse key set, train/attention.py)."""
     B, T = input_ids.shape
     device = input_ids.device
     cache = GrowingCache()
     hidden = draft.project(aux)
     base_pos = torch.arange(T, device=device).expand(B, T)
     logits, outs = [], []
-    for k in range(ttt_length):
-        embeds = draft.embed_tokens(shift_left(input_ids, k + 1))
-        out = draft.step(embeds, hidden, base_pos + k, cache, k * T, ttt_mask(T, k, device))
-        logits.append(draft.logits(out))
-        outs.append(out)
-        hidden = out
+    with ttt_attention(draft, attention):
+        for k in range(ttt_length):
+            embeds = draft.embed_tokens(shift_left(input_ids, k + 1))
+            mask = ttt_mask(T, k, device) if attention == "dense" else None
+            out = draft.step(embeds, hidden, base_pos + k, cache, k * T, mask)
+            logits.append(draft.logits(out))
+            outs.append(out)
+            hidden = out
     return Unrolled(logits, outs)
 
 
@@ -126,6 +133,35 @@ def teacher_from_head(head, final_hidden: torch.Tensor, vocab_ids: torch.Tensor,
     return Teacher(logits.reshape(B, T, -1), argmax.reshape(B, T))
 
 
+def _chunk_loss(z: torch.Tensor, teacher: torch.Tensor, src: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Σ_r w_r · H(softmax(teacher[src_r]), softmax(z_r)) over a chunk of rows, in float32."""
+    p = torch.softmax(teacher.index_select(0, src).float(), -1)
+    return (-(p * torch.log_softmax(z.float(), -1)).sum(-1) * w).sum()
+
+
+def _chunk_grad(z: torch.Tensor, teacher: torch.Tensor, src: torch.Tensor, wg: torch.Tensor) -> torch.Tensor:
+    """d/dz of _chunk_loss scaled by the incoming gradient (wg = w · grad): d/dz of -Σ p log softmax(z) =
+    softmax(z) · Σp - p, in float32, returned in z's dtype."""
+    p = torch.softmax(teacher.index_select(0, src).float(), -1)
+    g = torch.softmax(z.float(), -1) * p.sum(-1, keepdim=True) - p
+    return (g * wg[:, None]).to(z.dtype)
+
+
+_compiled_chunks: tuple | None = None
+
+
+def _chunk_fns(device: torch.device) -> tuple:
+    """(_chunk_loss, _chunk_grad): compiled on a GPU, where each becomes one kernel that reads the bf16 rows once
+    (eager, each of the dozen float32 steps above is a pass over a [rows, Vd] float32 temporary: about 150 bytes per
+    logit per TTT step, forward and backward, against about 6); the same functions as they stand on the CPU."""
+    global _compiled_chunks
+    if device.type != "cuda":
+        return _chunk_loss, _chunk_grad
+    if _compiled_chunks is None:
+        _compiled_chunks = (torch.compile(_chunk_loss, dynamic=True), torch.compile(_chunk_grad, dynamic=True))
+    return _compiled_chunks
+
+
 class _SoftCrossEntropy(torch.autograd.Function):
     """Σ_r w_r · H(p_r, q_r): q_r = softmax(logits[r]), p_r = softmax(teacher[r + shift]) (the teacher row `shift`
     positions later, clamped at the end where w is 0). Float32, a chunk of rows at a time. For the backward it keeps
@@ -136,30 +172,29 @@ class _SoftCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, shift: int) -> torch.Tensor:
         ctx.save_for_backward(logits, teacher, weight)
         ctx.shift = shift
+        loss_fn, _ = _chunk_fns(logits.device)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
-        for rows, z, p in _chunks(logits, teacher, shift):
-            total = total + (-(p * torch.log_softmax(z, -1)).sum(-1) * weight[rows]).sum()
+        for rows, src in _chunks(logits, shift):
+            total = total + loss_fn(logits[rows], teacher, src, weight[rows])
         return total
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, teacher, weight = ctx.saved_tensors
+        _, grad_fn = _chunk_fns(logits.device)
         out = torch.empty_like(logits)
-        for rows, z, p in _chunks(logits, teacher, ctx.shift):
-            # d/dz of -Σ p log softmax(z) = softmax(z) · Σp - p
-            g = torch.softmax(z, -1) * p.sum(-1, keepdim=True) - p
-            out[rows] = (g * (weight[rows] * grad)[:, None]).to(out.dtype)
+        for rows, src in _chunks(logits, ctx.shift):
+            out[rows] = grad_fn(logits[rows], teacher, src, weight[rows] * grad)
         return out, None, None, None
 
 
-def _chunks(logits: torch.Tensor, teacher: torch.Tensor, shift: int):
-    """(row slice, float32 logits rows, teacher probabilities of the rows `shift` later) over [N, Vd] inputs."""
+def _chunks(logits: torch.Tensor, shift: int):
+    """(row slice, the teacher rows `shift` later, clamped) over [N, Vd] logits."""
     N = logits.shape[0]
     step = chunk_rows(logits.shape[1])
     for a in range(0, N, step):
         rows = slice(a, min(N, a + step))
-        src = torch.arange(rows.start, rows.stop, device=logits.device).add_(shift).clamp_(max=N - 1)
-        yield rows, logits[rows].float(), torch.softmax(teacher.index_select(0, src).float(), -1)
+        yield rows, torch.arange(rows.start, rows.stop, device=logits.device).add_(shift).clamp_(max=N - 1)
 
 
 def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, shift: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""`eaglescope replay`: the golden trace for a recorded one."""
+"""`eaglescope replay`: the golden trace for a recorded one (the replay: eaglescope.detective.replay)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The command line's subcommands other than `generate` (cli.py): their flags, and which function runs each.
+"""Every subcommand's flags, and which function (a `cmd_*` in this package) runs each.
 
 Standard library only: `eaglescope --help` and a bad flag answer before torch is imported. A command's
 function is named as "module:function" and imported when it runs. The flags of `prepare` and `train` take their
@@ -33,6 +33,66 @@ def _from(config: type, p: argparse.ArgumentParser | argparse._MutuallyExclusive
         p.add_argument(flag, default=field.default, **kw)
 
 
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="Hugging Face checkpoint directory of the target model")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=BACKENDS,
+        help="native Llama-family path or generic transformers path (auto: native when supported)",
+    )
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="decode with the target, optionally speculatively with a draft")
+    _add_target_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn with the tokenizer's template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop-ids", default=None, help="extra stop token ids, comma-separated")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--draft", default=None, help="EAGLE-3 draft checkpoint (or draft LM for --proposer draft-lm)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--chain", type=int, default=None, metavar="K", help="chain of K draft tokens per round")
+    shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="EAGLE-2 dynamic tree")
+    p.add_argument("--proposer", default="eagle3", choices=["eagle3", "ngram", "draft-lm"])
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="the reference decoder even on a GPU (on a GPU the fast one is the default wherever it can run)",
+    )
+    p.add_argument(
+        "--fast",
+        action="store_true",
+        help="static-shape decoders (one CUDA graph per step or EAGLE-3 round on a GPU, batch-invariant kernels so "
+        "the output is vanilla greedy's exactly); greedy, native targets",
+    )
+    p.add_argument(
+        "--no-batch-invariant",
+        action="store_true",
+        help="with --fast on a GPU: one-token steps on the fused decode kernels and verifies on cuBLAS instead of the "
+        "batch-invariant kernels; faster on large targets (8B step 4.2 vs 6.7 ms), but bf16 near-ties may then flip "
+        "between vanilla and speculative",
+    )
+    p.add_argument("--trace", default=None, help="record a trace of this run into DIR")
+    p.add_argument("--trace-mode", default="full", choices=["full", "fingerprint"])
+    p.add_argument(
+        "--trace-layers",
+        action="store_true",
+        help="with --trace: also record fingerprints of every layer's hidden state of the prefill (target.layer.*), "
+        "so that doctor can check the taps without the target's layers",
+    )
+    p.set_defaults(func="eaglescope.cli.generate:cmd_generate")
+
+
 def add_prepare(sub) -> None:
     p = sub.add_parser("prepare", help="render chat data, build the draft vocabulary, optionally store tap features")
     f = lambda name, **kw: _from(PrepareConfig, p, name, **kw)  # noqa: E731
@@ -52,7 +112,7 @@ def add_prepare(sub) -> None:
     f("backend", choices=BACKENDS)
     f("limit", type=int, help="use only the first N conversations")
     f("overwrite", help="replace an earlier preparation at OUT, once the new one is complete")
-    p.set_defaults(func="eaglescope.data.prepare:cmd_prepare")
+    p.set_defaults(func="eaglescope.cli.prepare:cmd_prepare")
 
 
 def add_train(sub) -> None:
@@ -91,7 +151,7 @@ def add_train(sub) -> None:
     f("norm_before_fc", help="EAGLE 3.1: one RMSNorm over the concatenated target features before fc")
     f("fc_norm", help="EAGLE 3.1: one RMSNorm per tap segment before fc")
     f("norm_output", help="EAGLE 3.1: the next draft step receives the post-norm output")
-    p.set_defaults(func="eaglescope.train.loop:cmd_train")
+    p.set_defaults(func="eaglescope.cli.train:cmd_train")
 
 
 def add_inspect_export(sub) -> None:
@@ -99,7 +159,7 @@ def add_inspect_export(sub) -> None:
     p.add_argument("draft_dir", metavar="DRAFT_DIR", help="EAGLE-3 draft checkpoint directory")
     p.add_argument("--target", default=None, help="target checkpoint: infers taps for checkpoints without a contract")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func="eaglescope.export:cmd_inspect")
+    p.set_defaults(func="eaglescope.cli.export:cmd_inspect")
 
     p = sub.add_parser("export", help="write a draft checkpoint in SGLang's or vLLM's layer-id convention")
     p.add_argument("--draft", required=True, help="EAGLE-3 draft checkpoint directory")
@@ -111,7 +171,7 @@ def add_inspect_export(sub) -> None:
     p.add_argument("--with-embedding", action="store_true", help="save the target's embedding (needs --target)")
     p.add_argument("--dtype", default=None, choices=WEIGHT_DTYPES, help="weight dtype (default: the source's)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.set_defaults(func="eaglescope.export:cmd_export")
+    p.set_defaults(func="eaglescope.cli.export:cmd_export")
 
 
 def add_replay(sub) -> None:
@@ -124,7 +184,7 @@ def add_replay(sub) -> None:
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", default="auto", help="default float32")
     p.add_argument("--backend", default="auto", choices=BACKENDS)
-    p.set_defaults(func="eaglescope.detective.commands:cmd_replay")
+    p.set_defaults(func="eaglescope.cli.replay:cmd_replay")
 
 
 DOCTOR_MODES = """\
@@ -186,7 +246,7 @@ def add_doctor(sub) -> None:
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    p.set_defaults(func="eaglescope.detective.doctor:cmd_doctor")
+    p.set_defaults(func="eaglescope.cli.doctor:cmd_doctor")
 
 
 CAPTURE_DESCRIPTION = """\
@@ -235,7 +295,7 @@ def add_capture(sub) -> None:
         "can check the taps without the target's layers",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run")
-    p.set_defaults(func="eaglescope.capture.command:cmd_capture")
+    p.set_defaults(func="eaglescope.cli.capture:cmd_capture")
 
 
 def add_demo(sub) -> None:
@@ -258,7 +318,7 @@ def add_demo(sub) -> None:
         default=None,
         help="seconds pretraining may take before its schedule is shortened (default 420; 0 = no cap)",
     )
-    p.set_defaults(func="eaglescope.demo:cmd_demo")
+    p.set_defaults(func="eaglescope.cli.demo:cmd_demo")
 
 
 def add_bench(sub) -> None:
@@ -293,11 +353,21 @@ def add_bench(sub) -> None:
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    p.set_defaults(func="eaglescope.bench:cmd_bench")
+    p.set_defaults(func="eaglescope.cli.bench:cmd_bench")
 
 
 def add_parsers(sub) -> None:
-    for add in (add_replay, add_prepare, add_inspect_export, add_train, add_doctor, add_capture, add_demo, add_bench):
+    for add in (
+        add_generate,
+        add_replay,
+        add_prepare,
+        add_inspect_export,
+        add_train,
+        add_doctor,
+        add_capture,
+        add_demo,
+        add_bench,
+    ):
         add(sub)
 
 

@@ -1,24 +1,20 @@
 """`eaglescope generate`: decode a prompt with the target, speculatively with a draft when one is given; on a GPU
-the static-shape backend is the default wherever it can run (fast/run.py), elsewhere the reference one."""
+the static-shape backend is the default wherever it can run, elsewhere the reference one (backend.py chooses)."""
 
 from __future__ import annotations
 
 import json
-import logging
 import sys
 
 import torch
 
-from eaglescope.decode.loop import run_speculative_from_args
-from eaglescope.decode.speculative import parse_tree_shape
-from eaglescope.decode.vanilla import SamplingConfig, generate_vanilla
+from eaglescope.backend import FAST, Decoder
+from eaglescope.decode.generation import DecodeSettings, SamplingConfig, check_prompt
+from eaglescope.decode.tree import parse_tree_shape
 from eaglescope.errors import EagleScopeError
-from eaglescope.fast.run import generate_fast, why_not_fast
 from eaglescope.outputs import check_destination
 from eaglescope.target import load_target, parse_device, parse_dtype
 from eaglescope.trace import trace_kind
-
-log = logging.getLogger(__name__)
 
 
 def _parse_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
@@ -48,6 +44,26 @@ def prompt_ids_from_args(args, tokenizer) -> list[int]:
             ids = ids["input_ids"]
         return list(ids)
     return tokenizer.encode(args.prompt, add_special_tokens=True)
+
+
+def settings_from_args(args, sampling: SamplingConfig) -> DecodeSettings:
+    """The typed settings of `generate`'s flags (nothing below the command layer reads argparse)."""
+    decoder = "fast" if args.fast else "reference" if args.reference else "auto"
+    return DecodeSettings(
+        args.max_new_tokens,
+        sampling,
+        draft=args.draft,
+        proposer=args.proposer,
+        chain=args.chain,
+        tree=args.tree,
+        decoder=decoder,
+        batch_invariant=not args.no_batch_invariant,
+        backend=args.backend,
+        trace=args.trace,
+        trace_mode=args.trace_mode,
+        trace_layers=bool(getattr(args, "trace_layers", False)),
+        target_dir=args.target,
+    )
 
 
 def cmd_generate(args) -> int:
@@ -93,22 +109,11 @@ def cmd_generate(args) -> int:
             )
     if args.fast and args.reference:
         raise EagleScopeError("--fast and --reference choose opposite decoders; pass one")
-    fast = args.fast
-    if device.type == "cuda" and not args.fast and not args.reference:
-        # On a GPU the static-shape decoder is the default wherever it can run (the same tokens, several times
-        # faster); where it cannot, say why in one line and decode on the reference path.
-        why = why_not_fast(args, target, sampling)
-        fast = why is None
-        if why is not None:
-            log.info("generate: the reference decoder, because the fast one cannot: %s", why)
-    if args.no_batch_invariant and not fast:
+    settings = settings_from_args(args, sampling)
+    decoder = Decoder(target, settings, len(prompt_ids) + check_prompt(target, prompt_ids, args.max_new_tokens))
+    if args.no_batch_invariant and decoder.backend != FAST:
         raise EagleScopeError("--no-batch-invariant chooses the kernels of the fast decoder (a GPU, or --fast)")
-    if fast:
-        result = generate_fast(args, target, prompt_ids, sampling, stop)
-    elif args.draft or args.proposer in ("ngram",):
-        result = run_speculative_from_args(args, target, prompt_ids, sampling, stop)
-    else:
-        result = generate_vanilla(target, prompt_ids, args.max_new_tokens, sampling, stop)
+    result = decoder.run(prompt_ids, stop)
     text = target.tokenizer.decode(result.token_ids, skip_special_tokens=False) if target.tokenizer else None
     stats = {
         "new_tokens": len(result.token_ids),

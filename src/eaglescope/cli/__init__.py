@@ -1,0 +1,102 @@
+"""The `eaglescope` command line: the only code that reads argparse or writes to stdout.
+
+Each subcommand is a `cmd_*` function in a module of this package (named in parsers.py, imported when it runs); the
+library below reports through `logging`, whose one stderr handler `main` installs (eaglescope.log). Errors become
+one stderr line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import warnings
+
+from eaglescope.cli.parsers import add_parsers
+from eaglescope.errors import EagleScopeError
+from eaglescope.log import configure as configure_logging
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the product's error form: one `eaglescope: error:` line and exit 2 (not usage + error)."""
+
+    def error(self, message: str):
+        self.exit(
+            2, f"eaglescope: error: {self.prog.removeprefix('eaglescope ')}: {message} (see {self.prog} --help)\n"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="eaglescope", description="Train, serve and debug EAGLE-3 draft models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parsers(sub)
+    return parser
+
+
+def _command(func):
+    """A subcommand's function, named "module:function" and imported now (see parsers.py)."""
+    module, name = func.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _quiet_transformers() -> None:
+    # Loading reports and progress bars from transformers would bury our one-line errors.
+    try:
+        from transformers.utils import logging as hf_logging  # after parsing: --help and flag errors stay instant
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = os.environ.get("EAGLESCOPE_DEBUG") == "1"
+    configure_logging(debug)
+    if not debug:
+        warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+        _quiet_transformers()
+    # Warnings are held back while the command runs: after a success each becomes one `eaglescope: warning:`
+    # line; after a failure they are dropped, so the error stays the single line on stderr.
+    with warnings.catch_warnings(record=True) as caught:
+        if not debug:
+            warnings.simplefilter("always")
+        try:
+            rc = int(_command(args.func)(args) or 0)
+        except EagleScopeError as e:
+            print(f"eaglescope: error: {_one_line(e)}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("eaglescope: interrupted", file=sys.stderr)
+            return 130
+        except Exception as e:  # noqa: BLE001 - a bug, but the user still gets one line and a way to see more
+            if debug:
+                raise
+            print(
+                f"eaglescope: internal error: {type(e).__name__}: {_one_line(e)} (set EAGLESCOPE_DEBUG=1 for a "
+                "traceback)",
+                file=sys.stderr,
+            )
+            return 3  # distinct from doctor's 1 (findings) and bad input's 2
+    seen = set()
+    for w in caught:
+        text = _one_line(w.message)
+        if text not in seen and _ours(w):
+            seen.add(text)
+            print(f"eaglescope: warning: {text}", file=sys.stderr)
+    return rc
+
+
+def _one_line(e: object) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _ours(w: warnings.WarningMessage) -> bool:
+    """Warnings eaglescope raised for the user (libraries' deprecation chatter is not the user's business)."""
+    return "eaglescope" in (w.filename or "") and not issubclass(w.category, DeprecationWarning)
+
+
+__all__ = ["main", "build_parser"]

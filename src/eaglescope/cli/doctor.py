@@ -1,0 +1,35 @@
+"""`eaglescope doctor` (the checks: eaglescope.detective.doctor)."""
+
+from __future__ import annotations
+
+from eaglescope.detective.doctor import format_report, report_json, run_doctor
+from eaglescope.detective.report import REPORT, write_html
+from eaglescope.outputs import check_destination
+
+
+def cmd_doctor(args) -> int:
+    if args.html:  # refused before the minutes of checks, not after
+        check_destination(args.html, REPORT, flag="--html")
+    report = run_doctor(
+        args.target,
+        args.draft,
+        data=args.data,
+        trace=args.trace,
+        engine_log=args.engine_log,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        device=args.device,
+        dtype=args.dtype,
+        backend=args.backend,
+        depth=args.depth,
+        eval_samples=args.eval_samples,
+        engines=tuple(args.engine) if args.engine else None,
+        replay=args.replay,
+        progress=True,  # on stderr: --json on stdout stays parseable
+    )
+    if args.html:
+        write_html(report, args.html)
+    print(report_json(report) if args.json else format_report(report))
+    if args.html and not args.json:
+        print(f"report: {args.html}")
+    return 0 if report.healthy else 1

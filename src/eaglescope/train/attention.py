@@ -1,0 +1,99 @@
+"""The TTT unroll's attention without the masked rectangle: flex_attention over the block-sparse TTT key set.
+
+At TTT step k the T queries of a sample see the causal step-0 keys and, from each of the steps 1..k, the one key at
+their own position (train/ttt.py). The dense form, SDPA with a [T, (k+1)·T] bool mask, computes every score of the
+rectangle: (k+1)·T² pairs where about T²/2 + k·T are allowed (29.4 M for 2.1 M + 12 K at T = 2,048 and k = 6), and a
+mask keeps SDPA off its flash kernel (the memory-efficient one takes the mask as an additive bias it reads per
+score). `torch.nn.attention.flex_attention` with a block mask computes only the 128 × 128 blocks that hold an allowed
+pair: the causal triangle's, and per later step the one partial block on each query block's diagonal (128·T pairs),
+so step k costs about T²/2 + 128·k·T pairs instead of (k+1)·T², forward and backward. It is the same function: the
+scores of the allowed pairs, softmax over them, their values; `tests/test_train_attention.py` checks the logits and
+every gradient against the dense form in float32, and a trained draft's held-out acc_k.
+
+On a GPU flex_attention is compiled (`torch.compile`: Triton kernels, a one-off cost in the first step, which the
+speed report leaves out); uncompiled it would materialise the scores like the dense form. On the CPU training keeps
+the dense form; the tests run flex there uncompiled, which computes the same function by its reference path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+ATTENTION_KINDS = ("dense", "flex")
+_MAX_MASKS = 32  # block masks kept per process (one per padded length T and step)
+RECOMPILE_LIMIT = 64  # graphs of the compiled flex_attention before dynamo stops compiling it (torch's default: 8)
+
+_block_masks: dict[tuple[int, int, str], BlockMask] = {}
+_compiled_flex = None
+
+
+def ttt_block_mask(T: int, S: int, device: torch.device) -> BlockMask:
+    """The TTT mask for T queries over S = (k+1)·T keys (step-0 keys, then steps 1..k, T slots each) as a block mask."""
+    key = (T, S, str(device))
+    if key not in _block_masks:
+        if len(_block_masks) >= _MAX_MASKS:
+            _block_masks.clear()
+        # The query position each key slot belongs to; a tensor, not a Python int captured by the closure, so a new
+        # padded length T is new data for the compiled kernel rather than a new constant to recompile for.
+        slot_position = torch.arange(S, device=device) % T
+
+        def allowed(b, h, q, kv):
+            # step-0 keys causally (kv < T there); a later step's key only at the query's own position
+            return (kv <= q) | (slot_position[kv] == q)
+
+        _block_masks[key] = create_block_mask(allowed, None, None, T, S, device=device)
+    return _block_masks[key]
+
+
+def _flex_for(device: torch.device):
+    global _compiled_flex
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def flex_ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """attend()'s contract for the TTT key layout: q [B, H, T, D], k/v [B, Hkv, (k+1)·T, D] → [B, H, T, D]. `mask` is
+    not read: the layout decides it (ttt_block_mask)."""
+    T, S = q.shape[2], k.shape[2]
+    if S % T:
+        raise ValueError(f"flex TTT attention: {S} keys are not a whole number of {T}-slot steps")
+    block_mask = ttt_block_mask(T, S, q.device)
+    # Autocast has cast the projections already (SDPA would run in that dtype too); the compiled kernel runs outside it.
+    # Each padded length T, batch size (an evaluation's last batch), grad mode and step 0 (whose keys are a transposed
+    # view, S = T) against later steps can ask for a graph of its own before dynamo makes the sizes symbolic: 8 graphs
+    # for 10 lengths of a real run's spread (counted with dynamo's eager backend), and torch's default limit of 8 would
+    # then run flex uncompiled, materialising every score, for the rest of the run (tests/gpu hit it, short samples).
+    with torch.autocast(q.device.type, enabled=False), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        flex = _flex_for(q.device)
+        return flex(q, k.to(q.dtype), v.to(q.dtype), block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def default_attention(draft, device: torch.device) -> str:
+    """flex on a GPU for the Llama-attention draft; dense otherwise (the CPU, and MLA drafts, whose attention is its
+    own module)."""
+    from eaglescope.drafts.llama import DraftAttention
+
+    return "flex" if device.type == "cuda" and type(draft.midlayer.self_attn) is DraftAttention else "dense"
+
+
+@contextlib.contextmanager
+def ttt_attention(draft, kind: str):
+    """The draft's attention set to `kind` for the duration (decoding's own setting is restored after)."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"TTT attention {kind!r} is not one of {ATTENTION_KINDS}")
+    if kind == "dense":
+        yield
+        return
+    attn = draft.midlayer.self_attn
+    previous = attn.attention_impl
+    attn.attention_impl = flex_ttt_attention
+    try:
+        yield
+    finally:
+        attn.attention_impl = previous

@@ -295,7 +295,7 @@ class Capture:
     def target_fingerprint(self, path: str) -> dict | None:
         if self._fingerprint is False:
             try:  # eaglescope's own fingerprint, when this environment can import it (scripts/vllm_env.sh)
-                from eaglescope.target.loading import fingerprint_of, read_config
+                from eaglescope.models.targets.loading import fingerprint_of, read_config
 
                 self._fingerprint = fingerprint_of(Path(path), read_config(Path(path))).to_dict()
             except Exception:  # noqa: BLE001 - a hub id or an unreadable directory: no fingerprint, say so

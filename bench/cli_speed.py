@@ -70,7 +70,7 @@ def generate_in_process(argv: list[str]) -> dict:
 def float32_margin(target: Path, prompt: list[int], tokens: list[int], at: int) -> dict:
     """The target's float32 logits where two runs' greedy tokens first differ: the top-2 gap and both tokens' gap to
     the best (a near-tie that bf16 rounding can break either way, or a real disagreement)."""
-    from eaglescope.target import load_target
+    from eaglescope.models.targets import load_target
 
     t = load_target(target, device="cuda", dtype=torch.float32)
     t.reset(len(prompt) + at + 2)
@@ -148,7 +148,7 @@ def reference_profile(target_dir: Path, new: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from eaglescope.decode.loop import generate_vanilla
-    from eaglescope.target import load_target
+    from eaglescope.models.targets import load_target
 
     t = load_target(target_dir, device="cuda", dtype=torch.bfloat16)  # turns SDPA's cuDNN backend off
     generate_vanilla(t, PROMPT64, 8, stop_ids=[])

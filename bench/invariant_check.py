@@ -29,8 +29,8 @@ from eaglescope.decode.tree import DraftTree  # noqa: E402
 from eaglescope.fast import FastTarget  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
 from eaglescope.fast.engine import use_batch_invariant  # noqa: E402
+from eaglescope.models.targets.llama import LlamaArgs, LlamaModel, RMSNorm, RopeSpec, attend  # noqa: E402
 from eaglescope.pretrain import init_weights  # noqa: E402
-from eaglescope.target.llama import LlamaArgs, LlamaModel, RMSNorm, RopeSpec, attend  # noqa: E402
 
 
 def kernel_errors(device, dtype) -> dict:

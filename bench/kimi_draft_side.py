@@ -7,7 +7,7 @@ Builds in a temporary directory (nothing is downloaded; ~7 GB of disk at the ful
   Kimi-K2's shape (hidden 7168, 61 layers, vocabulary 163,840, MLA and MoE settings), a word-level tokenizer of that
   vocabulary, and only `model.embed_tokens.weight` and `lm_head.weight` (random, bf16), each in its own shard under
   a safetensors index. No decoder layer exists anywhere.
-- an EAGLE-3 draft with an MLA layer (drafts/mla.py: the target's q/kv LoRA ranks, rope/nope dims and YaRN RoPE),
+- an EAGLE-3 draft with an MLA layer (models/drafts/mla.py: the target's q/kv LoRA ranks, rope/nope dims and YaRN RoPE),
   random bf16 weights, a 32,000-token draft vocabulary, the seed's taps [0, 3, 31] (the embedding output among them);
 - traces written by a synthetic engine: eaglescope's speculative loop (decode/loop.py) drafting with the draft in
   bf16 against a stand-in target whose verify forward returns random hidden states (tap 0 = the embedding of the
@@ -41,16 +41,16 @@ import torch
 from safetensors.torch import save_file
 
 from eaglescope import trace as T
-from eaglescope.data.vocab import build_draft_vocab
 from eaglescope.decode.generation import SamplingConfig
 from eaglescope.decode.loop import ReferenceRunner, decode
 from eaglescope.decode.speculative import Eagle3Proposer
 from eaglescope.decode.verify import VerifyResult
-from eaglescope.draft import DraftConfig, DraftContract, Eagle3Draft, load_draft, weight_names
+from eaglescope.models.draft import DraftConfig, DraftContract, Eagle3Draft, load_draft, weight_names
+from eaglescope.models.targets.base import Target, TargetOutput
+from eaglescope.models.targets.head import EMBEDDING_NAMES
+from eaglescope.models.targets.loading import load_tensors
+from eaglescope.models.vocab import build_draft_vocab
 from eaglescope.taps import TapContract
-from eaglescope.target.base import Target, TargetOutput
-from eaglescope.target.head import EMBEDDING_NAMES
-from eaglescope.target.loading import load_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 # Kimi-K2's published config.json shape (DeepSeek-V3 architecture); K2.5 keeps the text model's shape.
@@ -166,7 +166,7 @@ class SyntheticTarget(Target):
     embedding output, so it is the embedding of the tokens) and no logits; decisions are the runner's."""
 
     def __init__(self, cfg: dict, embedding: torch.Tensor, seed: int) -> None:
-        from eaglescope.target.base import TargetFingerprint
+        from eaglescope.models.targets.base import TargetFingerprint
 
         self.fingerprint = TargetFingerprint(cfg["architectures"][0], cfg["num_hidden_layers"], cfg["hidden_size"],
                                              cfg["vocab_size"])  # fmt: skip

@@ -41,16 +41,16 @@ from eaglescope.config import PrepareConfig, TrainConfig
 from eaglescope.corpus import COMPLETION_TEMPLATE, code_prefixes, stdlib_corpus, train_tokenizer
 from eaglescope.data.prepare import prepare
 from eaglescope.decode.stats import SpecStats
-from eaglescope.draft import DraftConfig, Eagle3Draft
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast import invariant as inv_kernels
 from eaglescope.fast.engine import _graph, use_batch_invariant, use_matmul_attention
 from eaglescope.fast.fused_decode import fused_decode_supported
 from eaglescope.fast.layers import compile_layers, use_gemv_reductions
+from eaglescope.models.draft import DraftConfig, Eagle3Draft
+from eaglescope.models.targets import load_target
+from eaglescope.models.targets.llama import LlamaArgs, LlamaModel, NativeTarget, RopeSpec, fuse_projections
 from eaglescope.pretrain import PretrainConfig, init_weights, save_target
 from eaglescope.taps import TapContract
-from eaglescope.target import load_target
-from eaglescope.target.llama import LlamaArgs, LlamaModel, NativeTarget, RopeSpec, fuse_projections
 from eaglescope.train.loop import train
 
 T0 = time.perf_counter()

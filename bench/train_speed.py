@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 from eaglescope.data.shards import FORMAT_VERSION, MANIFEST, SAMPLES, VOCAB, save_atomic, write_json_atomic
-from eaglescope.data.vocab import build_draft_vocab, count_tokens
-from eaglescope.target.loading import fingerprint_of, read_config
+from eaglescope.models.targets.loading import fingerprint_of, read_config
+from eaglescope.models.vocab import build_draft_vocab, count_tokens
 
 LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,

@@ -69,8 +69,8 @@ def build_shared(root: Path) -> Shared:
     """The good artifacts every case starts from (about 5 s of CPU)."""
     from eaglescope.cli import main
     from eaglescope.data.prepare import PrepareConfig, prepare
-    from eaglescope.draft import load_draft
     from eaglescope.export import export_draft
+    from eaglescope.models.draft import load_draft
     from eaglescope.train.loop import TrainConfig, train
 
     root.mkdir(parents=True, exist_ok=True)
@@ -320,7 +320,7 @@ def big_draft(root: Path, hidden: int = 1024, vocab: int = 32000, layers: int = 
     while (the kill tests signal while it is being written)."""
     from drafts import make_draft
 
-    from eaglescope.draft import save_draft
+    from eaglescope.models.draft import save_draft
 
     cfg_dir = root / "big-target-config"
     cfg_dir.mkdir(parents=True)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from eaglescope.data.vocab import build_draft_vocab
-from eaglescope.draft import DraftConfig, DraftContract, Eagle3Draft, save_draft
+from eaglescope.models.draft import DraftConfig, DraftContract, Eagle3Draft, save_draft
+from eaglescope.models.vocab import build_draft_vocab
 from eaglescope.taps import TapContract
 
 

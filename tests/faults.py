@@ -31,9 +31,9 @@ from eaglescope.decode.loop import generate_speculative
 from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
 from eaglescope.decode.tree import DraftTree
 from eaglescope.decode.vanilla import generate_vanilla
-from eaglescope.draft import LoadedDraft, load_draft
+from eaglescope.models.draft import LoadedDraft, load_draft
+from eaglescope.models.targets.base import Target, TargetOutput
 from eaglescope.taps import TapContract
-from eaglescope.target.base import Target, TargetOutput
 
 
 # -- models --------------------------------------------------------------------------------------------

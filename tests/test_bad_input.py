@@ -1437,7 +1437,7 @@ def _kill_job(cmd: str, env: Env, d: Path, big: Path | None) -> tuple[list[str],
         argv = [*train(c, out), "--max-steps", "100", "--save-every", "20", "--overwrite"]
 
         def check(out: Path) -> None:
-            from eaglescope.draft import load_draft
+            from eaglescope.models.draft import load_draft
 
             load_draft(out)
             assert json.loads((out / "training_metrics.json").read_text())["step"] == 100

@@ -14,9 +14,9 @@ from tokenizers_fixtures import LLAMA3, make_tokenizer_dir
 from eaglescope.bench import parse_method, read_prompts
 from eaglescope.cli import main
 from eaglescope.decode.loop import generate_vanilla
-from eaglescope.draft import save_draft
 from eaglescope.errors import EagleScopeError
-from eaglescope.target import load_target
+from eaglescope.models.draft import save_draft
+from eaglescope.models.targets import load_target
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from tokenizers_fixtures import CUSTOM, LLAMA3, LLAMA3_GENERATION, QWEN3, STYLES
 
 from eaglescope.data.chat import chat_template_hash, read_conversations, render, render_all
 from eaglescope.errors import EagleScopeError
-from eaglescope.target.base import chat_template_of, sha256_text
+from eaglescope.models.targets.base import chat_template_of, sha256_text
 
 SYSTEM = "You are a helpful assistant."
 Q1, Q2 = "What is the capital of France?", "Thank you. Two plus two?"

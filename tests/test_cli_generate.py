@@ -12,8 +12,8 @@ from models import make_checkpoint
 from tokenizers_fixtures import LLAMA3, load, make_tokenizer_dir
 
 from eaglescope.cli import main
-from eaglescope.draft import save_draft
-from eaglescope.target import load_target
+from eaglescope.models.draft import save_draft
+from eaglescope.models.targets import load_target
 
 PROMPT = "1,2,3"
 

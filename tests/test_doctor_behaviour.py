@@ -42,8 +42,8 @@ from eaglescope.detective.acceptance_sources import (
 from eaglescope.detective.behaviour import diagnose_behaviour
 from eaglescope.detective.doctor import format_report, run_doctor
 from eaglescope.detective.engine_logs import parse_engine_log
-from eaglescope.draft import load_draft
-from eaglescope.target import load_target
+from eaglescope.models.draft import load_draft
+from eaglescope.models.targets import load_target
 
 
 def codes(findings) -> list[str]:

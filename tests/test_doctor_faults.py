@@ -35,9 +35,9 @@ from eaglescope import trace as T
 from eaglescope.decode.speculative import Eagle3Proposer
 from eaglescope.detective.diagnose import diagnose_trace
 from eaglescope.detective.doctor import run_doctor
-from eaglescope.draft import save_draft
+from eaglescope.models.draft import save_draft
+from eaglescope.models.targets import load_target
 from eaglescope.taps import TapContract
-from eaglescope.target import load_target
 
 PROMPT = list(range(5, 15))
 TREE, CHAIN = (3, 3, 8), (3, 1, 4)

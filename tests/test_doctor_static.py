@@ -12,13 +12,13 @@ import torch
 from models import make_checkpoint
 from safetensors.torch import load_file, save_file
 
-from eaglescope.data.vocab import build_draft_vocab
 from eaglescope.detective.findings import CODES
 from eaglescope.detective.static import static_checks
-from eaglescope.draft import DraftConfig, DraftContract, Eagle3Draft, save_draft
 from eaglescope.export import load_target_embedding
+from eaglescope.models.draft import DraftConfig, DraftContract, Eagle3Draft, save_draft
+from eaglescope.models.targets.loading import fingerprint_of, read_config
+from eaglescope.models.vocab import build_draft_vocab
 from eaglescope.taps import TapContract
-from eaglescope.target.loading import fingerprint_of, read_config
 
 # (family, layers, hidden, heads, kv heads): a spread of depths and widths.
 SHAPES = [

@@ -18,9 +18,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 from eaglescope.cli import main
 from eaglescope.decode.loop import generate_speculative, generate_vanilla
 from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
-from eaglescope.draft import load_draft, save_draft
-from eaglescope.drafts.mla import MLAAttention
-from eaglescope.target import load_target
+from eaglescope.models.draft import load_draft, save_draft
+from eaglescope.models.drafts.mla import MLAAttention
+from eaglescope.models.targets import load_target
 
 PROMPT = [5, 9, 14, 2, 33, 7, 21, 4, 17, 11, 3]
 EAGLE31 = {"norm_before_fc": True, "fc_norm": True, "norm_output": True}

@@ -11,8 +11,8 @@ import torch
 from models import make_checkpoint
 from safetensors.torch import load_file, save_file
 
-from eaglescope.data.vocab import build_draft_vocab
-from eaglescope.draft import (
+from eaglescope.errors import EagleScopeError
+from eaglescope.models.draft import (
     WEIGHT_NAMES,
     DraftConfig,
     DraftContract,
@@ -21,9 +21,9 @@ from eaglescope.draft import (
     load_draft,
     save_draft,
 )
-from eaglescope.errors import EagleScopeError
+from eaglescope.models.targets.loading import fingerprint_of, read_config
+from eaglescope.models.vocab import build_draft_vocab
 from eaglescope.taps import TapContract
-from eaglescope.target.loading import fingerprint_of, read_config
 
 L = 8  # tests/models.py TINY: 8 layers, hidden 64, vocab 96
 DRAFT_VOCAB = 48

@@ -15,11 +15,11 @@ from safetensors import safe_open
 from test_draft_io import L, make_draft, official_state, write_raw
 
 from eaglescope.cli import main
-from eaglescope.draft import WEIGHT_NAMES, load_draft, save_draft
 from eaglescope.errors import EagleScopeError
 from eaglescope.export import choose_engine_ids, describe_draft, export_draft, load_target_embedding
+from eaglescope.models.draft import WEIGHT_NAMES, load_draft, save_draft
+from eaglescope.models.targets.base import TargetFingerprint
 from eaglescope.taps import SGLANG_FIRST_ID_ONE_ARCHITECTURES, TapContract, engine_capture
-from eaglescope.target.base import TargetFingerprint
 
 LLAMA, DEEPSEEK = "LlamaForCausalLM", "DeepseekV3ForCausalLM"  # SGLang 0.5.23: +1 to every id / +1 if first id is 1
 

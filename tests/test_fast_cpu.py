@@ -20,8 +20,8 @@ from eaglescope.decode.tree import DraftTree
 from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.decode.verify import verify_greedy
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla, accept_greedy
+from eaglescope.models.targets import load_target
 from eaglescope.taps import TapContract
-from eaglescope.target import load_target
 
 
 @st.composite
@@ -129,7 +129,7 @@ def test_fast_eagle_replay_forces_acceptance(tiny):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_fused_projections_match_separate_ones(tmp_path, family):
     """q/k/v and gate/up fused into one matmul each: same logits, taps and draft step (bias, qk-norm included)."""
-    from eaglescope.target.llama import fuse_projections
+    from eaglescope.models.targets.llama import fuse_projections
 
     ckpt = make_checkpoint(family, tmp_path / family, seed=3)
     tgt = load_target(ckpt, device="cpu", dtype=torch.float32)
@@ -162,7 +162,7 @@ def test_fused_projections_match_separate_ones(tmp_path, family):
 def test_fast_eagle_with_fused_weights_equals_vanilla(tmp_path, attention):
     tgt, draft = _setup(tmp_path, seed=5)
     from eaglescope.fast.engine import use_matmul_attention
-    from eaglescope.target.llama import fuse_projections
+    from eaglescope.models.targets.llama import fuse_projections
 
     prompt = [3, 17, 5, 40, 22, 9, 11]
     n = 24
@@ -221,7 +221,7 @@ def test_compiled_fast_path_equals_vanilla(tmp_path):
     """Everything the GPU benchmark turns on — fused weights, compiled layers, products as reductions, the
     compiled draft side of a round — still decodes exactly like the reference (inductor's CPU backend)."""
     from eaglescope.fast.layers import compile_layers, use_gemv_reductions
-    from eaglescope.target.llama import fuse_projections
+    from eaglescope.models.targets.llama import fuse_projections
 
     torch._dynamo.reset()
     tgt, draft = _setup(tmp_path, seed=5)
@@ -256,7 +256,7 @@ def test_float32_logits_head_matches_upcast_product():
 def test_matmul_attention_equals_sdpa(T, heads, extra, seed):
     """The decoding form of attention (two products + softmax) against SDPA, grouped-query heads, random masks
     with at least one visible key per query."""
-    from eaglescope.target.llama import attend
+    from eaglescope.models.targets.llama import attend
 
     H, Hkv = heads
     g = torch.Generator().manual_seed(seed)

@@ -18,9 +18,9 @@ from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
 from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.detective.diagnose import diagnose_trace
 from eaglescope.detective.doctor import run_doctor
-from eaglescope.draft import load_draft, save_draft
 from eaglescope.fast import FastEagle, FastTarget
-from eaglescope.target import load_target
+from eaglescope.models.draft import load_draft, save_draft
+from eaglescope.models.targets import load_target
 
 PROMPT = "5,9,14,2,33,7,21,4,17,11"
 

@@ -27,8 +27,8 @@ from eaglescope.fast.fused_decode import (  # noqa: E402
     fused_decode_supported,
     fused_linear,
 )
-from eaglescope.target import load_target  # noqa: E402
-from eaglescope.target.llama import RMSNorm, attend, fuse_projections  # noqa: E402
+from eaglescope.models.targets import load_target  # noqa: E402
+from eaglescope.models.targets.llama import RMSNorm, attend, fuse_projections  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not inv.available("cpu"), reason="needs TRITON_INTERPRET=1 on a CPU-only machine")
 

@@ -20,9 +20,9 @@ from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
 from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, MAX_ROWS, FusedVerify, _attend_products  # noqa: E402
+from eaglescope.models.targets import load_target  # noqa: E402
+from eaglescope.models.targets.llama import RMSNorm, fuse_projections  # noqa: E402
 from eaglescope.taps import TapContract  # noqa: E402
-from eaglescope.target import load_target  # noqa: E402
-from eaglescope.target.llama import RMSNorm, fuse_projections  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not inv.available("cpu"), reason="needs TRITON_INTERPRET=1 on a CPU-only machine")
 

@@ -26,9 +26,9 @@ from eaglescope.decode.tree import DraftTree  # noqa: E402
 from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
+from eaglescope.models.targets import load_target  # noqa: E402
+from eaglescope.models.targets.llama import RMSNorm, attend, fuse_projections  # noqa: E402
 from eaglescope.taps import TapContract  # noqa: E402
-from eaglescope.target import load_target  # noqa: E402
-from eaglescope.target.llama import RMSNorm, attend, fuse_projections  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not inv.available("cpu"), reason="needs TRITON_INTERPRET=1 on a CPU-only machine")
 

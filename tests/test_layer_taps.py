@@ -20,7 +20,7 @@ from models import make_checkpoint
 from eaglescope import trace as T
 from eaglescope.cli import main
 from eaglescope.detective.doctor import format_report, run_doctor
-from eaglescope.draft import save_draft
+from eaglescope.models.draft import save_draft
 
 MAX_NEW = 10
 TREE = {"depth": 3, "top_k": 3, "total_tokens": 8}

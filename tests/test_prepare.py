@@ -13,11 +13,11 @@ from eaglescope.cli import main
 from eaglescope.data.chat import chat_template_hash, read_conversations, render
 from eaglescope.data.prepare import PrepareConfig, _percentile, prepare
 from eaglescope.data.shards import PreparedData
-from eaglescope.data.vocab import build_draft_vocab, count_tokens, validate_vocab_map
 from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.errors import EagleScopeError
+from eaglescope.models.targets import load_target
+from eaglescope.models.vocab import build_draft_vocab, count_tokens, validate_vocab_map
 from eaglescope.outputs import partial_dir
-from eaglescope.target import load_target
 
 MAXLEN = 128
 LONG = "The capital of France is Paris. " * 30  # far beyond MAXLEN: truncated

@@ -22,8 +22,8 @@ from eaglescope.decode.loop import generate_speculative
 from eaglescope.decode.sampling import process_logits
 from eaglescope.decode.speculative import DraftLMProposer, Eagle3Proposer, target_embedding
 from eaglescope.decode.vanilla import SamplingConfig, generate_vanilla
+from eaglescope.models.targets import load_target
 from eaglescope.taps import TapContract
-from eaglescope.target import load_target
 
 V = 8
 N_TOKENS = 3

@@ -33,10 +33,10 @@ from eaglescope.decode.speculative import (
 )
 from eaglescope.decode.tree import DraftTree, parse_tree_shape
 from eaglescope.decode.vanilla import SamplingConfig, generate_vanilla
-from eaglescope.draft import save_draft
 from eaglescope.errors import EagleScopeError
+from eaglescope.models.draft import save_draft
+from eaglescope.models.targets import load_target
 from eaglescope.taps import TapContract
-from eaglescope.target import load_target
 
 FAST = dict(
     deadline=None,

@@ -31,8 +31,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eaglescope.cli import main
-from eaglescope.draft import load_draft, save_draft
 from eaglescope.export import load_target_embedding
+from eaglescope.models.draft import load_draft, save_draft
 from eaglescope.taps import TapContract
 from eaglescope.train.ttt import shift_left, ttt_unroll
 

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eaglescope.errors import EagleScopeError
+from eaglescope.models.targets.base import sha256_file, sha256_text
+from eaglescope.models.targets.hf import HFTarget
 from eaglescope.taps import TapContract
-from eaglescope.target.base import sha256_file, sha256_text
-from eaglescope.target.hf import HFTarget
 
 VOCAB = 128
 LAYERS = 4
@@ -158,7 +158,7 @@ def test_fingerprint_and_metadata(family, target):
 
 def test_the_head_alone_is_the_targets_head(family, target):
     # What `train` reads of a target when the hidden states are stored: the same fingerprint, embedding and logits
-    from eaglescope.target.head import load_target_head
+    from eaglescope.models.targets.head import load_target_head
 
     path, model = family
     head = load_target_head(path, target.device, target.dtype)
@@ -270,7 +270,7 @@ def test_batched_hidden_states_with_right_padding(family, target):
     attn = torch.tensor([[1] * 9, [1] * 5 + [0] * 4])
     out = target.hidden_states(ids, attn)
     assert out.logits.shape == (2, 9, VOCAB) and out.aux.shape == (2, 9, LAYERS * 64)
-    from eaglescope.target.base import TargetOutput
+    from eaglescope.models.targets.base import TargetOutput
 
     _check(TargetOutput(out.logits[0], out.aux[0]), *_ref(family[1], a))
     _check(TargetOutput(out.logits[1, :5], out.aux[1, :5]), *_ref(family[1], b))

@@ -10,8 +10,8 @@ from models import load_hf, make_checkpoint
 
 from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.errors import EagleScopeError
+from eaglescope.models.targets import load_target
 from eaglescope.taps import TapContract
-from eaglescope.target import load_target
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 ALL_TAPS = None  # filled per model: every valid tap index

@@ -33,11 +33,11 @@ from eaglescope.data.shards import PreparedData
 from eaglescope.decode.loop import generate_speculative
 from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
 from eaglescope.decode.stats import SpecStats
-from eaglescope.draft import Eagle3Draft, load_draft
 from eaglescope.errors import EagleScopeError
+from eaglescope.models.draft import Eagle3Draft, load_draft
+from eaglescope.models.targets import load_target
 from eaglescope.outputs import partial_dir
 from eaglescope.pretrain import PretrainConfig, pretrain, save_target
-from eaglescope.target import load_target
 from eaglescope.train import loop as train_loop
 from eaglescope.train.loop import TrainConfig, collate, lr_factor, make_batch, split_indices, train
 from eaglescope.train.metrics import (

@@ -253,8 +253,8 @@ TARGETS = {"DeepSeek-V3": dict(num_attention_heads=128, vocab_size=129280),
 
 
 def mla_draft_on_meta(target: str, draft_vocab: int):
-    from eaglescope.draft import Eagle3Draft
-    from eaglescope.drafts.config import DraftConfig
+    from eaglescope.models.draft import Eagle3Draft
+    from eaglescope.models.drafts.config import DraftConfig
     from eaglescope.taps import TapContract
 
     cfg = {**MLA_7168, **TARGETS[target]}
@@ -264,7 +264,7 @@ def mla_draft_on_meta(target: str, draft_vocab: int):
 
 
 def mla_counts(H: int, I: int, n: int, V: int, Vd: int, q=1536, kv=512, nope=128, rope=64, vh=128) -> dict:
-    """The parameters by the layer's description (drafts/mla.py: q, kv read the 2H input), not by its modules."""
+    """The parameters by the layer's description (models/drafts/mla.py: q, kv read the 2H input), not by its modules."""
     attention = 2 * H * q + q + q * n * (nope + rope) + 2 * H * (kv + rope) + kv + kv * n * (nope + vh) + n * vh * H
     return {"fc": 3 * H * H, "attention": attention, "mlp": 3 * H * I, "norms": 4 * H, "lm_head": H * Vd,
             "embedding": V * H}  # fmt: skip

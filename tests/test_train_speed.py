@@ -158,8 +158,8 @@ def test_model_flops_per_token_match_flopcountermode_over_a_real_training_step(t
     matmul = counter.get_total_flops() - sdpa
     assert matmul > 0 and sdpa > 0
 
-    from eaglescope.draft import load_draft
-    from eaglescope.target import load_target
+    from eaglescope.models.draft import load_draft
+    from eaglescope.models.targets import load_target
 
     target = load_target(tiny, device="cpu", dtype=torch.float32)
     model = FlopModel.of(target, json.loads((tiny / "config.json").read_text()), load_draft(tmp_path / "draft").model,
@@ -194,11 +194,11 @@ def test_model_flops_per_token_match_flopcountermode_over_a_real_training_step(t
 
 def test_the_8b_shape_counts_what_docs_training_speed_gives(monkeypatch):
     """docs/training-speed.md's worked example: the formula at Llama-3.1-8B shape, its draft on the meta device."""
-    from eaglescope.draft import Eagle3Draft
-    from eaglescope.drafts import DraftConfig
+    from eaglescope.models.draft import Eagle3Draft
+    from eaglescope.models.drafts import DraftConfig
+    from eaglescope.models.targets.base import TargetFingerprint
+    from eaglescope.models.targets.llama import LlamaArgs, LlamaModel
     from eaglescope.taps import TapContract
-    from eaglescope.target.base import TargetFingerprint
-    from eaglescope.target.llama import LlamaArgs, LlamaModel
 
     cfg = {"model_type": "llama", **train_speed.LLAMA_8B}
     with torch.device("meta"):
@@ -307,7 +307,7 @@ def test_bench_train_speed_smoke_runs_the_product_and_reports_each_batch_size(tm
 
 
 def test_teacher_from_the_head_in_chunks_equals_the_full_logits(tiny, monkeypatch):
-    from eaglescope.target import load_target
+    from eaglescope.models.targets import load_target
 
     monkeypatch.setattr(ttt, "CHUNK_ELEMENTS", 5 * 96)  # 5 rows a chunk
     target = load_target(tiny, device="cpu", dtype=torch.float32, taps="default")

@@ -11,8 +11,8 @@ from models import make_checkpoint
 from tolerance import assert_close_float32
 
 from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
+from eaglescope.models.targets import load_target
 from eaglescope.taps import TapContract
-from eaglescope.target import load_target
 from eaglescope.train.ttt import ttt_unroll
 
 

@@ -3,14 +3,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eaglescope.data.vocab import (
+from eaglescope.errors import EagleScopeError
+from eaglescope.models.vocab import (
     build_draft_vocab,
     count_tokens,
     draft_to_target,
     target_to_draft,
     validate_vocab_map,
 )
-from eaglescope.errors import EagleScopeError
 
 
 @st.composite

@@ -16,10 +16,10 @@ from eaglescope import trace as T
 from eaglescope.decode.generation import DecodeSettings, begin_generation
 from eaglescope.decode.loop import ReferenceRunner, Runner, decode
 from eaglescope.decode.speculative import NoProposer, build_proposer, check_top_k, load_eagle3
-from eaglescope.draft import Eagle3Draft
 from eaglescope.errors import EagleScopeError
 from eaglescope.fast.run import fast_runner, why_not_fast
-from eaglescope.target.base import Target
+from eaglescope.models.draft import Eagle3Draft
+from eaglescope.models.targets.base import Target
 
 log = logging.getLogger(__name__)
 

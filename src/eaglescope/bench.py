@@ -23,9 +23,9 @@ from eaglescope.decode.stats import SpecStats
 from eaglescope.decode.tree import parse_tree_shape
 from eaglescope.errors import EagleScopeError
 from eaglescope.figures import png_data_uri, pyplot
+from eaglescope.models.targets.base import Target
 from eaglescope.outputs import OutputKind, write_file
 from eaglescope.progress import Progress
-from eaglescope.target.base import Target
 
 log = logging.getLogger(__name__)
 

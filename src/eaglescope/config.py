@@ -72,7 +72,7 @@ class TrainConfig:
     log_dir: str | None = None  # default OUT/tb
     backend: str = "auto"
     draft_arch: str = "llama"  # the draft layer: "llama" (Llama attention) or "mla" (DeepSeek-V2/V3, Kimi-K2 targets)
-    norm_before_fc: bool = False  # EAGLE 3.1 options (drafts/config.py)
+    norm_before_fc: bool = False  # EAGLE 3.1 options (models/drafts/config.py)
     fc_norm: bool = False
     norm_output: bool = False
 

@@ -34,13 +34,13 @@ from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
 from eaglescope.decode.stats import SpecStats
 from eaglescope.detective.doctor import format_report, run_doctor
 from eaglescope.detective.report import write_html
-from eaglescope.draft import check_draft_matches_target, load_draft
 from eaglescope.errors import EagleScopeError
 from eaglescope.jsonfile import read_object
+from eaglescope.models.draft import check_draft_matches_target, load_draft
+from eaglescope.models.targets import load_target
+from eaglescope.models.targets.loading import load_tokenizer
 from eaglescope.outputs import check_destination, dir_kind, write_file
 from eaglescope.pretrain import PretrainConfig, pretrain, save_target
-from eaglescope.target import load_target
-from eaglescope.target.loading import load_tokenizer
 from eaglescope.train.loop import TrainConfig, train
 
 # The seed scenario (README's doctor report, docs/doctor-report.png): the embedding output (tap 0) among the taps and

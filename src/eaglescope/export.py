@@ -23,8 +23,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from eaglescope.data.vocab import validate_vocab_map
-from eaglescope.draft import (
+from eaglescope.errors import EagleScopeError
+from eaglescope.jsonfile import read_object
+from eaglescope.models.draft import (
     DraftContract,
     LoadedDraft,
     check_draft_matches_target,
@@ -32,9 +33,10 @@ from eaglescope.draft import (
     load_draft,
     weight_names,
 )
-from eaglescope.drafts.config import SGLANG_MLA_ARCHITECTURE
-from eaglescope.errors import EagleScopeError
-from eaglescope.jsonfile import read_object
+from eaglescope.models.drafts.config import SGLANG_MLA_ARCHITECTURE
+from eaglescope.models.targets.base import TargetFingerprint
+from eaglescope.models.targets.loading import check_dir, fingerprint_of, load_state_dict, load_tensors, read_config
+from eaglescope.models.vocab import validate_vocab_map
 from eaglescope.outputs import check_destination, dir_kind, staged_dir
 from eaglescope.taps import (
     SERVING_ENGINES,
@@ -44,8 +46,6 @@ from eaglescope.taps import (
     engine_capture,
     sglang_convention,
 )
-from eaglescope.target.base import TargetFingerprint
-from eaglescope.target.loading import check_dir, fingerprint_of, load_state_dict, load_tensors, read_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

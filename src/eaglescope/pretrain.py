@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from eaglescope.models.targets.llama import LlamaArgs, LlamaModel, RopeSpec
 from eaglescope.outputs import staged_dir
 from eaglescope.progress import Progress
-from eaglescope.target.llama import LlamaArgs, LlamaModel, RopeSpec
 
 
 @dataclass

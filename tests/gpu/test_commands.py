@@ -15,7 +15,7 @@ from models import make_checkpoint
 from eaglescope import trace as T
 from eaglescope.detective.diagnose.evidence import PRECISION_16
 from eaglescope.detective.replay import replay_hs
-from eaglescope.draft import save_draft
+from eaglescope.models.draft import save_draft
 
 PROMPT = [(i * 7919) % 500 + 3 for i in range(24)]
 NEW = 32

@@ -24,7 +24,7 @@ from test_vllm_capture import capture_argv, finish, run_logged
 from test_vllm_serving import MAX_LEN, base, cli, order2_chain
 from vllm_support import HERE, REPO, runner_env
 
-from eaglescope.draft import save_draft
+from eaglescope.models.draft import save_draft
 from eaglescope.taps import TapContract
 from eaglescope.trace import load_trace, target_layer, target_layer_normed
 

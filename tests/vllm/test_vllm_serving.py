@@ -42,8 +42,8 @@ from eaglescope.cli import main
 from eaglescope.config import PrepareConfig, TrainConfig
 from eaglescope.corpus import COMPLETION_TEMPLATE, train_tokenizer
 from eaglescope.data.prepare import prepare
-from eaglescope.draft import load_draft
 from eaglescope.export import load_target_embedding
+from eaglescope.models.draft import load_draft
 from eaglescope.pretrain import PretrainConfig, pretrain, save_target
 from eaglescope.train.loop import train
 
@@ -504,8 +504,8 @@ def test_vllm_serves_the_mla_draft_with_latent_attention_and_the_targets_yarn(se
 
 
 def test_the_mla_export_loads_as_written_and_a_deepseek_v3_type_would_not(served):
-    """The MLA export names model_type deepseek_v2 and n_routed_experts 0 (drafts/config.py to_hf_config says why).
-    vLLM serves it as written (the other MLA tests use that very directory); the same files with model_type
+    """The MLA export names model_type deepseek_v2 and n_routed_experts 0 (models/drafts/config.py to_hf_config says
+    why). vLLM serves it as written (the other MLA tests use that very directory); the same files with model_type
     deepseek_v3 are renamed by vLLM to DeepSeek MTP and refused."""
     cfg = json.loads((served["env"]["drafts"][MLA] / "config.json").read_text())
     assert (cfg["model_type"], cfg["n_routed_experts"]) == ("deepseek_v2", 0)

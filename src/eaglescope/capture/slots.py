@@ -84,7 +84,7 @@ def target_fingerprint(path: str) -> dict | None:
     """eaglescope's fingerprint of the served target directory (what doctor checks a trace's target against); None
     for a hub id or a directory eaglescope cannot read."""
     try:
-        from eaglescope.target.loading import fingerprint_of, read_config
+        from eaglescope.models.targets.loading import fingerprint_of, read_config
 
         return fingerprint_of(Path(path), read_config(Path(path))).to_dict()
     except Exception:  # noqa: BLE001 - no fingerprint is said by its absence

@@ -16,8 +16,8 @@ from eaglescope.bench import (
     write_report,
 )
 from eaglescope.errors import EagleScopeError
+from eaglescope.models.targets import load_target, parse_device, parse_dtype
 from eaglescope.outputs import check_destination
-from eaglescope.target import load_target, parse_device, parse_dtype
 
 
 def cmd_bench(args) -> int:

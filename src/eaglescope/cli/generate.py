@@ -12,8 +12,8 @@ from eaglescope.backend import FAST, Decoder
 from eaglescope.decode.generation import DecodeSettings, SamplingConfig, check_prompt
 from eaglescope.decode.tree import parse_tree_shape
 from eaglescope.errors import EagleScopeError
+from eaglescope.models.targets import load_target, parse_device, parse_dtype
 from eaglescope.outputs import check_destination
-from eaglescope.target import load_target, parse_device, parse_dtype
 from eaglescope.trace import trace_kind
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from eaglescope.detective.replay import replay
-from eaglescope.draft import load_draft
-from eaglescope.target import load_target, parse_device, parse_dtype
+from eaglescope.models.draft import load_draft
+from eaglescope.models.targets import load_target, parse_device, parse_dtype
 
 
 def cmd_replay(args) -> int:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglescope.errors import EagleScopeError
-from eaglescope.target.base import sha256_text
+from eaglescope.models.targets.base import sha256_text
 
 # Both ShareGPT "from" values and OpenAI "role" values, normalised.
 ROLES = {

@@ -45,16 +45,16 @@ from eaglescope.data.shards import (
     shard_name,
     write_json_atomic,
 )
-from eaglescope.data.vocab import build_draft_vocab, count_tokens, validate_vocab_map
 from eaglescope.decode.generation import SamplingConfig
 from eaglescope.decode.vanilla import generate_vanilla, greedy_batch
 from eaglescope.errors import EagleScopeError
 from eaglescope.jsonfile import read_object
+from eaglescope.models.targets import load_target, parse_device, parse_dtype
+from eaglescope.models.targets.base import Target
+from eaglescope.models.vocab import build_draft_vocab, count_tokens, validate_vocab_map
 from eaglescope.outputs import check_destination, has_partial, open_partial, partial_dir, read_json, swap_in
 from eaglescope.progress import Progress
 from eaglescope.taps import TapContract
-from eaglescope.target import load_target, parse_device, parse_dtype
-from eaglescope.target.base import Target
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import torch
 from eaglescope.decode.sampling import process_logits, sample
 from eaglescope.decode.tree import parse_tree_shape
 from eaglescope.errors import EagleScopeError
-from eaglescope.target.base import Target
+from eaglescope.models.targets.base import Target
 
 
 @dataclass

@@ -41,8 +41,8 @@ from eaglescope.decode.speculative import (
 from eaglescope.decode.stats import SpecStats
 from eaglescope.decode.tree import DraftTree
 from eaglescope.decode.verify import VerifyResult, verify_greedy, verify_sampling
-from eaglescope.target.base import Target, TargetOutput
-from eaglescope.target.layer_states import forward_all_layers, normed_inputs
+from eaglescope.models.targets.base import Target, TargetOutput
+from eaglescope.models.targets.layer_states import forward_all_layers, normed_inputs
 
 
 @dataclass

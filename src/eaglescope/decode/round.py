@@ -22,7 +22,7 @@ import torch
 from eaglescope import trace as T
 from eaglescope.decode.tree import DraftTree
 from eaglescope.decode.verify import VerifyResult, accept_greedy
-from eaglescope.target.llama import KVCache
+from eaglescope.models.targets.llama import KVCache
 
 
 @dataclass

@@ -17,10 +17,10 @@ from eaglescope.decode.generation import DecodeSettings, SamplingConfig
 from eaglescope.decode.round import RoundState, SlotCache, StageBuffers
 from eaglescope.decode.sampling import process_logits, sample
 from eaglescope.decode.tree import DraftTree, TreeBuilder
-from eaglescope.draft import Eagle3Draft, check_draft_matches_target, load_draft
 from eaglescope.errors import EagleScopeError
-from eaglescope.target import load_target
-from eaglescope.target.base import Target, TargetOutput
+from eaglescope.models.draft import Eagle3Draft, check_draft_matches_target, load_draft
+from eaglescope.models.targets import load_target
+from eaglescope.models.targets.base import Target, TargetOutput
 
 
 class Proposer(ABC):

@@ -16,8 +16,8 @@ from eaglescope.decode.generation import (  # noqa: F401 - the names callers kno
 from eaglescope.decode.loop import generate_vanilla
 from eaglescope.decode.round import SlotCache
 from eaglescope.errors import EagleScopeError
-from eaglescope.target.base import Target
-from eaglescope.target.llama import LlamaModel, NativeTarget
+from eaglescope.models.targets.base import Target
+from eaglescope.models.targets.llama import LlamaModel, NativeTarget
 
 
 @torch.inference_mode()

@@ -51,11 +51,11 @@ from eaglescope.detective.layer_taps import MODE as LAYER_MODE
 from eaglescope.detective.layer_taps import aux_in_full, check_taps, taps_line, unchecked_note
 from eaglescope.detective.report import first_divergent_stage
 from eaglescope.detective.static import DEFAULT_ENGINES, contract_taps, static_checks
-from eaglescope.draft import load_draft
 from eaglescope.errors import EagleScopeError
-from eaglescope.target import load_target, parse_device, parse_dtype
-from eaglescope.target.head import read_fingerprint
-from eaglescope.target.loading import check_dir, fingerprint_of, read_config
+from eaglescope.models.draft import load_draft
+from eaglescope.models.targets import load_target, parse_device, parse_dtype
+from eaglescope.models.targets.head import read_fingerprint
+from eaglescope.models.targets.loading import check_dir, fingerprint_of, read_config
 from eaglescope.trace import TraceError, load_trace
 
 log = logging.getLogger(__name__)

@@ -28,9 +28,9 @@ from safetensors import SafetensorError, safe_open
 
 from eaglescope import trace as T
 from eaglescope.errors import EagleScopeError
-from eaglescope.target.base import Target, TargetFingerprint, TargetOutput
-from eaglescope.target.head import EMBEDDING_NAMES, read_fingerprint
-from eaglescope.target.loading import _first_name, _inside, check_dir, check_finite, check_index, load_tensors
+from eaglescope.models.targets.base import Target, TargetFingerprint, TargetOutput
+from eaglescope.models.targets.head import EMBEDDING_NAMES, read_fingerprint
+from eaglescope.models.targets.loading import _first_name, _inside, check_dir, check_finite, check_index, load_tensors
 
 FULL = "full replay"
 DRAFT_SIDE = "draft-side replay"

@@ -28,10 +28,10 @@ from eaglescope.decode.round import RoundState, record_tree
 from eaglescope.decode.speculative import Eagle3Proposer, target_embedding
 from eaglescope.decode.tree import EAGLE_DEFAULT_TREE, DraftTree, parse_tree_shape
 from eaglescope.decode.verify import VerifyResult
-from eaglescope.draft import LoadedDraft
 from eaglescope.errors import EagleScopeError
-from eaglescope.target.base import Target, TargetOutput
-from eaglescope.target.layer_states import forward_all_layers
+from eaglescope.models.draft import LoadedDraft
+from eaglescope.models.targets.base import Target, TargetOutput
+from eaglescope.models.targets.layer_states import forward_all_layers
 
 REPLAY_HS = "replay.hs"  # replay.hs.<i>: hidden state i of every target forward (all layers)
 REPLAY_FINAL = "replay.final"  # the target's final normed state (lm_head's input) of every target forward

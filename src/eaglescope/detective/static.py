@@ -12,10 +12,7 @@ from pathlib import Path
 
 import torch
 
-from eaglescope.data.vocab import validate_vocab_map
 from eaglescope.detective.findings import Finding
-from eaglescope.draft import DraftContract, infer_contract
-from eaglescope.drafts import DraftConfig
 from eaglescope.errors import EagleScopeError
 from eaglescope.export import (
     choose_engine_ids,
@@ -25,9 +22,12 @@ from eaglescope.export import (
     tap_name,
     trained_on,
 )
+from eaglescope.models.draft import DraftContract, infer_contract
+from eaglescope.models.drafts import DraftConfig
+from eaglescope.models.targets.base import TargetFingerprint
+from eaglescope.models.targets.loading import check_dir, fingerprint_of, load_state_dict, read_config
+from eaglescope.models.vocab import validate_vocab_map
 from eaglescope.taps import ENGINES, TapContract, engine_capture, sglang_convention
-from eaglescope.target.base import TargetFingerprint
-from eaglescope.target.loading import check_dir, fingerprint_of, load_state_dict, read_config
 
 # Engines a served draft is checked against by default. Legacy SGLang (+1 always) is reported in the context
 # only: a draft saved for newer SGLang/vLLM is legitimately wrong for it, and a healthy pipeline must stay quiet.

@@ -39,11 +39,11 @@ from eaglescope.decode.round import (
 from eaglescope.decode.speculative import Eagle3Proposer
 from eaglescope.decode.tree import DraftTree
 from eaglescope.decode.verify import accept_greedy
-from eaglescope.draft import Eagle3Draft
 from eaglescope.fast.fused_decode import FusedDecode, attend_fused
 from eaglescope.fast.fused_verify import FusedVerify
 from eaglescope.fast.layers import Float32Logits, GemvLinear, argmax_rows, compile_layers
-from eaglescope.target.llama import LlamaModel, QKVProjection, RMSNorm, fuse_projections
+from eaglescope.models.draft import Eagle3Draft
+from eaglescope.models.targets.llama import LlamaModel, QKVProjection, RMSNorm, fuse_projections
 
 log = logging.getLogger(__name__)
 

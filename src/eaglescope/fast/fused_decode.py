@@ -27,7 +27,7 @@ from torch import nn
 
 from eaglescope.fast.invariant import available, triton
 from eaglescope.fast.layers import Float32Logits
-from eaglescope.target.llama import LlamaModel, attend
+from eaglescope.models.targets.llama import LlamaModel, attend
 
 if triton is not None:
     import triton.language as tl

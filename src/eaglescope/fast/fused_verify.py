@@ -32,7 +32,7 @@ from eaglescope.fast.fused_decode import (
     logits_dtype,
     triton,
 )
-from eaglescope.target.llama import LlamaModel, attend
+from eaglescope.models.targets.llama import LlamaModel, attend
 
 log = logging.getLogger(__name__)
 

@@ -9,15 +9,15 @@ from pathlib import Path
 
 from eaglescope.decode.generation import DecodeSettings
 from eaglescope.decode.loop import Runner
-from eaglescope.draft import Eagle3Draft
 from eaglescope.errors import EagleScopeError
 from eaglescope.fast import invariant
 from eaglescope.fast.engine import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast.fused_decode import fused_decode_supported
 from eaglescope.fast.fused_verify import fused_verify_supported
+from eaglescope.models.draft import Eagle3Draft
+from eaglescope.models.targets.base import Target
+from eaglescope.models.targets.llama import NativeTarget, fuse_projections
 from eaglescope.outputs import read_json
-from eaglescope.target.base import Target
-from eaglescope.target.llama import NativeTarget, fuse_projections
 
 
 def why_not_fast(settings: DecodeSettings, target: Target) -> str | None:

@@ -77,7 +77,7 @@ def flex_ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 def default_attention(draft, device: torch.device) -> str:
     """flex on a GPU for the Llama-attention draft; dense otherwise (the CPU, and MLA drafts, whose attention is its
     own module)."""
-    from eaglescope.drafts.llama import DraftAttention
+    from eaglescope.models.drafts.llama import DraftAttention
 
     return "flex" if device.type == "cuda" and type(draft.midlayer.self_attn) is DraftAttention else "dense"
 

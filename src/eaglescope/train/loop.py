@@ -2,7 +2,7 @@
 
     data   = PreparedData (eaglescope prepare). With stored hidden states, aux comes from disk and
              the teacher logits are the target's head on the stored final state (only the target's
-             embedding and head are read: target/head.py); otherwise the target runs online on each
+             embedding and head are read: models/targets/head.py); otherwise the target runs online on each
              padded batch (right padding).
     model  = Eagle3Draft with the target's frozen embedding and the prepared draft vocabulary.
     step   = ttt_unroll + ttt_loss per sample, averaged over the global batch; AdamW (0.9, 0.95),
@@ -59,16 +59,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from eaglescope.config import RESUME_KEYS, TrainConfig
 from eaglescope.data.prepare import warn_unservable
 from eaglescope.data.shards import PreparedData
-from eaglescope.data.vocab import build_draft_vocab
 from eaglescope.decode.speculative import target_embedding
-from eaglescope.draft import DraftConfig, DraftContract, Eagle3Draft, eaglescope_section, save_draft
 from eaglescope.errors import EagleScopeError
+from eaglescope.models.draft import DraftConfig, DraftContract, Eagle3Draft, eaglescope_section, save_draft
+from eaglescope.models.targets import load_target, parse_device, parse_dtype
+from eaglescope.models.targets.head import TargetHead, load_target_head
+from eaglescope.models.targets.loading import read_config
+from eaglescope.models.vocab import build_draft_vocab
 from eaglescope.outputs import check_destination, dir_kind, has_partial, open_partial, partial_dir, staged_dir, swap_in
 from eaglescope.progress import Progress
 from eaglescope.taps import TapContract
-from eaglescope.target import load_target, parse_device, parse_dtype
-from eaglescope.target.head import TargetHead, load_target_head
-from eaglescope.target.loading import read_config
 from eaglescope.train.attention import default_attention
 from eaglescope.train.metrics import Batch, evaluate
 from eaglescope.train.speed import FlopModel, Throughput

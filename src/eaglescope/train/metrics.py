@@ -27,7 +27,7 @@ import torch
 
 from eaglescope.decode.stats import alpha_from_unconditional
 from eaglescope.decode.stats import predicted_accept_length as _predicted_accept_length
-from eaglescope.draft import Eagle3Draft
+from eaglescope.models.draft import Eagle3Draft
 from eaglescope.train.ttt import Teacher, draft_vocab_ids, shift_left, ttt_loss, ttt_unroll
 
 

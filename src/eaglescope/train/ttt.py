@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglescope.draft import Eagle3Draft
-from eaglescope.target.llama import GrowingCache
+from eaglescope.models.draft import Eagle3Draft
+from eaglescope.models.targets.llama import GrowingCache
 from eaglescope.train.attention import ttt_attention
 
 LOSS_MASK_SHIFT = "shifted"  # recorded in the draft contract

@@ -11,9 +11,9 @@ import torch
 
 from eaglescope import trace as T
 from eaglescope.detective.replay import comparable_rows, replay_hs, replay_rows, row_norms
-from eaglescope.draft import LoadedDraft
-from eaglescope.target.base import Target
-from eaglescope.target.layer_states import input_norm
+from eaglescope.models.draft import LoadedDraft
+from eaglescope.models.targets.base import Target
+from eaglescope.models.targets.layer_states import input_norm
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from eaglescope.detective.diagnose.stale import diagnose_stale
 from eaglescope.detective.diagnose.taps import diagnose_taps
 from eaglescope.detective.findings import Finding, rank
 from eaglescope.detective.replay import REPLAY_COPIES_TARGET, REPLAY_PREFIX, replay
-from eaglescope.draft import LoadedDraft
 from eaglescope.errors import EagleScopeError
-from eaglescope.target.base import Target
+from eaglescope.models.draft import LoadedDraft
+from eaglescope.models.targets.base import Target
 
 
 def _observed_layout(ev: Evidence, e: T.TraceEvent, obs):

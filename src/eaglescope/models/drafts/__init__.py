@@ -1,7 +1,7 @@
-"""Draft architectures, one small file each, behind the one draft forward (eaglescope.draft.Eagle3Draft)."""
+"""Draft architectures, one small file each, behind the one draft forward (eaglescope.models.draft.Eagle3Draft)."""
 
-from eaglescope.drafts.config import DRAFT_ARCHS, DraftConfig, MLASpec
-from eaglescope.drafts.llama import Eagle3Layer
+from eaglescope.models.drafts.config import DRAFT_ARCHS, DraftConfig, MLASpec
+from eaglescope.models.drafts.llama import Eagle3Layer
 
 
 def build_layer(config: DraftConfig):
@@ -9,7 +9,7 @@ def build_layer(config: DraftConfig):
     if config.arch == "mla":
         # imported here: it loads transformers' DeepSeek modeling (its rotary embedding), seconds that a Llama
         # draft never needs
-        from eaglescope.drafts.mla import Eagle3MLALayer
+        from eaglescope.models.drafts.mla import Eagle3MLALayer
 
         return Eagle3MLALayer(config)
     return Eagle3Layer(config)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from eaglescope.errors import EagleScopeError
 from eaglescope.jsonfile import read_object, read_object_or_none
-from eaglescope.target.base import TargetFingerprint, chat_template_of, sha256_text, tokenizer_sha256
+from eaglescope.models.targets.base import TargetFingerprint, chat_template_of, sha256_text, tokenizer_sha256
 
 
 def check_dir(model_dir: Path | str, what: str = "target") -> Path:

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from eaglescope.errors import EagleScopeError
-from eaglescope.target.base import TargetFingerprint
-from eaglescope.target.loading import check_dir, check_finite, fingerprint_of, load_tensors, read_config
+from eaglescope.models.targets.base import TargetFingerprint
+from eaglescope.models.targets.loading import check_dir, check_finite, fingerprint_of, load_tensors, read_config
 
 # Where Llama-style, DeepSeek and multimodal (language_model.*) checkpoints keep the two tensors; any other prefix
 # ending in the same name is taken too.

@@ -7,10 +7,9 @@ from pathlib import Path
 import torch
 
 from eaglescope.errors import EagleScopeError
-from eaglescope.taps import TapContract
-from eaglescope.target.base import Target, TargetFingerprint, TargetOutput
-from eaglescope.target.llama import NATIVE_MODEL_TYPES, load_native
-from eaglescope.target.loading import (
+from eaglescope.models.targets.base import Target, TargetFingerprint, TargetOutput
+from eaglescope.models.targets.llama import NATIVE_MODEL_TYPES, load_native
+from eaglescope.models.targets.loading import (
     check_dir,
     check_finite,
     eos_token_ids,
@@ -19,6 +18,7 @@ from eaglescope.target.loading import (
     load_tokenizer,
     read_config,
 )
+from eaglescope.taps import TapContract
 
 __all__ = [
     "Target",
@@ -106,7 +106,7 @@ def load_target(
         check_finite(sd, model_dir)
         target: Target = load_native(model_dir, cfg, sd, fp, eos_token_ids(model_dir, cfg, tok), tok, device, dtype)
     else:
-        from eaglescope.target.hf import HFTarget  # imports transformers' models: only for the hf backend
+        from eaglescope.models.targets.hf import HFTarget  # imports transformers' models: only for the hf backend
 
         target = HFTarget.from_dir(model_dir, device=device, dtype=dtype)
     if isinstance(taps, str):

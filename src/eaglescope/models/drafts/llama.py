@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eaglescope.drafts.config import DraftConfig
-from eaglescope.target.llama import (
+from eaglescope.models.drafts.config import DraftConfig
+from eaglescope.models.targets.llama import (
     MLP,
     KVCache,
     LlamaArgs,
@@ -48,7 +48,7 @@ def draft_mlp(c: DraftConfig) -> MLP:
 
 
 class Eagle3Layer(nn.Module):
-    """The EAGLE-3 decoder layer; subclasses change the attention, its RoPE and its cache (drafts/mla.py)."""
+    """The EAGLE-3 decoder layer; subclasses change the attention, its RoPE and its cache (models/drafts/mla.py)."""
 
     def __init__(self, c: DraftConfig) -> None:
         super().__init__()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglescope.errors import EagleScopeError
-from eaglescope.target.base import Target, TargetFingerprint, TargetOutput
+from eaglescope.models.targets.base import Target, TargetFingerprint, TargetOutput
 
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")

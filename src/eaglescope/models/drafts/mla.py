@@ -1,7 +1,7 @@
 """The EAGLE-3 draft layer with multi-head latent attention (MLA), for DeepSeek-V2/V3 and Kimi-K2 targets
 (vLLM `Eagle3DeepseekV3ForCausalLM`, model_executor/models/deepseek_eagle3.py; SGLang since its PR 25454).
 
-The layer is the Llama draft layer (drafts/llama.py) with DeepSeek's attention reading the 2H input:
+The layer is the Llama draft layer (models/drafts/llama.py) with DeepSeek's attention reading the 2H input:
 
     q        = q_b(q_a_layernorm(q_a(x)))  (or q_proj(x) without a q LoRA rank)   → [nope | rope] per head
     [c, k_r] = kv_a_proj_with_mqa(x);  c = kv_a_layernorm(c)     a latent c [kv_lora_rank] and one shared rope key
@@ -25,9 +25,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     yarn_apply_mscale,
 )
 
-from eaglescope.drafts.config import DraftConfig
-from eaglescope.drafts.llama import Eagle3Layer
-from eaglescope.target.llama import KVCache, RMSNorm, attend
+from eaglescope.models.drafts.config import DraftConfig
+from eaglescope.models.drafts.llama import Eagle3Layer
+from eaglescope.models.targets.llama import KVCache, RMSNorm, attend
 
 
 def rotary_config(c: DraftConfig) -> DeepseekV3Config:

@@ -4,7 +4,7 @@
              (EAGLE 3.1: norm_before_fc = one RMSNorm over aux first; fc_norm = one RMSNorm per tap segment)
     step k:  h = what step k-1 handed on (fc is never applied again): its pre-norm output, or with norm_output
              its post-norm output
-    out    = layer(embed(token), h)           drafts/llama.py (Llama attention) or drafts/mla.py (MLA)
+    out    = layer(embed(token), h)           models/drafts/llama.py (Llama attention) or models/drafts/mla.py (MLA)
     logits = lm_head(norm(out)) · logit_scale over the draft vocabulary; target id = draft id + d2t[draft id]
 
 Training (TTT), decoding (both backends) and replay all call `project`, `step` and `logits`; only the attention
@@ -23,17 +23,17 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from eaglescope.data.vocab import validate_vocab_map
-from eaglescope.drafts import DraftConfig, build_layer
-from eaglescope.drafts.config import LLAMA_ARCHITECTURE
 from eaglescope.errors import EagleScopeError
+from eaglescope.models.drafts import DraftConfig, build_layer
+from eaglescope.models.drafts.config import LLAMA_ARCHITECTURE
+from eaglescope.models.targets.base import TargetFingerprint
+from eaglescope.models.targets.llama import KVCache, RMSNorm
+from eaglescope.models.targets.loading import check_dir, check_finite, load_state_dict, read_config
+from eaglescope.models.vocab import validate_vocab_map
 from eaglescope.outputs import read_json, staged_dir
 from eaglescope.taps import TapContract, engine_capture
-from eaglescope.target.base import TargetFingerprint
-from eaglescope.target.llama import KVCache, RMSNorm
-from eaglescope.target.loading import check_dir, check_finite, load_state_dict, read_config
 
-ARCHITECTURE = LLAMA_ARCHITECTURE  # the draft format engines know by this name (MLA drafts: drafts/config.py)
+ARCHITECTURE = LLAMA_ARCHITECTURE  # the draft format engines know by this name (MLA drafts: models/drafts/config.py)
 
 
 @dataclass

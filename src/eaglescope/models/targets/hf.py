@@ -19,8 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from eaglescope.errors import EagleScopeError
-from eaglescope.taps import TapContract
-from eaglescope.target.base import (
+from eaglescope.models.targets.base import (
     Target,
     TargetFingerprint,
     TargetOutput,
@@ -28,7 +27,7 @@ from eaglescope.target.base import (
     sha256_text,
     tokenizer_sha256,
 )
-from eaglescope.target.loading import (
+from eaglescope.models.targets.loading import (
     check_dir,
     check_finite,
     check_index,
@@ -36,6 +35,7 @@ from eaglescope.target.loading import (
     load_tokenizer,
     read_config,
 )
+from eaglescope.taps import TapContract
 
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from eaglescope.models.targets.base import Target, TargetOutput
 from eaglescope.taps import TapContract
-from eaglescope.target.base import Target, TargetOutput
 
 
 def output_head(target: Target) -> torch.nn.Module | None:

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eaglescope.errors import EagleScopeError
+from eaglescope.models.targets.llama import LlamaArgs, RopeSpec
 from eaglescope.taps import TapContract
-from eaglescope.target.llama import LlamaArgs, RopeSpec
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLMEagle3"
 MLA_ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"  # vLLM's registry maps it to deepseek_eagle3.py
@@ -93,7 +93,7 @@ class DraftConfig:
     max_position_embeddings: int = 2048
     rope: RopeSpec = field(default_factory=RopeSpec)
     norm_before_residual: bool = False
-    arch: str = "llama"  # the draft layer: "llama" (drafts/llama.py) or "mla" (drafts/mla.py)
+    arch: str = "llama"  # the draft layer: "llama" (models/drafts/llama.py) or "mla" (models/drafts/mla.py)
     mla: MLASpec | None = None
     norm_before_fc: bool = False
     fc_norm: bool = False

@@ -1377,10 +1377,17 @@ def _tree_state(root: Path) -> dict[str, tuple]:
     return state
 
 
+def _default_sigint() -> None:
+    # A user's Ctrl-C reaches a command whose SIGINT is the default; a child inherits an ignored SIGINT, as pytest-xdist
+    # workers have it, and Python then never raises KeyboardInterrupt (the command would run on, rightly).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(argv: list[str], cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "eaglescope.cli", *argv]
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)  # fmt: skip
 
 
 def _changes(base: dict, now: dict) -> int:

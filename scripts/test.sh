@@ -17,7 +17,7 @@ ruff format --check src tests bench
 set +e
 # Two workers, one per core of CI's two (EAGLESCOPE_TEST_WORKERS=0 runs in one process): tests/conftest.py keeps each
 # module on one worker and the vLLM and SGLang suites together on one.
-python -m pytest -q -p no:cacheprovider -n "${EAGLESCOPE_TEST_WORKERS:-2}" --dist loadgroup "$@"
+python -m pytest -q -p no:cacheprovider -n "${EAGLESCOPE_TEST_WORKERS:-2}" --dist loadscope "$@"
 rc=$?
 set -e
 # pytest's 5 means "no tests collected": a selection that matched nothing is not a failure here.

@@ -63,6 +63,7 @@ from eaglescope.decode.speculative import target_embedding
 from eaglescope.errors import EagleScopeError
 from eaglescope.models.draft import DraftConfig, DraftContract, Eagle3Draft, eaglescope_section, save_draft
 from eaglescope.models.targets import load_target, parse_device, parse_dtype
+from eaglescope.models.targets.base import Target
 from eaglescope.models.targets.head import TargetHead, load_target_head
 from eaglescope.models.targets.loading import read_config
 from eaglescope.models.vocab import build_draft_vocab
@@ -125,17 +126,6 @@ class Dist:
     def barrier(self) -> None:
         if self.world > 1:
             torch.distributed.barrier()
-
-
-def _summed_over_ranks(loss_sum: float, n: int, loss_k: list[float], hits_k: list[float], count_k: list[int],
-                       device: torch.device) -> tuple[float, int, list[float], list[float], list[int]]:  # fmt: skip
-    """A step's logged sums over the whole global batch, not rank 0's share of it: the loss and acc_k a job logs
-    are then the ones one process with the same global batch logs (float64, so the sums of counts stay exact)."""
-    K = len(loss_k)
-    t = torch.tensor([loss_sum, n, *loss_k, *hits_k, *count_k], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    v = t.tolist()
-    return v[0], int(v[1]), v[2 : 2 + K], v[2 + K : 2 + 2 * K], [int(x) for x in v[2 + 2 * K :]]
 
 
 def _setup(cfg: TrainConfig) -> tuple[Dist, torch.device]:
@@ -460,17 +450,26 @@ def _nonfinite(loss: torch.Tensor, d: Dist) -> bool:
     return bool(bad.item() > 0)
 
 
-def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
-    """Train a draft as `cfg` says; → TrainResult. `on_step(step, logs)` runs after each optimizer step."""
-    cfg.validate()
-    d, device = _setup(cfg)
-    out = Path(cfg.out)
-    resume_from, fresh = _plan_out(out, cfg)
-    saved = load_training_state(resume_from) if resume_from is not None else None
-    if saved is not None:
-        _check_resume(saved, cfg, d.world)
+@dataclass
+class _Inputs:
+    """What a run trains from, each checked before anything is written."""
 
-    # Every input is checked before the staging directory exists: a corrupt shard or a bad target costs nothing.
+    data: PreparedData
+    target: Target | TargetHead  # the whole target (online) or its embedding and head (stored hidden states)
+    target_cfg: dict
+    taps: TapContract
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    dtype: torch.dtype
+    amp: bool  # autocast to `dtype` (a GPU and a 16-bit dtype); else float32 throughout
+    max_length: int
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.dtype if self.amp else torch.float32
+
+
+def _open_inputs(cfg: TrainConfig, d: Dist, device: torch.device) -> _Inputs:
     data = PreparedData.open(cfg.data, verify=d.main)
     dtype = parse_dtype(cfg.dtype, device)
     # With stored hidden states only the target's embedding and head are used: read just those (a target too large
@@ -482,33 +481,39 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
     taps, d2t, t2d = _resolve_data(cfg, data, target.fingerprint, target.num_layers)
     if not data.has_hidden_states:
         target.set_taps(taps)
-    max_length = min(cfg.max_length, target.max_positions)
     amp = device.type == "cuda" and dtype != torch.float32
-    compute_dtype = dtype if amp else torch.float32
+    max_length = min(cfg.max_length, target.max_positions)
+    return _Inputs(data, target, read_config(Path(cfg.target)), taps, d2t, t2d, dtype, amp, max_length)
 
-    # -- the draft
+
+def _new_draft(cfg: TrainConfig, inputs: _Inputs, device: torch.device) -> Eagle3Draft:
+    """The draft as --seed initialises it, with the prepared vocabulary map and the target's frozen embedding."""
     torch.manual_seed(cfg.seed)
-    target_cfg = read_config(Path(cfg.target))
     dcfg = DraftConfig.for_target(
-        target_cfg,
-        taps,
-        int(d2t.numel()),
+        inputs.target_cfg,
+        inputs.taps,
+        int(inputs.d2t.numel()),
         arch=cfg.draft_arch,
         norm_before_fc=cfg.norm_before_fc,
         fc_norm=cfg.fc_norm,
         norm_output=cfg.norm_output,
     )
     draft = Eagle3Draft(dcfg)
-    draft.set_vocab_map(d2t, t2d)
+    draft.set_vocab_map(inputs.d2t, inputs.t2d)
+    target = inputs.target
     embedding = target.embedding if isinstance(target, TargetHead) else target_embedding(target)
     draft.load_target_embedding(embedding.detach().float().cpu())
     draft = draft.to(device).train()
-    if amp:  # the frozen embedding holds the target's own `dtype` values: float32 would only take twice the memory
-        draft.embed_tokens.to(dtype)
-    m = data.manifest
-    contract = DraftContract(
-        taps=taps,
-        target=target.fingerprint,
+    if inputs.amp:  # the frozen embedding holds the target's `dtype` values: float32 would only take twice the memory
+        draft.embed_tokens.to(inputs.dtype)
+    return draft
+
+
+def _contract(cfg: TrainConfig, inputs: _Inputs) -> DraftContract:
+    data, m = inputs.data, inputs.data.manifest
+    return DraftContract(
+        taps=inputs.taps,
+        target=inputs.target.fingerprint,
         ttt_length=cfg.ttt_length,
         loss_mask_shift=LOSS_MASK_SHIFT,
         draft_vocab_source=f"prepared data token frequencies, {data.num_samples} samples",
@@ -520,231 +525,340 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
             }
         },
     )
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
 
-    # -- data order
-    train_idx, eval_idx = split_indices(data.num_samples, cfg.eval_fraction)
-    B, W, A = cfg.batch_size, d.world, cfg.grad_accum
-    G = B * W * A
-    steps_per_epoch = len(train_idx) // G
-    if steps_per_epoch == 0:
-        raise EagleScopeError(
-            f"the training split has {len(train_idx)} samples, fewer than one global batch of {G} "
-            f"(batch size {B} × {W} processes × grad-accum {A}); use a smaller --batch-size or more data."
-        )
-    total = cfg.max_steps if cfg.max_steps is not None else math.ceil((cfg.epochs or 1.0) * steps_per_epoch)
 
-    def warmup_for(total: int) -> int:
-        return cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total)
+class _Order:
+    """Which samples each step takes: a pure function of (seed, step), as the module docstring says."""
 
-    fitted, spent = cfg.max_seconds is None, 0.0  # spent: seconds of steps before this process (a resumed run)
-    perm_cache: dict[int, list[int]] = {}
+    def __init__(self, cfg: TrainConfig, num_samples: int, world: int) -> None:
+        self.train_idx, self.eval_idx = split_indices(num_samples, cfg.eval_fraction)
+        self.B, self.W, self.A = cfg.batch_size, world, cfg.grad_accum
+        self.G = self.B * self.W * self.A
+        self.steps_per_epoch = len(self.train_idx) // self.G
+        if self.steps_per_epoch == 0:
+            raise EagleScopeError(
+                f"the training split has {len(self.train_idx)} samples, fewer than one global batch of {self.G} "
+                f"(batch size {self.B} × {self.W} processes × grad-accum {self.A}); use a smaller --batch-size or "
+                "more data."
+            )
+        self.seed = cfg.seed
+        self._perm: dict[int, list[int]] = {}
 
-    def global_batch(step: int) -> list[int]:
-        epoch, pos = divmod(step, steps_per_epoch)
-        if epoch not in perm_cache:
-            perm_cache.clear()
-            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
-            perm_cache[epoch] = torch.randperm(len(train_idx), generator=g).tolist()
-        return [train_idx[j] for j in perm_cache[epoch][pos * G : (pos + 1) * G]]
+    def global_batch(self, step: int) -> list[int]:
+        epoch, pos = divmod(step, self.steps_per_epoch)
+        if epoch not in self._perm:
+            self._perm.clear()
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm[epoch] = torch.randperm(len(self.train_idx), generator=g).tolist()
+        return [self.train_idx[j] for j in self._perm[epoch][pos * self.G : (pos + 1) * self.G]]
 
-    vocab_ids = draft_vocab_ids(draft)
+    def share(self, indices: list[int], micro: int, rank: int) -> list[int]:
+        """Rank `rank`'s samples of accumulation step `micro`."""
+        first = micro * self.B * self.W + rank * self.B
+        return indices[first : first + self.B]
 
-    def batch_of(indices: list[int]) -> Batch:
-        raw = collate([data.sample(i) for i in indices], max_length)
-        return make_batch(target, raw, device, compute_dtype, vocab_ids)
 
-    def eval_batches(indices: list[int]):
-        for i in range(0, len(indices), B):
-            yield batch_of(indices[i : i + B])
+@dataclass
+class _Length:
+    """How many optimizer steps the run takes; under --max-seconds fitted once to the time left."""
 
-    # -- resume
-    step, last_ckpt = 0, None
-    if saved is not None:
-        missing, unexpected = draft.load_state_dict(saved["model"], strict=False)
+    total: int
+    warmup_steps: int | None
+    warmup_ratio: float
+    fitted: bool
+    spent: float = 0.0  # seconds of steps before this process (a resumed run)
+
+    @property
+    def warmup(self) -> int:
+        return self.warmup_steps if self.warmup_steps is not None else round(self.warmup_ratio * self.total)
+
+
+@dataclass
+class _StepSums:
+    """A step's per-sample losses and TTT-step hits, summed over this rank's samples (the global mean needs the
+    count: module docstring, loss normalisation)."""
+
+    loss: float
+    samples: int
+    loss_k: list[float]
+    hits_k: list[float]
+    count_k: list[int]
+
+    @classmethod
+    def zeros(cls, K: int) -> _StepSums:
+        return cls(0.0, 0, [0.0] * K, [0.0] * K, [0] * K)
+
+    def add(self, res, n: int) -> None:
+        """`res`: ttt_loss's per-sample result over `n` samples."""
+        for k in range(len(self.loss_k)):
+            self.loss_k[k] += res.step_loss[k] * n
+            if res.step_count[k]:
+                self.hits_k[k] += res.step_acc[k] * res.step_count[k]
+                self.count_k[k] += res.step_count[k]
+        self.loss += float(res.loss.detach()) * n
+        self.samples += n
+
+    def over_ranks(self, device: torch.device) -> _StepSums:
+        """The sums over the whole global batch, not this rank's share of it: the loss and acc_k a job logs are then
+        the ones one process with the same global batch logs (float64, so the sums of counts stay exact)."""
+        K = len(self.loss_k)
+        t = torch.tensor([self.loss, self.samples, *self.loss_k, *self.hits_k, *self.count_k], dtype=torch.float64,
+                         device=device)  # fmt: skip
+        dist.all_reduce(t)
+        v = t.tolist()
+        return _StepSums(v[0], int(v[1]), v[2 : 2 + K], v[2 + K : 2 + 2 * K], [int(x) for x in v[2 + 2 * K :]])
+
+    def logs(self, step: int, lr: float) -> dict:
+        n = max(1, self.samples)
+        return {
+            "step": step,
+            "loss": self.loss / n,
+            "loss_k": [x / n for x in self.loss_k],
+            "acc": [h / c if c else math.nan for h, c in zip(self.hits_k, self.count_k, strict=True)],
+            "lr": lr,
+        }
+
+
+class _Run:
+    """One training run: what `train` sets up, then steps, evaluates and saves. Every input is checked here, before
+    the staging directory exists: a corrupt shard or a bad target costs nothing."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.d, self.device = _setup(cfg)
+        self.out = Path(cfg.out)
+        self.resume_from, self.fresh = _plan_out(self.out, cfg)
+        saved = load_training_state(self.resume_from) if self.resume_from is not None else None
+        if saved is not None:
+            _check_resume(saved, cfg, self.d.world)
+        self.inputs = _open_inputs(cfg, self.d, self.device)
+        self.draft = _new_draft(cfg, self.inputs, self.device)
+        self.contract = _contract(cfg, self.inputs)
+        self.params = [p for p in self.draft.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.order = _Order(cfg, self.inputs.data.num_samples, self.d.world)
+        per_epoch = self.order.steps_per_epoch
+        total = cfg.max_steps if cfg.max_steps is not None else math.ceil((cfg.epochs or 1.0) * per_epoch)
+        self.length = _Length(total, cfg.warmup_steps, cfg.warmup_ratio, fitted=cfg.max_seconds is None)
+        self.vocab_ids = draft_vocab_ids(self.draft)
+        self.step, self.resumed = 0, saved is not None
+        self.last_ckpt: tuple[Path, int] | None = None
+        if saved is not None:
+            self._resume(saved)
+        del saved  # the saved weights and moments are in the draft and the optimizer now: not kept twice
+        self.attention = default_attention(self.draft, self.device)  # flex on a GPU (train/attention.py)
+        self.fwd = self._forward_module()
+        self.autocast = torch.autocast("cuda", dtype=self.inputs.dtype) if self.inputs.amp else contextlib.nullcontext()
+        self.history: list[dict] = []
+        self.metrics: dict = {}
+        self.writer = self.bar = None
+
+    def _resume(self, saved: dict) -> None:
+        missing, unexpected = self.draft.load_state_dict(saved["model"], strict=False)
         if unexpected or [k for k in missing if k != "embed_tokens.weight"]:
-            raise EagleScopeError(f"--resume: {out / STATE_DIR} holds weights of a different draft shape.")
-        opt.load_state_dict(saved["optimizer"])
+            raise EagleScopeError(f"--resume: {self.out / STATE_DIR} holds weights of a different draft shape.")
+        self.opt.load_state_dict(saved["optimizer"])
         torch.set_rng_state(saved["rng_cpu"])
         if saved["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(saved["rng_cuda"])
-        step = last_ckpt_step = int(saved["step"])
+        self.step = int(saved["step"])
         fit = saved.get("fit")
-        if cfg.max_seconds is not None and fit is not None:
-            total, fitted, spent = int(fit["total"]), bool(fit["fitted"]), float(fit["seconds"])
-    warmup = warmup_for(total)
+        if self.cfg.max_seconds is not None and fit is not None:
+            length = self.length
+            length.total, length.fitted, length.spent = int(fit["total"]), bool(fit["fitted"]), float(fit["seconds"])
 
-    attention = default_attention(draft, device)  # flex on a GPU: the TTT mask's blocks only (train/attention.py)
-    fwd: nn.Module = _Unroll(draft, cfg.ttt_length, attention)
-    if W > 1:
-        _check_ranks_agree(_job_facts(cfg, data, target, draft), d)
+    def _forward_module(self) -> nn.Module:
+        """The TTT unroll, wrapped in DDP under torchrun once every rank is found to hold the same job."""
+        fwd: nn.Module = _Unroll(self.draft, self.cfg.ttt_length, self.attention)
+        if self.d.world == 1:
+            return fwd
+        _check_ranks_agree(_job_facts(self.cfg, self.inputs.data, self.inputs.target, self.draft), self.d)
         # No buffer broadcast before each forward: the buffers (vocab map, RoPE tables) never change, and the check
         # above found them equal on every rank. Newer torch (2.13 here) renamed the switch and warns about the old one.
         renamed = "forward_sync_buffers" in inspect.signature(DDP).parameters
         no_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
-        fwd = DDP(fwd, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
-    autocast = torch.autocast("cuda", dtype=dtype) if amp else contextlib.nullcontext()
+        return DDP(fwd, device_ids=[self.device.index] if self.device.type == "cuda" else None, **no_sync)
 
-    # The run works in a staging directory beside OUT and swaps it in when complete: OUT (an earlier draft,
-    # perhaps a week's work) stands untouched until then, whatever stops this run.
-    work = partial_dir(out)
-    if d.main:
-        work = open_partial(out, "train", fresh)
-        if resume_from == out and (out / "tb").is_dir() and not (work / "tb").exists():
-            shutil.copytree(out / "tb", work / "tb")  # the resumed run's curves continue the old ones
-    d.barrier()
-    if saved is not None:
-        last_ckpt = (work / STATE_DIR, last_ckpt_step)
-    writer = None
-    if d.main:
-        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard (about a second): rank 0 only
+    def open_output(self, progress: bool) -> None:
+        """The staging directory beside OUT (swapped in when complete: OUT, an earlier draft, perhaps a week's work,
+        stands untouched until then, whatever stops this run), the TensorBoard writer, the progress bar, the meter."""
+        cfg, d, out = self.cfg, self.d, self.out
+        self.work = partial_dir(out)
+        if d.main:
+            self.work = open_partial(out, "train", self.fresh)
+            if self.resume_from == out and (out / "tb").is_dir() and not (self.work / "tb").exists():
+                shutil.copytree(out / "tb", self.work / "tb")  # the resumed run's curves continue the old ones
+        d.barrier()
+        if self.resumed:
+            self.last_ckpt = (self.work / STATE_DIR, self.step)
+        if d.main:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard (about a second): rank 0 only
 
-        log_dir = cfg.log_dir or str(work / "tb")
-        writer = SummaryWriter(log_dir, purge_step=step + 1 if saved is not None else None)
-    bar = Progress(total, "train", "steps", initial=step, enabled=progress and d.main)
-    meter = Throughput(device, FlopModel.of(target, target_cfg, draft, cfg.ttt_length, not data.has_hidden_states))
-    history: list[dict] = []
+            log_dir = cfg.log_dir or str(self.work / "tb")
+            self.writer = SummaryWriter(log_dir, purge_step=self.step + 1 if self.resumed else None)
+        self.bar = Progress(self.length.total, "train", "steps", initial=self.step, enabled=progress and d.main)
+        inp = self.inputs
+        flops = FlopModel.of(inp.target, inp.target_cfg, self.draft, cfg.ttt_length, not inp.data.has_hidden_states)
+        self.meter = Throughput(self.device, flops)
+        self.t_loop, self.t_first, self.ran = _clock(), 0.0, 0  # ran: steps this process took
 
-    def run_eval() -> dict:
-        indices, split = (eval_idx, "held-out") if eval_idx else (train_idx, "train")
-        res = evaluate(draft, eval_batches(indices), cfg.ttt_length, compute_dtype if amp else None, attention)
-        res["split"], res["num_samples"], res["step"] = split, len(indices), step
-        if writer is not None:
+    # -- a step ---------------------------------------------------------------------------------------------------
+    def _batch(self, indices: list[int]) -> Batch:
+        inp = self.inputs
+        raw = collate([inp.data.sample(i) for i in indices], inp.max_length)
+        return make_batch(inp.target, raw, self.device, inp.compute_dtype, self.vocab_ids)
+
+    def _micro_step(self, mine: list[int], micro: int, sums: _StepSums) -> None:
+        """Forward, loss and backward over this rank's samples of one accumulation step."""
+        order = self.order
+        batch = self._batch(mine)
+        self.meter.add(batch.valid)
+        last = micro == order.A - 1
+        with self.fwd.no_sync() if (order.W > 1 and not last) else contextlib.nullcontext():
+            with self.autocast:
+                logits = self.fwd(batch.input_ids, batch.aux)
+            unrolled = Unrolled(list(logits), [])
+            res = ttt_loss(self.draft, unrolled, batch.teacher, batch.loss_mask, batch.valid, per_sample=True)
+            # per-sample means, summed over this process's samples: the global mean needs B·A below
+            loss = res.loss * len(mine) / (order.B * order.A)
+            if _nonfinite(loss, self.d):
+                raise self.fail("loss", loss.detach())
+            loss.backward()
+        sums.add(res, len(mine))
+
+    def optimizer_step(self) -> dict:
+        """One optimizer step over the step's global batch → its logs (over every rank's samples)."""
+        cfg = self.cfg
+        self.meter.start()
+        lr = cfg.lr * lr_factor(self.step, self.length.warmup, self.length.total)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        indices = self.order.global_batch(self.step)
+        sums = _StepSums.zeros(cfg.ttt_length)
+        for micro in range(self.order.A):
+            self._micro_step(self.order.share(indices, micro, self.d.rank), micro, sums)
+        if cfg.clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.clip)
+            if not bool(torch.isfinite(norm)):
+                raise self.fail("gradient norm", norm.detach())
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.meter.stop()
+        self.step += 1
+        self.ran += 1
+        if not self.length.fitted:
+            self._fit_length()
+        if self.d.world > 1:
+            sums = sums.over_ranks(self.device)
+        return sums.logs(self.step, lr)
+
+    def _fit_length(self) -> None:
+        """--max-seconds: the run's length, fitted once the first steps are timed (every rank takes rank 0's)."""
+        now = _clock()
+        self.t_first = now if self.ran == 1 else self.t_first
+        elapsed = self.length.spent + now - self.t_loop
+        new_total = -1
+        if self.ran >= FIT_AFTER or elapsed >= self.cfg.max_seconds:
+            per_step = (now - self.t_first) / (self.ran - 1) if self.ran > 1 else now - self.t_loop
+            new_total = fit_total(self.step, per_step, self.cfg.max_seconds - elapsed, self.length.total)
+        new_total = _from_rank0(new_total, self.d, self.device)
+        if new_total >= 0:
+            self.length.total, self.length.fitted = new_total, True
+            self.bar.set_total(new_total)
+
+    def after_step(self, logs: dict, on_step: Callable[[int, dict], None] | None) -> None:
+        """Log the step, then evaluate and checkpoint where --eval-every / --save-every fall."""
+        cfg, step = self.cfg, self.step
+        self.history.append(logs)
+        if self.writer is not None:
+            self.writer.add_scalar("train/loss", logs["loss"], step)
+            self.writer.add_scalar("lr", logs["lr"], step)
+            for k in range(cfg.ttt_length):
+                self.writer.add_scalar(f"train/loss_{k}", logs["loss_k"][k], step)
+                self.writer.add_scalar(f"train/acc_{k}", logs["acc"][k], step)
+        self.bar.set_postfix(loss=f"{logs['loss']:.3f}", acc_0=f"{logs['acc'][0]:.3f}")
+        self.bar.update(1)
+        if on_step is not None:
+            on_step(step, logs)
+        if step < self.length.total and cfg.eval_every and step % cfg.eval_every == 0:
+            if self.d.main:
+                self.run_eval()
+            self.d.barrier()
+        if step < self.length.total and cfg.save_every and step % cfg.save_every == 0:
+            self.checkpoint(None)
+
+    # -- evaluation, checkpoints, the end -------------------------------------------------------------------------
+    def run_eval(self) -> dict:
+        order, inp = self.order, self.inputs
+        indices, split = (order.eval_idx, "held-out") if order.eval_idx else (order.train_idx, "train")
+        batches = (self._batch(indices[i : i + order.B]) for i in range(0, len(indices), order.B))
+        res = evaluate(self.draft, batches, self.cfg.ttt_length, inp.compute_dtype if inp.amp else None, self.attention)
+        res["split"], res["num_samples"], res["step"] = split, len(indices), self.step
+        if self.writer is not None:
             for k, a in enumerate(res["acc"]):
-                writer.add_scalar(f"eval/acc_{k}", a, step)
+                self.writer.add_scalar(f"eval/acc_{k}", a, self.step)
             for k, a in enumerate(res["alpha"]):
-                writer.add_scalar(f"eval/alpha_{k + 1}", a, step)
-            writer.add_scalar("eval/simulated_tau", res["predicted_accept_length"], step)
+                self.writer.add_scalar(f"eval/alpha_{k + 1}", a, self.step)
+            self.writer.add_scalar("eval/simulated_tau", res["predicted_accept_length"], self.step)
         return res
 
-    t_loop, t_first, ran = _clock(), 0.0, 0  # ran: steps this process took
+    def checkpoint(self, metrics: dict | None) -> None:
+        if self.d.main:
+            fit = {"total": self.length.total, "fitted": self.length.fitted,
+                   "seconds": self.length.spent + _clock() - self.t_loop}  # fmt: skip
+            save_training_state(self.work, self.draft, self.opt, self.step, self.cfg, self.d.world, fit)
+            save_checkpoint(self.work, self.draft, self.contract, metrics)
+        self.d.barrier()
+        self.last_ckpt = (self.work / STATE_DIR, self.step)
 
-    def fit_state() -> dict:
-        return {"total": total, "fitted": fitted, "seconds": spent + _clock() - t_loop}
-
-    def checkpoint(metrics: dict | None) -> None:
-        nonlocal last_ckpt
-        if d.main:
-            save_training_state(work, draft, opt, step, cfg, W, fit_state())
-            save_checkpoint(work, draft, contract, metrics)
-        d.barrier()
-        last_ckpt = (work / STATE_DIR, step)
-
-    def fail(what: str, value: torch.Tensor) -> EagleScopeError:
+    def fail(self, what: str, value: torch.Tensor) -> EagleScopeError:
         kind = "nan" if bool(torch.isnan(value).any()) else "inf"
-        where = f"{last_ckpt[0]} (step {last_ckpt[1]})" if last_ckpt else "none (no checkpoint was saved yet)"
-        return EagleScopeError(f"{what} became {kind} at step {step + 1}; last good checkpoint: {where}")
+        last = self.last_ckpt
+        where = f"{last[0]} (step {last[1]})" if last else "none (no checkpoint was saved yet)"
+        return EagleScopeError(f"{what} became {kind} at step {self.step + 1}; last good checkpoint: {where}")
 
-    try:
-        while step < total:
-            meter.start()
-            lr = cfg.lr * lr_factor(step, warmup, total)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            indices = global_batch(step)
-            K = cfg.ttt_length
-            loss_sum, n_samples = 0.0, 0  # per-sample losses summed over this rank's samples, and their count
-            loss_k, hits_k, count_k = [0.0] * K, [0.0] * K, [0] * K
-            for a in range(A):
-                mine = indices[a * B * W + d.rank * B : a * B * W + (d.rank + 1) * B]
-                batch = batch_of(mine)
-                meter.add(batch.valid)
-                sync = fwd.no_sync() if (W > 1 and a < A - 1) else contextlib.nullcontext()
-                with sync:
-                    with autocast:
-                        logits = fwd(batch.input_ids, batch.aux)
-                    res = ttt_loss(
-                        draft,
-                        Unrolled(list(logits), []),
-                        batch.teacher,
-                        batch.loss_mask,
-                        batch.valid,
-                        per_sample=True,
-                    )
-                    # per-sample means, summed over this process's samples: the global mean needs B·A below
-                    loss = res.loss * len(mine)
-                    for k in range(K):
-                        loss_k[k] += res.step_loss[k] * len(mine)
-                        if res.step_count[k]:
-                            hits_k[k] += res.step_acc[k] * res.step_count[k]
-                            count_k[k] += res.step_count[k]
-                    loss = loss / (B * A)
-                    if _nonfinite(loss, d):
-                        raise fail("loss", loss.detach())
-                    loss.backward()
-                loss_sum += float(res.loss.detach()) * len(mine)
-                n_samples += len(mine)
-            if cfg.clip > 0:
-                norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
-                if not bool(torch.isfinite(norm)):
-                    raise fail("gradient norm", norm.detach())
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            meter.stop()
-            step += 1
-            ran += 1
-            if not fitted:  # --max-seconds: fit the run's length once the first steps are timed
-                now = _clock()
-                t_first = now if ran == 1 else t_first
-                elapsed = spent + now - t_loop
-                new_total = -1
-                if ran >= FIT_AFTER or elapsed >= cfg.max_seconds:
-                    per_step = (now - t_first) / (ran - 1) if ran > 1 else now - t_loop
-                    new_total = fit_total(step, per_step, cfg.max_seconds - elapsed, total)
-                new_total = _from_rank0(new_total, d, device)  # every rank takes rank 0's decision
-                if new_total >= 0:
-                    total, warmup, fitted = new_total, warmup_for(new_total), True
-                    bar.set_total(total)
-            if W > 1:
-                loss_sum, n_samples, loss_k, hits_k, count_k = _summed_over_ranks(
-                    loss_sum, n_samples, loss_k, hits_k, count_k, device
-                )
-            logs = {
-                "step": step,
-                "loss": loss_sum / max(1, n_samples),
-                "loss_k": [x / max(1, n_samples) for x in loss_k],
-                "acc": [h / c if c else math.nan for h, c in zip(hits_k, count_k, strict=True)],
-                "lr": lr,
-            }
-            history.append(logs)
-            if writer is not None:
-                writer.add_scalar("train/loss", logs["loss"], step)
-                writer.add_scalar("lr", lr, step)
-                for k in range(K):
-                    writer.add_scalar(f"train/loss_{k}", logs["loss_k"][k], step)
-                    writer.add_scalar(f"train/acc_{k}", logs["acc"][k], step)
-            bar.set_postfix(loss=f"{logs['loss']:.3f}", acc_0=f"{logs['acc'][0]:.3f}")
-            bar.update(1)
-            if on_step is not None:
-                on_step(step, logs)
-            if step < total and cfg.eval_every and step % cfg.eval_every == 0:
-                if d.main:
-                    run_eval()
-                d.barrier()
-            if step < total and cfg.save_every and step % cfg.save_every == 0:
-                checkpoint(None)
-        speed = meter.report(W, (lambda xs: _summed(xs, device)) if W > 1 else None)
-        metrics = run_eval() if d.main else {}
-        metrics["ttt_length"] = cfg.ttt_length
+    def finish(self) -> None:
+        """The final evaluation and checkpoint, then OUT swapped for the staging directory."""
+        d = self.d
+        speed = self.meter.report(d.world, (lambda xs: _summed(xs, self.device)) if d.world > 1 else None)
+        metrics = self.run_eval() if d.main else {}
+        metrics["ttt_length"] = self.cfg.ttt_length
         metrics["speed"] = speed
-        checkpoint(metrics)
-        if writer is not None:
-            writer.close()
-            writer = None
+        self.checkpoint(metrics)
+        self.close_writer()
         if d.main:
-            swap_in(work, check_destination(out, TRAINED, inputs=[cfg.target, cfg.data], replace=True))
+            inputs = [self.cfg.target, self.cfg.data]
+            swap_in(self.work, check_destination(self.out, TRAINED, inputs=inputs, replace=True))
         d.barrier()
+        self.metrics = metrics
+
+    def discard(self) -> None:
+        """A run that failed before its first checkpoint leaves nothing worth resuming beside OUT."""
+        if self.d.main and not (self.work / STATE_DIR).is_dir():
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    def close_writer(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
+    """Train a draft as `cfg` says; → TrainResult. `on_step(step, logs)` runs after each optimizer step."""
+    cfg.validate()
+    run = _Run(cfg)
+    run.open_output(progress)
+    try:
+        while run.step < run.length.total:
+            run.after_step(run.optimizer_step(), on_step)
+        run.finish()
     except BaseException:
-        # A run that failed before its first checkpoint leaves nothing worth resuming beside OUT.
-        if d.main and not (work / STATE_DIR).is_dir():
-            shutil.rmtree(work, ignore_errors=True)
+        run.discard()
         raise
     finally:
-        bar.close()
-        if writer is not None:
-            writer.close()
-    return TrainResult(out, step, metrics, history)
+        run.bar.close()
+        run.close_writer()
+    return TrainResult(run.out, run.step, run.metrics, run.history)
 
 
 __all__ = ["TrainConfig", "TrainResult", "train", "collate", "make_batch", "lr_factor"]

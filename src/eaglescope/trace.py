@@ -111,10 +111,12 @@ _NAME = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
 _TAP = re.compile(r"^target\.tap\.(\d+)$")
 _LAYER = re.compile(r"^target\.layer\.(\d+)(\.normed)?$")
 _STEP = re.compile(r"^draft\.step(\d+)\.(.+)$")
-_CANONICAL_FAMILIES = {
-    "target.tap",
+# Every stage family a trace may hold, in the order a round makes them (a target's layers, its taps and their
+# concatenation; fc; the draft steps' inputs and outputs; verify; the features handed to the next round).
+STAGE_FAMILIES = (
     "target.layer",
     "target.layer.normed",
+    "target.tap",
     TARGET_AUX,
     DRAFT_FC_OUT,
     "draft.tokens",
@@ -128,7 +130,8 @@ _CANONICAL_FAMILIES = {
     VERIFY_ACCEPTED,
     VERIFY_BONUS,
     NEXT_HIDDEN_IN,
-}
+)
+_CANONICAL_FAMILIES = set(STAGE_FAMILIES)
 
 
 def parse_stage(name: str) -> tuple[str, int | None]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from eaglescope.trace import parse_stage
+from eaglescope.trace import STAGE_FAMILIES, parse_stage
 
 # code -> one-line meaning (docs and --json "codes").
 CODES: dict[str, str] = {
@@ -52,25 +52,10 @@ CODES: dict[str, str] = {
     "no decode round: what it does not hold cannot be judged healthy",
 }
 
-# Where a finding can first show, earliest first; "static" before anything that runs, "behaviour" last.
-_STAGE_ORDER = [
-    "static",
-    "target.tap",
-    "target.aux",
-    "draft.fc.out",
-    "draft.tokens",
-    "draft.positions",
-    "draft.embed_in",
-    "draft.hidden_in",
-    "draft.hidden_out",
-    "draft.topk",
-    "verify.tokens",
-    "verify.parents",
-    "verify.accepted",
-    "verify.bonus",
-    "next.hidden_in",
-    "behaviour",
-]
+# Where a finding can first show, earliest first: "static" before anything that runs, then the trace's stages in
+# the order a round makes them, "behaviour" last. A per-layer fingerprint is evidence, never a finding's stage: those
+# families rank with "behaviour", as unknown families do.
+_STAGE_ORDER = ["static", *(f for f in STAGE_FAMILIES if not f.startswith("target.layer")), "behaviour"]
 
 
 def stage_rank(stage: str | None) -> tuple[int, int, int]:

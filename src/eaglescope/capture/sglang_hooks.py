@@ -52,16 +52,21 @@ drop the traces in flight; they never reach SGLang.
 from __future__ import annotations
 
 import atexit
-import functools
 import os
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from eaglescope.capture import ENV_DIR, ENV_MODE, ENV_REQUESTS, note, producer, unsupported_line
-from eaglescope.capture.slots import TracedRequest, claim_slot, report_raised, target_fingerprint
+from eaglescope.capture import ENV_DIR, ENV_MODE, ENV_REQUESTS, unsupported_line
+from eaglescope.capture.slots import (
+    EngineCapture,
+    TracedRequest,
+    claim_slot,
+    guarded,
+    report_raised,
+    target_fingerprint,
+)
 from eaglescope.capture.slots import rows as _rows
 from eaglescope.capture.slots import wrap as _wrap
 from eaglescope.trace import (
@@ -105,16 +110,11 @@ class RequestTrace(TracedRequest):
         self.rec.set_meta(**cap.meta(worker, req, self))
 
 
-class Capture:
+class Capture(EngineCapture):
     """Process-wide capture state: which requests are traced, and what the current scheduler step is doing."""
 
     def __init__(self, staging: Path, limit: int, mode: str, version: str) -> None:
-        self.staging, self.limit, self.mode, self.version = staging, limit, mode, version
-        self.producer = producer("sglang", version)
-        self.traces: dict[str, RequestTrace] = {}
-        self.seen: set[str] = set()
-        self.exhausted = False  # every slot is taken, or this SGLang runs what the capture cannot trace
-        self.lock = threading.RLock()
+        super().__init__(staging, limit, mode, "sglang", version)
         self.hooked: set[int] = set()  # id() of the modules hooked
         self.layers: list[int] = []  # the target's layers_to_capture
         self.taps: list[torch.Tensor] | None = None  # the last target forward's captured states, whole batch
@@ -122,38 +122,9 @@ class Capture:
         self.handoff: dict[str, tuple[int, int, int]] = {}  # verified this step: rid → (b, first row, selected + 1)
         self.draft: dict | None = None  # the draft forwards in progress: {"step", "reqs": {rid: (b, lo, hi)}}
         self.forward: dict = {}  # the draft forward in progress: its inputs and outputs
-        self.noted: set[str] = set()
 
-    # -- housekeeping ---------------------------------------------------------------------------------------
-    @property
-    def idle(self) -> bool:
-        return self.exhausted and not self.traces
-
-    def note_once(self, key: str, line: str) -> None:
-        if key not in self.noted:
-            self.noted.add(key)
-            note(line)
-
-    def drop(self, rid: str, why: str) -> None:
-        tr = self.traces.pop(rid, None)
-        if tr is not None:
-            tr.rec.abort()
-            note(f"request {rid} (slot {tr.slot}) is not traced: {why}")
-
-    def close(self, rid: str, reason: str, incomplete: str | None = None) -> None:
-        tr = self.traces.pop(rid, None)
-        if tr is None:
-            return
-        try:
-            tr.close(reason, incomplete)
-        except Exception as e:  # noqa: BLE001 - a trace that cannot be written is reported, serving goes on
-            tr.rec.abort()
-            note(f"request {rid}: its trace could not be written: {type(e).__name__}: {e}")
-
-    def close_all(self, reason: str) -> None:
-        with self.lock:
-            for rid in list(self.traces):
-                self.close(rid, reason)
+    def abandon_step(self) -> None:
+        self.draft, self.forward = None, {}
 
     def raised(self, e: BaseException) -> None:
         what = f"SGLang's scheduler step raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -163,7 +134,7 @@ class Capture:
             line = f"request {rid} (slot {tr.slot}): {what}; its trace stops after round {tr.round}"
             report_raised(self.staging, line)
             self.close(rid, "error", incomplete=what)
-        self.draft, self.forward = None, {}
+        self.abandon_step()
 
     # -- what every trace's meta holds -------------------------------------------------------------------
     def meta(self, worker, req, tr: RequestTrace) -> dict:
@@ -409,34 +380,16 @@ def _capture() -> Capture | None:
     return None if cap is None or cap.idle else cap
 
 
-def _guarded(fn):
-    """Run a recording step; any error drops the traces in flight, never reaching SGLang."""
-
-    @functools.wraps(fn)
-    def run(cap: Capture, *a, **kw):
-        try:
-            with cap.lock:
-                return fn(cap, *a, **kw)
-        except Exception as e:  # noqa: BLE001 - the user's serving must not fail because a trace could not be made
-            note(f"a capture hook failed ({fn.__name__}: {type(e).__name__}: {e}); the requests in flight are dropped")
-            for rid in list(cap.traces):
-                cap.drop(rid, "a hook failed")
-            cap.draft, cap.forward = None, {}
-            return None
-
-    return run
-
-
-_begin_step = _guarded(Capture.begin_step)
-_on_target = _guarded(Capture.on_target)
-_on_prefill_handoff = _guarded(Capture.on_prefill_handoff)
-_on_verified = _guarded(Capture.on_verified)
-_on_decode_handoff = _guarded(Capture.on_decode_handoff)
-_begin_draft_steps = _guarded(Capture.begin_draft_steps)
-_on_draft_body = _guarded(Capture.on_draft_body)
-_on_draft_logits = _guarded(Capture.on_draft_logits)
-_raised = _guarded(Capture.raised)
-_close = _guarded(Capture.close)
+_begin_step = guarded(Capture.begin_step)
+_on_target = guarded(Capture.on_target)
+_on_prefill_handoff = guarded(Capture.on_prefill_handoff)
+_on_verified = guarded(Capture.on_verified)
+_on_decode_handoff = guarded(Capture.on_decode_handoff)
+_begin_draft_steps = guarded(Capture.begin_draft_steps)
+_on_draft_body = guarded(Capture.on_draft_body)
+_on_draft_logits = guarded(Capture.on_draft_logits)
+_raised = guarded(Capture.raised)
+_close = guarded(Capture.close)
 
 
 # The wrappers: each reads what SGLang computed around the method it wraps and never changes its result.

@@ -50,9 +50,7 @@ request's trace; they never reach vLLM.
 from __future__ import annotations
 
 import atexit
-import functools
 import os
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -65,10 +63,16 @@ from eaglescope.capture import (
     ENV_MODE,
     ENV_REQUESTS,
     note,
-    producer,
     unsupported_line,
 )
-from eaglescope.capture.slots import TracedRequest, claim_slot, report_raised, target_fingerprint
+from eaglescope.capture.slots import (
+    EngineCapture,
+    TracedRequest,
+    claim_slot,
+    guarded,
+    report_raised,
+    target_fingerprint,
+)
 from eaglescope.capture.slots import rows as _rows
 from eaglescope.capture.slots import wrap as _wrap
 from eaglescope.capture.vllm_layers import LayerStates, record_prefill
@@ -118,7 +122,6 @@ class RequestTrace(TracedRequest):
         self.layers = [int(i) for i in cap.aux_layers(runner)]
         self.prefill: _Prefill | None = _Prefill()  # until round 1's step 0 is staged
         self.current: dict | None = None  # this step's target forward, until the sampler decides it
-        self.closing: str | None = None  # it ended in this step: closed once the step's drafter has run
         self.aux_due: int | None = None  # the round verified in this step, whose target.aux the drafter receives
         self.round_taps: list[torch.Tensor] = []  # that round's taps, for a target.aux the hand-off cannot give
         self.rec.set_meta(**cap.meta(runner, self))
@@ -160,49 +163,18 @@ class RequestTrace(TracedRequest):
         return None
 
 
-class Capture:
+class Capture(EngineCapture):
     """Process-wide capture state: which requests are traced, and the current engine step's layout."""
 
     def __init__(self, staging: Path, limit: int, mode: str, version: str, layers: bool = False) -> None:
-        self.staging, self.limit, self.mode = staging, limit, mode
+        super().__init__(staging, limit, mode, "vllm", version)
         self.layer_states = LayerStates() if layers else None  # capture --layers: every state of each prefill
-        self.producer = producer("vllm", version)
-        self.version = version
-        self.traces: dict[str, RequestTrace] = {}
-        self.seen: set[str] = set()
-        self.exhausted = False  # every slot is taken (here or by another engine process)
-        self.lock = threading.RLock()
         self.step: dict | None = None  # {"runner", "sched", "layout": {req: (batch index, first row, rows, kind)}}
         self.propose: dict | None = None
-        self.noted: set[str] = set()
         self.rank_ok: bool | None = None  # decided at the first step, once vLLM's parallel state exists
 
-    # -- housekeeping ---------------------------------------------------------------------------------------
-    def note_once(self, key: str, line: str) -> None:
-        if key not in self.noted:
-            self.noted.add(key)
-            note(line)
-
-    def drop(self, req_id: str, why: str) -> None:
-        tr = self.traces.pop(req_id, None)
-        if tr is not None:
-            tr.rec.abort()
-            note(f"request {req_id} (slot {tr.slot}) is not traced: {why}")
-
-    def close(self, req_id: str, reason: str, incomplete: str | None = None) -> None:
-        tr = self.traces.pop(req_id, None)
-        if tr is None:
-            return
-        try:
-            tr.close(tr.closing or reason, incomplete)
-        except Exception as e:  # noqa: BLE001 - a trace that cannot be written is reported, serving goes on
-            tr.rec.abort()
-            note(f"request {req_id}: its trace could not be written: {type(e).__name__}: {e}")
-
-    def close_all(self, reason: str) -> None:
-        with self.lock:
-            for req_id in list(self.traces):
-                self.close(req_id, reason)
+    def abandon_step(self) -> None:
+        self.propose = None
 
     def end_step(self) -> None:
         """The step's sampler and drafter have run: the requests that ended in it are closed."""
@@ -231,10 +203,6 @@ class Capture:
         slot = claim_slot(self.staging, self.limit)
         self.exhausted = slot is None
         return slot
-
-    @property
-    def idle(self) -> bool:
-        return self.exhausted and not self.traces
 
     # -- what every trace's meta holds -------------------------------------------------------------------
     @staticmethod
@@ -562,33 +530,15 @@ def _capture() -> Capture | None:
     return None if cap is None or cap.idle else cap
 
 
-def _guarded(fn):
-    """Run a recording step; any error drops the capture of the step's requests, never reaching vLLM."""
-
-    @functools.wraps(fn)
-    def run(cap: Capture, *a, **kw):
-        try:
-            with cap.lock:
-                return fn(cap, *a, **kw)
-        except Exception as e:  # noqa: BLE001 - the user's serving must not fail because a trace could not be made
-            note(f"a capture hook failed ({fn.__name__}: {type(e).__name__}: {e}); the requests in flight are dropped")
-            for req_id in list(cap.traces):
-                cap.drop(req_id, "a hook failed")
-            cap.propose = None
-            return None
-
-    return run
-
-
-_begin_step = _guarded(Capture.begin_step)
-_on_target = _guarded(Capture.on_target)
-_on_sampled = _guarded(Capture.on_sampled)
-_begin_propose = _guarded(Capture.begin_propose)
-_on_fc = _guarded(Capture.on_fc)
-_on_draft_forward = _guarded(Capture.on_draft_forward)
-_on_draft_sample = _guarded(Capture.on_draft_sample)
-_end_step = _guarded(Capture.end_step)
-_raised = _guarded(Capture.raised)
+_begin_step = guarded(Capture.begin_step)
+_on_target = guarded(Capture.on_target)
+_on_sampled = guarded(Capture.on_sampled)
+_begin_propose = guarded(Capture.begin_propose)
+_on_fc = guarded(Capture.on_fc)
+_on_draft_forward = guarded(Capture.on_draft_forward)
+_on_draft_sample = guarded(Capture.on_draft_sample)
+_end_step = guarded(Capture.end_step)
+_raised = guarded(Capture.raised)
 
 
 def _hook_draft_model(model) -> None:

@@ -9,10 +9,11 @@
    over the vocabulary, so the 32,000-token draft vocabulary covers most of them; the first eighth of each sample is
    the "prompt", outside the loss mask), its draft vocabulary built by the product's `build_draft_vocab`. Written
    here rather than by `eaglescope prepare`, which would need a 128,256-token tokenizer and a second 16 GB load.
-3. For each batch size, `python -m eaglescope.cli train` (the command itself, one process per run so each run's peak
-   memory is its own) for --steps optimizer steps; its `training_metrics.json` "speed" section and its closing
-   stderr line are the result: tokens/s, model FLOPs per token, fraction of the dense bf16 peak, peak memory
-   (docs/training-speed.md).
+3. For each batch size, `python -m eaglescope.cli train --compile` (the command itself, one process per run so each
+   run's peak memory is its own) for --steps optimizer steps; its `training_metrics.json` "speed" section and its
+   closing stderr line are the result: tokens/s, model FLOPs per token, fraction of the dense bf16 peak, peak memory
+   (docs/training-speed.md). --no-compile runs the eager step instead; --eager-baseline adds, after the compiled
+   runs, one eager run of the first batch size, so the two are measured in one invocation on one machine.
 
 The JSON (OUT/train-speed-<time>.json, rewritten after every run) has one entry per run under `runs` (batch_size,
 tokens_per_second, fraction_of_peak, peak_memory_gb, model_flops_per_token, rc, commit, ...) and the commit. A run
@@ -109,17 +110,18 @@ def write_prepared(out: Path, target: Path, num_samples: int, length: int, draft
 
 
 def train_argv(target: Path, data: Path, out: Path, batch: int, steps: int, length: int, eval_fraction: float,
-               device: str, dtype: str) -> list[str]:  # fmt: skip
+               device: str, dtype: str, compiled: bool) -> list[str]:  # fmt: skip
     args = ["train", "--target", str(target), "--data", str(data), "--out", str(out), "--max-steps", str(steps)]
     args += ["--batch-size", str(batch), "--ttt-length", "7", "--max-length", str(length), "--seed", "0"]
     args += ["--eval-fraction", f"{eval_fraction:.6f}", "--device", device, "--dtype", dtype, "--overwrite"]
-    return [sys.executable, "-m", "eaglescope.cli", *args]
+    return [sys.executable, "-m", "eaglescope.cli", *args, *(["--compile"] if compiled else [])]
 
 
 def run_one(argv: list[str], out: Path, batch: int) -> dict:
     t0 = time.perf_counter()
     res = subprocess.run(argv, capture_output=True, text=True)
-    row: dict = {"batch_size": batch, "rc": res.returncode, "wall_s": time.perf_counter() - t0, "argv": argv[2:]}
+    row: dict = {"batch_size": batch, "compiled": "--compile" in argv, "rc": res.returncode,
+                 "wall_s": time.perf_counter() - t0, "argv": argv[2:]}  # fmt: skip
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     row["stderr_tail"] = lines[-4:] if res.returncode == 0 else lines[-30:]  # a failure: its traceback
     if res.returncode == 0:
@@ -137,7 +139,7 @@ def run_one(argv: list[str], out: Path, batch: int) -> dict:
 
 
 def profile_run(target: Path, data: Path, out: Path, batch: int, length: int, eval_fraction: float, device: str,
-                dtype: str) -> dict:  # fmt: skip
+                dtype: str, compiled: bool) -> dict:  # fmt: skip
     """One more train() of 4 steps in this process, steps 3 and 4 under torch.profiler → its op table (ms per step)."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -148,14 +150,14 @@ def profile_run(target: Path, data: Path, out: Path, batch: int, length: int, ev
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     cfg = TrainConfig(target=str(target), data=str(data), out=str(out), ttt_length=7, max_steps=4, batch_size=batch,
                       max_length=length, eval_fraction=eval_fraction, device=device, dtype=dtype,
-                      overwrite=True)  # fmt: skip
+                      overwrite=True, compile=compiled)  # fmt: skip
     with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=2)) as prof:
         train(cfg, progress=False, on_step=lambda step, logs: prof.step())
     shutil.rmtree(out, ignore_errors=True)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:30]
     top = [{"op": e.key, "calls_per_step": e.count / 2, "self_ms_per_step": getattr(e, key) / 2e3} for e in events]
-    return {"batch_size": batch, "profiled_steps": 2, "sorted_by": key, "top": top,
+    return {"batch_size": batch, "compiled": compiled, "profiled_steps": 2, "sorted_by": key, "top": top,
             "table": prof.key_averages().table(sort_by=key, row_limit=40)}  # fmt: skip
 
 
@@ -175,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--length", type=int, default=None, help="tokens per sample (default 2048; smoke 64)")
     ap.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary (default 32000; smoke 128)")
     ap.add_argument("--time-limit", type=float, default=450.0, help="no new run starts after this many seconds")
+    ap.add_argument("--no-compile", action="store_true", help="the eager step (train without --compile)")
+    ap.add_argument("--eager-baseline", action="store_true", help="then one eager run of the first batch size")
     ap.add_argument("--profile", action="store_true", help="one more run of the first batch size under torch.profiler")
     ap.add_argument("--profile-only", action="store_true", help="the profiled run alone (of the first batch size)")
     args = ap.parse_args(argv)
@@ -222,23 +226,28 @@ def main(argv: list[str] | None = None) -> int:
         n_eval = 2
         n = result["settings"]["num_samples"] = max(batches) * steps + n_eval
         data = write_prepared(work / "data", target, n, length, draft_vocab)
-        for b in [] if args.profile_only else batches:
+        compiled = not args.no_compile
+        plan = [(b, compiled) for b in batches] + ([(batches[0], False)] if args.eager_baseline and compiled else [])
+        for b, c in [] if args.profile_only else plan:
             if time.perf_counter() - t_start > args.time_limit:
-                runs.append({"batch_size": b, "rc": None, "skipped": f"--time-limit {args.time_limit:.0f} s reached"})
+                runs.append({"batch_size": b, "compiled": c, "rc": None,
+                             "skipped": f"--time-limit {args.time_limit:.0f} s reached"})  # fmt: skip
                 continue
             out = work / f"draft-b{b}"
-            runs.append(run_one(train_argv(target, data, out, b, steps, length, n_eval / n, device, dtype), out, b))
+            argv = train_argv(target, data, out, b, steps, length, n_eval / n, device, dtype, c)
+            runs.append(run_one(argv, out, b))
             runs[-1]["commit"] = result["commit"]
             write()
-            print(json.dumps({k: runs[-1].get(k) for k in ("batch_size", "rc", "tokens_per_second",
+            print(json.dumps({k: runs[-1].get(k) for k in ("batch_size", "compiled", "rc", "tokens_per_second",
                               "fraction_of_peak", "peak_memory_gb", "wall_s")}), file=sys.stderr)  # fmt: skip
         if args.profile_only or (args.profile and time.perf_counter() - t_start < args.time_limit):
-            profiled = profile_run(target, data, work / "draft-profile", batches[0], length, n_eval / n, device, dtype)
+            profiled = profile_run(target, data, work / "draft-profile", batches[0], length, n_eval / n, device, dtype,
+                                   compiled)  # fmt: skip
             path.with_name(path.stem + "-profile.txt").write_text(profiled.pop("table") + "\n")
             result["profile"] = profiled
     write()
-    print(json.dumps({"path": str(path), "runs": [{k: r.get(k) for k in ("batch_size", "rc", "tokens_per_second",
-          "fraction_of_peak", "peak_memory_gb")} for r in runs]}, indent=2))  # fmt: skip
+    keys = ("batch_size", "compiled", "rc", "tokens_per_second", "fraction_of_peak", "peak_memory_gb")
+    print(json.dumps({"path": str(path), "runs": [{k: r.get(k) for k in keys} for r in runs]}, indent=2))
     return 0 if all(r["rc"] == 0 for r in runs) else 1
 
 

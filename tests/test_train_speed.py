@@ -285,7 +285,8 @@ def test_same_seed_same_heldout_acc_with_the_dense_loss(tmp_path_factory, tmp_pa
 
 
 def test_bench_train_speed_smoke_runs_the_product_and_reports_each_batch_size(tmp_path, capsys):
-    assert train_speed.main(["--smoke", "--out", str(tmp_path), "--batch-sizes", "1,2", "--steps", "2",
+    # eager (--no-compile): inductor on this CPU would add half a minute a run; tests/test_train_compiled.py checks it
+    assert train_speed.main(["--smoke", "--out", str(tmp_path), "--batch-sizes", "1,2", "--steps", "2", "--no-compile",
                              "--length", "32", "--work", str(tmp_path / "work"), "--profile"]) == 0  # fmt: skip
     (path,) = tmp_path.glob("train-speed-*-smoke.json")
     result = json.loads(path.read_text())
@@ -293,6 +294,7 @@ def test_bench_train_speed_smoke_runs_the_product_and_reports_each_batch_size(tm
     assert result["profile"]["profiled_steps"] == 2 and "aten::mm" in [r["op"] for r in result["profile"]["top"][:5]]
     assert "aten::mm" in path.with_name(path.stem + "-profile.txt").read_text()
     assert result["commit"] and [r["batch_size"] for r in result["runs"]] == [1, 2]
+    assert [r["compiled"] for r in result["runs"]] == [False, False] and result["profile"]["compiled"] is False
     for r in result["runs"]:
         assert r["rc"] == 0, r["stderr_tail"]
         s = r["speed"]

@@ -75,6 +75,7 @@ class TrainConfig:
     norm_before_fc: bool = False  # EAGLE 3.1 options (models/drafts/config.py)
     fc_norm: bool = False
     norm_output: bool = False
+    compile: bool = False  # torch.compile the target's layers and the draft's regions (train/compiled.py)
 
     def validate(self) -> None:
         if self.draft_arch not in ("llama", "mla"):

@@ -151,6 +151,7 @@ def add_train(sub) -> None:
     f("norm_before_fc", help="EAGLE 3.1: one RMSNorm over the concatenated target features before fc")
     f("fc_norm", help="EAGLE 3.1: one RMSNorm per tap segment before fc")
     f("norm_output", help="EAGLE 3.1: the next draft step receives the post-norm output")
+    f("compile", help="fuse the step's elementwise work with torch.compile (pays on long GPU runs)")
     p.set_defaults(func="eaglescope.cli.train:cmd_train")
 
 

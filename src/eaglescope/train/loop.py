@@ -43,6 +43,7 @@ import contextlib
 import hashlib
 import inspect
 import json
+import logging
 import math
 import os
 import shutil
@@ -71,6 +72,7 @@ from eaglescope.outputs import check_destination, dir_kind, has_partial, open_pa
 from eaglescope.progress import Progress
 from eaglescope.taps import TapContract
 from eaglescope.train.attention import default_attention
+from eaglescope.train.compiled import compile_training
 from eaglescope.train.metrics import Batch, evaluate
 from eaglescope.train.speed import FlopModel, Throughput
 from eaglescope.train.ttt import (
@@ -82,6 +84,8 @@ from eaglescope.train.ttt import (
     ttt_loss,
     ttt_unroll,
 )
+
+log = logging.getLogger(__name__)
 
 STATE_DIR = "training_state"
 METRICS_FILE = "training_metrics.json"
@@ -647,6 +651,9 @@ class _Run:
             self._resume(saved)
         del saved  # the saved weights and moments are in the draft and the optimizer now: not kept twice
         self.attention = default_attention(self.draft, self.device)  # flex on a GPU (train/attention.py)
+        if cfg.compile:
+            for region in compile_training(self.inputs.target, self.draft):
+                log.info("train --compile: %s", region)
         self.fwd = self._forward_module()
         self.autocast = torch.autocast("cuda", dtype=self.inputs.dtype) if self.inputs.amp else contextlib.nullcontext()
         self.history: list[dict] = []
@@ -823,7 +830,7 @@ class _Run:
         speed = self.meter.report(d.world, (lambda xs: _summed(xs, self.device)) if d.world > 1 else None)
         metrics = self.run_eval() if d.main else {}
         metrics["ttt_length"] = self.cfg.ttt_length
-        metrics["speed"] = speed
+        metrics["speed"] = speed | {"compiled": self.cfg.compile}
         self.checkpoint(metrics)
         self.close_writer()
         if d.main:

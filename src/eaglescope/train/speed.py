@@ -238,7 +238,7 @@ def format_speed(s: dict) -> str:
         else:
             why = "CPU" if s["device"] == "cpu" else f"no dense bf16 peak known for {s['device']}"
             line += f", fraction of peak: none ({why})"
-    return f"{line}; {memory}"
+    return f"{line}; {memory}" + ("; compiled (--compile)" if s.get("compiled") else "")
 
 
 __all__ = ["FlopModel", "Throughput", "format_speed", "peak_bf16_flops", "PEAK_BF16_TFLOPS"]

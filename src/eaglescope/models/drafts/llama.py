@@ -31,10 +31,14 @@ class DraftAttention(QKVProjection):
         self._init_qkv(2 * c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
+    def rotated_qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, 2H] → q [B, H, T, D] and k, v [B, Hkv, T, D], RoPE applied to q and k."""
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
     def forward(self, x, cos, sin, mask, cache: KVCache, start: int) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = (t.transpose(1, 2) for t in self.qkv(x))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.rotated_qkv(x, cos, sin)
         k, v = cache.write(0, start, k, v)
         y = attend(q, k, v, mask, self.attention_impl)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -72,13 +76,22 @@ class Eagle3Layer(nn.Module):
     def new_cache(self, c: DraftConfig, batch: int, max_len: int, dtype, device) -> KVCache:
         return KVCache(1, batch, c.num_kv_heads, max_len, c.head_dim, dtype, device)
 
-    def forward(self, embeds, hidden, cos, sin, mask, cache, start) -> torch.Tensor:
+    # The layer in three parts around its attention (whose keys go through a cache the caller owns), so that training
+    # can compile the parts that are elementwise work and products and leave the attention to its own kernel
+    # (train/compiled.py).
+    def attention_input(self, embeds, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ the attention's input [B, T, 2H], embedding first, and the residual [B, T, H]."""
         normed_hidden = self.hidden_norm(hidden)
         # The embedding never enters the residual stream: the residual is the feature h.
         residual = normed_hidden if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
-        h = residual + self.self_attn(x, cos, sin, mask, cache, start)
+        return torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1), residual
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, embeds, hidden, cos, sin, mask, cache, start) -> torch.Tensor:
+        x, residual = self.attention_input(embeds, hidden)
+        return self.feed_forward(residual + self.self_attn(x, cos, sin, mask, cache, start))
 
 
 __all__ = ["Eagle3Layer", "DraftAttention", "draft_mlp"]

@@ -57,12 +57,16 @@ def test_the_block_mask_allows_exactly_the_ttt_mask_pairs(T, k):
     assert torch.equal(blocks | needed, blocks)
 
 
-def test_training_takes_flex_on_a_gpu_for_llama_attention_only(target, tmp_path):
+def test_training_takes_flex_on_a_gpu_for_llama_attention_and_long_batches_only(target, tmp_path):
     llama, _ = make_draft(target, draft_vocab_size=40)
     mla, _ = make_draft(make_checkpoint("deepseek_v3", tmp_path / "mla"), draft_vocab_size=40, arch="mla")
     assert attention.default_attention(llama, torch.device("cpu")) == "dense"
-    assert attention.default_attention(llama, torch.device("cuda")) == "flex"
+    assert attention.default_attention(llama, torch.device("cuda")) == "auto"
     assert attention.default_attention(mla, torch.device("cuda")) == "dense"
+    # auto: flex for long batches only, where the dense rectangle costs more than flex's compilations
+    n = attention.FLEX_MIN_LENGTH
+    assert [attention.resolve("auto", T) for T in (11, n - 1, n, 4 * n)] == ["dense", "dense", "flex", "flex"]
+    assert attention.resolve("flex", 11) == "flex" and attention.resolve("dense", 4 * n) == "dense"
 
 
 def test_decoding_attention_is_restored_after_a_flex_unroll(target):

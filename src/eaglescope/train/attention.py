@@ -22,7 +22,13 @@ import contextlib
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-ATTENTION_KINDS = ("dense", "flex")
+ATTENTION_KINDS = ("dense", "flex", "auto")
+# "auto" (training's choice on a GPU): flex from this padded length on, dense below. Why: the dense rectangle's cost
+# grows as (k+1)·T², and at a few hundred tokens it is small, while compiled flex pays a compilation for each new
+# padded length and step kind (up to 8 graphs, seconds each) until dynamo makes the sizes symbolic. A short run under
+# --max-seconds spent that on compiling: the demo-scale protocol run of bench/run_bench.py (samples of ~256 tokens,
+# 25 s of training) fitted 51 steps where the dense form had taken 241 (bench/results/bench-all-20261202T114617.json).
+FLEX_MIN_LENGTH = 1024
 _MAX_MASKS = 32  # block masks kept per process (one per padded length T and step)
 RECOMPILE_LIMIT = 64  # graphs of the compiled flex_attention before dynamo stops compiling it (torch's default: 8)
 
@@ -75,17 +81,27 @@ def flex_ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 
 def default_attention(draft, device: torch.device) -> str:
-    """flex on a GPU for the Llama-attention draft; dense otherwise (the CPU, and MLA drafts, whose attention is its
-    own module)."""
+    """auto (flex for long batches) on a GPU for the Llama-attention draft; dense otherwise (the CPU, and MLA drafts,
+    whose attention is its own module)."""
     from eaglescope.models.drafts.llama import DraftAttention
 
-    return "flex" if device.type == "cuda" and type(draft.midlayer.self_attn) is DraftAttention else "dense"
+    return "auto" if device.type == "cuda" and type(draft.midlayer.self_attn) is DraftAttention else "dense"
+
+
+def resolve(kind: str, T: int) -> str:
+    """The kind a batch of padded length T runs: "auto" is flex from FLEX_MIN_LENGTH tokens, dense below."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"TTT attention {kind!r} is not one of {ATTENTION_KINDS}")
+    if kind == "auto":
+        return "flex" if T >= FLEX_MIN_LENGTH else "dense"
+    return kind
 
 
 @contextlib.contextmanager
 def ttt_attention(draft, kind: str):
-    """The draft's attention set to `kind` for the duration (decoding's own setting is restored after)."""
-    if kind not in ATTENTION_KINDS:
+    """The draft's attention set to `kind` ("dense" or "flex", as resolve() gives it) for the duration (decoding's own
+    setting is restored after)."""
+    if kind not in ("dense", "flex"):
         raise ValueError(f"TTT attention {kind!r} is not one of {ATTENTION_KINDS}")
     if kind == "dense":
         yield

@@ -26,7 +26,7 @@ import torch
 
 from eaglescope.models.draft import Eagle3Draft
 from eaglescope.models.targets.llama import GrowingCache
-from eaglescope.train.attention import ttt_attention
+from eaglescope.train.attention import resolve, ttt_attention
 
 LOSS_MASK_SHIFT = "shifted"  # recorded in the draft contract
 STEP_WEIGHT = 0.8  # L = Σ_k 0.8^k · L_k
@@ -58,9 +58,10 @@ def ttt_unroll(
     draft: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, ttt_length: int, attention: str = "dense"
 ) -> Unrolled:
     """Run `ttt_length` draft steps over a batch. input_ids [B, T] (target ids), aux [B, T, nH]. `attention`: "dense"
-    (SDPA under ttt_mask, what decoding's masked attention computes) or "flex" (the same function over the
-    block-sparse key set, train/attention.py)."""
+    (SDPA under ttt_mask, what decoding's masked attention computes), "flex" (the same function over the
+    block-sparse key set, train/attention.py) or "auto" (flex for long batches: attention.resolve)."""
     B, T = input_ids.shape
+    attention = resolve(attention, T)
     device = input_ids.device
     cache = GrowingCache()
     hidden = draft.project(aux)

@@ -725,7 +725,8 @@ class _Run:
             with self.autocast:
                 logits = self.fwd(batch.input_ids, batch.aux)
             unrolled = Unrolled(list(logits), [])
-            res = ttt_loss(self.draft, unrolled, batch.teacher, batch.loss_mask, batch.valid, per_sample=True)
+            res = ttt_loss(self.draft, unrolled, batch.teacher, batch.loss_mask, batch.valid, per_sample=True,
+                           compiled=self.cfg.compile)  # fmt: skip
             # per-sample means, summed over this process's samples: the global mean needs B·A below
             loss = res.loss * len(mine) / (order.B * order.A)
             if _nonfinite(loss, self.d):

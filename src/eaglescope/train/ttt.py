@@ -151,12 +151,14 @@ def _chunk_grad(z: torch.Tensor, teacher: torch.Tensor, src: torch.Tensor, wg: t
 _compiled_chunks: tuple | None = None
 
 
-def _chunk_fns(device: torch.device) -> tuple:
-    """(_chunk_loss, _chunk_grad): compiled on a GPU, where each becomes one kernel that reads the bf16 rows once
-    (eager, each of the dozen float32 steps above is a pass over a [rows, Vd] float32 temporary: about 150 bytes per
-    logit per TTT step, forward and backward, against about 6); the same functions as they stand on the CPU."""
+def _chunk_fns(device: torch.device, compiled: bool) -> tuple:
+    """(_chunk_loss, _chunk_grad): with `compiled` (train --compile) on a GPU, each becomes one kernel that reads the
+    bf16 rows once (eager, each of the dozen float32 steps above is a pass over a [rows, Vd] float32 temporary: about
+    150 bytes per logit per TTT step, forward and backward, against about 6); else the functions as they stand. Not by
+    default: the compilation took about 7 s of a 25 s --max-seconds run (the demo-scale protocol run,
+    bench-all-20261202T120356.json: 188 steps where the eager loss had fitted 241)."""
     global _compiled_chunks
-    if device.type != "cuda":
+    if not compiled or device.type != "cuda":
         return _chunk_loss, _chunk_grad
     if _compiled_chunks is None:
         _compiled_chunks = (torch.compile(_chunk_loss, dynamic=True), torch.compile(_chunk_grad, dynamic=True))
@@ -170,10 +172,11 @@ class _SoftCrossEntropy(torch.autograd.Function):
     dense form instead kept log q and the shifted p in float32, 2 × 4 × Vd bytes per position and TTT step."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, shift: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, shift: int,
+                compiled: bool) -> torch.Tensor:  # fmt: skip
         ctx.save_for_backward(logits, teacher, weight)
-        ctx.shift = shift
-        loss_fn, _ = _chunk_fns(logits.device)
+        ctx.shift, ctx.compiled = shift, compiled
+        loss_fn, _ = _chunk_fns(logits.device, compiled)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         for rows, src in _chunks(logits, shift):
             total = total + loss_fn(logits[rows], teacher, src, weight[rows])
@@ -182,11 +185,11 @@ class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, teacher, weight = ctx.saved_tensors
-        _, grad_fn = _chunk_fns(logits.device)
+        _, grad_fn = _chunk_fns(logits.device, ctx.compiled)
         out = torch.empty_like(logits)
         for rows, src in _chunks(logits, ctx.shift):
             out[rows] = grad_fn(logits[rows], teacher, src, weight[rows] * grad)
-        return out, None, None, None
+        return out, None, None, None, None
 
 
 def _chunks(logits: torch.Tensor, shift: int):
@@ -198,11 +201,13 @@ def _chunks(logits: torch.Tensor, shift: int):
         yield rows, torch.arange(rows.start, rows.stop, device=logits.device).add_(shift).clamp_(max=N - 1)
 
 
-def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, shift: int) -> torch.Tensor:
+def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, shift: int,
+                       compiled: bool = False) -> torch.Tensor:  # fmt: skip
     """Σ_{b,t} weight[b, t] · H(softmax(teacher[b, t + shift]), softmax(logits[b, t])), logits and teacher [B, T, Vd],
-    weight [B, T] float32 (0 wherever t + shift runs past the sample)."""
+    weight [B, T] float32 (0 wherever t + shift runs past the sample). `compiled`: see _chunk_fns."""
     B, T, Vd = logits.shape
-    return _SoftCrossEntropy.apply(logits.reshape(B * T, Vd), teacher.reshape(B * T, Vd), weight.reshape(-1), shift)
+    flat = logits.reshape(B * T, Vd), teacher.reshape(B * T, Vd), weight.reshape(-1)
+    return _SoftCrossEntropy.apply(*flat, shift, compiled)
 
 
 def ttt_loss(
@@ -212,10 +217,12 @@ def ttt_loss(
     loss_mask: torch.Tensor,  # [B, T] 1 where the token is supervised (assistant)
     valid: torch.Tensor | None = None,  # [B, T] 1 on real (non-pad) tokens
     per_sample: bool = False,
+    compiled: bool = False,
 ) -> TTTLoss:
     """Σ_k 0.8^k · L_k. L_k averages over supervised positions of the batch, or with `per_sample`, over
     samples of each sample's own mean (so a batch split across processes weighs data exactly as one
-    process would; then step_loss is the mean over samples too)."""
+    process would; then step_loss is the mean over samples too). `compiled`: the loss's chunks compiled on a GPU
+    (train --compile; _chunk_fns)."""
     vocab_ids = draft_vocab_ids(draft)
     if isinstance(teacher, torch.Tensor):
         teacher = teacher_of(vocab_ids, teacher)
@@ -234,7 +241,7 @@ def ttt_loss(
             weight = trainable / (trainable.sum(-1, keepdim=True).clamp_min(1) * trainable.shape[0])
         else:
             weight = trainable / trainable.sum().clamp_min(1)
-        lk = soft_cross_entropy(logits, teacher.logits, weight, k + 1)
+        lk = soft_cross_entropy(logits, teacher.logits, weight, k + 1, compiled)
         total = total + (STEP_WEIGHT**k) * lk
         with torch.no_grad():
             pred = vocab_ids[logits.argmax(-1)]

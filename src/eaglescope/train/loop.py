@@ -650,7 +650,7 @@ class _Run:
         if saved is not None:
             self._resume(saved)
         del saved  # the saved weights and moments are in the draft and the optimizer now: not kept twice
-        self.attention = default_attention(self.draft, self.device)  # flex on a GPU (train/attention.py)
+        self.attention = default_attention(self.draft, self.device)  # flex for long batches on a GPU (attention.py)
         if cfg.compile:
             for region in compile_training(self.inputs.target, self.draft):
                 log.info("train --compile: %s", region)

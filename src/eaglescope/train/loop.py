@@ -188,7 +188,12 @@ def _check_ranks_agree(facts: dict[str, tuple[str, str]], d: Dist) -> None:
     would otherwise train silently on a mixture, or hang when its step count differs). On a difference every
     rank raises: rank 0 names each differing rank and what differs, the others what differs on them."""
     every: list = [None] * d.world
-    dist.all_gather_object(every, facts)
+    try:
+        dist.all_gather_object(every, facts)
+    except RuntimeError:  # a rank that stopped on its own input closed its connections (gloo: "Connection closed")
+        raise EagleScopeError(
+            f"rank {d.rank} of {d.world} stops: another rank of this job stopped before training; its line says why."
+        ) from None
 
     def differences(r: int) -> list[str]:
         out = []

@@ -19,15 +19,14 @@ from eaglescope.train.compiled import compile_training
 from eaglescope.train.loop import make_batch
 
 
-def step_results(target, draft, ids, valid, loss_mask, K, attention="dense", compiled=False):
-    """One training step's forward and backward → (taps, teacher logits, loss, per-step losses, gradients);
-    `compiled`: the loss's chunks as train --compile runs them (compiled on a GPU)."""
+def step_results(target, draft, ids, valid, loss_mask, K, attention="dense"):
+    """One training step's forward and backward → (taps, teacher logits, loss, per-step losses, gradients)."""
     vocab_ids = ttt.draft_vocab_ids(draft)
     raw = {"input_ids": ids, "valid": valid, "loss_mask": loss_mask}
     batch = make_batch(target, raw, ids.device, torch.float32, vocab_ids)
     draft.zero_grad()
     unrolled = ttt.ttt_unroll(draft, batch.input_ids, batch.aux, K, attention)
-    res = ttt.ttt_loss(draft, unrolled, batch.teacher, batch.loss_mask, batch.valid, per_sample=True, compiled=compiled)
+    res = ttt.ttt_loss(draft, unrolled, batch.teacher, batch.loss_mask, batch.valid, per_sample=True)
     res.loss.backward()
     grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
     return batch.aux, batch.teacher.logits, res.loss.detach(), res.step_loss, grads
@@ -66,7 +65,7 @@ def test_a_compiled_step_gives_the_eager_loss_and_gradients(tmp_path):
     regions = compile_training(target, twin)
     assert any("target" in r for r in regions) and any("q/k/v" in r for r in regions)
     assert list(twin.state_dict()) == names  # the same modules: a checkpoint saved from them has the same names
-    compiled = step_results(target, twin, ids, valid, loss_mask, K, compiled=True)
+    compiled = step_results(target, twin, ids, valid, loss_mask, K)
     compare(eager, compiled, 1e-5)
     # the compiled regions are what ran: a region replaced by a wrong one changes the result
     twin.midlayer.feed_forward = lambda h: h

@@ -30,8 +30,7 @@ import train_speed  # noqa: E402  (bench/train_speed.py: the synthetic prepared 
 
 
 # -- the dense soft cross-entropy the chunked one replaced in train/ttt.py, as the reference ------------------------
-def dense_ttt_loss(draft, unrolled, teacher, loss_mask, valid=None, per_sample=False, compiled=False) -> TTTLoss:
-    # `compiled` is accepted as train passes it, and ignored: this reference is the eager dense form
+def dense_ttt_loss(draft, unrolled, teacher, loss_mask, valid=None, per_sample=False) -> TTTLoss:
     vocab_ids = draft_vocab_ids(draft)
     if isinstance(teacher, torch.Tensor):
         teacher = teacher_of(vocab_ids, teacher)
@@ -312,7 +311,7 @@ def test_bench_train_speed_smoke_runs_the_product_and_reports_each_batch_size(tm
 def test_teacher_from_the_head_in_chunks_equals_the_full_logits(tiny, monkeypatch):
     from eaglescope.models.targets import load_target
 
-    monkeypatch.setattr(ttt, "CHUNK_ELEMENTS", 5 * 96)  # 5 rows a chunk
+    monkeypatch.setattr(ttt, "CHUNK_ELEMENTS", 5 * 96)  # 5 rows a loss chunk, 20 a head chunk: 2 of 26 rows
     target = load_target(tiny, device="cpu", dtype=torch.float32, taps="default")
     ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(1))
     full = target.hidden_states(ids)

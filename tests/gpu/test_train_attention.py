@@ -1,13 +1,11 @@
-"""Training's GPU path, compiled (flex attention, train/attention.py; with train --compile the loss's chunk kernels,
-train/ttt.py, and the regions of train/compiled.py), against what it replaced, in float32: dense masked SDPA and the
-loss computed eagerly (tests/test_train_speed.py's dense reference for the gradients). The TTT loss and every
+"""Training's GPU path, compiled (flex attention, train/attention.py; the loss's Triton kernels, train/loss_kernels.py;
+with train --compile the regions of train/compiled.py), against what it replaced, in float32: dense masked SDPA and the
+loss computed densely (tests/test_train_speed.py's dense reference for the gradients). The TTT loss and every
 parameter's gradient, and the held-out acc_k and α_k of the order-2-chain run of tests/test_train.py (TTT 7, 150
 steps) trained each way. The CPU half (logits, block mask) is tests/test_train_attention.py; the CPU has no flex
 backward."""
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 import torch
@@ -33,8 +31,8 @@ def test_flex_loss_and_gradients_equal_the_dense_ones(tmp_path, B, T):
     from test_train_speed import dense_ttt_loss
 
     results = {}
-    compiled_loss = functools.partial(ttt.ttt_loss, compiled=True)  # the chunks compiled, as train --compile runs them
-    for kind, loss_fn in (("dense", dense_ttt_loss), ("flex", compiled_loss)):
+    # train's loss on a GPU (the Triton kernels, train/loss_kernels.py) against the dense float32 form
+    for kind, loss_fn in (("dense", dense_ttt_loss), ("flex", ttt.ttt_loss)):
         draft.zero_grad()
         res = loss_fn(draft, ttt.ttt_unroll(draft, ids, aux, K, kind), teacher, loss_mask, per_sample=True)
         res.loss.backward()
@@ -56,7 +54,7 @@ def test_same_seed_heldout_acc_with_dense_attention_within_noise(tmp_path_factor
     runs = {}
     for kind in ("flex", "dense"):
         monkeypatch.setattr(train_loop, "default_attention", lambda draft, device, kind=kind: kind)
-        # flex with the loss's chunks compiled (--compile) against dense attention and the eager loss
+        # flex and the regions compiled (--compile) against dense attention run eagerly
         cfg = config(env, tmp_path / kind, ttt_length=TTT, max_steps=STEPS, device="cuda", dtype="float32",
                      compile=kind == "flex")  # fmt: skip
         runs[kind] = train(cfg, progress=False)

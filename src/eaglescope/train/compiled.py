@@ -11,8 +11,8 @@ What is compiled (regional compilation: a region's code is compiled once and ser
 - the draft layer's parts around its attention (`attention_input`: the two norms and the concatenation;
   `rotated_qkv`: the q/k/v products and RoPE; `feed_forward`: the post-attention norm, the MLP and the residual), its
   final norm and EAGLE 3.1's norms before fc. The attention itself stays outside: flex attention (train/attention.py)
-  is compiled on its own, with its block masks built and kept outside any graph;
-- the loss's chunk functions (train/ttt.py `_chunk_fns`), which `train` asks for with the same flag.
+  is compiled on its own, with its block masks built and kept outside any graph. (The loss needs no compilation: on
+  a GPU it is two Triton kernels of its own, train/loss_kernels.py.)
 
 The same function either way: the compiled regions compute what the modules compute (`tests/gpu` checks the loss, the
 gradients and a trained draft's held-out acc_k against the eager run). The cost is a one-off compilation in the first

@@ -644,7 +644,11 @@ class _Run:
         self.draft = _new_draft(cfg, self.inputs, self.device)
         self.contract = _contract(cfg, self.inputs)
         self.params = [p for p in self.draft.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        # fused on a GPU: a few kernels over all parameters instead of foreach's pass per operation (foreach took
+        # 8.4 ms of a 487 ms step at 8B shape, batch 4); the same update and state dict, so --resume works across them
+        fused = self.device.type == "cuda"
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                     fused=fused)  # fmt: skip
         self.order = _Order(cfg, self.inputs.data.num_samples, self.d.world)
         per_epoch = self.order.steps_per_epoch
         total = cfg.max_steps if cfg.max_steps is not None else math.ceil((cfg.epochs or 1.0) * per_epoch)
@@ -730,8 +734,7 @@ class _Run:
             with self.autocast:
                 logits = self.fwd(batch.input_ids, batch.aux)
             unrolled = Unrolled(list(logits), [])
-            res = ttt_loss(self.draft, unrolled, batch.teacher, batch.loss_mask, batch.valid, per_sample=True,
-                           compiled=self.cfg.compile)  # fmt: skip
+            res = ttt_loss(self.draft, unrolled, batch.teacher, batch.loss_mask, batch.valid, per_sample=True)
             # per-sample means, summed over this process's samples: the global mean needs B·A below
             loss = res.loss * len(mine) / (order.B * order.A)
             if _nonfinite(loss, self.d):

@@ -27,6 +27,7 @@ import torch
 from eaglescope.models.draft import Eagle3Draft
 from eaglescope.models.targets.llama import GrowingCache
 from eaglescope.train.attention import resolve, ttt_attention
+from eaglescope.train.loss_kernels import kernels_available, soft_ce_backward, soft_ce_forward
 
 LOSS_MASK_SHIFT = "shifted"  # recorded in the draft contract
 STEP_WEIGHT = 0.8  # L = Σ_k 0.8^k · L_k
@@ -96,6 +97,11 @@ def draft_vocab_ids(draft: Eagle3Draft) -> torch.Tensor:
 CHUNK_ELEMENTS = 1 << 26
 
 
+# The target head's chunks are 4 times larger: they hold the model's dtype only (bf16 on a GPU: 0.5 GB at 2,092 rows
+# of 128,256), and at the loss's 523 rows the head's product ran at 640 TFLOP/s against about 780 for the others.
+HEAD_CHUNK_FACTOR = 4
+
+
 def chunk_rows(width: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, width))
 
@@ -123,7 +129,7 @@ def teacher_from_head(head, final_hidden: torch.Tensor, vocab_ids: torch.Tensor,
     rows = final_hidden.reshape(B * T, H)
     vocab_ids = vocab_ids.to(final_hidden.device)
     logits = argmax = None
-    n = chunk_rows(vocab_size)
+    n = chunk_rows(vocab_size) * HEAD_CHUNK_FACTOR
     for a in range(0, B * T, n):
         full = head(rows[a : a + n])  # [n, V]
         if logits is None:  # allocated here, outside any inference mode `head` runs under: autograd may save them
@@ -148,48 +154,36 @@ def _chunk_grad(z: torch.Tensor, teacher: torch.Tensor, src: torch.Tensor, wg: t
     return (g * wg[:, None]).to(z.dtype)
 
 
-_compiled_chunks: tuple | None = None
-
-
-def _chunk_fns(device: torch.device, compiled: bool) -> tuple:
-    """(_chunk_loss, _chunk_grad): with `compiled` (train --compile) on a GPU, each becomes one kernel that reads the
-    bf16 rows once (eager, each of the dozen float32 steps above is a pass over a [rows, Vd] float32 temporary: about
-    150 bytes per logit per TTT step, forward and backward, against about 6); else the functions as they stand. Not by
-    default: the compilation took about 7 s of a 25 s --max-seconds run (the demo-scale protocol run,
-    bench-all-20261202T120356.json: 188 steps where the eager loss had fitted 241)."""
-    global _compiled_chunks
-    if not compiled or device.type != "cuda":
-        return _chunk_loss, _chunk_grad
-    if _compiled_chunks is None:
-        _compiled_chunks = (torch.compile(_chunk_loss, dynamic=True), torch.compile(_chunk_grad, dynamic=True))
-    return _compiled_chunks
-
-
 class _SoftCrossEntropy(torch.autograd.Function):
     """Σ_r w_r · H(p_r, q_r): q_r = softmax(logits[r]), p_r = softmax(teacher[r + shift]) (the teacher row `shift`
-    positions later, clamped at the end where w is 0). Float32, a chunk of rows at a time. For the backward it keeps
-    only its inputs (which the training step holds anyway) and recomputes both softmaxes per chunk, elementwise; the
-    dense form instead kept log q and the shifted p in float32, 2 × 4 × Vd bytes per position and TTT step."""
+    positions later, clamped at the end where w is 0), in float32. On a GPU one Triton kernel per direction reads each
+    row once (train/loss_kernels.py); elsewhere the torch form above runs a chunk of rows at a time. Either way the
+    backward keeps only the inputs (which the training step holds anyway; the kernels add two floats a row) and
+    recomputes both softmaxes; the dense form instead kept log q and the shifted p in float32, 2 × 4 × Vd bytes per
+    position and TTT step."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, shift: int,
-                compiled: bool) -> torch.Tensor:  # fmt: skip
+    def forward(ctx, logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, shift: int) -> torch.Tensor:
+        ctx.shift = shift
+        if kernels_available(logits.device):
+            total, lse_z, lse_t = soft_ce_forward(logits, teacher, weight, shift)
+            ctx.save_for_backward(logits, teacher, weight, lse_z, lse_t)
+            return total
         ctx.save_for_backward(logits, teacher, weight)
-        ctx.shift, ctx.compiled = shift, compiled
-        loss_fn, _ = _chunk_fns(logits.device, compiled)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         for rows, src in _chunks(logits, shift):
-            total = total + loss_fn(logits[rows], teacher, src, weight[rows])
+            total = total + _chunk_loss(logits[rows], teacher, src, weight[rows])
         return total
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        logits, teacher, weight = ctx.saved_tensors
-        _, grad_fn = _chunk_fns(logits.device, ctx.compiled)
+        logits, teacher, weight, *lse = ctx.saved_tensors
+        if lse:
+            return soft_ce_backward(logits, teacher, weight, ctx.shift, grad, *lse), None, None, None
         out = torch.empty_like(logits)
         for rows, src in _chunks(logits, ctx.shift):
-            out[rows] = grad_fn(logits[rows], teacher, src, weight[rows] * grad)
-        return out, None, None, None, None
+            out[rows] = _chunk_grad(logits[rows], teacher, src, weight[rows] * grad)
+        return out, None, None, None
 
 
 def _chunks(logits: torch.Tensor, shift: int):
@@ -201,13 +195,12 @@ def _chunks(logits: torch.Tensor, shift: int):
         yield rows, torch.arange(rows.start, rows.stop, device=logits.device).add_(shift).clamp_(max=N - 1)
 
 
-def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, shift: int,
-                       compiled: bool = False) -> torch.Tensor:  # fmt: skip
+def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, shift: int) -> torch.Tensor:
     """Σ_{b,t} weight[b, t] · H(softmax(teacher[b, t + shift]), softmax(logits[b, t])), logits and teacher [B, T, Vd],
-    weight [B, T] float32 (0 wherever t + shift runs past the sample). `compiled`: see _chunk_fns."""
+    weight [B, T] float32 (0 wherever t + shift runs past the sample)."""
     B, T, Vd = logits.shape
     flat = logits.reshape(B * T, Vd), teacher.reshape(B * T, Vd), weight.reshape(-1)
-    return _SoftCrossEntropy.apply(*flat, shift, compiled)
+    return _SoftCrossEntropy.apply(*flat, shift)
 
 
 def ttt_loss(
@@ -217,12 +210,10 @@ def ttt_loss(
     loss_mask: torch.Tensor,  # [B, T] 1 where the token is supervised (assistant)
     valid: torch.Tensor | None = None,  # [B, T] 1 on real (non-pad) tokens
     per_sample: bool = False,
-    compiled: bool = False,
 ) -> TTTLoss:
     """Σ_k 0.8^k · L_k. L_k averages over supervised positions of the batch, or with `per_sample`, over
     samples of each sample's own mean (so a batch split across processes weighs data exactly as one
-    process would; then step_loss is the mean over samples too). `compiled`: the loss's chunks compiled on a GPU
-    (train --compile; _chunk_fns)."""
+    process would; then step_loss is the mean over samples too)."""
     vocab_ids = draft_vocab_ids(draft)
     if isinstance(teacher, torch.Tensor):
         teacher = teacher_of(vocab_ids, teacher)
@@ -241,7 +232,7 @@ def ttt_loss(
             weight = trainable / (trainable.sum(-1, keepdim=True).clamp_min(1) * trainable.shape[0])
         else:
             weight = trainable / trainable.sum().clamp_min(1)
-        lk = soft_cross_entropy(logits, teacher.logits, weight, k + 1, compiled)
+        lk = soft_cross_entropy(logits, teacher.logits, weight, k + 1)
         total = total + (STEP_WEIGHT**k) * lk
         with torch.no_grad():
             pred = vocab_ids[logits.argmax(-1)]

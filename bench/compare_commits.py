@@ -33,17 +33,22 @@ DECISIONS = ("new_tokens", "rounds", "accept_length", "alpha", "accepted_per_pos
 DEFAULT_METHODS = ["vanilla", "tree=6,1,7", "tree=7,10,60", "tree=6,4,24", "chain=4"]
 
 
+def fail(message: str) -> None:
+    print(f"compare_commits: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def source_of(spec: str, scratch: Path) -> tuple[str, Path, str]:
     """NAME=REV or NAME=DIR → (name, directory holding the `eaglescope` package, where it came from)."""
     name, sep, where = spec.partition("=")
     if not sep or not name or not where:
-        raise SystemExit(f"compare_commits: --version wants NAME=REV or NAME=DIR, not {spec!r}")
+        fail(f"--version wants NAME=REV or NAME=DIR, not {spec!r}")
     if (Path(where) / "eaglescope").is_dir():
         return name, Path(where), f"directory {where}"
     rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", f"{where}^{{commit}}"],
                          capture_output=True, text=True)  # fmt: skip
     if rev.returncode != 0:
-        raise SystemExit(f"compare_commits: {where!r} is neither a directory holding eaglescope nor a git revision")
+        fail(f"{where!r} is neither a directory holding eaglescope nor a git revision")
     commit = rev.stdout.strip()
     archive = scratch / f"{name}.tar"
     subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(archive), commit, "src"], check=True)
@@ -66,7 +71,7 @@ def run_bench(src: Path, args: argparse.Namespace) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode not in (0, 1):  # 1: a method's output differed from vanilla, which the rows report
         tail = done.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
-        raise SystemExit(f"compare_commits: eaglescope bench from {src} exited {done.returncode}: {tail[0]}")
+        fail(f"eaglescope bench from {src} exited {done.returncode}: {tail[0]}")
     return json.loads(done.stdout)
 
 
@@ -83,7 +88,10 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     if len(args.version) < 2:
-        ap.error("give at least two --version")
+        fail("give at least two --version")
+    names = [v.partition("=")[0] for v in args.version]
+    if len(set(names)) != len(names):
+        fail(f"--version names must differ: {names}")
     with tempfile.TemporaryDirectory(prefix="eaglescope-compare-") as tmp:
         sources = [source_of(v, Path(tmp)) for v in args.version]
         results = {}

@@ -70,3 +70,23 @@ def test_bad_shapes_are_refused():
     logits, teacher, weight = inputs(5, 9, 1, torch.float32, seed=0)
     with pytest.raises(ValueError, match=r"\[N, V\]"):
         loss_kernels.soft_ce_forward(logits, teacher[:4], weight, 1)
+
+
+def test_masked_teacher_entries_and_nan_logits():
+    """-inf teacher logits (a masked vocabulary: a whole first block of a row, and scattered entries) are zero
+    probability, as in torch's softmax, not NaN; a NaN in the draft's logits makes the loss NaN, so train's
+    non-finite check still sees it."""
+    logits, teacher, weight = inputs(6, 5000, 1, torch.float32, seed=3)
+    weight[:] = 1.0
+    teacher[0, :4096] = float("-inf")
+    teacher[1, ::7] = float("-inf")
+    grad = torch.tensor(1.0)
+    want, want_dz = torch_form(logits, teacher, weight, 0, grad)
+    assert torch.isfinite(want)
+    total, lse_z, lse_t = loss_kernels.soft_ce_forward(logits, teacher, weight, 0)
+    dz = loss_kernels.soft_ce_backward(logits, teacher, weight, 0, grad, lse_z, lse_t)
+    assert float(total) == pytest.approx(float(want), rel=1e-5)
+    torch.testing.assert_close(dz, want_dz, rtol=1e-5, atol=1e-6 * float(want_dz.abs().max()))
+    logits[2, 17] = float("nan")
+    total, _, _ = loss_kernels.soft_ce_forward(logits, teacher, weight, 0)
+    assert torch.isnan(total)

@@ -46,6 +46,24 @@ def test_the_kernels_give_the_torch_loss_and_gradient(dtype, shift):
     torch.testing.assert_close(lse_z[ok], torch.logsumexp(logits.float(), -1)[ok], rtol=1e-6, atol=1e-5)
 
 
+def test_masked_teacher_entries_are_zero_probability():
+    """-inf teacher logits, a whole first 4,096-column block of some rows and scattered entries of others, as torch's
+    softmax treats them (tests/test_loss_kernels.py has the same case under the interpreter)."""
+    g = torch.Generator().manual_seed(0)
+    N, V = 512, 32000
+    logits = (4 * torch.randn(N, V, generator=g)).cuda()
+    teacher = (4 * torch.randn(N, V, generator=g)).cuda()
+    teacher[::3, :4096] = float("-inf")
+    teacher[1::3, ::7] = float("-inf")
+    weight = torch.ones(N, device="cuda")
+    grad = torch.tensor(1.0, device="cuda")
+    want, want_dz = torch_form(logits, teacher, weight, 0, grad)
+    total, lse_z, lse_t = loss_kernels.soft_ce_forward(logits, teacher, weight, 0)
+    dz = loss_kernels.soft_ce_backward(logits, teacher, weight, 0, grad, lse_z, lse_t)
+    assert torch.isfinite(want) and float(total) == pytest.approx(float(want), rel=1e-5)
+    torch.testing.assert_close(dz, want_dz, rtol=1e-5, atol=1e-6 * float(want_dz.abs().max()))
+
+
 def test_same_seed_heldout_acc_with_the_torch_loss_within_noise(tmp_path_factory, tmp_path, monkeypatch):
     from test_train import STEPS, TTT, config, shared_env
 

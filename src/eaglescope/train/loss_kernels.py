@@ -62,14 +62,18 @@ if triton is not None:
                 tb = tl.load(t + src * V + cols, mask=ok, other=0.0).to(tl.float32)
                 zm = tl.where(ok, zb, float("-inf"))
                 tm = tl.where(ok, tb, float("-inf"))
+                # a maximum still -inf (every entry so far -inf: a masked block) shifts by 0, not by -inf,
+                # so that exp(-inf - -inf) never makes a NaN; torch's softmax treats such entries the same way
                 new_m_z = tl.maximum(m_z, tl.max(zm, axis=0))
-                s_z = s_z * tl.exp(m_z - new_m_z) + tl.sum(tl.exp(zm - new_m_z), axis=0)
+                shift_z = tl.where(new_m_z == float("-inf"), 0.0, new_m_z)
+                s_z = s_z * tl.exp(m_z - shift_z) + tl.sum(tl.exp(zm - shift_z), axis=0)
                 m_z = new_m_z
                 new_m_t = tl.maximum(m_t, tl.max(tm, axis=0))
-                e_t = tl.exp(tm - new_m_t)
-                scale = tl.exp(m_t - new_m_t)
+                shift_t = tl.where(new_m_t == float("-inf"), 0.0, new_m_t)
+                e_t = tl.exp(tm - shift_t)
+                scale = tl.exp(m_t - shift_t)
                 s_t = s_t * scale + tl.sum(e_t, axis=0)
-                dot = dot * scale + tl.sum(e_t * zb, axis=0)
+                dot = dot * scale + tl.sum(tl.where(ok, e_t * zb, 0.0), axis=0)
                 m_t = new_m_t
             log_s_z = m_z + tl.log(s_z)
             tl.store(loss + one, log_s_z - dot / s_t)

@@ -98,7 +98,7 @@ CHUNK_ELEMENTS = 1 << 26
 
 
 # The target head's chunks are 4 times larger: they hold the model's dtype only (bf16 on a GPU: 0.5 GB at 2,092 rows
-# of 128,256), and at the loss's 523 rows the head's product ran at 640 TFLOP/s against about 780 for the others.
+# of 128,256), and at the loss's 523 rows the head's product ran at 640 TFLOP/s, at 2,092 at 705 (8B shape, H200).
 HEAD_CHUNK_FACTOR = 4
 
 

@@ -19,9 +19,8 @@ from eaglescope.models.draft import save_draft
 from eaglescope.models.targets import load_target
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench")
+def make_bench_env(root):
+    """A tiny target, its draft and two prompts under `root` → (root, target, draft, prompts)."""
     target = make_checkpoint("llama", root / "target")
     draft, contract = make_draft(target, draft_vocab_size=48, scale=3.0)
     save_draft(draft, contract, root / "draft")
@@ -30,6 +29,11 @@ def env(tmp_path_factory):
     rows = [{"prompt_ids": list(range(5, 17))}, {"prompt_ids": [7, 8, 9, 10] * 4}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root, target, root / "draft", prompts
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return make_bench_env(tmp_path_factory.mktemp("bench"))
 
 
 def bench(capsys, *argv: str) -> tuple[int, str, str]:

@@ -11,10 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from drafts import make_draft
-from models import make_checkpoint
-
-from eaglescope.models.draft import save_draft
+from test_bench import make_bench_env
 
 REPO = Path(__file__).parents[1]
 SCRIPT = REPO / "bench" / "compare_commits.py"
@@ -23,20 +20,14 @@ FAULT = ("key = torch.where(ok, depths, -1)", "key = torch.where(ok & (depths <=
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("compare")
-    target = make_checkpoint("llama", root / "target")
-    draft, contract = make_draft(target, draft_vocab_size=48, scale=3.0)
-    save_draft(draft, contract, root / "draft")
-    prompts = root / "prompts.jsonl"
-    rows = [{"prompt_ids": list(range(5, 17))}, {"prompt_ids": [7, 8, 9, 10] * 4}]
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root
+    return make_bench_env(tmp_path_factory.mktemp("compare"))
 
 
 def compare(env, *versions: str, out: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(SCRIPT), "--target", str(env / "target"), "--draft", str(env / "draft"),
-           "--prompts", str(env / "prompts.jsonl"), "--max-new-tokens", "24", "--method", "vanilla",
-           "--method", "ngram=3", "--method", "chain=3", "--device", "cpu", "--out", str(out)]  # fmt: skip
+    _, target, draft, prompts = env
+    cmd = [sys.executable, str(SCRIPT), "--target", str(target), "--draft", str(draft), "--prompts", str(prompts)]
+    cmd += ["--max-new-tokens", "24", "--method", "vanilla", "--method", "ngram=3", "--method", "chain=3"]
+    cmd += ["--device", "cpu", "--out", str(out)]
     for v in versions:
         cmd += ["--version", v]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -73,7 +73,7 @@ if triton is not None:
                 e_t = tl.exp(tm - shift_t)
                 scale = tl.exp(m_t - shift_t)
                 s_t = s_t * scale + tl.sum(e_t, axis=0)
-                dot = dot * scale + tl.sum(tl.where(ok, e_t * zb, 0.0), axis=0)
+                dot = dot * scale + tl.sum(e_t * zb, axis=0)  # masked lanes: e_t = 0 and zb = 0
                 m_t = new_m_t
             log_s_z = m_z + tl.log(s_z)
             tl.store(loss + one, log_s_z - dot / s_t)

@@ -8,6 +8,7 @@ overwritten by the next forward.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from eaglescope.errors import EagleScopeError
 from eaglescope.models.targets.base import Target, TargetFingerprint, TargetOutput
@@ -490,9 +492,14 @@ class NativeTarget(Target):
         # Right padding only: causal attention never lets a real token see a pad, so no pad mask is needed.
         B, T = input_ids.shape
         _sliding_check(self.args, T)
-        positions = torch.arange(T, device=self.device).expand(B, T)
-        taps = self.taps.layers if self.taps else ()
-        logits, aux, final = self.model(input_ids.to(self.device), positions, None, None, 0, taps, head=logits)
+        ids = input_ids.to(self.device)
+        with whole_sequence_attention(self.device, T) as padded:
+            if padded > T:  # more right padding, for the same reason; cut off below
+                ids = F.pad(ids, (0, padded - T))
+            positions = torch.arange(padded, device=self.device).expand(B, padded)
+            taps = self.taps.layers if self.taps else ()
+            out = self.model(ids, positions, None, None, 0, taps, head=logits)
+        logits, aux, final = (None if t is None else t[:, :T] for t in out)
         return TargetOutput(logits, aux, final)
 
     def truncate(self, length: int) -> None:
@@ -539,6 +546,29 @@ def build_native(cfg: dict, state_dict: dict[str, torch.Tensor], device, dtype) 
     if a.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
+
+
+# A whole-sequence forward (training's online target, prepare's stored states) of at least this many tokens runs its
+# causal attention on SDPA's cuDNN backend, with the length rounded up to a multiple of CUDNN_LENGTH_STEP.
+# Why: on an H200 at 8B shape (32 heads of 128, 8 kv heads, batch 4) cuDNN's kernel takes 0.26 ms a layer at 2,048
+# tokens where flash takes 0.62 (bench/results/attention-kernels-20261202.json), about 11 ms of a 458 ms training
+# step. But cuDNN builds an execution plan for every new (batch, length) shape, about 63 ms each (same file), which
+# one forward at a new length would not pay back; rounding the length bounds the shapes to 16 per batch size between
+# 1,024 and 2,048 tokens, at the cost of computing up to 63 pad positions. Below the threshold (short samples, the
+# demo's ~256 tokens) the attention is a small part of the step and each length would be a new plan: flash stays.
+CUDNN_MIN_LENGTH = 1024
+CUDNN_LENGTH_STEP = 64
+_CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@contextlib.contextmanager
+def whole_sequence_attention(device: torch.device, length: int):
+    """Within: SDPA prefers cuDNN (CUDA, length >= CUDNN_MIN_LENGTH). Yields the length the forward should run at."""
+    if torch.device(device).type != "cuda" or length < CUDNN_MIN_LENGTH:
+        yield length
+        return
+    with sdpa_kernel(_CUDNN_FIRST, set_priority=True):  # also re-enables what load_native disabled, for this block
+        yield -(-length // CUDNN_LENGTH_STEP) * CUDNN_LENGTH_STEP
 
 
 def load_native(model_dir: Path, cfg: dict, state_dict, fingerprint, eos, tokenizer, device, dtype) -> NativeTarget:

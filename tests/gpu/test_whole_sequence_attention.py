@@ -25,7 +25,7 @@ def target(tmp_path_factory):
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=1024,
-        num_hidden_layers=4,
+        num_hidden_layers=8,
         max_position_embeddings=4096,
     )
     return load_target(d, device="cuda", dtype=torch.bfloat16, taps="default", backend="native")
@@ -52,5 +52,5 @@ def test_whole_sequence_forward_matches_the_plain_one(target, T):
         want = target.model(ids.cuda(), positions, None, None, 0, target.taps.layers, head=True)
     for got, ref in zip((out.logits, out.aux, out.final_hidden), want, strict=True):
         scale = float(ref.float().abs().max())
-        # two bf16 attention kernels with their own reduction orders, four layers: a few bf16 roundings apart
+        # two bf16 attention kernels with their own reduction orders, eight layers: a few bf16 roundings apart
         torch.testing.assert_close(got.float(), ref.float(), rtol=0, atol=0.03 * scale)

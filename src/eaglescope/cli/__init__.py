@@ -8,9 +8,12 @@ one stderr line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
 import warnings
 
 from eaglescope.cli.parsers import add_parsers
@@ -51,6 +54,33 @@ def _quiet_transformers() -> None:
         pass
 
 
+class _Interrupts:
+    """Ctrl-C as KeyboardInterrupt, remembered: a KeyboardInterrupt raised while C code is running (torch's tensor
+    construction, for one) can come out as another exception, and the user who pressed Ctrl-C is still owed
+    "interrupted" and exit 130, not an internal error."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def installed(self):
+        # Only where Python's own default handler stands (not where a parent asked for SIGINT to be ignored, nor
+        # off the main thread, where signal handlers cannot be set), and only while the command runs.
+        own = threading.current_thread() is threading.main_thread()
+        own = own and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        if own:
+            signal.signal(signal.SIGINT, self)
+        try:
+            yield self
+        finally:
+            if own:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -61,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_transformers()
     # Warnings are held back while the command runs: after a success each becomes one `eaglescope: warning:`
     # line; after a failure they are dropped, so the error stays the single line on stderr.
-    with warnings.catch_warnings(record=True) as caught:
+    with _Interrupts().installed() as interrupts, warnings.catch_warnings(record=True) as caught:
         if not debug:
             warnings.simplefilter("always")
         try:
@@ -73,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             print("eaglescope: interrupted", file=sys.stderr)
             return 130
         except Exception as e:  # noqa: BLE001 - a bug, but the user still gets one line and a way to see more
+            if interrupts.seen and not debug:
+                print("eaglescope: interrupted", file=sys.stderr)
+                return 130
             if debug:
                 raise
             print(

@@ -63,8 +63,8 @@ def test_a_parent_that_ignores_sigint_keeps_it_ignored(monkeypatch, capsys):
 
 @pytest.fixture(autouse=True)
 def _default_handler():
-    # A test run started in the background (nohup, `&` in a script) inherits SIGINT ignored, and then the CLI rightly
-    # leaves it ignored; these tests are about a terminal's default, so they set it and put back what was there.
+    # A pytest-xdist worker can inherit SIGINT ignored (a fresh clone's run did), and then the CLI rightly leaves it
+    # ignored; these tests are about a terminal's default, so they set it and put back what was there.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield

@@ -41,6 +41,7 @@ def fast_runner(
     batch_invariant: bool = True,
     recorder=None,
     trace_layers: bool = False,
+    compile_round: bool = False,
 ) -> tuple[Runner, dict]:
     """The static-shape backend for `target` (with `draft` and tree `shape`, or vanilla), sized for prompt + new
     tokens <= max_len → (runner, what it runs on). On a GPU the target runs on the batch-invariant kernels, so the
@@ -64,4 +65,6 @@ def fast_runner(
     ft = FastTarget(
         target.model, max_len + total + depth + 3, taps=target.taps.layers, fused_verify=verify_rows, **common
     )
-    return FastEagle(ft, draft, depth, top_k, total, max_len + 2, recorder=recorder, trace_layers=trace_layers), info
+    fe = FastEagle(ft, draft, depth, top_k, total, max_len + 2, recorder=recorder, trace_layers=trace_layers,
+                   compile=compile_round)  # fmt: skip
+    return fe, info

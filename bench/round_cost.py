@@ -219,14 +219,19 @@ def _write(out: Path, res: dict) -> None:
 
 
 def _table(res: dict) -> str:
-    lines = [f"vanilla step {res['vanilla_step_ms']} ms ({res['device']}, {res['commit']})",
-             "| mode | tree | round ms | / step | propose ms (kernels) | verify ms (kernels) | accept+commit ms | prepare s |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"vanilla step {res['vanilla_step_ms']} ms ({res['device']}, {res['commit']})",
+        "| mode | tree | round ms | / step | propose ms (kernels) | verify ms (kernels) | accept+commit | prepare s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["rows"]:
         p = r["pieces"]
-        lines.append(f"| {r['mode']} | {tuple(r['tree'])} | {r['round_ms']} | {r['round_over_step']} | "
-                     f"{p['propose']['ms']} ({p['propose'].get('count', '-')}) | {p['verify']['ms']} "
-                     f"({p['verify'].get('count', '-')}) | {p['accept_commit']['ms']} | {r['prepare_s']} |")  # fmt: skip
+        pr, ve = p["propose"], p["verify"]
+        lines.append(
+            f"| {r['mode']} | {tuple(r['tree'])} | {r['round_ms']} | {r['round_over_step']} | {pr['ms']} "
+            f"({pr.get('count', '-')}) | {ve['ms']} ({ve.get('count', '-')}) | {p['accept_commit']['ms']} | "
+            f"{r['prepare_s']} |"
+        )
     return "\n".join(lines)
 
 

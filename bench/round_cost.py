@@ -7,8 +7,8 @@ A random bf16 Llama of the benchmark protocol's target shape (hidden 1024, 16 la
 16,384: 197M parameters), saved with `save_pretrained` and loaded by the product's loader, and a random EAGLE-3 draft
 for it (tests/drafts.py). Random weights accept almost nothing, so each round is the τ ≈ 1 case: its cost against one
 target step is the round's overhead. For each way of running the draft side (`--modes`: "none" as `eaglescope bench`
-runs it today; "layer": the draft layer compiled regionally; "round": that and the round's draft side and acceptance
-compiled, FastEagle(compile=True)) and each tree, measured:
+runs it without `--compile`; "layer": the draft layer compiled regionally; "round": what `--compile` runs, the round's
+draft side and acceptance compiled piece by piece, FastEagle(compile=True)) and each tree, measured:
 
 - `round_ms`: 256 new tokens through the runner's own `generate` (graph-captured rounds, queued ahead), per round;
 - `pieces_ms`: propose (catch-up + tree), verify (the target over the tree), accept + commit, each captured alone as a
@@ -121,7 +121,7 @@ def pieces(fe) -> dict:
     fe.accept(state)
 
     def propose():
-        fe._draft_fn()
+        fe._draft_tree()
         fe.d_len.sub_(fe.pend_n)
 
     def verify():
@@ -179,8 +179,10 @@ def main() -> int:
     target.set_taps(taps)
     del van
     for mode in args.modes.split(","):
-        if mode in ("layer", "round"):
+        if mode == "layer":
             compile_layers([draft.midlayer])
+        else:  # "round" is what `--compile` runs: its pieces compile the layer inside them
+            draft.midlayer._compiled_call_impl = None
         for tree in args.trees:
             tshape = tuple(int(x) for x in tree.split(","))
             t = time.perf_counter()

@@ -271,7 +271,9 @@ def eval_method(bench: Bench, m: Method, prompts, new, ref) -> dict:
     """Every prompt through `eaglescope bench`'s Bench.run (the backend `generate` uses: backend.Decoder, the static
     one on a GPU), after one untimed warm-up (graph capture); tokens, seconds, τ/α, matches with `ref`
     (vanilla's outputs)."""
+    t = time.perf_counter()
     bench.run(m, prompts[0], min(new, 32))
+    warm_up = time.perf_counter() - t
     st, tok, secs, match, outputs = SpecStats(), 0, 0.0, 0, []
     for i, p in enumerate(prompts):
         r = bench.run(m, p, new)
@@ -285,6 +287,7 @@ def eval_method(bench: Bench, m: Method, prompts, new, ref) -> dict:
     return {
         "tokens": tok, "seconds": secs, "stats": None if m.kind == "vanilla" else st, "match": match,
         "per_round": list(st.accepted), "graph": getattr(runner, "use_graph", None), "outputs": outputs,
+        "compiled": bool(getattr(runner, "compiled", False)), "warm_up_seconds": round(warm_up, 1),
     }  # fmt: skip
 
 
@@ -1098,6 +1101,7 @@ def _config(args) -> dict:
     cfg["vendor_rows"] = not args.no_vendor_rows
     cfg["d_lr"] = 3e-3 if args.smoke else 8e-4
     cfg["batch_invariant"] = not args.no_batch_invariant
+    cfg["compile_rounds"] = args.compile  # the 197M rows as `eaglescope bench --compile` runs them
     cfg["float32_pass"] = args.float32_pass
     for k in ("t_target", "t_draft", "t_abl", "t_lm"):
         cfg[k] *= args.scale
@@ -1136,7 +1140,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--part", choices=["all", "train", "roofline"], default="all")
     ap.add_argument("--replay-from", default=None, help="results JSON whose per-round acceptance to replay at 8B")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the 8B target step")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the 8B target step, and every EAGLE-3 row's round as `eaglescope bench --compile` does",
+    )
     ap.add_argument("--time-limit", type=float, default=590.0, help="seconds the whole run may take")
     ap.add_argument(
         "--variants", default="eager,compiled,reductions,attention,fused_kernels", help="8B decode variants to measure"
@@ -1347,8 +1355,9 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     # on a GPU the target then runs on the batch-invariant kernels (the static backend's default), as `generate` runs it
     invariant = device.type == "cuda" and cfg["batch_invariant"] and inv_kernels.supports(prod.model.args.head_dim,
                                                                                           device)  # fmt: skip
-    eagle = Bench(prod, str(draft_dir), True, max_len, cfg["batch_invariant"])
-    abl = Bench(prod, str(abl_dir), True, max_len, cfg["batch_invariant"])
+    compile_rounds = cfg["compile_rounds"] and device.type == "cuda"
+    eagle = Bench(prod, str(draft_dir), True, max_len, cfg["batch_invariant"], compile_rounds)
+    abl = Bench(prod, str(abl_dir), True, max_len, cfg["batch_invariant"], compile_rounds)
     st["kernels"] = "batch-invariant (fast/invariant.py)" if invariant else "cuBLAS + SDPA"
     st["load_seconds"] = round(time.perf_counter() - t0, 1)
     vr = eval_method(eagle, parse_method("vanilla"), prompts, new, None)
@@ -1379,7 +1388,11 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     runs["ablation TTT-1 chain"] = (eval_method(abl, chain, prompts, new, ref), chain.shape)
     for k, (r, sh) in runs.items():
         tps = r["tokens"] / r["seconds"]
-        say(f"{k} {sh}: τ {r['stats'].accept_length:.2f}, {tps:.1f} tok/s, match {r['match']}, graph {r['graph']}")
+        say(
+            f"{k} {sh}: τ {r['stats'].accept_length:.2f}, {tps:.1f} tok/s, match {r['match']}, graph {r['graph']}, "
+            f"compiled {r['compiled']} (warm-up {r['warm_up_seconds']} s)"
+        )
+    st["rounds_compiled"] = {f"{k} {tuple(sh)}": [r["compiled"], r["warm_up_seconds"]] for k, (r, sh) in runs.items()}
     n = len(prompts)
     st["decode_seconds"] = round(time.perf_counter() - t0, 1)
     # --- exactness: flips against vanilla, and the kernels without batch invariance for comparison -------------

@@ -270,6 +270,7 @@ flag_cases(
         ("stop-ids-outside-vocab", ["--stop-ids", "5000"], "--stop-ids"),
         ("chat-with-prompt-ids", ["--chat"], "--chat"),
         ("no-batch-invariant-without-fast", ["--no-batch-invariant"], "--fast"),
+        ("compile-without-fast", ["--compile"], "--fast"),
         ("fast-with-temperature", ["--fast", "--temperature", "0.7"], None),
     ],
     needs_no_gpu={"device-cuda-without-gpu"},

@@ -216,6 +216,33 @@ def test_gemv_linear_matches_linear():
     assert all(type(m) is torch.nn.Linear for m in seq) and seq(torch.randn(2, 8)).shape == (2, 4)
 
 
+@pytest.mark.parametrize("depth", [2, 5])
+def test_compiled_draft_side_is_six_graphs_at_any_depth(tiny, depth):
+    """`--compile`'s draft side is a few graphs per tree budget, not one per level: the tree's buffers are sized once
+    and the level is a tensor, so one compiled tree level runs at every depth and a deeper tree compiles no more (the
+    count also fails on a graph break). The compiled rounds decode as the plain ones do (dynamo's eager backend)."""
+    from torch._dynamo.utils import counters
+
+    tgt, draft = tiny
+    prompt, n = [3, 17, 5, 40, 22, 9], 16
+
+    def run(compiled: bool):
+        ft = FastTarget(tgt.model, size=len(prompt) + n + 40, taps=tgt.taps.layers)
+        fe = FastEagle(ft, draft, depth, 3, 8, max_len=len(prompt) + n + 2)
+        if compiled:
+            fe.proposer.compile(backend="eager")
+        return fe.generate(prompt, n)
+
+    plain = run(False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = run(True)
+    assert (compiled.tokens, compiled.accepted) == (plain.tokens, plain.accepted)
+    # catch-up, the root's log-probs, the tree level, the root's and a level's expansion, the rerank
+    assert counters["stats"]["unique_graphs"] == 6
+    torch._dynamo.reset()
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler")
 def test_compiled_fast_path_equals_vanilla(tmp_path):
     """Everything the GPU benchmark turns on — fused weights, compiled layers, products as reductions, the

@@ -103,7 +103,7 @@ def builder_paths(builder, ids):
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 9), st.integers(1, 5), st.integers(1, 5), st.integers(1, 40), st.sampled_from([4, 9, 16]))
 def test_tree_builder_matches_brute_force_eagle2(root, top_k, depth, total, vocab):
-    b = TreeBuilder(root, top_k, "cpu")
+    b = TreeBuilder(root, top_k, "cpu", levels=depth, vocab=vocab)
     frontier = torch.tensor([0])
     for _ in range(depth):
         rows = torch.stack([logprob_row(p, vocab) for p in builder_paths(b, frontier.tolist())])
@@ -133,7 +133,7 @@ def test_tree_builder_matches_brute_force_eagle2(root, top_k, depth, total, voca
 
 def test_finalize_stays_connected_on_score_ties():
     # certain children (log-prob 0) tie with their parents; the shallower must win the tie
-    b = TreeBuilder(0, 2, "cpu")
+    b = TreeBuilder(0, 2, "cpu", levels=3, vocab=4)
     lp = torch.full((1, 4), float("-inf"))
     lp[0, 1] = 0.0
     lp[0, 2] = -1.0
@@ -152,7 +152,7 @@ def test_eagle_default_tree_shape():
     depth, top_k, total = EAGLE_DEFAULT_TREE
     assert (depth, top_k, total) == (7, 10, 60)
     g = torch.Generator().manual_seed(0)
-    b = TreeBuilder(1, top_k, "cpu")
+    b = TreeBuilder(1, top_k, "cpu", levels=depth, vocab=100)
     frontier = torch.tensor([0])
     for _ in range(depth):
         frontier = b.expand(frontier, torch.randn(len(frontier), 100, generator=g).log_softmax(-1))

@@ -293,7 +293,7 @@ def test_builder_tree_verifies_losslessly_at_first_token():
     """End to end on a TreeBuilder tree (q = 1, siblings in score order): first token ~ target."""
     g_verify = torch.Generator().manual_seed(3)
     counts = torch.zeros(V, dtype=torch.long)
-    b = TreeBuilder(ROOT, 3, "cpu")
+    b = TreeBuilder(ROOT, 3, "cpu", levels=2, vocab=V)
     frontier = b.expand(torch.tensor([0]), DRAFT_Q[ROOT].log()[None])
     frontier = b.expand(frontier, DRAFT_Q[b.tokens[frontier]].log())
     tree = b.finalize(8, check=True)

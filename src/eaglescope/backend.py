@@ -106,7 +106,8 @@ class Decoder:
                 check_top_k(draft, shape[1])
                 if len(prompt_ids) < 2:
                     raise EagleScopeError("--fast with a draft needs a prompt of at least 2 tokens")
-            runner, self.info = fast_runner(t, draft, shape, self.max_len, s.batch_invariant, recorder, s.trace_layers)
+            runner, self.info = fast_runner(t, draft, shape, self.max_len, s.batch_invariant, recorder, s.trace_layers,
+                                            compile_round=s.compile)  # fmt: skip
             if recorder is None:
                 self.static_runner = runner
             return runner

@@ -134,10 +134,18 @@ class Row:
 class Bench:
     """One loaded target (and draft); `run(method, prompt)` decodes through the backend `generate` would use."""
 
-    def __init__(self, target: Target, draft_dir: str | None, fast: bool, max_len: int, batch_invariant: bool = True):
+    def __init__(
+        self,
+        target: Target,
+        draft_dir: str | None,
+        fast: bool,
+        max_len: int,
+        batch_invariant: bool = True,
+        compile: bool = False,
+    ):
         self.target, self.draft_dir, self.max_len = target, draft_dir, max_len
         self.decoder = "auto" if fast else "reference"
-        self.batch_invariant = batch_invariant
+        self.batch_invariant, self.compile = batch_invariant, compile
         self._decoders: dict[str, Decoder] = {}  # one a method: its static runner is built (captured) once
         self._draft = None
 
@@ -145,7 +153,7 @@ class Bench:
         draft, proposer = (self.draft_dir, "eagle3") if m.kind == "eagle3" else (None, m.kind)
         chain, tree = (None, ",".join(map(str, m.shape))) if m.shape else (None, None)
         return DecodeSettings(max_new, draft=draft, proposer=proposer, chain=chain, tree=tree, decoder=self.decoder,
-                              batch_invariant=self.batch_invariant)  # fmt: skip
+                              batch_invariant=self.batch_invariant, compile=self.compile)  # fmt: skip
 
     def static_runner(self, name: str):
         """The static backend's runner of method `name` once it ran there (use_graph: whether it was captured)."""
@@ -176,6 +184,7 @@ def run_bench(
     fast: bool,
     batch_invariant: bool = True,
     progress: bool = True,
+    compile: bool = False,
 ) -> dict:
     """Decode every prompt with every method; → the result object `--json` prints."""
     if not any(m.kind == "vanilla" for m in methods):
@@ -184,7 +193,7 @@ def run_bench(
     for p in prompts:
         check_prompt(target, p, max_new_tokens)
     max_len = min(longest + max_new_tokens, target.max_positions)
-    bench = Bench(target, draft_dir, fast, max_len, batch_invariant)
+    bench = Bench(target, draft_dir, fast, max_len, batch_invariant, compile)
     rows = {m.name: Row(m.name, bench.backend(m), stats=None if m.kind == "vanilla" else SpecStats()) for m in methods}
     for m in methods:  # warm-up: graph capture, compilation and caches are not decoding time
         bench.run(m, prompts[0], min(8, max_new_tokens))
@@ -222,6 +231,7 @@ def run_bench(
             "speedup": speedup,
             "speedup_baseline": f"vanilla on the {vanilla.backend} backend",
             "identical_to_vanilla": r.identical,
+            "compiled_round": bool(getattr(bench.static_runner(r.method), "compiled", False)),
         }
         if r.stats is not None:
             tau = r.stats.accept_length

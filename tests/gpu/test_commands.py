@@ -57,7 +57,11 @@ def traces(models, run_cli):
 # The default decoder runs the target on batch-invariant kernels: a verify's rows are computed as one-token steps
 # compute them, so speculation is lossless bit for bit in bf16. The reference decoder's cuBLAS products round
 # differently for different row counts, which in bf16 can break a near-tie the other way: it is held to it in float32.
-@pytest.mark.parametrize("backend", [[], ["--reference", "--dtype", "float32"]], ids=["default", "reference-float32"])
+@pytest.mark.parametrize(
+    "backend",
+    [[], ["--compile"], ["--reference", "--dtype", "float32"]],
+    ids=["default", "default-compiled", "reference-float32"],
+)
 def test_speculative_output_is_vanilla_greedy_on_each_backend(cli, models, backend):
     _, target, draft = models
     vanilla = generate(cli, target, *backend)
@@ -65,7 +69,8 @@ def test_speculative_output_is_vanilla_greedy_on_each_backend(cli, models, backe
         spec = generate(cli, target, "--draft", draft, *shape, *backend)
         assert spec["token_ids"] == vanilla["token_ids"], shape
         assert spec["stats"]["rounds"] >= 1
-    if not backend:  # the static-shape decoder is the default on a GPU: nothing says it fell back
+        assert "compiled EAGLE-3 round failed" not in spec["stderr"]  # --compile ran compiled, not its fallback
+    if "--reference" not in backend:  # the static-shape decoder is the default on a GPU: nothing says it fell back
         assert "reference decoder" not in spec["stderr"]
 
 
@@ -144,13 +149,16 @@ def test_doctor_names_a_mutated_gpu_trace(cli, models, traces, tmp_path, edits, 
     assert (rc, top) == (1, expected), report["findings"][:1]
 
 
-def test_bench_methods_equal_vanilla_greedy(cli, models, tmp_path):
+@pytest.mark.parametrize("compile", [False, True], ids=["plain", "compiled"])
+def test_bench_methods_equal_vanilla_greedy(cli, models, tmp_path, compile):
     _, target, draft = models
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": PROMPT[i:]}) + "\n" for i in (0, 4, 8)))
     rc, out, err = cli("bench", "--target", target, "--draft", draft, "--prompts", prompts, "--max-new-tokens", 24,
-                       "--method", "vanilla", "--method", "chain=3", "--method", "tree=3,2,6", "--json")  # fmt: skip
+                       "--method", "vanilla", "--method", "chain=3", "--method", "tree=3,2,6", "--json",
+                       *(["--compile"] if compile else []))  # fmt: skip
     assert rc == 0, err  # 0: every method's output equals vanilla greedy's
     assert out["all_identical"] is True and out["device"].startswith("cuda")
     assert [r["method"] for r in out["rows"]] == ["vanilla", "chain=3", "tree=3,2,6"]
     assert all(r["identical_to_vanilla"] == 3 and r["backend"] == "fast" for r in out["rows"]), out["rows"]
+    assert [r["compiled_round"] for r in out["rows"]] == [False, compile, compile]  # vanilla has no round to compile

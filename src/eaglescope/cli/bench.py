@@ -36,7 +36,7 @@ def cmd_bench(args) -> int:
     if args.limit is not None:
         prompts = prompts[: args.limit]
     res = run_bench(target, args.draft, prompts, methods, args.max_new_tokens, not args.reference,
-                    not args.no_batch_invariant)  # fmt: skip
+                    not args.no_batch_invariant, compile=args.compile)  # fmt: skip
     print(json.dumps(_finite(res), indent=2, allow_nan=False) if args.json else format_table(res))
     if args.html:
         write_report(res, args.html)

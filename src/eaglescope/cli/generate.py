@@ -58,6 +58,7 @@ def settings_from_args(args, sampling: SamplingConfig) -> DecodeSettings:
         tree=args.tree,
         decoder=decoder,
         batch_invariant=not args.no_batch_invariant,
+        compile=args.compile,
         backend=args.backend,
         trace=args.trace,
         trace_mode=args.trace_mode,
@@ -113,6 +114,8 @@ def cmd_generate(args) -> int:
     decoder = Decoder(target, settings, len(prompt_ids) + check_prompt(target, prompt_ids, args.max_new_tokens))
     if args.no_batch_invariant and decoder.backend != FAST:
         raise EagleScopeError("--no-batch-invariant chooses the kernels of the fast decoder (a GPU, or --fast)")
+    if args.compile and decoder.backend != FAST:
+        raise EagleScopeError("--compile compiles the fast decoder's round (a GPU, or --fast)")
     result = decoder.run(prompt_ids, stop)
     text = target.tokenizer.decode(result.token_ids, skip_special_tokens=False) if target.tokenizer else None
     stats = {

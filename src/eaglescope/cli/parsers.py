@@ -17,6 +17,10 @@ BACKENDS = ("auto", "native", "hf")
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 DEVICE_HELP = "cpu, cuda, cuda:1 … (default: cuda if available)"
 DTYPE_HELP = "float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)"
+COMPILE_HELP = (
+    "on the fast decoder: torch.compile the draft side of each EAGLE-3 round (the draft layer, a tree level, the "
+    "rerank, the acceptance): a one-off compilation per tree budget for shorter rounds; pays on long or many decodes"
+)
 
 
 def _from(config: type, p: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup, name: str, **kw) -> None:
@@ -82,6 +86,7 @@ def add_generate(sub) -> None:
         "batch-invariant kernels; faster on large targets (8B step 4.2 vs 6.7 ms), but bf16 near-ties may then flip "
         "between vanilla and speculative",
     )
+    p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     p.add_argument("--trace", default=None, help="record a trace of this run into DIR")
     p.add_argument("--trace-mode", default="full", choices=["full", "fingerprint"])
     p.add_argument(
@@ -351,6 +356,7 @@ def add_bench(sub) -> None:
     p.add_argument(
         "--no-batch-invariant", action="store_true", help="on a GPU: the fused decode kernels (see generate --fast)"
     )
+    p.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)

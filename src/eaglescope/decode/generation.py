@@ -53,6 +53,7 @@ class DecodeSettings:
     tree: str | None = None  # an EAGLE-2 tree "DEPTH,TOPK,TOTAL" (neither: the EAGLE default tree)
     decoder: str = "auto"  # auto (the static-shape backend on a GPU wherever it can run) | fast | reference
     batch_invariant: bool = True  # the static backend's target on the batch-invariant kernels (GPU)
+    compile: bool = False  # the static backend compiles its EAGLE-3 round's draft side (once per tree budget)
     backend: str = "auto"  # how a draft LM is loaded (native or transformers)
     trace: str | None = None  # record a trace of the run into this directory
     trace_mode: str = "full"  # full | fingerprint

@@ -16,7 +16,7 @@ from eaglescope import trace as T
 from eaglescope.decode.generation import DecodeSettings, SamplingConfig
 from eaglescope.decode.round import RoundState, SlotCache, StageBuffers
 from eaglescope.decode.sampling import process_logits, sample
-from eaglescope.decode.tree import DraftTree, TreeBuilder
+from eaglescope.decode.tree import DraftTree, TreeBuilder, expand_level, finalize_tree
 from eaglescope.errors import EagleScopeError
 from eaglescope.models.draft import Eagle3Draft, check_draft_matches_target, load_draft
 from eaglescope.models.targets import load_target
@@ -58,6 +58,10 @@ class NoProposer(Proposer):
         return DraftTree.chain([tokens[-1]])
 
 
+# The draft side's fixed-shape pieces on the static backend, compiled one by one (Eagle3Proposer.compile)
+PIECES = ("catch_up", "_logprobs", "tree_level", "expand_level", "finalize")
+
+
 class Eagle3Proposer(Proposer):
     """EAGLE-3 draft: catch-up over newly accepted positions from the target's taps, then an EAGLE-2 tree.
 
@@ -96,6 +100,8 @@ class Eagle3Proposer(Proposer):
         self.committed = 0
         self.pending_aux: torch.Tensor | None = None  # [P, nH] target features of positions not yet caught up
         self.pending_tokens: torch.Tensor | None = None  # [P] the token that follows each of those positions
+        self._levels = torch.arange(depth + 1, device=self.device)  # each tree level as a [1] slice (no host copy)
+        self._compiled: dict | None = None  # PIECES compiled (`compile`), or None: plain
 
     @property
     def max_nodes(self) -> int:
@@ -157,48 +163,91 @@ class Eagle3Proposer(Proposer):
     def expand(self, h_root: torch.Tensor, root, root_position, context) -> DraftTree:
         """EAGLE-2 tree expansion from the root's features h_root [1, H] (the catch-up's output for the position
         before the root): `depth` levels of top_k, reranked to total_tokens nodes (target ids). `root`, `root_position`
-        and `context` (the draft positions committed, the root's included): ints, or [1] on the static backend."""
-        d, dev, K = self.draft, self.device, self.top_k
-        b = TreeBuilder(0, K, dev)
-        b.tokens = _as_index(root, dev).clone()
-        lp = self._logprobs(h_root)
+        and `context` (the draft positions committed, the root's included): ints, or [1] on the static backend.
+
+        Every level from the first on has the same shapes (top_k frontier rows, buffers sized for the whole tree,
+        the level a [1] tensor), so `tree_level` and the builder's `expand_level` are one function each at every
+        depth: compiled once (`compile`), not once per level."""
+        dev, K = self.device, self.top_k
+        vocab = self.draft.config.draft_vocab_size
+        b = TreeBuilder(root, K, dev, levels=self.depth, vocab=vocab, expand_fn=self._piece("expand_level"))
+        lp = self._piece("_logprobs")(h_root)
         self._record_topk(1, lp)
-        frontier = b.expand(torch.zeros(1, dtype=torch.long, device=dev), lp)
+        frontier = b.expand(self._levels[:1], lp)  # from the root, builder id 0
         ctx_mask = self.slots < context  # [S]: the committed context, seen by every tree query
-        lo = self.tree_base
-        processed: list[torch.Tensor] = []  # the frontiers whose keys sit in the tree region, in slot order
-        prev_front, prev_out = None, None
+        # the draft-cache slot of each builder node whose keys a level wrote (the cache's size: none yet)
+        slot_of = torch.full((b.capacity,), self.cache.size, dtype=torch.long, device=dev)
+        # level 1's parent is the root for every row: the root's id and features, as wide as a frontier (dense, as
+        # every later level's are: a compiled level is specialised to its inputs' strides)
+        m = frontier.shape[0]
+        prev_front, prev_out = self._levels[:1].repeat(m), h_root.repeat(m, 1)
         for level in range(1, self.depth):
-            m = frontier.shape[0]  # top_k from level 1 on (every level keeps the global top_k candidates)
-            if prev_front is None:
-                parent_out = h_root.expand(m, -1)
-            else:  # each frontier node's parent is in the previous frontier: read its output
-                par = b.parents[frontier]
-                parent_out = prev_out[(prev_front[None, :] == par[:, None]).float().argmax(1)]
-            hidden_in = self.child_hidden(parent_out)
-            processed.append(frontier)
-            cols = torch.cat(processed)
-            anc = b.ancestor_mask(frontier)[:, cols]  # [m, level*m] over the tree region's slots
-            mask = torch.cat(
-                [ctx_mask[None, :lo].expand(m, -1), anc, ctx_mask[None, lo + cols.shape[0] :].expand(m, -1)], 1
+            bufs = (b.tokens, b.parents, b.lineage, slot_of)
+            at = self._levels[level : level + 1]
+            tok, positions, embeds, hidden_in, out, lp = self._piece("tree_level")(
+                *bufs, ctx_mask, frontier, prev_front, prev_out, root_position, at
             )
-            slots = lo + (level - 1) * K + torch.arange(m, device=dev)
-            positions = _as_index(self.tree_position(root_position, level), dev).expand(m)
-            tok = self.to_target_ids(b.tokens[frontier])  # the embedding is the target's
             self._record(T.draft_tokens(level), tok)
             self._record(T.draft_positions(level), positions)
-            embeds = self.embed(tok)
             self._record(T.draft_embed_in(level), embeds)
             self._record(T.draft_hidden_in(level), hidden_in)
-            out = d.step(embeds[None], hidden_in[None], positions[None], self.cache, slots, mask[None, None])[0]
             self._record(T.draft_hidden_out(level), out)
+            self._record_topk(level + 1, lp)  # a replay may make lp the traced run's choice here, before expanding
             prev_front, prev_out = frontier, out
-            lp = self._logprobs(out)
-            self._record_topk(level + 1, lp)
             frontier = b.expand(frontier, lp)
-        tree = b.finalize(self.total_tokens)
-        tokens = torch.cat([tree.tokens[:1], self.to_target_ids(tree.tokens[1:])])
-        return DraftTree(tokens, tree.parents, tree.depths, tree.scores, source=tree.source, mask=tree.mask)
+        bufs = (b.tokens, b.parents, b.depths, b.scores, b.lineage)
+        tokens, parents, depths, scores, source, mask = self._piece("finalize")(*bufs, b.num_nodes, self.total_tokens)
+        return DraftTree(tokens, parents, depths, scores, source=source, mask=mask)
+
+    def tree_level(self, tokens, parents, lineage, slot_of, ctx_mask, frontier, prev_front, prev_out, root_position,
+                   level):  # fmt: skip
+        """The draft step of tree level `level` ([1]) over the frontier's builder ids [m]: the parents' outputs (from
+        the previous level's frontier prev_front [m] and outputs prev_out [m, H]), the frontier's keys at draft slots
+        tree_base + (level-1)*top_k + j, attention to the committed context and each row's own ancestors → the step's
+        (tokens, positions, embeddings, features in, pre-norm outputs, log-probs). Writes the frontier's slots into
+        slot_of [capacity] (the cache's size where a node has none)."""
+        m, S, dev = frontier.shape[0], self.cache.size, self.device
+        par = parents[frontier]
+        hidden_in = self.child_hidden(prev_out[(prev_front[None, :] == par[:, None]).float().argmax(1)])
+        slots = self.tree_base + (level - 1) * self.top_k + self.slots[:m]
+        slot_of.index_copy_(0, frontier, slots)
+        # each row's ancestors (and itself) at their slots; the root's keys are in the context
+        anc = torch.zeros(m, S + 1, dtype=torch.bool, device=dev).scatter_(1, slot_of[lineage[frontier]], True)
+        mask = anc[:, :S] | ctx_mask[None, :]
+        positions = _as_index(self.tree_position(root_position, level), dev).expand(m)
+        tok = self.to_target_ids(tokens[frontier])  # the embedding is the target's
+        embeds = self.embed(tok)
+        out = self.draft.step(embeds[None], hidden_in[None], positions[None], self.cache, slots, mask[None, None])[0]
+        return tok, positions, embeds, hidden_in, out, self._logprobs(out)
+
+    def finalize(self, tokens, parents, depths, scores, lineage, num_nodes: int, total: int):
+        """The builder's candidates reranked to `total` nodes (decode/tree.py finalize_tree), draft ids mapped to the
+        target's (the root is a target id already)."""
+        tokens, parents, depths, scores, source, mask = finalize_tree(tokens, parents, depths, scores, lineage,
+                                                                      num_nodes, total)  # fmt: skip
+        tokens = torch.cat([tokens[:1], self.to_target_ids(tokens[1:])])
+        return tokens, parents, depths, scores, source, mask
+
+    def compile(self, backend: str = "inductor") -> None:
+        """torch.compile the pieces of the draft side that run every round at fixed shapes on the static backend
+        (catch-up over the padded pending rows, the root's log-probs, a tree level's draft step and expansion, the
+        final rerank): one compilation each per tree budget, whatever the depth. The hooks run inside them, so a
+        subclass's wiring is what gets compiled."""
+        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+        self._compiled = {name: torch.compile(self._piece(name), dynamic=False, backend=backend) for name in PIECES}
+
+    def uncompile(self) -> None:
+        self._compiled = None
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
+
+    def _piece(self, name: str):
+        """One of PIECES: compiled after `compile`, else the plain function."""
+        if self._compiled is not None:
+            return self._compiled[name]
+        return expand_level if name == "expand_level" else getattr(self, name)
 
     def handed_on(self, aux: torch.Tensor, path: torch.Tensor, emitted: torch.Tensor):
         """What the next round's catch-up reads (RoundState's verify features, path and emitted tokens) → (features of

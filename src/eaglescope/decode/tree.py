@@ -159,12 +159,23 @@ class DraftTree:
             raise EagleScopeError("draft tree mask does not match its parents")
 
 
+def tree_capacity(top_k: int, levels: int, vocab: int) -> int:
+    """Nodes a TreeBuilder holds after `levels` expansions from the root (draft vocabulary `vocab`): the root, then each
+    level's frontier times its top-k children."""
+    n = m = 1
+    k = min(top_k, vocab)
+    for _ in range(levels):
+        n += m * k
+        m = min(top_k, m * k)
+    return n
+
+
 class TreeBuilder:
-    """EAGLE-2 dynamic tree construction, on-device.
+    """EAGLE-2 dynamic tree construction, on-device, in buffers sized once for the whole tree.
 
     Builder ids: 0 is the root; every candidate ever expanded gets the next id. A round goes::
 
-        b = TreeBuilder(root_token, top_k, device)
+        b = TreeBuilder(root_token, top_k, device, levels=depth, vocab=V)
         frontier = b.expand(torch.tensor([0]), draft_logprobs_at_root)        # [1, V]
         for _ in range(depth - 1):
             # run the draft on b.tokens[frontier] (mask: b.ancestor_mask(frontier)) ...
@@ -173,25 +184,43 @@ class TreeBuilder:
 
     Every expansion adds all m*top_k children as candidates; only the global top_k (by cumulative
     log-prob) are expanded further. ``finalize`` reranks all candidates globally.
+
+    Why fixed buffers: every level from the second on then has the same shapes (K parents, K*K candidates written at an
+    offset held in a device tensor), so the static backend compiles one level and runs it at every depth, and a level
+    is a few in-place writes instead of growing five tensors by concatenation. `expand_fn` is `expand_level` or a
+    compiled copy of it.
     """
 
-    def __init__(self, root_token: int, top_k: int, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        root_token: int | torch.Tensor,
+        top_k: int,
+        device: torch.device | str | None = None,
+        *,
+        levels: int,
+        vocab: int,
+        expand_fn=None,
+    ):
         if top_k < 1:
             raise EagleScopeError(f"tree top_k must be >= 1, got {top_k}")
         self.top_k = top_k
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.tokens = torch.full((1,), int(root_token), dtype=torch.long, device=self.device)
-        self.parents = torch.full((1,), -1, dtype=torch.long, device=self.device)
-        self.depths = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.scores = torch.zeros(1, device=self.device)
-        # [num_nodes, levels+1]: column d = the node's ancestor at depth d, the node itself past its own
+        self.capacity = tree_capacity(top_k, levels, vocab)
+        z = lambda *s: torch.zeros(*s, dtype=torch.long, device=self.device)  # noqa: E731
+        self.tokens = z(self.capacity)
+        if isinstance(root_token, torch.Tensor):  # the static backend's [1] device tensor: no host copy
+            self.tokens[:1].copy_(root_token.reshape(1))
+        else:
+            self.tokens[:1].fill_(int(root_token))
+        self.parents = z(self.capacity).fill_(-1)
+        self.depths = z(self.capacity)
+        self.scores = torch.zeros(self.capacity, device=self.device)  # float32 cumulative draft log-probs
+        # [capacity, levels+1]: column d = the node's ancestor at depth d, the node itself past its own
         # depth; makes an ancestor mask one scatter instead of a walk up the tree
-        self.lineage = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        self.levels = 0  # number of expand() calls = depth of the deepest candidate
-
-    @property
-    def num_nodes(self) -> int:
-        return self.tokens.shape[0]
+        self.lineage = z(self.capacity, levels + 1)
+        self.next_id = z(1) + 1  # the first free builder id, on the device
+        self.num_nodes = 1  # the same count on the host (shapes only: no value is read back)
+        self.expand_fn = expand_fn or expand_level
 
     def expand(self, parent_nodes: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
         """Add the top_k children of each ``parent_nodes[j]`` (draft log-probs ``logprobs[j]``).
@@ -203,65 +232,74 @@ class TreeBuilder:
         if logprobs.dim() != 2 or logprobs.shape[0] != m:
             raise EagleScopeError(f"expand needs logprobs [{m}, V] for {m} parents, got {list(logprobs.shape)}")
         k = min(self.top_k, logprobs.shape[1])
-        if self.scores.dtype != logprobs.dtype and logprobs.is_floating_point():
-            self.scores = self.scores.to(logprobs.dtype)
-        child_lp, child_tok = logprobs.topk(k, dim=-1)  # [m, k]
-        cum = (self.scores[parent_nodes][:, None] + child_lp).flatten()  # [m*k]
-        first = self.num_nodes
-        self.tokens = torch.cat([self.tokens, child_tok.flatten()])
-        self.parents = torch.cat([self.parents, parent_nodes.repeat_interleave(k)])
-        self.depths = torch.cat([self.depths, (self.depths[parent_nodes] + 1).repeat_interleave(k)])
-        self.scores = torch.cat([self.scores, cum])
-        self.levels += 1
-        self.lineage = torch.cat([self.lineage, self.lineage[:, -1:]], dim=1)
-        new_ids = torch.arange(first, self.num_nodes, device=self.device)
-        cols = torch.arange(self.levels + 1, device=self.device)
-        inherited = self.lineage[parent_nodes].repeat_interleave(k, dim=0)
-        own = cols[None, :] >= self.depths[first:, None]
-        self.lineage = torch.cat([self.lineage, torch.where(own, new_ids[:, None], inherited)])
-        best = cum.topk(min(self.top_k, cum.shape[0])).indices
-        return first + best
+        if self.num_nodes + m * k > self.capacity:
+            raise EagleScopeError(f"tree builder full: {self.num_nodes} + {m * k} nodes exceed its {self.capacity}")
+        self.num_nodes += m * k
+        bufs = (self.tokens, self.parents, self.depths, self.scores, self.lineage, self.next_id)
+        return self.expand_fn(*bufs, parent_nodes, logprobs, k, self.top_k)
 
     def ancestor_mask(self, nodes: torch.Tensor) -> torch.Tensor:
-        """``[m, num_nodes]`` bool: which builder nodes each of ``nodes`` attends (itself + ancestors)."""
+        """``[m, capacity]`` bool: which builder nodes each of ``nodes`` attends (itself + ancestors)."""
         nodes = nodes.to(self.device, torch.long).flatten()
-        mask = torch.zeros(nodes.shape[0], self.num_nodes, dtype=torch.bool, device=self.device)
+        mask = torch.zeros(nodes.shape[0], self.capacity, dtype=torch.bool, device=self.device)
         return mask.scatter_(1, self.lineage[nodes], True)
 
     def finalize(self, total_tokens: int, check: bool = False) -> DraftTree:
-        """Keep the root and the best ``total_tokens - 1`` candidates; nodes ordered by (depth, -score).
-
-        A child's cumulative log-prob never exceeds its parent's, and ties are broken towards the
-        shallower node, so every kept node's parent ranks before it: the kept set is connected."""
+        """Keep the root and the best ``total_tokens - 1`` candidates; nodes ordered by (depth, -score)
+        (`finalize_tree`)."""
         if total_tokens < 1:
             raise EagleScopeError(f"total_tokens must be >= 1, got {total_tokens}")
-        n_keep = min(total_tokens - 1, self.num_nodes - 1)
-        cand = torch.arange(1, self.num_nodes, device=self.device)
-        # rank by score desc, ties to the shallower node: stable sort by depth, then stable by score
-        by_depth = cand[torch.sort(self.depths[cand], stable=True).indices]
-        ranked = by_depth[torch.sort(self.scores[by_depth], descending=True, stable=True).indices]
-        kept = ranked[:n_keep]
-        # final order: by depth, then score desc (parents precede children; siblings best first)
-        kept = kept[torch.sort(self.scores[kept], descending=True, stable=True).indices]
-        kept = kept[torch.sort(self.depths[kept], stable=True).indices]
-        src = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device), kept])
-        remap = torch.full((self.num_nodes,), -1, dtype=torch.long, device=self.device)
-        remap[src] = torch.arange(src.shape[0], device=self.device)
-        parents = torch.cat([remap.new_full((1,), -1), remap[self.parents[kept]]])
-        n = src.shape[0]
-        # kept set is ancestor-closed, so every lineage entry maps to a kept node
-        mask = torch.zeros(n, n, dtype=torch.bool, device=self.device).scatter_(1, remap[self.lineage[src]], True)
-        tree = DraftTree(
-            tokens=self.tokens[src],
-            parents=parents,
-            depths=self.depths[src],
-            scores=self.scores[src],
-            source=src,
-            mask=mask,
-        )
+        bufs = (self.tokens, self.parents, self.depths, self.scores, self.lineage)
+        tokens, parents, depths, scores, src, mask = finalize_tree(*bufs, self.num_nodes, total_tokens)
+        tree = DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores, source=src, mask=mask)
         if check:  # host syncs; connectivity holds by construction, tests check it
             tree.validate()  # a missing ancestor would show up as parent -1 here
         return tree
+
+
+def expand_level(tokens, parents, depths, scores, lineage, next_id, parent_nodes, logprobs, k: int, top_k: int):
+    """One level of TreeBuilder.expand, in place: the top-k children of each of parent_nodes [m] (log-probs [m, V]) get
+    builder ids next_id .. next_id + m*k - 1, next_id moves past them → the next frontier (the global top_k of the new
+    candidates by cumulative log-prob, best first). Tensors in, tensors out, no host read: capturable and compilable."""
+    child_lp, child_tok = logprobs.topk(k, dim=-1)  # [m, k]
+    cum = (scores[parent_nodes][:, None] + child_lp.to(scores.dtype)).flatten()  # [m*k]
+    ids = next_id + torch.arange(cum.shape[0], device=tokens.device)
+    of = parent_nodes.repeat_interleave(k)  # each candidate's parent
+    depth = depths[of] + 1
+    tokens.index_copy_(0, ids, child_tok.flatten())
+    parents.index_copy_(0, ids, of)
+    depths.index_copy_(0, ids, depth)
+    scores.index_copy_(0, ids, cum)
+    cols = torch.arange(lineage.shape[1], device=tokens.device)
+    lineage.index_copy_(0, ids, torch.where(cols[None, :] >= depth[:, None], ids[:, None], lineage[of]))
+    next_id.add_(cum.shape[0])
+    return ids[cum.topk(min(top_k, cum.shape[0])).indices]
+
+
+def finalize_tree(tokens, parents, depths, scores, lineage, num_nodes: int, total_tokens: int):
+    """The root and the best ``total_tokens - 1`` of a builder's first `num_nodes` nodes → (tokens, parents, depths,
+    scores, source ids, ancestor mask) of the tree, nodes ordered by (depth, -score).
+
+    A child's cumulative log-prob never exceeds its parent's, and ties are broken towards the
+    shallower node, so every kept node's parent ranks before it: the kept set is connected."""
+    dev = tokens.device
+    n_keep = min(total_tokens - 1, num_nodes - 1)
+    cand = torch.arange(1, num_nodes, device=dev)
+    # rank by score desc, ties to the shallower node: stable sort by depth, then stable by score
+    by_depth = cand[torch.sort(depths[cand], stable=True).indices]
+    ranked = by_depth[torch.sort(scores[by_depth], descending=True, stable=True).indices]
+    kept = ranked[:n_keep]
+    # final order: by depth, then score desc (parents precede children; siblings best first)
+    kept = kept[torch.sort(scores[kept], descending=True, stable=True).indices]
+    kept = kept[torch.sort(depths[kept], stable=True).indices]
+    src = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), kept])
+    remap = torch.full((num_nodes,), -1, dtype=torch.long, device=dev)
+    remap[src] = torch.arange(src.shape[0], device=dev)
+    tree_parents = torch.cat([remap.new_full((1,), -1), remap[parents[kept]]])
+    n = src.shape[0]
+    # kept set is ancestor-closed, so every lineage entry maps to a kept node
+    mask = torch.zeros(n, n, dtype=torch.bool, device=dev).scatter_(1, remap[lineage[src]], True)
+    return tokens[src], tree_parents, depths[src], scores[src], src, mask
 
 
 def parse_tree_shape(chain: int | None, tree: str | None) -> tuple[int, int, int]:

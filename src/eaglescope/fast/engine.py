@@ -346,14 +346,16 @@ class FastEagle(Runner):
         self.replay = replay
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
         self.graph = None
-        self._draft_fn, self._accept_fn, self._commit_fn = self._draft_tree, self._accept, self._commit
+        self._accept_fn, self._commit_fn = self._accept, self._commit
         self.compiled = False  # whether the draft side and acceptance run compiled (False after a fallback)
         if recorder is not None:
             self.run_ahead, compile = False, False  # a recorded round is read before the next one runs
         if compile:
-            # the tree builder is a few hundred tiny ops per round (topk, cats, scatters): compiled with the
-            # draft layer it becomes a few dozen kernels; static shapes per tree budget, so one compile each
-            self._draft_fn = torch.compile(self._draft_tree, dynamic=False)
+            # a round's draft side is several hundred small kernels (the draft layer's norms, RoPE and SwiGLU at
+            # every level, the tree's topk, scatters and sorts): compiled they are about a third as many. The pieces
+            # compile one by one, so a tree level compiles once and runs at every depth (Eagle3Proposer.compile);
+            # the round around them stays plain Python, which the CUDA graph removes anyway.
+            self.proposer.compile()
             self._accept_fn = torch.compile(self._accept, dynamic=False)
             self._commit_fn = torch.compile(self._commit, dynamic=False)
             self.compiled = True
@@ -367,7 +369,7 @@ class FastEagle(Runner):
         p = self.proposer
         if self.stages is not None:
             self.round_n.copy_(self.pend_n)
-        out = p.catch_up(self.pend_aux, self.pend_tok, self.d_len)
+        out = p._piece("catch_up")(self.pend_aux, self.pend_tok, self.d_len)
         h_root = out.index_select(0, self.pend_n - 1)  # [1, H]: the position before the root
         self.d_len.add_(self.pend_n)  # == the root's position
         tree = p.expand(h_root, self.root, self.t_len, self.d_len)
@@ -395,7 +397,7 @@ class FastEagle(Runner):
         self.report[1:].copy_(emitted)
 
     def propose(self) -> RoundState:
-        tokens, parents, depths, scores, mask = self._draft_fn()
+        tokens, parents, depths, scores, mask = self._draft_tree()
         return RoundState(DraftTree(tokens, parents, depths, scores, mask=mask))
 
     def verify(self, state: RoundState) -> None:
@@ -460,7 +462,8 @@ class FastEagle(Runner):
 
     def _uncompiled(self, e: Exception) -> None:
         log.warning("the compiled EAGLE-3 round failed (%s: %s); running it uncompiled", type(e).__name__, e)
-        self._draft_fn, self._accept_fn, self._commit_fn = self._draft_tree, self._accept, self._commit
+        self.proposer.uncompile()
+        self._accept_fn, self._commit_fn = self._accept, self._commit
         self.compiled = False
 
     def prepare(self, prompt_ids: list[int], budget: int) -> None:

@@ -1372,11 +1372,13 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     runs["eagle3 chain"] = (eval_method(eagle, chain, prompts, new, ref), chain.shape)
     say(f"eagle3 chain {chain.shape}: τ {runs['eagle3 chain'][0]['stats'].accept_length:.2f}")
     runs["eagle3 tree official"] = (eval_method(eagle, official, prompts, new, ref), official.shape)
-    # tune the tree on separate held-out prompts by tokens/s
+    # tune the tree on separate held-out prompts by tokens/s, on plain rounds: compiling four more tree budgets
+    # (~20-30 s each on an H200, bench/results/round-cost-20261204T173054.json) does not fit the ten minutes
+    tuner = Bench(prod, str(draft_dir), True, max_len, cfg["batch_invariant"]) if compile_rounds else eagle
     best, best_tps, tuning = None, -1.0, {}
     for shape in cfg["trees"]:
         m = tree_method(shape)
-        r = eval_method(eagle, m, tune, new, None)
+        r = eval_method(tuner, m, tune, new, None)
         tps = r["tokens"] / r["seconds"]
         tuning[str(tuple(shape))] = {"tokens_per_second": round(tps, 1), "tau": round(r["stats"].accept_length, 3)}
         if tps > best_tps:
@@ -1397,7 +1399,7 @@ def run_train_eval(cfg: dict, work: Path, device, result: dict, result_path: Pat
     st["decode_seconds"] = round(time.perf_counter() - t0, 1)
     # --- exactness: flips against vanilla, and the kernels without batch invariance for comparison -------------
     t0 = time.perf_counter()
-    del eagle, abl  # their decoders ran the invariant modules, which _exactness may swap out
+    del eagle, abl, tuner  # their decoders ran the invariant modules, which _exactness may swap out
     trees, paths = (official, best), (tgt_dir, draft_dir)
     ex, default_rows = _exactness(cfg, st, target_f32, prod, runs, ref, prompts, trees, paths, device)
     ex["seconds"] = round(time.perf_counter() - t0, 1)

@@ -1042,8 +1042,9 @@ def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compile
     res, prompt, ctx_new = rf.res, rf.prompt, rf.ctx_new
     t_c = time.perf_counter()
     rf.checkpoint()
-    # compiling the 8B round took 36 s (bench-all-20261129T150034.json) and its replay ~6 s more
-    compile_round = compiled and rf.left() > 80
+    # compiling the 8B round as one graph took 36 s (bench-all-20261129T150034.json); piece by piece (a tree level
+    # compiled once for every depth) the 197M rows' rounds took 11-23 s each (bench-all-20261204T174136.json)
+    compile_round = compiled and rf.left() > 45
     if compiled and not compile_round:  # the round then runs eager kernels in its graph: a slower round, lower η
         say(f"roofline replay: {rf.left():.0f} s left, too few to compile the round; it runs uncompiled")
     fe = FastEagle(ft, draft, *shape, max_len=rf.prompt_len + ctx_new + 2, replay=True, compile=compile_round)

@@ -140,7 +140,7 @@ def pieces(fe) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--work", type=Path, help="keep the checkpoints here (reused when present)")
@@ -148,7 +148,7 @@ def main() -> int:
     ap.add_argument("--modes", default="none,layer,round")
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu" and not args.smoke:
         print("round_cost: no GPU; use --smoke on the CPU", file=sys.stderr)
@@ -192,7 +192,7 @@ def main() -> int:
             r = fe.generate(prompt, new)
             row = {"mode": mode, "tree": list(tshape), "compiled": fe.compiled, "prepare_s": round(prep, 1),
                    "rounds": len(r.accepted), "round_ms": round(r.seconds / len(r.accepted) * 1e3, 4),
-                   "tau": round(len(r.tokens) / len(r.accepted), 3)}  # fmt: skip
+                   "tau": round(1 + sum(r.accepted) / len(r.accepted), 3)}  # fmt: skip
             row["round_over_step"] = round(row["round_ms"] / res["vanilla_step_ms"], 3)
             row["pieces"] = pieces(fe)
             res["rows"].append(row)

@@ -17,7 +17,7 @@ draft side and acceptance compiled piece by piece, FastEagle(compile=True)) and 
   so `pieces_ms` − device time is what launches and gaps cost;
 - `prepare_s`: the first round's compilation and capture.
 
-Besides: the target's one-token step (`eaglescope generate` without a draft, the same runner) and its verify of T rows.
+Besides: the target's one-token step (`eaglescope generate` without a draft, the same runner) and its kernels.
 Writes round-cost-<time>.json under DIR; prints one table last.
 """
 
@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     v = van.generate(prompt, new)
     res["vanilla_step_ms"] = round(v.seconds / new * 1e3, 4)
     res["runner"] = info
+    with torch.inference_mode():
+        res["vanilla_step_kernels"] = kernels(van._step)  # beside the verify's: what a target forward launches
     say(f"vanilla step {res['vanilla_step_ms']} ms")
     target.set_taps(taps)
     del van

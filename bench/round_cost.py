@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from drafts import save_random_draft  # noqa: E402
 from models import make_checkpoint  # noqa: E402
+from run_bench import graphed_ms  # noqa: E402  (the protocol's timing: one CUDA graph, median of replays)
 
 from eaglescope.decode.speculative import load_eagle3  # noqa: E402
 from eaglescope.fast.layers import compile_layers  # noqa: E402
@@ -62,38 +62,6 @@ def say(msg: str) -> None:
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def graph_ms(fn, reps: int) -> float:
-    """Median ms of `fn` replayed as one CUDA graph (on the CPU: of plain calls)."""
-    if not torch.cuda.is_available():
-        ts = []
-        for _ in range(min(reps, 3)):
-            t = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(ts)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    sync()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    del g
-    return statistics.median(ts)
 
 
 def kernels(fn) -> dict:
@@ -136,7 +104,7 @@ def pieces(fe) -> dict:
 
     out = {}
     for name, fn in (("propose", propose), ("verify", verify), ("accept_commit", accept_commit)):
-        out[name] = {"ms": round(graph_ms(fn, 100), 4), **kernels(fn)}
+        out[name] = {"ms": round(graphed_ms(fn, fe.device, 100), 4), **kernels(fn)}
     return out
 
 

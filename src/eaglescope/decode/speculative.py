@@ -170,8 +170,8 @@ class Eagle3Proposer(Proposer):
         depth: compiled once (`compile`), not once per level."""
         dev, K = self.device, self.top_k
         vocab = self.draft.config.draft_vocab_size
-        b = TreeBuilder(root, K, dev, levels=self.depth, vocab=vocab, expand_fn=self._piece("expand_level"))
-        lp = self._piece("_logprobs")(h_root)
+        b = TreeBuilder(root, K, dev, levels=self.depth, vocab=vocab, expand_fn=self.piece("expand_level"))
+        lp = self.piece("_logprobs")(h_root)
         self._record_topk(1, lp)
         frontier = b.expand(self._levels[:1], lp)  # from the root, builder id 0
         ctx_mask = self.slots < context  # [S]: the committed context, seen by every tree query
@@ -184,7 +184,7 @@ class Eagle3Proposer(Proposer):
         for level in range(1, self.depth):
             bufs = (b.tokens, b.parents, b.lineage, slot_of)
             at = self._levels[level : level + 1]
-            tok, positions, embeds, hidden_in, out, lp = self._piece("tree_level")(
+            tok, positions, embeds, hidden_in, out, lp = self.piece("tree_level")(
                 *bufs, ctx_mask, frontier, prev_front, prev_out, root_position, at
             )
             self._record(T.draft_tokens(level), tok)
@@ -196,7 +196,7 @@ class Eagle3Proposer(Proposer):
             prev_front, prev_out = frontier, out
             frontier = b.expand(frontier, lp)
         bufs = (b.tokens, b.parents, b.depths, b.scores, b.lineage)
-        tokens, parents, depths, scores, source, mask = self._piece("finalize")(*bufs, b.num_nodes, self.total_tokens)
+        tokens, parents, depths, scores, source, mask = self.piece("finalize")(*bufs, b.num_nodes, self.total_tokens)
         return DraftTree(tokens, parents, depths, scores, source=source, mask=mask)
 
     def tree_level(self, tokens, parents, lineage, slot_of, ctx_mask, frontier, prev_front, prev_out, root_position,
@@ -232,9 +232,9 @@ class Eagle3Proposer(Proposer):
         """torch.compile the pieces of the draft side that run every round at fixed shapes on the static backend
         (catch-up over the padded pending rows, the root's log-probs, a tree level's draft step and expansion, the
         final rerank): one compilation each per tree budget, whatever the depth. The hooks run inside them, so a
-        subclass's wiring is what gets compiled."""
-        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-        self._compiled = {name: torch.compile(self._piece(name), dynamic=False, backend=backend) for name in PIECES}
+        subclass's wiring is what gets compiled. Each tree budget and each proposer is another graph of the same code:
+        the static backend raises dynamo's recompile limit (fast/layers.py allow_recompiles)."""
+        self._compiled = {name: torch.compile(self.piece(name), dynamic=False, backend=backend) for name in PIECES}
 
     def uncompile(self) -> None:
         self._compiled = None
@@ -243,7 +243,7 @@ class Eagle3Proposer(Proposer):
     def compiled(self) -> bool:
         return self._compiled is not None
 
-    def _piece(self, name: str):
+    def piece(self, name: str):
         """One of PIECES: compiled after `compile`, else the plain function."""
         if self._compiled is not None:
             return self._compiled[name]

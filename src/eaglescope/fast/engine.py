@@ -41,7 +41,7 @@ from eaglescope.decode.tree import DraftTree
 from eaglescope.decode.verify import accept_greedy
 from eaglescope.fast.fused_decode import FusedDecode, attend_fused
 from eaglescope.fast.fused_verify import FusedVerify
-from eaglescope.fast.layers import Float32Logits, GemvLinear, argmax_rows, compile_layers
+from eaglescope.fast.layers import Float32Logits, GemvLinear, allow_recompiles, argmax_rows, compile_layers
 from eaglescope.models.draft import Eagle3Draft
 from eaglescope.models.targets.llama import LlamaModel, QKVProjection, RMSNorm, fuse_projections
 
@@ -355,6 +355,7 @@ class FastEagle(Runner):
             # every level, the tree's topk, scatters and sorts): compiled they are about a third as many. The pieces
             # compile one by one, so a tree level compiles once and runs at every depth (Eagle3Proposer.compile);
             # the round around them stays plain Python, which the CUDA graph removes anyway.
+            allow_recompiles()
             self.proposer.compile()
             self._accept_fn = torch.compile(self._accept, dynamic=False)
             self._commit_fn = torch.compile(self._commit, dynamic=False)
@@ -369,7 +370,7 @@ class FastEagle(Runner):
         p = self.proposer
         if self.stages is not None:
             self.round_n.copy_(self.pend_n)
-        out = p._piece("catch_up")(self.pend_aux, self.pend_tok, self.d_len)
+        out = p.piece("catch_up")(self.pend_aux, self.pend_tok, self.d_len)
         h_root = out.index_select(0, self.pend_n - 1)  # [1, H]: the position before the root
         self.d_len.add_(self.pend_n)  # == the root's position
         tree = p.expand(h_root, self.root, self.t_len, self.d_len)

@@ -74,11 +74,18 @@ def use_gemv_reductions(model: nn.Module, enable: bool = True) -> nn.Module:
     return model
 
 
+def allow_recompiles(limit: int = 64) -> None:
+    """Let one compiled function keep up to `limit` graphs (torch's default is 8): the static backend compiles the
+    same code once per shape (each decoder layer's, each tree budget's pieces, each draft's), and past the limit
+    dynamo silently runs it uncompiled."""
+    torch._dynamo.config.cache_size_limit = max(limit, torch._dynamo.config.cache_size_limit)
+
+
 def compile_layers(modules) -> None:
     """Regional compilation: every decoder layer has the same code, so one compiled block serves them all
     (fuses the norm/RoPE/residual kernels that dominate a batch-1 step) at a fraction of the compile time
     of a whole model per shape."""
-    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    allow_recompiles()
     for m in modules:
         m.compile()
 

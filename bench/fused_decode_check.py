@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -39,10 +40,16 @@ from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS  # noqa: E402
 from eaglescope.fast.layers import compile_layers, use_gemv_reductions  # noqa: E402
 
 
-def grid(smoke: bool) -> list[tuple[int, int, int]]:
+def grid(smoke: bool) -> list[tuple[int, ...]]:
+    """(BLOCK_N, BLOCK_K, warps[, stages]). The one-wave products (q/k/v, o) are latency-bound at 512-wide K tiles
+    (NOTES v10: 73-78% of copy): the wide tiles (2048-4096, a whole 8B row in one or two loads) keep more bytes
+    in flight per program; the 4-tuples try Triton's software pipelining of the K loop."""
     if smoke:
-        return [(2, 32, 1), (4, 64, 2)]
-    return [(4, 512, 4), (8, 512, 4), (4, 512, 8), (8, 512, 8), (4, 1024, 8), (2, 1024, 4)]
+        return [(2, 32, 1), (4, 64, 2), (2, 64, 1, 2)]
+    return [(4, 512, 4), (8, 512, 4), (4, 512, 8), (8, 512, 8), (4, 1024, 8), (2, 1024, 4),
+            (4, 512, 4, 3), (8, 512, 8, 3), (4, 1024, 8, 3),
+            (1, 2048, 4), (2, 2048, 4), (2, 2048, 8), (4, 2048, 8),
+            (1, 4096, 4), (2, 4096, 4), (2, 4096, 8), (4, 4096, 8)]  # fmt: skip
 
 
 def sweep(fd: FusedDecode, device, ctx: int, smoke: bool, copy_gbs: float) -> dict:
@@ -155,9 +162,19 @@ def verify_products(fv, device, copy_gbs: float, T: int) -> dict:
         reps = 1 if name == "lm_head" else L
         ms = graphed_ms(lambda run=run, reps=reps: [run() for _ in range(reps)], device, 20) / reps
         ref = graphed_ms(lambda w=w, x=x, reps=reps: [F.linear(x, w) for _ in range(reps)], device, 20) / reps
+        # cuBLASLt picks its kernels by other heuristics than cublasGemmEx: the skinny products may fare better
+        lt = math.nan
+        if device.type == "cuda":
+            was = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            try:
+                lt = graphed_ms(lambda w=w, x=x, reps=reps: [F.linear(x, w) for _ in range(reps)], device, 20) / reps
+            finally:
+                torch.backends.cuda.preferred_blas_library(was)
         of = lambda t, w=w: round(w.nbytes / t / 1e6 / copy_gbs, 4)  # noqa: E731
         out[name] = {"fused_ms": round(ms, 4), "cublas_ms": round(ref, 4), "fused_of_copy": of(ms),
-                     "cublas_of_copy": of(ref), "blocks": fv.blocks[name]}  # fmt: skip
+                     "cublas_of_copy": of(ref), "cublaslt_ms": round(lt, 4), "cublaslt_of_copy": of(lt),
+                     "blocks": fv.blocks[name]}  # fmt: skip
         print("verify product", name, json.dumps(out[name]), flush=True)
     with torch.inference_mode():
         norm = layer.input_layernorm

@@ -32,8 +32,9 @@ from eaglescope.models.targets.llama import LlamaModel, attend
 if triton is not None:
     import triton.language as tl
 
-# (BLOCK_N output rows per program, BLOCK_K, num_warps) per product; bench/fused_decode_check.py sweeps them
-DEFAULT_BLOCKS = {  # the fastest of the sweep at 8B on an H200 (bench/results/fused-decode-check-*.json)
+# (BLOCK_N output rows per program, BLOCK_K, num_warps[, num_stages]) per product; bench/fused_decode_check.py
+# sweeps them: the fastest of the sweep at 8B on an H200 (bench/results/fused-decode-check-*.json)
+DEFAULT_BLOCKS: dict[str, tuple[int, ...]] = {
     "qkv": (4, 512, 4),
     "o": (8, 512, 8),
     "gate_up": (4, 512, 4),
@@ -41,6 +42,11 @@ DEFAULT_BLOCKS = {  # the fastest of the sweep at 8B on an H200 (bench/results/f
     "lm_head": (4, 1024, 8),
 }
 ATTN_BLOCK = 64
+
+
+def launch_options(blocks: tuple[int, ...]) -> dict[str, int]:
+    """num_warps (and num_stages when the block tuple names it) for a product kernel's launch."""
+    return {"num_warps": blocks[2], **({"num_stages": blocks[3]} if len(blocks) > 3 else {})}
 
 
 def logits_dtype(model: LlamaModel) -> torch.dtype:
@@ -87,19 +93,33 @@ if triton is not None:
         return 1.0 / tl.sqrt(ss / K + eps)
 
     @triton.jit
-    def _dot_rows(x, nw, w, rows, ok, rstd, K: tl.constexpr, NORM: tl.constexpr, R: tl.constexpr,
-                  BK: tl.constexpr):  # fmt: skip
-        """sum_k W[rows, k] * in[k] for R rows (int64 `rows`), in = RMSNorm(x) when NORM (rstd given)."""
-        acc = tl.zeros((R, BK), tl.float32)
-        for k0 in range(0, K, BK):
+    def _scaled_tile(x, nw, wt, kk, in_k, rstd, NORM: tl.constexpr):
+        """W tile * in[kk] in float32, in = RMSNorm(x) when NORM (with the module's two roundings: normalise in
+        float32, cast, then scale by the weight)."""
+        xs = tl.load(x + kk, mask=in_k, other=0.0)
+        if NORM:
+            normed = (xs.to(tl.float32) * rstd).to(xs.dtype).to(tl.float32)
+            xs = (tl.load(nw + kk, mask=in_k, other=0.0).to(tl.float32) * normed).to(xs.dtype)
+        return wt.to(tl.float32) * xs.to(tl.float32)[None, :]
+
+    @triton.jit
+    def _dot_rows(x, nw, w, rows, ok, eps, K: tl.constexpr, NORM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
+                  KP2: tl.constexpr):  # fmt: skip
+        """sum_k W[rows, k] * in[k] for R rows (int64 `rows`), in = RMSNorm(x) when NORM. The first weight tile is
+        loaded before the norm's statistics: the RMS is a reduction across the program's warps, and a product that
+        fits in one wave of programs (q/k/v, o at 8B) would otherwise start its weight stream a round trip late."""
+        kk = tl.arange(0, BK)
+        in_k = kk < K
+        first = tl.load(w + rows[:, None] * K + kk[None, :], mask=ok[:, None] & in_k[None, :], other=0.0)
+        rstd = 1.0
+        if NORM:
+            rstd = _rstd(x, K, eps, BK, KP2)
+        acc = _scaled_tile(x, nw, first, kk, in_k, rstd, NORM)
+        for k0 in range(BK, K, BK):
             kk = k0 + tl.arange(0, BK)
             in_k = kk < K
-            xs = tl.load(x + kk, mask=in_k, other=0.0)
-            if NORM:  # the module's two roundings: normalise in float32, cast, then scale by the weight
-                normed = (xs.to(tl.float32) * rstd).to(xs.dtype).to(tl.float32)
-                xs = (tl.load(nw + kk, mask=in_k, other=0.0).to(tl.float32) * normed).to(xs.dtype)
             wt = tl.load(w + rows[:, None] * K + kk[None, :], mask=ok[:, None] & in_k[None, :], other=0.0)
-            acc += wt.to(tl.float32) * xs.to(tl.float32)[None, :]
+            acc += _scaled_tile(x, nw, wt, kk, in_k, rstd, NORM)
         return tl.sum(acc, 1)
 
     @triton.jit
@@ -114,10 +134,7 @@ if triton is not None:
         """y[rows] = W[rows] @ in (+ bias) (+ y[rows] when RESIDUAL: the residual stream, updated in place)."""
         rows = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
         ok = rows < N
-        rstd = 1.0
-        if NORM:
-            rstd = _rstd(x, K, eps, BK, KP2)
-        acc = _dot_rows(x, nw, w, rows, ok, rstd, K, NORM, BN, BK)
+        acc = _dot_rows(x, nw, w, rows, ok, eps, K, NORM, BN, BK, KP2)
         if HAS_BIAS:
             acc += tl.load(b + rows, mask=ok, other=0.0).to(tl.float32)
         if RESIDUAL:  # as `x + proj(...)`: the product is rounded to the model dtype, then added
@@ -137,8 +154,7 @@ if triton is not None:
         j = j0 + tl.arange(0, BN)
         rows = _paired_rows(head * D + j0, head * D + HALF + j0, BN)
         ok = rows >= 0  # BN divides D/2: every row exists
-        rstd = _rstd(x, K, eps, BK, KP2)
-        acc = _dot_rows(x, nw, w, rows, ok, rstd, K, True, 2 * BN, BK)
+        acc = _dot_rows(x, nw, w, rows, ok, eps, K, True, 2 * BN, BK, KP2)
         if HAS_BIAS:
             acc += tl.load(b + rows).to(tl.float32)
         lo, hi = tl.split(tl.reshape(acc.to(q.dtype.element_ty).to(tl.float32), (BN, 2)))
@@ -251,8 +267,7 @@ if triton is not None:
         j = j0 + tl.arange(0, BN)
         rows = _paired_rows(j0, F + j0, BN)
         ok = (j0 + tl.arange(0, 2 * BN) // 2) < F
-        rstd = _rstd(x, K, eps, BK, KP2)
-        acc = _dot_rows(x, nw, w, rows, ok, rstd, K, True, 2 * BN, BK)
+        acc = _dot_rows(x, nw, w, rows, ok, eps, K, True, 2 * BN, BK, KP2)
         if HAS_BIAS:
             acc += tl.load(b + rows, mask=ok, other=0.0).to(tl.float32)
         gate, up = tl.split(tl.reshape(acc.to(act.dtype.element_ty).to(tl.float32), (BN, 2)))
@@ -267,7 +282,7 @@ def fused_linear(
     norm: nn.Module | None = None,
     out: torch.Tensor | None = None,
     residual: bool = False,
-    blocks: tuple[int, int, int] = DEFAULT_BLOCKS["o"],
+    blocks: tuple[int, ...] = DEFAULT_BLOCKS["o"],
 ) -> torch.Tensor:
     """One row: out = weight @ in (+ bias), in = norm(x) when a norm (an RMSNorm: weight, eps) is given; with
     `residual`, out += that in place (out is then the residual stream and must be given). Returns out [1, N]."""
@@ -276,11 +291,12 @@ def fused_linear(
         if residual:
             raise ValueError("residual=True adds into `out`: pass the residual stream")
         out = torch.empty(1, N, device=x.device, dtype=x.dtype)
-    bn, bk, warps = blocks
+    bn, bk = blocks[:2]
     nw, eps = (norm.weight, norm.eps) if norm is not None else (weight, 0.0)
     _gemv_kernel[(triton.cdiv(N, bn),)](x, nw, weight, bias if bias is not None else weight, out, N, eps, K=K,
                                         NORM=norm is not None, HAS_BIAS=bias is not None, RESIDUAL=residual,
-                                        BN=bn, BK=bk, KP2=triton.next_power_of_2(K), num_warps=warps)  # fmt: skip
+                                        BN=bn, BK=bk, KP2=triton.next_power_of_2(K),
+                                        **launch_options(blocks))  # fmt: skip
     return out
 
 
@@ -367,13 +383,13 @@ class FusedDecode:
     def qkv(self, i: int, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor) -> None:
         a, layer = self.args, self.model.model.layers[i]
         norm, qkv = layer.input_layernorm, layer.self_attn.qkv_proj
-        bn, bk, warps = self.blocks["qkv"]
+        bn, bk = self.blocks["qkv"][:2]
         D = a.head_dim
         _qkv_rope_kernel[((a.num_heads + 2 * a.num_kv_heads) * (D // 2 // bn),)](
             self.h, norm.weight, qkv.weight, qkv.bias if qkv.bias is not None else qkv.weight, cos, sin, self.q,
             self.cache.k[i], self.cache.v[i], slot, a.num_heads, a.num_kv_heads, self.cache.size, norm.eps,
             K=a.hidden_size, HAS_BIAS=qkv.bias is not None, D=D, BN=bn, BK=bk,
-            KP2=triton.next_power_of_2(a.hidden_size), num_warps=warps,
+            KP2=triton.next_power_of_2(a.hidden_size), **launch_options(self.blocks["qkv"]),
         )  # fmt: skip
 
     def attend(self, i: int, mask: torch.Tensor) -> None:
@@ -388,11 +404,11 @@ class FusedDecode:
     def gate_up(self, i: int) -> None:
         layer = self.model.model.layers[i]
         norm, gu, F = layer.post_attention_layernorm, layer.mlp.gate_up_proj, self.args.intermediate_size
-        bn, bk, warps = self.blocks["gate_up"]
+        bn, bk = self.blocks["gate_up"][:2]
         _gate_up_kernel[(triton.cdiv(F, bn),)](
             self.h, norm.weight, gu.weight, gu.bias if gu.bias is not None else gu.weight, self.act, F, norm.eps,
             K=self.args.hidden_size, HAS_BIAS=gu.bias is not None, BN=bn, BK=bk,
-            KP2=triton.next_power_of_2(self.args.hidden_size), num_warps=warps,
+            KP2=triton.next_power_of_2(self.args.hidden_size), **launch_options(self.blocks["gate_up"]),
         )  # fmt: skip
 
     def down(self, i: int) -> None:

@@ -36,7 +36,7 @@ from run_bench import (  # noqa: E402
 from eaglescope.fast import FastTarget, FastVanilla  # noqa: E402
 from eaglescope.fast.engine import set_attention, use_matmul_attention  # noqa: E402
 from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode  # noqa: E402
-from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS  # noqa: E402
+from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, CUBLASLT_PRODUCTS  # noqa: E402
 from eaglescope.fast.layers import compile_layers, use_gemv_reductions  # noqa: E402
 
 
@@ -260,20 +260,26 @@ def _fused_verify(
             res["verify_products_best"] = verify_products(fv, device, res["copy_bandwidth_gbs"], 4 if smoke else 64)
             save()
         best = None
-        for cublas in (CUBLAS_PRODUCTS, tuple(p for p in CUBLAS_PRODUCTS if p != "qkv"), ()):
+        no_qkv = tuple(p for p in CUBLAS_PRODUCTS if p != "qkv")
+        for cublas, lt in (
+            (CUBLAS_PRODUCTS, CUBLASLT_PRODUCTS),
+            (CUBLAS_PRODUCTS, ()),
+            (no_qkv, CUBLASLT_PRODUCTS),
+            ((), ()),
+        ):
             for attention in ("fused", "matmul"):  # attention: the grouped kernel or two products and a softmax
-                fv.attention, fv.cublas = attention, cublas
+                fv.attention, fv.cublas, fv.cublaslt = attention, cublas, lt
                 v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
-                key = f"{attention}_attention_cublas_{'_'.join(cublas) or 'none'}"
+                key = f"{attention}_attention_cublas_{'_'.join(cublas) or 'none'}_cublaslt_{'_'.join(lt) or 'none'}"
                 res[f"verify_ms_fused_verify_{key}"] = {str(t): round(x, 4) for t, x in v.items()}
                 print(f"verify, fused verify kernels, {key}", json.dumps({t: round(x / v[1], 4) for t, x in v.items()}),
                       json.dumps(v), flush=True)  # fmt: skip
                 if best is None or v[sizes[-2]] < best[1][sizes[-2]]:  # the 64-token verify (smoke: 4)
-                    best = ((attention, cublas), v)
+                    best = ((attention, cublas, lt), v)
                 save()
-        (fv.attention, fv.cublas), v = best
-        attention = f"{fv.attention} attention, cuBLAS for {fv.cublas or 'none'}"
-        res["verify_mix"] = {"attention": fv.attention, "cublas": list(fv.cublas)}
+        (fv.attention, fv.cublas, fv.cublaslt), v = best
+        attention = f"{fv.attention} attention, cuBLAS for {fv.cublas or 'none'}, cuBLASLt for {fv.cublaslt or 'none'}"
+        res["verify_mix"] = {"attention": fv.attention, "cublas": list(fv.cublas), "cublaslt": list(fv.cublaslt)}
         res["verify_ms_fused_verify"] = {str(t): round(x, 4) for t, x in v.items()}
         res["verify_cost_ratio_fused_verify"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
         print("verify, fused verify kernels", json.dumps(res["fused_verify_vs_modules"]), attention,

@@ -45,6 +45,7 @@ from eaglescope.fast import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast import invariant as inv_kernels
 from eaglescope.fast.engine import _graph, use_batch_invariant, use_matmul_attention
 from eaglescope.fast.fused_decode import fused_decode_supported
+from eaglescope.fast.fused_verify import blas_library
 from eaglescope.fast.layers import compile_layers, use_gemv_reductions
 from eaglescope.models.draft import DraftConfig, Eagle3Draft
 from eaglescope.models.targets import load_target
@@ -1029,12 +1030,16 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
         torch.log_softmax(draft.logits(o).float(), -1).topk(K, -1)
 
     rf.res["draft_step_ms"] = round(graphed_ms(dstep, device, reps=50), 4)
+    if device.type == "cuda":  # the same level with its products through cuBLASLt (as fast/fused_verify.py's down)
+        with blas_library("cublaslt"):
+            rf.res["draft_step_ms_cublaslt"] = round(graphed_ms(dstep, device, reps=50), 4)
     if device.type == "cuda" and rf.left() > 150:  # where the step's time goes (~0.2 ms would be its weights at 85%)
         try:
             rf.res["draft_step_profile"] = _profile_step(dstep)
         except Exception as e:
             rf.res["draft_step_profile"] = f"profiler failed: {type(e).__name__}: {e}"
-    say(f"roofline draft step: {rf.res['draft_step_ms']} ms ({rf.left():.0f} s left)")
+    lt = rf.res.get("draft_step_ms_cublaslt")
+    say(f"roofline draft step: {rf.res['draft_step_ms']} ms (cuBLASLt {lt}) ({rf.left():.0f} s left)")
 
 
 def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compiled: bool) -> None:

@@ -36,10 +36,11 @@ if triton is not None:
 # sweeps them: the fastest of the sweep at 8B on an H200 (bench/results/fused-decode-check-*.json)
 DEFAULT_BLOCKS: dict[str, tuple[int, ...]] = {
     "qkv": (4, 512, 4),
-    "o": (8, 512, 8),
-    "gate_up": (4, 512, 4),
+    "o": (4, 2048, 8),
+    # a whole 4096-wide row per load: 101% of copy against 97% at 512 (fused-decode-check-20261204T185702.json)
+    "gate_up": (1, 4096, 4),
     "down": (4, 512, 8),
-    "lm_head": (4, 1024, 8),
+    "lm_head": (4, 4096, 8),
 }
 ATTN_BLOCK = 64
 

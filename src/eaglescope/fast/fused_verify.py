@@ -10,7 +10,8 @@ each layer is, by default (the mix bench/fused_decode_check.py --sweep-verify me
            a softmax (compiled) above;
 - o, down: cuBLAS with the residual add as addmm's beta = 1 (no kernel of its own; it rounds h + x @ W.T once,
            where the modules round the product and then the sum: 1-ulp differences on ~30% of bf16 elements);
-- gate/up: cuBLAS, then one SiLU·up kernel;
+           down through cuBLASLt (CUBLASLT_PRODUCTS);
+- gate/up: cuBLASLt, then one SiLU·up kernel;
 
 and the lm_head is _rows_gemm_kernel: tensor-core tiles with no K mask, cut over K when the product has few column
 tiles (the last slice of a column tile to finish adds the slices in order), with the product's epilogue. The same
@@ -21,7 +22,9 @@ rows it streams the weights at 56-80% of copy against cuBLAS's 75-92%, but the l
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -55,6 +58,10 @@ SPLIT_PROGRAMS = 264
 # alone at 64 rows it streams the layer weights at 75-94% of copy against 56-80% for _rows_gemm_kernel, which
 # wins only on the lm_head (bench/results/fused-decode-check-20261129T144905.json)
 CUBLAS_PRODUCTS = ("qkv", "o", "gate_up", "down")
+# of those, the ones run through cuBLASLt rather than cublasGemmEx (torch picks each library's kernels by its own
+# heuristics): at 64 rows at 8B, Lt streams down's weights at 88% of copy against 77%, gate/up's at 94% against
+# 90%; o (88% against 94%) and q/k/v (75% both) stay (bench/results/fused-decode-check-20261204T185702.json)
+CUBLASLT_PRODUCTS = ("gate_up", "down")
 # attention="auto": the grouped kernel up to this many rows, two products and a softmax above (8B, 480 slots:
 # 5.00 vs 5.07 ms at 24 rows, 5.07 vs 5.12 at 32, 5.42 vs 5.32 at 64; fused-decode-check-20261129T145654.json)
 FUSED_ATTENTION_ROWS = 32
@@ -228,10 +235,12 @@ class FusedVerify:
     Call with tokens, positions, slots [T] and mask [T, S] bool → logits [T, V] (the lm_head's dtype), aux
     [T, n_taps*H] | None; the same contract as FastTarget.run. attention="matmul" runs the attention as two
     products and a float32 softmax (compiled on a GPU) instead of fast.fused_decode's grouped kernel; "auto" picks
-    by row count. `cublas` names the layer products left to cuBLAS (the rest run on _rows_gemm_kernel)."""
+    by row count. `cublas` names the layer products left to cuBLAS (the rest run on _rows_gemm_kernel), `cublaslt`
+    those of them run through cuBLASLt on a GPU."""
 
     def __init__(self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None,
-                 attention: str = "auto", cublas: tuple[str, ...] = CUBLAS_PRODUCTS) -> None:  # fmt: skip
+                 attention: str = "auto", cublas: tuple[str, ...] = CUBLAS_PRODUCTS,
+                 cublaslt: tuple[str, ...] = CUBLASLT_PRODUCTS) -> None:  # fmt: skip
         why = fused_verify_supported(model, model.lm_head.weight.device)
         if why:
             raise ValueError(why)
@@ -254,7 +263,7 @@ class FusedVerify:
         self.q = torch.zeros(R, nq, device=dev, dtype=dt)
         self.attn = torch.zeros(R, nq, device=dev, dtype=dt)
         self.act = torch.zeros(R, a.intermediate_size, device=dev, dtype=dt)
-        self.cublas = tuple(cublas)
+        self.cublas, self.cublaslt = tuple(cublas), tuple(cublaslt)
         n_qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
         self.qkv_out = torch.zeros(R, n_qkv, device=dev, dtype=dt)  # cuBLAS's products before their epilogue kernels
         self.gate_up_out = torch.zeros(R, 2 * a.intermediate_size, device=dev, dtype=dt)
@@ -321,6 +330,9 @@ class FusedVerify:
             HAS_BIAS=bias is not None, EVEN_K=K % bk == 0, D=D, BM=BM, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
         )  # fmt: skip
 
+    def _library(self, name: str, x: torch.Tensor) -> contextlib.AbstractContextManager:
+        return blas_library("cublaslt" if name in self.cublaslt and x.is_cuda else None)
+
     def _norm(self, norm, x, T: int) -> torch.Tensor:
         K = x.shape[1]
         _rows_rmsnorm_kernel[(T,)](x, norm.weight, self.normed, norm.eps, K=K, KP2=triton.next_power_of_2(K))
@@ -378,13 +390,15 @@ class FusedVerify:
                 self._product("o", self.attn, o.weight, o.bias, h, T, H)
             gu, x = layer.mlp.gate_up_proj, self._norm(layer.post_attention_layernorm, h, T)
             if "gate_up" in self.cublas:
-                out = _mm(x[:T], gu.weight, gu.bias, self.gate_up_out[:T])
+                with self._library("gate_up", x):
+                    out = _mm(x[:T], gu.weight, gu.bias, self.gate_up_out[:T])
                 _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](out, self.act, F, BLOCK=1024)
             else:
                 self._product("gate_up", x, gu.weight, gu.bias, self.act, T, F)
             down = layer.mlp.down_proj
             if "down" in self.cublas:
-                _mm_residual(self.act[:T], down.weight, down.bias, h)
+                with self._library("down", h):
+                    _mm_residual(self.act[:T], down.weight, down.bias, h)
             else:
                 self._product("down", self.act, down.weight, down.bias, h, T, H)
         logits = torch.empty(T, a.vocab_size, device=h.device, dtype=self.logits_dtype)
@@ -392,6 +406,21 @@ class FusedVerify:
                       a.vocab_size)  # fmt: skip
         aux = torch.cat(captured, dim=-1) if captured else None
         return logits, aux
+
+
+@contextlib.contextmanager
+def blas_library(name: str | None) -> Iterator[None]:
+    """torch's choice of "cublas" or "cublaslt" for the products inside (None: as it is). The choice is process-wide,
+    so it is put back after; a CUDA graph captured inside keeps the kernels chosen then."""
+    if name is None:
+        yield
+        return
+    was = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(was)
 
 
 def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:

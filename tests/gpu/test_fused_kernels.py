@@ -1,0 +1,96 @@
+"""The fused decode and verify kernels (fast/fused_decode.py, fast/fused_verify.py) built for the GPU, with the
+blocks tuned at 8B (1024-4096-wide K tiles, which the CPU tests' small blocks never take) and the verify's cuBLAS
+and cuBLASLt products. The path `generate --fast --no-batch-invariant` runs on a GPU.
+
+An 8B-wide, two-layer Llama in float32: a one-token step and a 24- and a 64-row verify against the model's own
+modules (logits, taps, cache writes, within float32's reordering bound), then greedy decoding through the kernels
+against vanilla greedy. The CPU tests run the same kernels under Triton's interpreter at tiny widths."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import LLAMA_8B, make_checkpoint
+from tolerance import assert_close_float32
+
+from eaglescope.decode.vanilla import generate_vanilla
+from eaglescope.fast import FastTarget, FastVanilla
+from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode
+from eaglescope.fast.fused_verify import CUBLASLT_PRODUCTS, FusedVerify
+from eaglescope.models.targets import load_target
+from eaglescope.models.targets.llama import fuse_projections
+
+DEVICE = torch.device("cuda")
+S = 200  # cache slots: four 64-slot attention splits
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """Two layers of Llama-3-8B's widths (hidden 4096, ffn 14336, 32/8 heads of 128), a 4096-token vocabulary."""
+    dims = {**LLAMA_8B, "num_hidden_layers": 2, "vocab_size": 4096, "max_position_embeddings": 256}
+    ckpt = make_checkpoint("llama", tmp_path_factory.mktemp("wide"), seed=11, **dims)
+    return load_target(ckpt, device=DEVICE, dtype=torch.float32)
+
+
+def _fresh(wide) -> tuple[torch.nn.Module, FastTarget]:
+    model = fuse_projections(copy.deepcopy(wide.model))
+    ft = FastTarget(model, size=S, taps=(0, 1), float32_logits=True)
+    ft.prefill(torch.arange(3, 40, device=DEVICE))
+    return model, ft
+
+
+def _against_modules(ft, run, toks, pos, mask, slots, layers: int) -> None:
+    """run(...) (the kernels) against ft._run_eager (the modules) from the same cache: logits, taps, cache."""
+    before = (ft.cache.k.clone(), ft.cache.v.clone())
+    want, want_aux = ft._run_eager(toks, pos, mask, slots)
+    want_cache = (ft.cache.k.clone(), ft.cache.v.clone())
+    ft.cache.k.copy_(before[0])
+    ft.cache.v.copy_(before[1])
+    got, aux = run(toks, pos, mask, slots)
+    # the products here sum 4096-14336 terms where the CPU tests' sum 64-128: a reordered float32 sum drifts with
+    # the square root of its length (~11x longer), so the bound is 16x theirs, still ~10^4 below a wiring mistake
+    depth = 16 * (layers + 1)
+    assert_close_float32(got, want, depth, key="logits")
+    assert_close_float32(aux, want_aux, depth, key="aux")
+    assert_close_float32(ft.cache.k, want_cache[0], depth, key="cache.k")
+    assert_close_float32(ft.cache.v, want_cache[1], depth, key="cache.v")
+    assert not torch.equal(want_cache[0], before[0])
+
+
+def test_one_token_step_with_the_8b_blocks_matches_the_modules(wide):
+    model, ft = _fresh(wide)
+    fd = FusedDecode(model, ft.cache, taps=(0, 1))
+    assert fd.blocks == DEFAULT_BLOCKS and max(b[1] for b in fd.blocks.values()) == 4096
+    # a tree-like row: the prompt, one earlier node in another split, and its own slot
+    mask = torch.zeros(1, S, dtype=torch.bool, device=DEVICE)
+    mask[0, :37] = True
+    mask[0, [90, 150]] = True
+    ft.cache.k[:, :, :, 80:100].normal_()
+    ft.cache.v[:, :, :, 80:100].normal_()
+    tok, pos, slot = (torch.tensor([v], device=DEVICE) for v in (33, 38, 150))
+    _against_modules(ft, lambda t, p, m, s: fd(t, p, m[0], s), tok, pos, mask, slot, len(model.model.layers))
+
+
+@pytest.mark.parametrize("T", [24, 64])
+@pytest.mark.parametrize("cublaslt", [CUBLASLT_PRODUCTS, ()])
+def test_verify_rows_on_cublas_and_cublaslt_match_the_modules(wide, T, cublaslt):
+    """A chain of T rows after the prompt (24: the grouped attention kernel; 64: attention as products)."""
+    model, ft = _fresh(wide)
+    fv = FusedVerify(model, ft.cache, taps=(0, 1), cublaslt=cublaslt)
+    slots = 37 + torch.arange(T, device=DEVICE)
+    mask = torch.arange(S, device=DEVICE)[None, :] <= slots[:, None]
+    toks = torch.randint(0, 4096, (T,), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(T))
+    was = torch.backends.cuda.preferred_blas_library()
+    _against_modules(ft, fv, toks, slots, mask, slots, len(model.model.layers))
+    assert torch.backends.cuda.preferred_blas_library() == was  # the library choice is put back
+
+
+def test_greedy_through_the_fused_kernels_is_vanilla_greedy(wide):
+    """One-token steps as CUDA graphs on the fused decode kernels: vanilla greedy's tokens."""
+    prompt, n = [5, 17, 300, 41, 2048, 9], 12
+    ref = generate_vanilla(wide, prompt, n, stop_ids=[]).token_ids
+    ft = FastTarget(copy.deepcopy(wide.model), S, fuse=True, float32_logits=True, fused_decode=True)
+    assert ft.fused is not None
+    assert FastVanilla(ft, n).generate(prompt).tokens == ref

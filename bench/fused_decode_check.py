@@ -24,9 +24,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
+from round_cost import kernels  # noqa: E402
 from run_bench import (  # noqa: E402
     LLAMA_8B_DIMS,
     SMOKE_DIMS,
+    _profile_step,
     copy_bandwidth_gbs,
     graphed_ms,
     random_target,
@@ -227,9 +229,9 @@ def _verify_on_modules(ft, model, ctx: int, vocab: int, sizes, compiled: bool, d
 
 def _fused_verify(
     model, prompt, ctx: int, S: int, sizes, smoke: bool, sweep_blocks: bool, device, res: dict, save
-) -> None:
+) -> FastTarget | None:
     """Verifies on the fused verify kernels (fast/fused_verify.py): T-row tensor-core products, same layout; the
-    fastest mix of attention kernel and cuBLAS products."""
+    fastest mix of attention kernel and cuBLAS products, which the returned target keeps (None: not run)."""
     a = model.args
     torch._dynamo.reset()
     try:
@@ -286,7 +288,28 @@ def _fused_verify(
               json.dumps(res["verify_cost_ratio_fused_verify"]), json.dumps(res["verify_ms_fused_verify"]),
               flush=True)  # fmt: skip
         save()
-        del ft3
+        return ft3
+    return None
+
+
+def _verify_profile(ft: FastTarget, ctx: int, vocab: int, res: dict) -> None:
+    """Where a verify's time goes: for 24 rows (the tuned tree's) and 64, its ms as one graph, the kernels it launches
+    and their summed device time (what is left is the gaps between kernels), and the top kernels by time."""
+    dev, S = ft.device, ft.size
+    out = {}
+    for T in (24, 64):
+        toks = torch.randint(0, vocab, (T,), device=dev)
+        slots = ctx + torch.arange(T, device=dev)
+        mask = torch.arange(S, device=dev)[None, :] <= slots[:, None]
+
+        def f(toks=toks, slots=slots, mask=mask):
+            ft.run(toks, slots, mask, slots)
+
+        with torch.inference_mode():
+            out[str(T)] = {"graph_ms": round(graphed_ms(f, dev, reps=30), 4), **kernels(f), "top": _profile_step(f)}
+        print(f"verify profile {T}", json.dumps({k: v for k, v in out[str(T)].items() if k != "top"}), flush=True)
+        print(out[str(T)]["top"], flush=True)
+    res["verify_profile"] = out
 
 
 def _compiled_step(model, prompt, ctx: int, S: int, wbytes: int, vocab: int, res: dict) -> None:
@@ -314,6 +337,7 @@ def main() -> int:
     ap.add_argument("--no-compiled", action="store_true", help="skip the compiled-layers comparison")
     ap.add_argument("--no-sweep", action="store_true", help="the default blocks only")
     ap.add_argument("--sweep-verify", action="store_true", help="also sweep the fused verify kernels' blocks")
+    ap.add_argument("--profile-verify", action="store_true", help="kernels and gaps of the 24- and 64-row verify")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -365,7 +389,11 @@ def main() -> int:
     sizes = (1, 8, 16, 24, 32, 64, 128) if not args.smoke else (1, 4, 8)
     _verify_on_modules(ft, model, ctx, a.vocab_size, sizes, not args.no_compiled, device, res, save)
 
-    _fused_verify(model, prompt, ctx, S, sizes, args.smoke, args.sweep_verify, device, res, save)
+    ft3 = _fused_verify(model, prompt, ctx, S, sizes, args.smoke, args.sweep_verify, device, res, save)
+    if args.profile_verify and ft3 is not None:
+        _verify_profile(ft3, ctx, a.vocab_size, res)
+        save()
+    del ft3
 
     if not args.no_compiled and device.type == "cuda":  # the best compiled variant, measured in the same run
         _compiled_step(model, prompt, ctx, S, wbytes, a.vocab_size, res)

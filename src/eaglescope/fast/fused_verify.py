@@ -1,6 +1,6 @@
 """Verify steps (2..64 tokens) of a native Llama-family target in the fused-decode layout.
 
-Why: at 8B a one-token step on the fused kernels (fast/fused_decode.py) takes 4.2 ms, but a 64-token verify on
+Why: at 8B a one-token step on the fused kernels (fast/fused_decode.py) takes 4.0 ms, but a 64-token verify on
 compiled layers takes 5.6-5.9 ms (1.34-1.40x): ~1.4 ms of it is the small kernels around cuBLAS's products. Here
 each layer is, by default (the mix bench/fused_decode_check.py --sweep-verify measured fastest):
 
@@ -17,7 +17,8 @@ and the lm_head is _rows_gemm_kernel: tensor-core tiles with no K mask, cut over
 tiles (the last slice of a column tile to finish adds the slices in order), with the product's epilogue. The same
 kernel can run every layer product too (cublas=(); its residual epilogue rounds as the modules do): alone at 64
 rows it streams the weights at 56-80% of copy against cuBLAS's 75-92%, but the lm_head at 92% against 85%.
-8B: 5.32 ms at 64 tokens (1.27x), 5.00 at 24.
+8B: 5.01-5.08 ms at 64 tokens (1.27-1.29x the one-token step), 4.9-5.1 at 24
+(bench/results/bench-all-20261204T190248.json, fused-decode-check-20261204T191729.json).
 """
 
 from __future__ import annotations

@@ -269,7 +269,7 @@ def _fused_verify(
             (no_qkv, CUBLASLT_PRODUCTS),
             ((), ()),
         ):
-            for attention in ("fused", "matmul"):  # attention: the grouped kernel or two products and a softmax
+            for attention in ("flash", "fused", "matmul"):  # running softmax, split-slot grouped kernel, products
                 fv.attention, fv.cublas, fv.cublaslt = attention, cublas, lt
                 v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
                 key = f"{attention}_attention_cublas_{'_'.join(cublas) or 'none'}_cublaslt_{'_'.join(lt) or 'none'}"

@@ -21,6 +21,7 @@ from eaglescope.fast import invariant as inv  # noqa: E402
 from eaglescope.fast.fused_decode import (  # noqa: E402
     FusedDecode,
     attend_fused,
+    attention_limit,
     attention_scratch,
     attention_splits,
     fused_attention,
@@ -72,6 +73,30 @@ def test_attention_matches_masked_reference(T, S, rep, seed):
         assert_close_float32(got.transpose(0, 1)[None], want)
     assert not scratch[3].any()
     assert attention_splits(S)[1] == -(-S // 64)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    T=st.integers(1, 40),
+    S=st.integers(1, 300),
+    rep=st.sampled_from([1, 2, 4]),
+    cut=st.floats(0.05, 1.0),
+    seed=st.integers(0, 99),
+)
+def test_flash_attention_matches_masked_reference(T, S, rep, cut, seed):
+    """The running-softmax kernel: rows in blocks of 16 (row, head) pairs, the slots in 64-slot blocks up to one past
+    the highest allowed slot (`cut` leaves the cache's tail unused, as a verify early in a long cache does); blocks
+    with nothing allowed for some rows, rows whose first allowed slot comes late."""
+    q, k, v, mask = attention_case(T, S, rep, seed, density=0.3)
+    mask[:, max(1, int(S * cut)) :] = False
+    mask[
+        torch.arange(T), torch.randint(0, max(1, int(S * cut)), (T,), generator=torch.Generator().manual_seed(seed))
+    ] = True
+    want = attend(q, k, v, mask[None, None])
+    limit = attention_limit(mask)
+    assert int(limit) == int(mask.any(0).nonzero().max()) + 1
+    got = fused_attention(q[0].transpose(0, 1), k[0], v[0], mask, flash=True, limit=limit)
+    assert_close_float32(got.transpose(0, 1)[None], want)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])

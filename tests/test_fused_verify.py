@@ -88,7 +88,14 @@ def test_rmsnorm_rows_match_the_module(tiny_verify):
 
 @pytest.mark.parametrize(
     "family,attention,cublas",
-    [("llama", "fused", ()), ("qwen2", "fused", ()), ("qwen2", "fused", CUBLAS_PRODUCTS), ("llama", "matmul", ("o",))],
+    [
+        ("llama", "fused", ()),
+        ("qwen2", "fused", ()),
+        ("qwen2", "fused", CUBLAS_PRODUCTS),
+        ("llama", "matmul", ("o",)),
+        ("llama", "flash", CUBLAS_PRODUCTS),
+        ("qwen2", "auto", ()),
+    ],
 )
 def test_verify_step_matches_the_modules(family, attention, cublas, tmp_path):
     """Five tree rows at scattered slots with their own ancestor masks, over three attention splits (or as products);

@@ -43,6 +43,7 @@ DEFAULT_BLOCKS: dict[str, tuple[int, ...]] = {
     "lm_head": (4, 4096, 8),
 }
 ATTN_BLOCK = 64
+FLASH_ROWS = 16  # (row, head) pairs per flash attention program: 128 programs for a 64-row verify at 8B
 
 
 def launch_options(blocks: tuple[int, ...]) -> dict[str, int]:
@@ -261,6 +262,44 @@ if triton is not None:
             tl.store(counter, 0)
 
     @triton.jit
+    def _attend_flash_kernel(q, kc, vc, mask, y, limit, S, T, H, rep, scale, sq_t, sq_h, sm_t, sy_t, sy_h,
+                             D: tl.constexpr, KB: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+        """Program (kv group g, row block): BR rows (t, r) of the T x rep query heads sharing kv head g against the
+        cache slots below `limit` (a device scalar: one past the highest slot any row allows), KB slots at a time
+        with a running softmax (the maximum and the sum rescaled at each block). No partials and no last-program
+        combine: _attend_rows_kernel's combine walks its splits one after another, which made it slower than two
+        products and a softmax at 64 rows (NOTES v11, v19)."""
+        g, rb = tl.program_id(0), tl.program_id(1)
+        i = rb * BR + tl.arange(0, BR)
+        ok_i = i < T * rep
+        t, h = i // rep, g * rep + i % rep
+        d = tl.arange(0, D)
+        qt = tl.load(q + t[:, None] * sq_t + h[:, None] * sq_h + d[None, :], mask=ok_i[:, None], other=0.0)
+        top = tl.full((BR,), float("-inf"), tl.float32)
+        total = tl.zeros((BR,), tl.float32)
+        acc = tl.zeros((BR, D), tl.float32)
+        end = tl.load(limit)
+        for s0 in range(0, end, KB):
+            offs = s0 + tl.arange(0, KB)
+            in_s = offs < end
+            both = ok_i[:, None] & in_s[None, :]
+            allow = (tl.load(mask + t[:, None] * sm_t + offs[None, :], mask=both, other=0) != 0) & both
+            kv_off = (g * S + offs[:, None]).to(tl.int64) * D + d[None, :]
+            kb = tl.load(kc + kv_off, mask=in_s[:, None], other=0.0)
+            vb = tl.load(vc + kv_off, mask=in_s[:, None], other=0.0)
+            s = tl.where(allow, tl.dot(qt, tl.trans(kb), input_precision="ieee") * scale, float("-inf"))
+            new_top = tl.maximum(top, tl.max(s, axis=1))
+            shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # a row with nothing allowed yet
+            p = tl.where(allow, tl.exp(s - shift[:, None]), 0.0)
+            keep = tl.exp(top - shift)  # 0 while top is -inf
+            total = total * keep + tl.sum(p, axis=1)
+            acc = acc * keep[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision="ieee")
+            top = new_top
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(y + t[:, None] * sy_t + h[:, None] * sy_h + d[None, :], out.to(y.dtype.element_ty),
+                 mask=ok_i[:, None])  # fmt: skip
+
+    @triton.jit
     def _gate_up_kernel(x, nw, w, b, act, F, eps, K: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr, KP2: tl.constexpr):  # fmt: skip
         """Rows j of gate and F + j of up (the fused [2F, K] weight) → act[j] = SiLU(gate) * up."""
@@ -316,25 +355,44 @@ def attend_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     return y.transpose(0, 1)[None]
 
 
+def attention_limit(mask: torch.Tensor) -> torch.Tensor:
+    """One past the highest slot any row of `mask` [T, S] allows, as a device scalar [1] int32 (flash attention
+    visits the slots below it; computed once per step, every layer shares the mask)."""
+    slots = torch.arange(1, mask.shape[-1] + 1, device=mask.device, dtype=torch.int32)
+    return torch.where(mask.any(0), slots, 0).amax().reshape(1)
+
+
 def fused_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | None = None,
-    scratch: tuple[torch.Tensor, ...] | None = None,
+    scratch: tuple[torch.Tensor, ...] | None = None, flash: bool = False, limit: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """q [T, H, D] (any strides with unit last), k/v [Hkv, S, D] (one layer of a slot cache), mask [T, S] bool
     (True = attend; every row must allow at least one slot) → out [T, H, D]. `scratch` = (part_m, part_l,
-    part_acc, count) from attention_scratch, reusable across calls (the counters come back zeroed)."""
+    part_acc, count) from attention_scratch, reusable across calls (the counters come back zeroed). `flash`: one
+    program per (kv group, block of rows) walking the slots below `limit` (attention_limit(mask) when None) with a
+    running softmax; it needs 16-wide heads (tensor cores) and no scratch."""
     T, H, D = q.shape
     Hkv, S, _ = k.shape
     keys, NS = attention_splits(S)
     if out is None:
         out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
-    part_m, part_l, part_acc, count = scratch if scratch is not None else attention_scratch(T, H, D, S, q.device)
     # a bool mask goes in as it is: Triton loads torch.bool as bytes (a uint8 view is not traceable by inductor)
     # one layer of the cache is contiguous already; q is a few KB: canonical strides keep the compiled call simple
     q, k, v, mask = q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous()
     if out.stride(-1) != 1:
         raise ValueError("fused_attention writes rows of unit stride: pass a contiguous `out`")
     rep = H // Hkv
+    if flash:
+        if D < 16:
+            raise ValueError(f"flash attention runs heads of 16 or more on tensor cores, not {D}")
+        limit = attention_limit(mask) if limit is None else limit
+        BR = FLASH_ROWS
+        _attend_flash_kernel[(Hkv, triton.cdiv(T * rep, BR))](
+            q, k, v, mask, out, limit, S, T, H, rep, D**-0.5, q.stride(0), q.stride(1), mask.stride(0),
+            out.stride(0), out.stride(1), D=D, KB=ATTN_BLOCK, BR=BR,
+        )  # fmt: skip
+        return out
+    part_m, part_l, part_acc, count = scratch if scratch is not None else attention_scratch(T, H, D, S, q.device)
     if T == 1 or D < 16:  # one row: a program per head; tensor cores need 16 rows and 16-wide heads
         _attend_kernel[(H, NS, T)](q, k, v, mask, out, part_m, part_l, part_acc, count, S, NS, H, rep, D**-0.5,
                                    q.stride(0), q.stride(1), mask.stride(0), out.stride(0), out.stride(1), D=D,

@@ -6,8 +6,9 @@ each layer is, by default (the mix bench/fused_decode_check.py --sweep-verify me
 
 - RMSNorm: one row kernel, rounding where the module rounds (2 µs at 64 rows);
 - q/k/v:   cuBLAS, then one row kernel for RoPE and the K/V cache write at each row's slot;
-- attend:  fast.fused_decode.fused_attention (K/V blocks loaded once per kv group) up to 32 rows, two products and
-           a softmax (compiled) above;
+- attend:  fast.fused_decode.fused_attention's flash kernel: a program per kv group and 16 (row, head) pairs walks
+           the cache with a running softmax, one launch per layer (the split-slot grouped kernel and two products and
+           a softmax remain, attention="fused" / "matmul");
 - o, down: cuBLAS with the residual add as addmm's beta = 1 (no kernel of its own; it rounds h + x @ W.T once,
            where the modules round the product and then the sum: 1-ulp differences on ~30% of bf16 elements);
            down through cuBLASLt (CUBLASLT_PRODUCTS);
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 import torch
 
 from eaglescope.fast.fused_decode import (
+    attention_limit,
     attention_scratch,
     fused_attention,
     fused_decode_supported,
@@ -63,9 +65,8 @@ CUBLAS_PRODUCTS = ("qkv", "o", "gate_up", "down")
 # heuristics): at 64 rows at 8B, Lt streams down's weights at 88% of copy against 77%, gate/up's at 94% against
 # 90%; o (88% against 94%) and q/k/v (75% both) stay (bench/results/fused-decode-check-20261204T185702.json)
 CUBLASLT_PRODUCTS = ("gate_up", "down")
-# attention="auto": the grouped kernel up to this many rows, two products and a softmax above (8B, 480 slots:
-# 5.00 vs 5.07 ms at 24 rows, 5.07 vs 5.12 at 32, 5.42 vs 5.32 at 64; fused-decode-check-20261129T145654.json)
-FUSED_ATTENTION_ROWS = 32
+# attention="auto" (the mix the benchmarks run): flash attention at every row count
+AUTO_ATTENTION = "flash"
 # each product's epilogue (the kernel's MODE)
 EPILOGUE = {"qkv": "qkv", "o": "residual", "gate_up": "gate_up", "down": "residual", "lm_head": "plain"}
 
@@ -234,10 +235,10 @@ class FusedVerify:
     """T-token steps (2 <= T <= MAX_ROWS) of `model` on `cache` (a fast.SlotCache) through the kernels above.
 
     Call with tokens, positions, slots [T] and mask [T, S] bool → logits [T, V] (the lm_head's dtype), aux
-    [T, n_taps*H] | None; the same contract as FastTarget.run. attention="matmul" runs the attention as two
-    products and a float32 softmax (compiled on a GPU) instead of fast.fused_decode's grouped kernel; "auto" picks
-    by row count. `cublas` names the layer products left to cuBLAS (the rest run on _rows_gemm_kernel), `cublaslt`
-    those of them run through cuBLASLt on a GPU."""
+    [T, n_taps*H] | None; the same contract as FastTarget.run. attention: "flash" (fast.fused_decode's running-softmax
+    kernel, one launch), "fused" (its split-slot grouped kernel), "matmul" (two products and a float32 softmax,
+    compiled on a GPU), "auto" (AUTO_ATTENTION). `cublas` names the layer products left to cuBLAS (the rest run on
+    _rows_gemm_kernel), `cublaslt` those of them run through cuBLASLt on a GPU."""
 
     def __init__(self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None,
                  attention: str = "auto", cublas: tuple[str, ...] = CUBLAS_PRODUCTS,
@@ -247,8 +248,8 @@ class FusedVerify:
             raise ValueError(why)
         if set(cublas) - set(CUBLAS_PRODUCTS):
             raise ValueError(f"cuBLAS serves the products {CUBLAS_PRODUCTS}, not {tuple(set(cublas))}")
-        if attention not in ("auto", "fused", "matmul"):
-            raise ValueError(f"attention is 'auto', 'fused' or 'matmul', not {attention!r}")
+        if attention not in ("auto", "flash", "fused", "matmul"):
+            raise ValueError(f"attention is 'auto', 'flash', 'fused' or 'matmul', not {attention!r}")
         a = model.args
         self.model, self.cache, self.taps, self.args = model, cache, tuple(taps), a
         self.blocks = {**ROW_BLOCKS, **(blocks or {})}
@@ -275,6 +276,7 @@ class FusedVerify:
         self.logits_dtype = logits_dtype(model)
         self.attention = attention
         self._attend = None
+        self._limit: torch.Tensor | None = None
 
     @staticmethod
     def supports_rows(T: int) -> bool:
@@ -342,8 +344,10 @@ class FusedVerify:
     def _attention(self, i: int, mask, T: int) -> None:
         a, D = self.args, self.args.head_dim
         q, out = self.q[:T].view(T, a.num_heads, D), self.attn[:T].view(T, a.num_heads, D)
-        if self.attention == "fused" or (self.attention == "auto" and T <= FUSED_ATTENTION_ROWS):
-            fused_attention(q, self.cache.k[i, 0], self.cache.v[i, 0], mask, out, self.scratch)
+        kind = AUTO_ATTENTION if self.attention == "auto" else self.attention
+        if kind in ("flash", "fused"):
+            fused_attention(q, self.cache.k[i, 0], self.cache.v[i, 0], mask, out, self.scratch, flash=kind == "flash",
+                            limit=self._limit)  # fmt: skip
             return
         k, v = self.cache.k[i, 0], self.cache.v[i, 0]
         if self._attend is None:  # compiled, the mask and softmax become one kernel between the two products
@@ -368,6 +372,7 @@ class FusedVerify:
         torch.index_select(m.model.embed_tokens.weight, 0, tokens, out=h)
         cos, sin = m.rope_for(positions[None])
         cos, sin = cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
+        self._limit = attention_limit(mask)  # every layer's flash attention visits the slots below it
         H, F, nq = a.hidden_size, a.intermediate_size, a.num_heads * D
         captured = []
         for i, layer in enumerate(m.model.layers):

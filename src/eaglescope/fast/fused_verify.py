@@ -18,8 +18,8 @@ and the lm_head is _rows_gemm_kernel: tensor-core tiles with no K mask, cut over
 tiles (the last slice of a column tile to finish adds the slices in order), with the product's epilogue. The same
 kernel can run every layer product too (cublas=(); its residual epilogue rounds as the modules do): alone at 64
 rows it streams the weights at 56-80% of copy against cuBLAS's 75-92%, but the lm_head at 92% against 85%.
-8B: 5.01-5.08 ms at 64 tokens (1.27-1.29x the one-token step), 4.9-5.1 at 24
-(bench/results/bench-all-20261204T190248.json, fused-decode-check-20261204T191729.json).
+8B: 4.84 ms at 64 tokens and 4.85 at 24 (1.21x the one-token step; with the split-slot or product attention 5.0-5.1
+ms: bench/results/bench-roofline-20261204T192829.json, fused-decode-check-20261204T192953.json).
 """
 
 from __future__ import annotations

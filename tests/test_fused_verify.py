@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 from drafts import make_draft  # noqa: E402
 from models import make_checkpoint  # noqa: E402
-from tolerance import assert_close_float32  # noqa: E402
+from tolerance import assert_step_matches_modules  # noqa: E402
 
 from eaglescope.decode.speculative import target_embedding  # noqa: E402
 from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
@@ -127,17 +127,8 @@ def test_verify_step_matches_the_modules(family, attention, cublas, tmp_path):
     mask[1, P] = mask[3, 70] = True
     mask[4, [P, P + 1]] = True
     toks = torch.tensor([11, 60, 2, 33, 8])
-    before = (ft.cache.k.clone(), ft.cache.v.clone())
-    want, want_aux = ft._run_eager(toks, pos, mask, slots)
-    want_cache = (ft.cache.k.clone(), ft.cache.v.clone())
-    ft.cache.k.copy_(before[0])
-    ft.cache.v.copy_(before[1])
-    got, aux = fv(toks, pos, mask, slots)
     depth = len(model.model.layers) + 1  # every layer, then the head
-    assert_close_float32(got, want, depth, key="logits")
-    assert_close_float32(aux, want_aux, depth, key="aux")
-    assert_close_float32(ft.cache.k, want_cache[0], depth, key="cache.k")
-    assert_close_float32(ft.cache.v, want_cache[1], depth, key="cache.v")
+    assert_step_matches_modules(ft, fv, toks, pos, mask, slots, depth)
     assert not fv.count.any()  # split-K counters back to zero for the next call
     assert attention != "matmul" or fv._attend is _attend_products
     assert not FusedVerify.supports_rows(1) and not FusedVerify.supports_rows(MAX_ROWS + 1)

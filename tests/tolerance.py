@@ -39,3 +39,21 @@ def assert_close_float32(actual: torch.Tensor, expected: torch.Tensor, depth: in
         atol=atol,
         msg=lambda m: f"{prefix}{m}\n(float32 tolerance {atol:.3g} = {ULPS_PER_LAYER} eps x depth {depth} x scale)",
     )
+
+
+def assert_step_matches_modules(ft, run, tokens, positions, mask, slots, depth: int) -> None:
+    """`run(tokens, positions, mask, slots)`, a kernel path of the fast.FastTarget `ft`, against `ft._run_eager` (the
+    model's own modules) from the same cache: logits, taps and the cache entries the step writes, each held to
+    float32's bound at `depth`; the step must write some key."""
+    before = (ft.cache.k.clone(), ft.cache.v.clone())
+    want, want_aux = ft._run_eager(tokens, positions, mask, slots)
+    want_cache = (ft.cache.k.clone(), ft.cache.v.clone())
+    ft.cache.k.copy_(before[0])
+    ft.cache.v.copy_(before[1])
+    got, aux = run(tokens, positions, mask, slots)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert_close_float32(got, want, depth, key="logits")
+    assert_close_float32(aux, want_aux, depth, key="aux")
+    assert_close_float32(ft.cache.k, want_cache[0], depth, key="cache.k")
+    assert_close_float32(ft.cache.v, want_cache[1], depth, key="cache.v")
+    assert not torch.equal(want_cache[0], before[0])

@@ -151,6 +151,13 @@ def test_speculative_decoding_through_fused_steps_and_verifies_is_vanilla_greedy
     assert sum(fast.accepted) > 0
 
 
+def test_cublaslt_only_for_products_left_to_cublas(tiny_verify):
+    fv = FusedVerify(tiny_verify.model, tiny_verify.cache, cublas=("o", "down"))
+    assert fv.cublaslt == ("down",)  # the default, for the products cuBLAS runs
+    with pytest.raises(ValueError, match="cuBLASLt runs products left to cuBLAS"):
+        FusedVerify(tiny_verify.model, tiny_verify.cache, cublas=("o",), cublaslt=("down",))
+
+
 def test_narrow_heads_are_refused(tmp_path):
     model = load_target(make_checkpoint("llama", tmp_path, num_hidden_layers=2), device="cpu").model  # head_dim 16
     with pytest.raises(ValueError, match="head_dim >= 32"):

@@ -238,16 +238,20 @@ class FusedVerify:
     [T, n_taps*H] | None; the same contract as FastTarget.run. attention: "flash" (fast.fused_decode's running-softmax
     kernel, one launch), "fused" (its split-slot grouped kernel), "matmul" (two products and a float32 softmax,
     compiled on a GPU), "auto" (AUTO_ATTENTION). `cublas` names the layer products left to cuBLAS (the rest run on
-    _rows_gemm_kernel), `cublaslt` those of them run through cuBLASLt on a GPU."""
+    _rows_gemm_kernel), `cublaslt` those of them run through cuBLASLt on a GPU (default: CUBLASLT_PRODUCTS)."""
 
     def __init__(self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None,
                  attention: str = "auto", cublas: tuple[str, ...] = CUBLAS_PRODUCTS,
-                 cublaslt: tuple[str, ...] = CUBLASLT_PRODUCTS) -> None:  # fmt: skip
+                 cublaslt: tuple[str, ...] | None = None) -> None:  # fmt: skip
         why = fused_verify_supported(model, model.lm_head.weight.device)
         if why:
             raise ValueError(why)
         if set(cublas) - set(CUBLAS_PRODUCTS):
             raise ValueError(f"cuBLAS serves the products {CUBLAS_PRODUCTS}, not {tuple(set(cublas))}")
+        if cublaslt is None:  # the measured default, for those products cuBLAS runs
+            cublaslt = tuple(p for p in CUBLASLT_PRODUCTS if p in cublas)
+        if set(cublaslt) - set(cublas):
+            raise ValueError(f"cuBLASLt runs products left to cuBLAS ({tuple(cublas)}), not {tuple(set(cublaslt))}")
         if attention not in ("auto", "flash", "fused", "matmul"):
             raise ValueError(f"attention is 'auto', 'flash', 'fused' or 'matmul', not {attention!r}")
         a = model.args
@@ -372,7 +376,8 @@ class FusedVerify:
         torch.index_select(m.model.embed_tokens.weight, 0, tokens, out=h)
         cos, sin = m.rope_for(positions[None])
         cos, sin = cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
-        self._limit = attention_limit(mask)  # every layer's flash attention visits the slots below it
+        if (AUTO_ATTENTION if self.attention == "auto" else self.attention) == "flash":
+            self._limit = attention_limit(mask)  # every layer's flash attention visits the slots below it
         H, F, nq = a.hidden_size, a.intermediate_size, a.num_heads * D
         captured = []
         for i, layer in enumerate(m.model.layers):

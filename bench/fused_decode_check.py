@@ -263,29 +263,25 @@ def _fused_verify(
             save()
         best = None
         no_qkv = tuple(p for p in CUBLAS_PRODUCTS if p != "qkv")
-        for cublas, lt, defer in (
-            (CUBLAS_PRODUCTS, CUBLASLT_PRODUCTS, True),  # o's and down's residual adds in the next norm kernel
-            (CUBLAS_PRODUCTS, CUBLASLT_PRODUCTS, False),
-            (CUBLAS_PRODUCTS, (), False),
-            (no_qkv, CUBLASLT_PRODUCTS, False),
-            ((), (), False),
+        for cublas, lt in (
+            (CUBLAS_PRODUCTS, CUBLASLT_PRODUCTS),
+            (CUBLAS_PRODUCTS, ()),
+            (no_qkv, CUBLASLT_PRODUCTS),
+            ((), ()),
         ):
             for attention in ("flash", "fused", "matmul"):  # running softmax, split-slot grouped kernel, products
-                fv.attention, fv.cublas, fv.cublaslt, fv.defer_residual = attention, cublas, lt, defer
+                fv.attention, fv.cublas, fv.cublaslt = attention, cublas, lt
                 v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
                 key = f"{attention}_attention_cublas_{'_'.join(cublas) or 'none'}_cublaslt_{'_'.join(lt) or 'none'}"
-                key += "_deferred_residual" if defer else ""
                 res[f"verify_ms_fused_verify_{key}"] = {str(t): round(x, 4) for t, x in v.items()}
                 print(f"verify, fused verify kernels, {key}", json.dumps({t: round(x / v[1], 4) for t, x in v.items()}),
                       json.dumps(v), flush=True)  # fmt: skip
                 if best is None or v[sizes[-2]] < best[1][sizes[-2]]:  # the 64-token verify (smoke: 4)
-                    best = ((attention, cublas, lt, defer), v)
+                    best = ((attention, cublas, lt), v)
                 save()
-        (fv.attention, fv.cublas, fv.cublaslt, fv.defer_residual), v = best
+        (fv.attention, fv.cublas, fv.cublaslt), v = best
         attention = f"{fv.attention} attention, cuBLAS for {fv.cublas or 'none'}, cuBLASLt for {fv.cublaslt or 'none'}"
-        attention += ", residual adds deferred" if fv.defer_residual else ""
-        res["verify_mix"] = {"attention": fv.attention, "cublas": list(fv.cublas), "cublaslt": list(fv.cublaslt),
-                             "defer_residual": fv.defer_residual}  # fmt: skip
+        res["verify_mix"] = {"attention": fv.attention, "cublas": list(fv.cublas), "cublaslt": list(fv.cublaslt)}
         res["verify_ms_fused_verify"] = {str(t): round(x, 4) for t, x in v.items()}
         res["verify_cost_ratio_fused_verify"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
         print("verify, fused verify kernels", json.dumps(res["fused_verify_vs_modules"]), attention,

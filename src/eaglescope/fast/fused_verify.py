@@ -11,9 +11,7 @@ each layer is, by default (the mix bench/fused_decode_check.py --sweep-verify me
            a softmax remain, attention="fused" / "matmul");
 - o, down: cuBLAS with the residual add as addmm's beta = 1 (no kernel of its own; it rounds h + x @ W.T once,
            where the modules round the product and then the sum: 1-ulp differences on ~30% of bf16 elements);
-           down through cuBLASLt (CUBLASLT_PRODUCTS). defer_residual=True (not yet timed on a GPU) writes the
-           product to a buffer and leaves the add to the next RMSNorm kernel, rounded as the modules round: beta = 1
-           picks a slower cuBLAS kernel for o at 64 rows (12.2 µs against 8.4 µs for the plain product);
+           down through cuBLASLt (CUBLASLT_PRODUCTS);
 - gate/up: cuBLASLt, then one SiLU·up kernel;
 
 and the lm_head is _rows_gemm_kernel: tensor-core tiles with no K mask, cut over K when the product has few column
@@ -75,17 +73,12 @@ EPILOGUE = {"qkv": "qkv", "o": "residual", "gate_up": "gate_up", "down": "residu
 if triton is not None:
 
     @triton.jit
-    def _rows_rmsnorm_kernel(x, r, nw, y, eps, K: tl.constexpr, KP2: tl.constexpr, ADD: tl.constexpr):
-        """y[t] = RMSNorm(x[t]) with the module's two roundings; one program per row. With ADD, first x[t] += r[t]
-        in place (the residual add, rounded as the module's `h + proj(...)`)."""
+    def _rows_rmsnorm_kernel(x, nw, y, eps, K: tl.constexpr, KP2: tl.constexpr):
+        """y[t] = RMSNorm(x[t]) with the module's two roundings; one program per row."""
         t = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, KP2)
         ok = k < K
-        xs = tl.load(x + t * K + k, mask=ok, other=0.0)
-        if ADD:
-            xs = (xs.to(tl.float32) + tl.load(r + t * K + k, mask=ok, other=0.0).to(tl.float32)).to(xs.dtype)
-            tl.store(x + t * K + k, xs, mask=ok)
-        xs = xs.to(tl.float32)
+        xs = tl.load(x + t * K + k, mask=ok, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, 0) / K + eps)
         normed = (xs * rstd).to(y.dtype.element_ty).to(tl.float32)
         w = tl.load(nw + k, mask=ok, other=0.0).to(tl.float32)
@@ -245,12 +238,11 @@ class FusedVerify:
     [T, n_taps*H] | None; the same contract as FastTarget.run. attention: "flash" (fast.fused_decode's running-softmax
     kernel, one launch), "fused" (its split-slot grouped kernel), "matmul" (two products and a float32 softmax,
     compiled on a GPU), "auto" (AUTO_ATTENTION). `cublas` names the layer products left to cuBLAS (the rest run on
-    _rows_gemm_kernel), `cublaslt` those of them run through cuBLASLt on a GPU (default: CUBLASLT_PRODUCTS);
-    `defer_residual`: o's and down's residual adds (on cuBLAS) done by the next norm kernel."""
+    _rows_gemm_kernel), `cublaslt` those of them run through cuBLASLt on a GPU (default: CUBLASLT_PRODUCTS)."""
 
     def __init__(self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None,
                  attention: str = "auto", cublas: tuple[str, ...] = CUBLAS_PRODUCTS,
-                 cublaslt: tuple[str, ...] | None = None, defer_residual: bool = False) -> None:  # fmt: skip
+                 cublaslt: tuple[str, ...] | None = None) -> None:  # fmt: skip
         why = fused_verify_supported(model, model.lm_head.weight.device)
         if why:
             raise ValueError(why)
@@ -281,8 +273,6 @@ class FusedVerify:
         n_qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
         self.qkv_out = torch.zeros(R, n_qkv, device=dev, dtype=dt)  # cuBLAS's products before their epilogue kernels
         self.gate_up_out = torch.zeros(R, 2 * a.intermediate_size, device=dev, dtype=dt)
-        self.defer_residual = defer_residual
-        self.residual_out = torch.zeros(R, H, device=dev, dtype=dt)  # o's or down's product, added by the next norm
         self.scratch = attention_scratch(R, a.num_heads, a.head_dim, cache.size, dev)
         self.part = torch.zeros(1, device=dev, dtype=torch.float32)  # split-K partials
         self.count = torch.zeros(1, device=dev, dtype=torch.int32)  # a finish counter per column tile
@@ -350,24 +340,10 @@ class FusedVerify:
     def _library(self, name: str, x: torch.Tensor) -> contextlib.AbstractContextManager:
         return blas_library("cublaslt" if name in self.cublaslt and x.is_cuda else None)
 
-    def _norm(self, norm, x, T: int, add: torch.Tensor | None = None) -> torch.Tensor:
-        """RMSNorm of x's T rows into self.normed; with `add`, x += add first (in place)."""
+    def _norm(self, norm, x, T: int) -> torch.Tensor:
         K = x.shape[1]
-        _rows_rmsnorm_kernel[(T,)](x, add if add is not None else x, norm.weight, self.normed, norm.eps, K=K,
-                                   KP2=triton.next_power_of_2(K), ADD=add is not None)  # fmt: skip
+        _rows_rmsnorm_kernel[(T,)](x, norm.weight, self.normed, norm.eps, K=K, KP2=triton.next_power_of_2(K))
         return self.normed
-
-    def _residual(self, name: str, x, layer_proj, h, T: int) -> torch.Tensor | None:
-        """h += x @ W.T (+ b) for the o or down product; → the product when its add is deferred to the next norm
-        (defer_residual), else None (added now: addmm's beta = 1 on cuBLAS, the kernel's epilogue otherwise)."""
-        if name not in self.cublas:
-            self._product(name, x, layer_proj.weight, layer_proj.bias, h, T, h.shape[1])
-            return None
-        with self._library(name, h):
-            if self.defer_residual:
-                return _mm(x[:T], layer_proj.weight, layer_proj.bias, self.residual_out[:T])
-            _mm_residual(x[:T], layer_proj.weight, layer_proj.bias, h)
-        return None
 
     def _attention(self, i: int, mask, T: int) -> None:
         a, D = self.args, self.args.head_dim
@@ -402,13 +378,12 @@ class FusedVerify:
         cos, sin = cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
         if (AUTO_ATTENTION if self.attention == "auto" else self.attention) == "flash":
             self._limit = attention_limit(mask)  # every layer's flash attention visits the slots below it
-        F, nq = a.intermediate_size, a.num_heads * D
+        H, F, nq = a.hidden_size, a.intermediate_size, a.num_heads * D
         captured = []
-        pending = None  # a residual product the next norm adds into h (defer_residual)
         for i, layer in enumerate(m.model.layers):
-            qkv, x = layer.self_attn.qkv_proj, self._norm(layer.input_layernorm, h, T, add=pending)
-            if i in self.taps:  # after the norm: it completes h with the previous layer's down
+            if i in self.taps:
                 captured.append(h.clone())
+            qkv, x = layer.self_attn.qkv_proj, self._norm(layer.input_layernorm, h, T)
             kc, vc = self.cache.k[i], self.cache.v[i]
             if "qkv" in self.cublas:
                 out = _mm(x[:T], qkv.weight, qkv.bias, self.qkv_out[:T])
@@ -419,17 +394,26 @@ class FusedVerify:
                 self._product("qkv", x, qkv.weight, qkv.bias, self.q, T, nq + 2 * a.num_kv_heads * D, cos=cos,
                               sin=sin, kc=kc, vc=vc, slots=slots)  # fmt: skip
             self._attention(i, mask, T)
-            pending = self._residual("o", self.attn, layer.self_attn.o_proj, h, T)
-            gu, x = layer.mlp.gate_up_proj, self._norm(layer.post_attention_layernorm, h, T, add=pending)
+            o = layer.self_attn.o_proj
+            if "o" in self.cublas:
+                _mm_residual(self.attn[:T], o.weight, o.bias, h)
+            else:
+                self._product("o", self.attn, o.weight, o.bias, h, T, H)
+            gu, x = layer.mlp.gate_up_proj, self._norm(layer.post_attention_layernorm, h, T)
             if "gate_up" in self.cublas:
                 with self._library("gate_up", x):
                     out = _mm(x[:T], gu.weight, gu.bias, self.gate_up_out[:T])
                 _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](out, self.act, F, BLOCK=1024)
             else:
                 self._product("gate_up", x, gu.weight, gu.bias, self.act, T, F)
-            pending = self._residual("down", self.act, layer.mlp.down_proj, h, T)
+            down = layer.mlp.down_proj
+            if "down" in self.cublas:
+                with self._library("down", h):
+                    _mm_residual(self.act[:T], down.weight, down.bias, h)
+            else:
+                self._product("down", self.act, down.weight, down.bias, h, T, H)
         logits = torch.empty(T, a.vocab_size, device=h.device, dtype=self.logits_dtype)
-        self._product("lm_head", self._norm(m.model.norm, h, T, add=pending), m.lm_head.weight, None, logits, T,
+        self._product("lm_head", self._norm(m.model.norm, h, T), m.lm_head.weight, None, logits, T,
                       a.vocab_size)  # fmt: skip
         aux = torch.cat(captured, dim=-1) if captured else None
         return logits, aux

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eaglescope.decode.tree import EAGLE_DEFAULT_TREE, DraftTree, TreeBuilder
+from eaglescope.decode.tree import EAGLE_DEFAULT_TREE, DraftTree, TreeBuilder, top_k_rows
 from eaglescope.errors import EagleScopeError
 
 
@@ -129,6 +129,33 @@ def test_tree_builder_matches_brute_force_eagle2(root, top_k, depth, total, voca
     # order: by depth, then score descending
     key = list(zip(tree.depths.tolist(), (-tree.scores).tolist(), strict=True))
     assert key == sorted(key)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.sampled_from([2048, 32000, 128 * 37, 300 * 7]),
+    st.integers(1, 12),
+    st.integers(0, 2**31 - 1),
+    st.booleans(),
+)
+def test_top_k_rows_is_topk(m, vocab, k, seed, coarse):
+    """The two-pass top-k gives torch.topk's values, best first, at indices that hold them (coarse values make ties,
+    where the indices may differ but must still be distinct and hold the same values)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, vocab, generator=g)
+    if coarse:
+        x = (x * 2).round() / 2
+    vals, ids = top_k_rows(x, k)
+    ref_vals, ref_ids = x.topk(k, dim=-1)
+    assert vals.shape == ids.shape == (m, k)
+    assert torch.equal(vals, ref_vals)
+    assert torch.equal(x.gather(1, ids), vals)
+    assert all(len(set(r)) == k for r in ids.tolist())
+    if not coarse:  # no ties among the top (random floats): the very same indices
+        assert torch.equal(ids, ref_ids)
+    vals3, ids3 = top_k_rows(x[None], k)
+    assert torch.equal(vals3[0], vals) and torch.equal(ids3[0], ids)
 
 
 def test_finalize_stays_connected_on_score_ties():

@@ -16,7 +16,7 @@ from eaglescope import trace as T
 from eaglescope.decode.generation import DecodeSettings, SamplingConfig
 from eaglescope.decode.round import RoundState, SlotCache, StageBuffers
 from eaglescope.decode.sampling import process_logits, sample
-from eaglescope.decode.tree import DraftTree, TreeBuilder, expand_level, finalize_tree
+from eaglescope.decode.tree import DraftTree, TreeBuilder, expand_level, finalize_tree, top_k_rows
 from eaglescope.errors import EagleScopeError
 from eaglescope.models.draft import Eagle3Draft, check_draft_matches_target, load_draft
 from eaglescope.models.targets import load_target
@@ -289,7 +289,7 @@ class Eagle3Proposer(Proposer):
 
     def _record_topk(self, step: int, lp: torch.Tensor) -> None:
         if self.rec is not None:
-            v, i = lp.topk(min(self.top_k, lp.shape[-1]), dim=-1)
+            v, i = top_k_rows(lp, min(self.top_k, lp.shape[-1]))
             self.rec.record(T.draft_topk(step - 1), {T.TOPK_IDS: self.to_target_ids(i), T.TOPK_LOGPROBS: v})
 
 

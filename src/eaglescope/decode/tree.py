@@ -257,11 +257,29 @@ class TreeBuilder:
         return tree
 
 
+def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.topk(k, dim=-1) of a wide [..., V] (a draft vocabulary's log-probs), best first: the top k of every 256 (or
+    128) columns, then the top k of those. On CUDA, torch takes a few wide rows through its multi-block radix select,
+    ~14 kernels (~33 µs for [4, 32000] on an H200, bench-roofline-20261204T192019.json's draft profile); 500 narrow
+    slices and one short row take its single-block kernel twice. The same values; among equal values the indices
+    may differ, as they may between any two topk kernels."""
+    V = x.shape[-1]
+    chunk = next((c for c in (256, 128) if V % c == 0), 0)
+    if not chunk or V < 8 * chunk or k > chunk:
+        return x.topk(k, dim=-1)
+    lead = x.shape[:-1]
+    local_vals, local_ids = x.reshape(-1, V // chunk, chunk).topk(k, dim=-1, sorted=False)  # [m, V/chunk, k]
+    offsets = torch.arange(0, V, chunk, device=x.device)[None, :, None]
+    vals, pick = local_vals.flatten(1).topk(k, dim=-1)
+    ids = (local_ids + offsets).flatten(1).gather(1, pick)
+    return vals.reshape(*lead, k), ids.reshape(*lead, k)
+
+
 def expand_level(tokens, parents, depths, scores, lineage, next_id, parent_nodes, logprobs, k: int, top_k: int):
     """One level of TreeBuilder.expand, in place: the top-k children of each of parent_nodes [m] (log-probs [m, V]) get
     builder ids next_id .. next_id + m*k - 1, next_id moves past them → the next frontier (the global top_k of the new
     candidates by cumulative log-prob, best first). Tensors in, tensors out, no host read: capturable and compilable."""
-    child_lp, child_tok = logprobs.topk(k, dim=-1)  # [m, k]
+    child_lp, child_tok = top_k_rows(logprobs, k)  # [m, k]
     cum = (scores[parent_nodes][:, None] + child_lp.to(scores.dtype)).flatten()  # [m*k]
     ids = next_id + torch.arange(cum.shape[0], device=tokens.device)
     of = parent_nodes.repeat_interleave(k)  # each candidate's parent

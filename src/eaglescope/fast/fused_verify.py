@@ -9,9 +9,12 @@ each layer is, by default (the mix bench/fused_decode_check.py --sweep-verify me
 - attend:  fast.fused_decode.fused_attention's flash kernel: a program per kv group and 16 (row, head) pairs walks
            the cache with a running softmax, one launch per layer (the split-slot grouped kernel and two products and
            a softmax remain, attention="fused" / "matmul");
-- o, down: cuBLAS with the residual add as addmm's beta = 1 (no kernel of its own; it rounds h + x @ W.T once,
-           where the modules round the product and then the sum: 1-ulp differences on ~30% of bf16 elements);
-           down through cuBLASLt (CUBLASLT_PRODUCTS);
+- o, down: cuBLAS (down through cuBLASLt, CUBLASLT_PRODUCTS) into a buffer; the next RMSNorm kernel adds it into
+           the residual stream before it normalises, rounded as the modules round (DEFER_RESIDUAL). The residual as
+           addmm's beta = 1 (defer_residual=False) needs no buffer and no add, but cuBLAS then picks a slower
+           kernel for o (12.2 µs against 8.4 µs at 64 rows, fused-decode-check-20261204T191729.json): the two
+           verify equally fast as a whole; beta = 1 rounds h + x @ W.T once (1-ulp differences on ~30% of bf16
+           elements);
 - gate/up: cuBLASLt, then one SiLU·up kernel;
 
 and the lm_head is _rows_gemm_kernel: tensor-core tiles with no K mask, cut over K when the product has few column
@@ -57,7 +60,7 @@ ROW_BLOCKS = {
 }
 # ~2 waves of 132 SMs: products with few column tiles (all but lm_head at 8B) are cut over K to get there
 SPLIT_PROGRAMS = 264
-# products left to cuBLAS (its product, then a small kernel for RoPE / SiLU, the residual as addmm's beta = 1):
+# products left to cuBLAS (its product, then a small kernel for RoPE / SiLU; the residual add in the next norm):
 # alone at 64 rows it streams the layer weights at 75-94% of copy against 56-80% for _rows_gemm_kernel, which
 # wins only on the lm_head (bench/results/fused-decode-check-20261129T144905.json)
 CUBLAS_PRODUCTS = ("qkv", "o", "gate_up", "down")
@@ -67,18 +70,26 @@ CUBLAS_PRODUCTS = ("qkv", "o", "gate_up", "down")
 CUBLASLT_PRODUCTS = ("gate_up", "down")
 # attention="auto" (the mix the benchmarks run): flash attention at every row count
 AUTO_ATTENTION = "flash"
+# o's and down's products left for the next norm kernel to add (module docstring): as fast as beta = 1 at 24-64 rows
+# (4.85 against 4.82 ms at 64, fused-decode-check-20261204T205136.json), and it rounds as the modules do
+DEFER_RESIDUAL = True
 # each product's epilogue (the kernel's MODE)
 EPILOGUE = {"qkv": "qkv", "o": "residual", "gate_up": "gate_up", "down": "residual", "lm_head": "plain"}
 
 if triton is not None:
 
     @triton.jit
-    def _rows_rmsnorm_kernel(x, nw, y, eps, K: tl.constexpr, KP2: tl.constexpr):
-        """y[t] = RMSNorm(x[t]) with the module's two roundings; one program per row."""
+    def _rows_rmsnorm_kernel(x, r, nw, y, eps, K: tl.constexpr, KP2: tl.constexpr, ADD: tl.constexpr):
+        """y[t] = RMSNorm(x[t]) with the module's two roundings; one program per row. With ADD, first x[t] += r[t]
+        in place (the residual add, rounded as the module's `h + proj(...)`)."""
         t = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, KP2)
         ok = k < K
-        xs = tl.load(x + t * K + k, mask=ok, other=0.0).to(tl.float32)
+        xs = tl.load(x + t * K + k, mask=ok, other=0.0)
+        if ADD:
+            xs = (xs.to(tl.float32) + tl.load(r + t * K + k, mask=ok, other=0.0).to(tl.float32)).to(xs.dtype)
+            tl.store(x + t * K + k, xs, mask=ok)
+        xs = xs.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, 0) / K + eps)
         normed = (xs * rstd).to(y.dtype.element_ty).to(tl.float32)
         w = tl.load(nw + k, mask=ok, other=0.0).to(tl.float32)
@@ -238,11 +249,13 @@ class FusedVerify:
     [T, n_taps*H] | None; the same contract as FastTarget.run. attention: "flash" (fast.fused_decode's running-softmax
     kernel, one launch), "fused" (its split-slot grouped kernel), "matmul" (two products and a float32 softmax,
     compiled on a GPU), "auto" (AUTO_ATTENTION). `cublas` names the layer products left to cuBLAS (the rest run on
-    _rows_gemm_kernel), `cublaslt` those of them run through cuBLASLt on a GPU (default: CUBLASLT_PRODUCTS)."""
+    _rows_gemm_kernel), `cublaslt` those of them run through cuBLASLt on a GPU (default: CUBLASLT_PRODUCTS);
+    `defer_residual`: o's and down's residual adds (on cuBLAS) done by the next norm kernel (default DEFER_RESIDUAL),
+    else by cuBLAS's beta = 1."""
 
     def __init__(self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None,
                  attention: str = "auto", cublas: tuple[str, ...] = CUBLAS_PRODUCTS,
-                 cublaslt: tuple[str, ...] | None = None) -> None:  # fmt: skip
+                 cublaslt: tuple[str, ...] | None = None, defer_residual: bool = DEFER_RESIDUAL) -> None:  # fmt: skip
         why = fused_verify_supported(model, model.lm_head.weight.device)
         if why:
             raise ValueError(why)
@@ -273,6 +286,8 @@ class FusedVerify:
         n_qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
         self.qkv_out = torch.zeros(R, n_qkv, device=dev, dtype=dt)  # cuBLAS's products before their epilogue kernels
         self.gate_up_out = torch.zeros(R, 2 * a.intermediate_size, device=dev, dtype=dt)
+        self.defer_residual = defer_residual
+        self.residual_out = torch.zeros(R, H, device=dev, dtype=dt)  # o's or down's product, added by the next norm
         self.scratch = attention_scratch(R, a.num_heads, a.head_dim, cache.size, dev)
         self.part = torch.zeros(1, device=dev, dtype=torch.float32)  # split-K partials
         self.count = torch.zeros(1, device=dev, dtype=torch.int32)  # a finish counter per column tile
@@ -340,10 +355,24 @@ class FusedVerify:
     def _library(self, name: str, x: torch.Tensor) -> contextlib.AbstractContextManager:
         return blas_library("cublaslt" if name in self.cublaslt and x.is_cuda else None)
 
-    def _norm(self, norm, x, T: int) -> torch.Tensor:
+    def _norm(self, norm, x, T: int, add: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of x's T rows into self.normed; with `add`, x += add first (in place)."""
         K = x.shape[1]
-        _rows_rmsnorm_kernel[(T,)](x, norm.weight, self.normed, norm.eps, K=K, KP2=triton.next_power_of_2(K))
+        _rows_rmsnorm_kernel[(T,)](x, add if add is not None else x, norm.weight, self.normed, norm.eps, K=K,
+                                   KP2=triton.next_power_of_2(K), ADD=add is not None)  # fmt: skip
         return self.normed
+
+    def _residual(self, name: str, x, layer_proj, h, T: int) -> torch.Tensor | None:
+        """h += x @ W.T (+ b) for the o or down product; → the product when its add is deferred to the next norm
+        (defer_residual), else None (added now: addmm's beta = 1 on cuBLAS, the kernel's epilogue otherwise)."""
+        if name not in self.cublas:
+            self._product(name, x, layer_proj.weight, layer_proj.bias, h, T, h.shape[1])
+            return None
+        with self._library(name, h):
+            if self.defer_residual:
+                return _mm(x[:T], layer_proj.weight, layer_proj.bias, self.residual_out[:T])
+            _mm_residual(x[:T], layer_proj.weight, layer_proj.bias, h)
+        return None
 
     def _attention(self, i: int, mask, T: int) -> None:
         a, D = self.args, self.args.head_dim
@@ -378,12 +407,13 @@ class FusedVerify:
         cos, sin = cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
         if (AUTO_ATTENTION if self.attention == "auto" else self.attention) == "flash":
             self._limit = attention_limit(mask)  # every layer's flash attention visits the slots below it
-        H, F, nq = a.hidden_size, a.intermediate_size, a.num_heads * D
+        F, nq = a.intermediate_size, a.num_heads * D
         captured = []
+        pending = None  # a residual product the next norm adds into h (defer_residual)
         for i, layer in enumerate(m.model.layers):
-            if i in self.taps:
+            qkv, x = layer.self_attn.qkv_proj, self._norm(layer.input_layernorm, h, T, add=pending)
+            if i in self.taps:  # after the norm: it completes h with the previous layer's down
                 captured.append(h.clone())
-            qkv, x = layer.self_attn.qkv_proj, self._norm(layer.input_layernorm, h, T)
             kc, vc = self.cache.k[i], self.cache.v[i]
             if "qkv" in self.cublas:
                 out = _mm(x[:T], qkv.weight, qkv.bias, self.qkv_out[:T])
@@ -394,26 +424,17 @@ class FusedVerify:
                 self._product("qkv", x, qkv.weight, qkv.bias, self.q, T, nq + 2 * a.num_kv_heads * D, cos=cos,
                               sin=sin, kc=kc, vc=vc, slots=slots)  # fmt: skip
             self._attention(i, mask, T)
-            o = layer.self_attn.o_proj
-            if "o" in self.cublas:
-                _mm_residual(self.attn[:T], o.weight, o.bias, h)
-            else:
-                self._product("o", self.attn, o.weight, o.bias, h, T, H)
-            gu, x = layer.mlp.gate_up_proj, self._norm(layer.post_attention_layernorm, h, T)
+            pending = self._residual("o", self.attn, layer.self_attn.o_proj, h, T)
+            gu, x = layer.mlp.gate_up_proj, self._norm(layer.post_attention_layernorm, h, T, add=pending)
             if "gate_up" in self.cublas:
                 with self._library("gate_up", x):
                     out = _mm(x[:T], gu.weight, gu.bias, self.gate_up_out[:T])
                 _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](out, self.act, F, BLOCK=1024)
             else:
                 self._product("gate_up", x, gu.weight, gu.bias, self.act, T, F)
-            down = layer.mlp.down_proj
-            if "down" in self.cublas:
-                with self._library("down", h):
-                    _mm_residual(self.act[:T], down.weight, down.bias, h)
-            else:
-                self._product("down", self.act, down.weight, down.bias, h, T, H)
+            pending = self._residual("down", self.act, layer.mlp.down_proj, h, T)
         logits = torch.empty(T, a.vocab_size, device=h.device, dtype=self.logits_dtype)
-        self._product("lm_head", self._norm(m.model.norm, h, T), m.lm_head.weight, None, logits, T,
+        self._product("lm_head", self._norm(m.model.norm, h, T, add=pending), m.lm_head.weight, None, logits, T,
                       a.vocab_size)  # fmt: skip
         aux = torch.cat(captured, dim=-1) if captured else None
         return logits, aux

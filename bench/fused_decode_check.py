@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from round_cost import kernels  # noqa: E402
 from run_bench import (  # noqa: E402
     LLAMA_8B_DIMS,
     SMOKE_DIMS,
     _profile_step,
     copy_bandwidth_gbs,
     graphed_ms,
+    kernels,
     random_target,
     verify_ms,
 )
@@ -248,10 +248,18 @@ def _fused_verify(
             got, _ = ft3.run(toks, slots, tmask, slots)
             set_attention(model, "matmul")
             want, _ = ft3._run_eager(toks, slots, tmask, slots)
+            # random bf16 weights give near-flat logits: a row's argmax may flip where its top two are closer than
+            # bf16's rounding differences; the margin says whether every flip is such a row (correctness is
+            # tests/gpu/test_fused_kernels.py's, in float32)
+            top2 = want.float().topk(2, -1).values
+            flipped = got.argmax(-1) != want.argmax(-1)
             res["fused_verify_vs_modules"] = {
                 "max_abs_logit_diff": float((got - want).abs().max()),
-                "argmax_same_rows": int((got.argmax(-1) == want.argmax(-1)).sum()),
+                "argmax_same_rows": int((~flipped).sum()),
                 "rows": T,
+                "largest_top2_margin_of_a_flipped_row": float((top2[:, 0] - top2[:, 1])[flipped].max())
+                if bool(flipped.any())
+                else 0.0,
             }
         fv = ft3.fused_rows
         res["verify_products"] = verify_products(fv, device, res["copy_bandwidth_gbs"], 4 if smoke else 64)
@@ -263,25 +271,29 @@ def _fused_verify(
             save()
         best = None
         no_qkv = tuple(p for p in CUBLAS_PRODUCTS if p != "qkv")
-        for cublas, lt in (
-            (CUBLAS_PRODUCTS, CUBLASLT_PRODUCTS),
-            (CUBLAS_PRODUCTS, ()),
-            (no_qkv, CUBLASLT_PRODUCTS),
-            ((), ()),
+        for cublas, lt, defer in (
+            (CUBLAS_PRODUCTS, CUBLASLT_PRODUCTS, True),  # o's and down's residual adds in the next norm kernel
+            (CUBLAS_PRODUCTS, CUBLASLT_PRODUCTS, False),
+            (CUBLAS_PRODUCTS, (), False),
+            (no_qkv, CUBLASLT_PRODUCTS, False),
+            ((), (), False),
         ):
             for attention in ("flash", "fused", "matmul"):  # running softmax, split-slot grouped kernel, products
-                fv.attention, fv.cublas, fv.cublaslt = attention, cublas, lt
+                fv.attention, fv.cublas, fv.cublaslt, fv.defer_residual = attention, cublas, lt, defer
                 v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
                 key = f"{attention}_attention_cublas_{'_'.join(cublas) or 'none'}_cublaslt_{'_'.join(lt) or 'none'}"
+                key += "_deferred_residual" if defer else ""
                 res[f"verify_ms_fused_verify_{key}"] = {str(t): round(x, 4) for t, x in v.items()}
                 print(f"verify, fused verify kernels, {key}", json.dumps({t: round(x / v[1], 4) for t, x in v.items()}),
                       json.dumps(v), flush=True)  # fmt: skip
                 if best is None or v[sizes[-2]] < best[1][sizes[-2]]:  # the 64-token verify (smoke: 4)
-                    best = ((attention, cublas, lt), v)
+                    best = ((attention, cublas, lt, defer), v)
                 save()
-        (fv.attention, fv.cublas, fv.cublaslt), v = best
+        (fv.attention, fv.cublas, fv.cublaslt, fv.defer_residual), v = best
         attention = f"{fv.attention} attention, cuBLAS for {fv.cublas or 'none'}, cuBLASLt for {fv.cublaslt or 'none'}"
-        res["verify_mix"] = {"attention": fv.attention, "cublas": list(fv.cublas), "cublaslt": list(fv.cublaslt)}
+        attention += ", residual adds deferred" if fv.defer_residual else ""
+        res["verify_mix"] = {"attention": fv.attention, "cublas": list(fv.cublas), "cublaslt": list(fv.cublaslt),
+                             "defer_residual": fv.defer_residual}  # fmt: skip
         res["verify_ms_fused_verify"] = {str(t): round(x, 4) for t, x in v.items()}
         res["verify_cost_ratio_fused_verify"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
         print("verify, fused verify kernels", json.dumps(res["fused_verify_vs_modules"]), attention,
@@ -392,6 +404,15 @@ def main() -> int:
     ft3 = _fused_verify(model, prompt, ctx, S, sizes, args.smoke, args.sweep_verify, device, res, save)
     if args.profile_verify and ft3 is not None:
         _verify_profile(ft3, ctx, a.vocab_size, res)
+        save()
+        # the same mix with the residual adds the other way: where deferring them gains or loses, kernel by kernel
+        fv = ft3.fused_rows
+        fv.defer_residual = not fv.defer_residual
+        mix = res["verify_profile"]
+        _verify_profile(ft3, ctx, a.vocab_size, res)
+        res["verify_profile_residual_" + ("deferred" if fv.defer_residual else "beta_1")] = res["verify_profile"]
+        res["verify_profile"] = mix
+        fv.defer_residual = not fv.defer_residual
         save()
     del ft3
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from drafts import save_random_draft  # noqa: E402
 from models import make_checkpoint  # noqa: E402
-from run_bench import graphed_ms  # noqa: E402  (the protocol's timing: one CUDA graph, median of replays)
+from run_bench import kernels, round_pieces  # noqa: E402  (the protocol's timing: one CUDA graph, median of replays)
 
 from eaglescope.decode.speculative import load_eagle3  # noqa: E402
 from eaglescope.fast.layers import compile_layers  # noqa: E402
@@ -57,55 +57,6 @@ T0 = time.perf_counter()
 
 def say(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def kernels(fn) -> dict:
-    """CUDA kernels `fn` launches (outside a graph) and their summed device time, ms."""
-    if not torch.cuda.is_available():
-        return {}
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync()
-    ev = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return {"count": len(ev), "device_ms": round(sum(e.device_time_total for e in ev) / 1e3, 4)}
-
-
-@torch.inference_mode()
-def pieces(fe) -> dict:
-    """propose / verify / accept + commit of a FastEagle, each alone: ms as a graph, and kernels."""
-    state = fe.propose()
-    fe.d_len.sub_(fe.pend_n)  # propose advanced the draft's length: undo, so each replay sees the same state
-    fe.verify(state)
-    fe.accept(state)
-
-    def propose():
-        fe._draft_tree()
-        fe.d_len.sub_(fe.pend_n)
-
-    def verify():
-        fe.verify(state)
-
-    def accept_commit():
-        fe.accept(state)
-        saved = fe.pend_n.clone()
-        fe.commit(state)
-        fe.t_len.sub_(state.accepted + 1)
-        fe.pend_n.copy_(saved)
-
-    out = {}
-    for name, fn in (("propose", propose), ("verify", verify), ("accept_commit", accept_commit)):
-        out[name] = {"ms": round(graphed_ms(fn, fe.device, 100), 4), **kernels(fn)}
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                    "rounds": len(r.accepted), "round_ms": round(r.seconds / len(r.accepted) * 1e3, 4),
                    "tau": round(1 + sum(r.accepted) / len(r.accepted), 3)}  # fmt: skip
             row["round_over_step"] = round(row["round_ms"] / res["vanilla_step_ms"], 3)
-            row["pieces"] = pieces(fe)
+            row["pieces"] = round_pieces(fe)
             res["rows"].append(row)
             say(f"{mode} {tree}: round {row['round_ms']} ms ({row['round_over_step']}x a step), prepare {prep:.1f} s, "
                 f"pieces {json.dumps(row['pieces'])}")  # fmt: skip

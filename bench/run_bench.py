@@ -41,6 +41,7 @@ from eaglescope.config import PrepareConfig, TrainConfig
 from eaglescope.corpus import COMPLETION_TEMPLATE, code_prefixes, stdlib_corpus, train_tokenizer
 from eaglescope.data.prepare import prepare
 from eaglescope.decode.stats import SpecStats
+from eaglescope.decode.tree import top_k_rows
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast import invariant as inv_kernels
 from eaglescope.fast.engine import _graph, use_batch_invariant, use_matmul_attention
@@ -750,6 +751,51 @@ def _profile_step(fn, reps: int = 3) -> str:
     return avg.table(row_limit=25)
 
 
+def kernels(fn) -> dict:
+    """CUDA kernels `fn` launches (outside a graph) and their summed device time, ms."""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    ev = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return {"count": len(ev), "device_ms": round(sum(e.device_time_total for e in ev) / 1e3, 4)}
+
+
+@torch.inference_mode()
+def round_pieces(fe: FastEagle) -> dict:
+    """propose / verify / accept + commit of a FastEagle, each alone: ms as a graph, and kernels (their count and
+    summed device time: the graph's ms less that is launches and gaps)."""
+    state = fe.propose()
+    fe.d_len.sub_(fe.pend_n)  # propose advanced the draft's length: undo, so each replay sees the same state
+    fe.verify(state)
+    fe.accept(state)
+
+    def propose():
+        fe._draft_tree()
+        fe.d_len.sub_(fe.pend_n)
+
+    def verify():
+        fe.verify(state)
+
+    def accept_commit():
+        fe.accept(state)
+        saved = fe.pend_n.clone()
+        fe.commit(state)
+        fe.t_len.sub_(state.accepted + 1)
+        fe.pend_n.copy_(saved)
+
+    out = {}
+    for name, fn in (("propose", propose), ("verify", verify), ("accept_commit", accept_commit)):
+        out[name] = {"ms": round(graphed_ms(fn, fe.device, 100), 4), **kernels(fn)}
+    return out
+
+
 def copy_bandwidth_gbs(n: int, device, dtype) -> float:
     """Device-to-device copy of n elements, bytes read + written per second (the roofline's ceiling)."""
     src = torch.randn(n, device=device, dtype=dtype)
@@ -1025,11 +1071,16 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
     dslots = base_ctx + torch.arange(K, device=device)
     dmask = (torch.arange(S, device=device)[None, :] <= dslots[:, None])[None, None]
 
-    def dstep():  # one tree level: K frontier rows through the layer, lm_head, log-softmax, top-k
+    def dstep():  # one tree level: K frontier rows through the layer, lm_head, log-softmax, top-k (as the round's)
         o = draft.step(emb, hid, dpos, dcache, dslots, dmask)
-        torch.log_softmax(draft.logits(o).float(), -1).topk(K, -1)
+        top_k_rows(torch.log_softmax(draft.logits(o).float(), -1), K)
 
     rf.res["draft_step_ms"] = round(graphed_ms(dstep, device, reps=50), 4)
+    lp = torch.randn(K, dc.draft_vocab_size, device=device)  # a level's top-k alone: torch's and the round's
+    rf.res["draft_topk_us"] = {
+        "torch.topk": round(1e3 * graphed_ms(lambda: lp.topk(K, -1), device, reps=50), 2),
+        "top_k_rows": round(1e3 * graphed_ms(lambda: top_k_rows(lp, K), device, reps=50), 2),
+    }
     if device.type == "cuda":  # the same level with its products through cuBLASLt (as fast/fused_verify.py's down)
         with blas_library("cublaslt"):
             rf.res["draft_step_ms_cublaslt"] = round(graphed_ms(dstep, device, reps=50), 4)
@@ -1073,6 +1124,11 @@ def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compile
     res["replay_speedup"] = round(tps / vtps, 4)
     res["replay_eta"] = round(tps / vtps / tau, 4)
     say(f"roofline replay: τ {tau:.2f}, {tps:.1f} vs {vtps:.1f} tok/s, round {res['replay_round_ms']} ms")
+    if rf.device.type == "cuda" and rf.left() > 90:  # where the round's time goes: each operation alone
+        try:
+            res["replay_round_pieces"] = round_pieces(fe)
+        except Exception as e:
+            res["replay_round_pieces"] = f"profiler failed: {type(e).__name__}: {e}"
 
 
 # -- main -------------------------------------------------------------------------------------------

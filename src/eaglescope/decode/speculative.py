@@ -58,8 +58,10 @@ class NoProposer(Proposer):
         return DraftTree.chain([tokens[-1]])
 
 
-# The draft side's fixed-shape pieces on the static backend, compiled one by one (Eagle3Proposer.compile)
-PIECES = ("catch_up", "_logprobs", "tree_level", "expand_level", "finalize")
+# The draft side's fixed-shape pieces on the static backend, compiled one by one (Eagle3Proposer.compile); with a
+# fused draft layer, catch_up and tree_level are their inputs' pieces around it, and head_logprobs after it
+PIECES = ("catch_up", "_logprobs", "tree_level", "expand_level", "finalize", "catch_up_inputs", "level_inputs",
+          "head_logprobs")  # fmt: skip
 
 
 class Eagle3Proposer(Proposer):
@@ -102,6 +104,9 @@ class Eagle3Proposer(Proposer):
         self.pending_tokens: torch.Tensor | None = None  # [P] the token that follows each of those positions
         self._levels = torch.arange(depth + 1, device=self.device)  # each tree level as a [1] slice (no host copy)
         self._compiled: dict | None = None  # PIECES compiled (`compile`), or None: plain
+        # the draft layer's own kernels (fast/fused_draft.py FusedDraftStep), set by the static backend, or None: the
+        # modules. (embeds, hidden [T, H], positions, slots [T], mask [T, S]) → (what step returns, its final norm)
+        self.fused_layer = None
 
     @property
     def max_nodes(self) -> int:
@@ -145,6 +150,13 @@ class Eagle3Proposer(Proposer):
         go to draft slots start..start+P-1 → the pre-norm outputs [P, H]. `start`: int, or [1] (static backend, whose
         rows past its pending count are padding: they land past the context, no real row sees them, and the next
         catch-up overwrites them)."""
+        embeds, hidden, positions, slots, mask = self.catch_up_inputs(aux, tokens, start)
+        out = self.draft.step(embeds[None], hidden[None], positions[None], self.cache, slots, mask[None, None])[0]
+        self._record(T.draft_hidden_out(0), out)
+        return out
+
+    def catch_up_inputs(self, aux: torch.Tensor, tokens: torch.Tensor, start):
+        """catch_up's draft step inputs → (embeddings, features [P, H], positions, slots [P], mask [P, S])."""
         P = aux.shape[0]
         slots = start + self.slots[:P]
         mask = self.slots[None, :] <= slots[:, None]  # the context before, and each row itself
@@ -156,7 +168,12 @@ class Eagle3Proposer(Proposer):
         embeds = self.embed(tokens)
         self._record(T.draft_embed_in(0), embeds)
         self._record(T.draft_hidden_in(0), hidden)
-        out = self.draft.step(embeds[None], hidden[None], positions[None], self.cache, slots, mask[None, None])[0]
+        return embeds, hidden, positions, slots, mask
+
+    def fused_catch_up(self, aux: torch.Tensor, tokens: torch.Tensor, start) -> torch.Tensor:
+        """catch_up with the draft layer on `fused_layer`."""
+        embeds, hidden, positions, slots, mask = self.piece("catch_up_inputs")(aux, tokens, start)
+        out = self.fused_layer(embeds, hidden, positions, slots, mask)[0]
         self._record(T.draft_hidden_out(0), out)
         return out
 
@@ -206,6 +223,15 @@ class Eagle3Proposer(Proposer):
         tree_base + (level-1)*top_k + j, attention to the committed context and each row's own ancestors → the step's
         (tokens, positions, embeddings, features in, pre-norm outputs, log-probs). Writes the frontier's slots into
         slot_of [capacity] (the cache's size where a node has none)."""
+        tok, positions, embeds, hidden_in, slots, mask = self.level_inputs(
+            tokens, parents, lineage, slot_of, ctx_mask, frontier, prev_front, prev_out, root_position, level
+        )
+        out = self.draft.step(embeds[None], hidden_in[None], positions[None], self.cache, slots, mask[None, None])[0]
+        return tok, positions, embeds, hidden_in, out, self._logprobs(out)
+
+    def level_inputs(self, tokens, parents, lineage, slot_of, ctx_mask, frontier, prev_front, prev_out,
+                     root_position, level):  # fmt: skip
+        """tree_level's draft step inputs → (tokens, positions, embeddings, features in, slots [m], mask [m, S])."""
         m, S, dev = frontier.shape[0], self.cache.size, self.device
         par = parents[frontier]
         hidden_in = self.child_hidden(prev_out[(prev_front[None, :] == par[:, None]).float().argmax(1)])
@@ -216,9 +242,18 @@ class Eagle3Proposer(Proposer):
         mask = anc[:, :S] | ctx_mask[None, :]
         positions = _as_index(self.tree_position(root_position, level), dev).expand(m)
         tok = self.to_target_ids(tokens[frontier])  # the embedding is the target's
-        embeds = self.embed(tok)
-        out = self.draft.step(embeds[None], hidden_in[None], positions[None], self.cache, slots, mask[None, None])[0]
-        return tok, positions, embeds, hidden_in, out, self._logprobs(out)
+        return tok, positions, self.embed(tok), hidden_in, slots, mask
+
+    def fused_tree_level(self, *args):
+        """tree_level with the draft layer on `fused_layer`. Its `out` is a view the next level's layer overwrites:
+        the next level_inputs gathers from it first, and nothing else holds it."""
+        tok, positions, embeds, hidden_in, slots, mask = self.piece("level_inputs")(*args)
+        out, normed = self.fused_layer(embeds, hidden_in, positions, slots, mask)
+        return tok, positions, embeds, hidden_in, out, self.piece("head_logprobs")(normed)
+
+    def head_logprobs(self, normed: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary log-probs [m, Vd] in float32 from the final norm's output."""
+        return torch.log_softmax(self.draft.head(normed).float(), dim=-1)
 
     def finalize(self, tokens, parents, depths, scores, lineage, num_nodes: int, total: int):
         """The builder's candidates reranked to `total` nodes (decode/tree.py finalize_tree), draft ids mapped to the
@@ -245,6 +280,8 @@ class Eagle3Proposer(Proposer):
 
     def piece(self, name: str):
         """One of PIECES: compiled after `compile`, else the plain function."""
+        if self.fused_layer is not None and name in ("catch_up", "tree_level"):
+            return getattr(self, "fused_" + name)  # their inputs' pieces around the fused layer
         if self._compiled is not None:
             return self._compiled[name]
         return expand_level if name == "expand_level" else getattr(self, name)

@@ -134,7 +134,11 @@ class Eagle3Draft(nn.Module):
 
     def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits from what `step` returned (normed here unless norm_output already did)."""
-        y = self.lm_head(hidden_out if self.config.norm_output else self.norm(hidden_out))
+        return self.head(hidden_out if self.config.norm_output else self.norm(hidden_out))
+
+    def head(self, normed: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits from the final norm's output (the lm_head and its logit_scale)."""
+        y = self.lm_head(normed)
         return y * self.config.logit_scale if self.config.logit_scale != 1.0 else y
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

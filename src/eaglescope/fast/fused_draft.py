@@ -1,0 +1,139 @@
+"""The EAGLE-3 draft layer (Llama attention) on a few rows, in the fused verify's kernels.
+
+Why: at 8B a round's draft side is ~1.8 ms of kernels and ~0.5 ms of launch gaps in its graph, for ~1.1 ms of
+weight reads (bench/NOTES.md, "Where a replayed 8B round goes"). A tree level's products already stream the draft
+layer's weights near the copy bandwidth; the rest is ~20 small kernels a level that torch.compile leaves around
+them (norms, the 2H concatenation, RoPE, the cache write, attention's pieces, SiLU, residual adds). Here a step of
+T rows (a catch-up's pending positions or a tree level's frontier) is twelve launches:
+
+- input:    one kernel for both input norms, written side by side as the attention's [T, 2H] input (embedding
+            first), and the residual stream (the feature h, or its norm with norm_before_residual);
+- q/k/v:    cuBLAS, then fused_verify's RoPE + cache-write kernel at each row's draft-cache slot;
+- attend:   fused_decode.fused_attention's split-slot kernel (few rows: the cache is cut into slot blocks so
+            that all SMs work; flash attention walks it with one program per kv group);
+- o, down:  cuBLAS into a buffer that the next norm kernel adds into the residual stream (rounded as the
+            module's `h + proj(...)`): o's by the post-attention norm, down's by the final norm, which also leaves
+            the step's pre-norm output in the residual stream;
+- gate/up:  cuBLAS, then fused_verify's SiLU·up kernel;
+- lm_head:  the draft's own head over the final norm's rows.
+
+The products are the modules' (cuBLAS, as compiled modules call it), so this changes which small kernels run, not
+how the weights are read. Roundings follow the modules' except RoPE and the norm's reciprocal square root, which
+round once in float32 (1-ulp differences in bf16, as the fused verify's). Not for MLA drafts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eaglescope.fast.fused_decode import attention_scratch, available, fused_attention, triton
+from eaglescope.fast.fused_verify import _mm, _rows_rmsnorm_kernel, _rows_rope_cache_kernel, _rows_silu_mul_kernel
+from eaglescope.models.draft import Eagle3Draft
+from eaglescope.models.drafts.llama import DraftAttention
+
+if triton is not None:
+    import triton.language as tl
+
+if triton is not None:
+
+    @triton.jit
+    def _draft_input_kernel(emb, hid, w_emb, w_hid, x, h, eps, K: tl.constexpr, KP2: tl.constexpr,
+                            NORM_RESIDUAL: tl.constexpr):  # fmt: skip
+        """Program (t, 0): x[t, :K] = input_layernorm(emb[t]); program (t, 1): x[t, K:] = hidden_norm(hid[t]) and
+        h[t] = that norm (NORM_RESIDUAL) or hid[t]. The modules' two roundings (normalised, then the weight)."""
+        t, half = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        k = tl.arange(0, KP2)
+        ok = k < K
+        src = emb if half == 0 else hid
+        w = w_emb if half == 0 else w_hid
+        raw = tl.load(src + t * K + k, mask=ok, other=0.0)
+        xs = raw.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, 0) / K + eps)
+        normed = (xs * rstd).to(x.dtype.element_ty).to(tl.float32)
+        y = (tl.load(w + k, mask=ok, other=0.0).to(tl.float32) * normed).to(x.dtype.element_ty)
+        tl.store(x + t * 2 * K + half * K + k, y, mask=ok)
+        if half == 1:
+            if NORM_RESIDUAL:
+                tl.store(h + t * K + k, y, mask=ok)
+            else:
+                tl.store(h + t * K + k, raw, mask=ok)
+
+
+def fused_draft_supported(draft: Eagle3Draft) -> str | None:
+    """None if FusedDraftStep can run `draft` where its weights are, else why not (one line)."""
+    device = draft.fc.weight.device
+    if not available(device):
+        return "the fused draft step needs Triton and a CUDA device (or TRITON_INTERPRET=1)"
+    layer = draft.midlayer
+    if not isinstance(layer.self_attn, DraftAttention):
+        return f"the fused draft step runs the Llama-attention draft layer, not {type(layer.self_attn).__name__}"
+    if layer.self_attn.qkv_proj is None or layer.mlp.gate_up_proj is None:
+        return "the fused draft step needs fused q/k/v and gate/up projections (fuse_projections)"
+    D = draft.config.head_dim
+    if D & (D - 1) or D < 16:
+        return f"the fused draft step needs a power-of-two head_dim of 16 or more, not {D}"
+    return None
+
+
+class FusedDraftStep:
+    """`Eagle3Draft.step` and its normed output for up to `rows` rows (a catch-up's pending positions, a tree level's
+    frontier) on `cache` (the proposer's SlotCache).
+
+    Call with embeds, hidden [T, H], positions, slots [T] and mask [T, S] bool → (what the next step receives, as
+    `step` returns it: the pre-norm output, or the normed one with norm_output; the final norm's output, what
+    `Eagle3Draft.head` reads), both [T, H]: views of buffers the next call overwrites."""
+
+    def __init__(self, draft: Eagle3Draft, cache, rows: int) -> None:
+        why = fused_draft_supported(draft)
+        if why:
+            raise ValueError(why)
+        c, layer = draft.config, draft.midlayer
+        self.draft, self.cache, self.config, self.layer = draft, cache, c, layer
+        w = draft.fc.weight
+        dev, dt = w.device, w.dtype
+        self.rows = R = rows
+        H, D = c.hidden_size, c.head_dim
+        n_qkv = (c.num_heads + 2 * c.num_kv_heads) * D
+        z = lambda *shape: torch.zeros(*shape, device=dev, dtype=dt)  # noqa: E731
+        self.x = z(R, 2 * H)  # the attention's input: [input_layernorm(embedding), hidden_norm(h)]
+        self.h = z(R, H)  # the residual stream; after a step, its pre-norm output
+        self.qkv_out, self.q, self.attn = z(R, n_qkv), z(R, c.num_heads * D), z(R, c.num_heads * D)
+        self.residual_out = z(R, H)  # o's or down's product, added by the next norm kernel
+        self.normed = z(R, H)
+        self.gate_up_out, self.act = z(R, 2 * c.intermediate_size), z(R, c.intermediate_size)
+        self.scratch = attention_scratch(R, c.num_heads, D, cache.size, dev)
+
+    def _norm(self, norm, T: int, add: torch.Tensor) -> torch.Tensor:
+        """self.h += add, then its RMSNorm into self.normed (one kernel)."""
+        H = self.config.hidden_size
+        _rows_rmsnorm_kernel[(T,)](self.h, add, norm.weight, self.normed, norm.eps, K=H,
+                                   KP2=triton.next_power_of_2(H), ADD=True)  # fmt: skip
+        return self.normed[:T]
+
+    @torch.inference_mode()
+    def __call__(self, embeds, hidden, positions, slots, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        c, layer, attn, mlp = self.config, self.layer, self.layer.self_attn, self.layer.mlp
+        T, H, D = embeds.shape[0], c.hidden_size, c.head_dim
+        if not 1 <= T <= self.rows:
+            raise ValueError(f"this fused draft step runs 1..{self.rows} rows, not {T}")
+        emb, hid = embeds.to(self.h.dtype).contiguous(), hidden.contiguous()
+        _draft_input_kernel[(T, 2)](emb, hid, layer.input_layernorm.weight, layer.hidden_norm.weight, self.x, self.h,
+                                    layer.hidden_norm.eps, K=H, KP2=triton.next_power_of_2(H),
+                                    NORM_RESIDUAL=layer.norm_before_residual)  # fmt: skip
+        cos, sin = layer.rotary(positions[None], self.h.dtype)
+        cos, sin = cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
+        qkv = _mm(self.x[:T], attn.qkv_proj.weight, attn.qkv_proj.bias, self.qkv_out[:T])
+        kc, vc = self.cache.k[0], self.cache.v[0]
+        _rows_rope_cache_kernel[(T, c.num_heads + 2 * c.num_kv_heads)](qkv, cos, sin, self.q, kc, vc, slots,
+                                                                       c.num_heads, c.num_kv_heads, self.cache.size,
+                                                                       D=D)  # fmt: skip
+        q, out = self.q[:T].view(T, c.num_heads, D), self.attn[:T].view(T, c.num_heads, D)
+        fused_attention(q, kc[0], vc[0], mask, out, self.scratch)
+        o = _mm(self.attn[:T], attn.o_proj.weight, attn.o_proj.bias, self.residual_out[:T])
+        x = self._norm(layer.post_attention_layernorm, T, o)
+        gate_up = _mm(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, self.gate_up_out[:T])
+        F = c.intermediate_size
+        _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](gate_up, self.act, F, BLOCK=1024)
+        down = _mm(self.act[:T], mlp.down_proj.weight, mlp.down_proj.bias, self.residual_out[:T])
+        normed = self._norm(self.draft.norm, T, down)  # self.h is now the step's pre-norm output
+        return (normed if c.norm_output else self.h[:T]), normed

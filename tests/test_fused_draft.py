@@ -1,0 +1,163 @@
+"""The draft layer on fused kernels (fast/fused_draft.py), under Triton's interpreter in float32: a catch-up and a
+tree level against the draft's own modules (its output, the final norm's logits, the draft-cache writes) for the
+EAGLE 3.1 norm flags, and speculative decoding through it against vanilla greedy and the modules' run."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from drafts import make_draft  # noqa: E402
+from models import make_checkpoint  # noqa: E402
+from tolerance import assert_close_float32  # noqa: E402
+
+from eaglescope.decode.speculative import draft_slot_cache, target_embedding  # noqa: E402
+from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
+from eaglescope.fast import FastEagle, FastTarget  # noqa: E402
+from eaglescope.fast import invariant as inv  # noqa: E402
+from eaglescope.fast.fused_draft import FusedDraftStep, fused_draft_supported  # noqa: E402
+from eaglescope.models.targets import load_target  # noqa: E402
+from eaglescope.models.targets.llama import fuse_projections  # noqa: E402
+from eaglescope.taps import TapContract  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not inv.available("cpu"), reason="needs TRITON_INTERPRET=1 on a CPU-only machine")
+
+S = 40  # draft cache slots
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_checkpoint("llama", tmp_path_factory.mktemp("fd"), seed=5, num_hidden_layers=7)
+
+
+def _draft(target_dir, **options):
+    draft, _ = make_draft(target_dir, draft_vocab_size=48, seed=9, random_norms=True, **options)
+    return fuse_projections(draft)
+
+
+def _calls():
+    """(rows, positions, slots, mask): a catch-up of 5 positions after 7 cached ones (causal), and a tree level of
+    4 rows at slots 30..33 that see the 12-slot context and their own ancestors at scattered slots."""
+    g = torch.Generator().manual_seed(0)
+    catch_slots = 7 + torch.arange(5)
+    catch_mask = torch.arange(S)[None, :] <= catch_slots[:, None]
+    tree_slots = 30 + torch.arange(4)
+    tree_mask = torch.zeros(4, S, dtype=torch.bool)
+    tree_mask[:, :12] = True
+    tree_mask[torch.arange(4), tree_slots] = True
+    tree_mask[1, 26] = tree_mask[2, [25, 27]] = tree_mask[3, 26] = True
+    pos = torch.full((4,), 13)
+    return [(5, 7 + torch.arange(5), catch_slots, catch_mask), (4, pos, tree_slots, tree_mask)], g
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"norm_before_residual": True}, {"norm_output": True, "norm_before_fc": True}, {"logit_scale": 0.7}],
+    ids=["eagle3", "norm_before_residual", "norm_output", "logit_scale"],
+)
+def test_draft_step_matches_the_modules(target_dir, options):
+    """Each call's output (what the next step receives), the head's logits over the final norm and the keys and
+    values written at its slots: the modules' `step` and `logits` from the same cache, to float32's bound."""
+    set_after = ("logit_scale", "norm_before_residual")  # config fields for_target does not take
+    draft = _draft(target_dir, **{k: v for k, v in options.items() if k not in set_after})
+    for k in set_after:
+        if k in options:
+            setattr(draft.config, k, options[k])
+    draft.midlayer.norm_before_residual = draft.config.norm_before_residual
+    cache = draft_slot_cache(draft, S)
+    cache.k.normal_(generator=torch.Generator().manual_seed(1))
+    cache.v.normal_(generator=torch.Generator().manual_seed(2))
+    fused = FusedDraftStep(draft, cache, rows=5)
+    H = draft.config.hidden_size
+    calls, g = _calls()
+    for T, positions, slots, mask in calls:
+        embeds, hidden = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g) * 3
+        before = (cache.k.clone(), cache.v.clone())
+        with torch.inference_mode():
+            want = draft.step(embeds[None], hidden[None], positions[None], cache, slots, mask[None, None])[0]
+            want_logits = draft.logits(want)
+        want_cache = (cache.k.clone(), cache.v.clone())
+        cache.k.copy_(before[0])
+        cache.v.copy_(before[1])
+        out, normed = fused(embeds, hidden, positions, slots, mask)
+        assert_close_float32(out, want, depth=2, key="out")
+        assert_close_float32(draft.head(normed), want_logits, depth=3, key="logits")
+        assert_close_float32(cache.k, want_cache[0], key="cache.k")
+        assert_close_float32(cache.v, want_cache[1], key="cache.v")
+        assert not torch.equal(cache.k, before[0])  # the call wrote its keys
+
+
+def test_the_embedding_goes_first_in_the_attention_input(target_dir):
+    """The 2H input's halves are told apart: the fused step's q/k/v input is [input_layernorm(embedding),
+    hidden_norm(h)], so a draft whose q/k/v weights are swapped between the halves gives another output."""
+    draft = _draft(target_dir)
+    swapped = copy.deepcopy(draft)
+    w = swapped.midlayer.self_attn.qkv_proj.weight
+    H = draft.config.hidden_size
+    with torch.no_grad():
+        w.copy_(torch.cat([w[:, H:], w[:, :H]], dim=1))
+    (T, positions, slots, mask), g = _calls()[0][0], torch.Generator().manual_seed(3)
+    embeds, hidden = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    outs = []
+    for d in (draft, swapped):
+        outs.append(FusedDraftStep(d, draft_slot_cache(d, S), rows=T)(embeds, hidden, positions, slots, mask)[0])
+    with torch.inference_mode():
+        want = draft.step(embeds[None], hidden[None], positions[None], draft_slot_cache(draft, S), slots,
+                          mask[None, None])[0]  # fmt: skip
+    assert_close_float32(outs[0], want, depth=2)
+    assert (outs[1] - want).abs().amax() > 100 * (outs[0] - want).abs().amax() + 1e-3
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_speculative_decoding_through_the_fused_draft_is_vanilla_greedy(target_dir, norm_output):
+    """FastEagle with the draft layer on the fused kernels: vanilla greedy's tokens, and the very acceptance of the
+    same round on the draft's modules (the draft proposes the same trees)."""
+    tgt = load_target(target_dir, device="cpu", dtype=torch.float32)
+    tgt.set_taps(TapContract.default(tgt.num_layers))
+    draft, _ = make_draft(target_dir, taps=tgt.taps, seed=14, norm_output=norm_output)
+    draft.load_target_embedding(target_embedding(tgt))
+    fuse_projections(draft)
+    prompt, n = [3, 17, 5, 40, 22, 9, 11], 14
+    ref = generate_vanilla(tgt, prompt, n, stop_ids=[]).token_ids
+    runs = []
+    for fused in (False, True):
+        ft = FastTarget(copy.deepcopy(tgt.model), 64, taps=tgt.taps.layers)
+        fe = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 2, fused_draft=fused)
+        assert (fe.proposer.fused_layer is not None) == fused
+        runs.append(fe.generate(prompt, n))
+    assert runs[1].tokens == runs[0].tokens == ref
+    assert runs[1].accepted == runs[0].accepted
+    assert sum(runs[1].accepted) > 0
+
+
+def test_unsupported_drafts_are_refused_with_the_reason(target_dir):
+    draft, _ = make_draft(target_dir, draft_vocab_size=48)
+    assert "fuse_projections" in fused_draft_supported(draft)
+    with pytest.raises(ValueError, match="fuse_projections"):
+        FusedDraftStep(draft, draft_slot_cache(draft, S), rows=4)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler")
+def test_compiled_round_around_the_fused_draft_is_vanilla_greedy(target_dir):
+    """With `compile`, the pieces around the fused layer (the catch-up's and a level's inputs, the head's log-probs)
+    compile and the round still decodes vanilla greedy's tokens; the draft layer itself is never compiled."""
+    torch._dynamo.reset()
+    tgt = load_target(target_dir, device="cpu", dtype=torch.float32)
+    tgt.set_taps(TapContract.default(tgt.num_layers))
+    draft, _ = make_draft(target_dir, taps=tgt.taps, seed=14)
+    draft.load_target_embedding(target_embedding(tgt))
+    fuse_projections(draft)
+    prompt, n = [3, 17, 5, 40, 22, 9, 11], 10
+    ref = generate_vanilla(tgt, prompt, n, stop_ids=[]).token_ids
+    ft = FastTarget(copy.deepcopy(tgt.model), 64, taps=tgt.taps.layers)
+    fe = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 2, compile=True, fused_draft=True)
+    out = fe.generate(prompt, n)
+    assert fe.compiled and out.tokens == ref
+    compiled = fe.proposer._compiled
+    assert fe.proposer.piece("tree_level") == fe.proposer.fused_tree_level  # the layer stays on its kernels
+    assert fe.proposer.piece("level_inputs") is compiled["level_inputs"]
+    torch._dynamo.reset()

@@ -83,7 +83,8 @@ def test_draft_step_matches_the_modules(target_dir, options):
         want_cache = (cache.k.clone(), cache.v.clone())
         cache.k.copy_(before[0])
         cache.v.copy_(before[1])
-        out, normed = fused(embeds, hidden, positions, slots, mask)
+        cos, sin = draft.midlayer.rotary(positions[None], embeds.dtype)
+        out, normed = fused(embeds, hidden, cos[0, 0], sin[0, 0], slots, mask)
         assert_close_float32(out, want, depth=2, key="out")
         assert_close_float32(draft.head(normed), want_logits, depth=3, key="logits")
         assert_close_float32(cache.k, want_cache[0], key="cache.k")
@@ -102,9 +103,10 @@ def test_the_embedding_goes_first_in_the_attention_input(target_dir):
         w.copy_(torch.cat([w[:, H:], w[:, :H]], dim=1))
     (T, positions, slots, mask), g = _calls()[0][0], torch.Generator().manual_seed(3)
     embeds, hidden = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    cos, sin = (x[0, 0] for x in draft.midlayer.rotary(positions[None], embeds.dtype))
     outs = []
     for d in (draft, swapped):
-        outs.append(FusedDraftStep(d, draft_slot_cache(d, S), rows=T)(embeds, hidden, positions, slots, mask)[0])
+        outs.append(FusedDraftStep(d, draft_slot_cache(d, S), rows=T)(embeds, hidden, cos, sin, slots, mask)[0])
     with torch.inference_mode():
         want = draft.step(embeds[None], hidden[None], positions[None], draft_slot_cache(draft, S), slots,
                           mask[None, None])[0]  # fmt: skip

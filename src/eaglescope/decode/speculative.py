@@ -61,7 +61,7 @@ class NoProposer(Proposer):
 # The draft side's fixed-shape pieces on the static backend, compiled one by one (Eagle3Proposer.compile); with a
 # fused draft layer, catch_up and tree_level are their inputs' pieces around it, and head_logprobs after it
 PIECES = ("catch_up", "_logprobs", "tree_level", "expand_level", "finalize", "catch_up_inputs", "level_inputs",
-          "head_logprobs")  # fmt: skip
+          "rotary", "head_logprobs")  # fmt: skip
 
 
 class Eagle3Proposer(Proposer):
@@ -105,7 +105,7 @@ class Eagle3Proposer(Proposer):
         self._levels = torch.arange(depth + 1, device=self.device)  # each tree level as a [1] slice (no host copy)
         self._compiled: dict | None = None  # PIECES compiled (`compile`), or None: plain
         # the draft layer's own kernels (fast/fused_draft.py FusedDraftStep), set by the static backend, or None: the
-        # modules. (embeds, hidden [T, H], positions, slots [T], mask [T, S]) → (what step returns, its final norm)
+        # modules. (embeds, hidden [T, H], cos, sin [T, D], slots [T], mask [T, S]) → (what step returns, its norm)
         self.fused_layer = None
 
     @property
@@ -173,7 +173,7 @@ class Eagle3Proposer(Proposer):
     def fused_catch_up(self, aux: torch.Tensor, tokens: torch.Tensor, start) -> torch.Tensor:
         """catch_up with the draft layer on `fused_layer`."""
         embeds, hidden, positions, slots, mask = self.piece("catch_up_inputs")(aux, tokens, start)
-        out = self.fused_layer(embeds, hidden, positions, slots, mask)[0]
+        out = self.fused_layer(embeds, hidden, *self.piece("rotary")(positions), slots, mask)[0]
         self._record(T.draft_hidden_out(0), out)
         return out
 
@@ -248,8 +248,13 @@ class Eagle3Proposer(Proposer):
         """tree_level with the draft layer on `fused_layer`. Its `out` is a view the next level's layer overwrites:
         the next level_inputs gathers from it first, and nothing else holds it."""
         tok, positions, embeds, hidden_in, slots, mask = self.piece("level_inputs")(*args)
-        out, normed = self.fused_layer(embeds, hidden_in, positions, slots, mask)
+        out, normed = self.fused_layer(embeds, hidden_in, *self.piece("rotary")(positions), slots, mask)
         return tok, positions, embeds, hidden_in, out, self.piece("head_logprobs")(normed)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft layer's RoPE cos, sin [T, D] at positions [T] (compiled: one kernel, eager: several)."""
+        cos, sin = self.draft.midlayer.rotary(positions[None], self.dtype)
+        return cos[0, 0], sin[0, 0]
 
     def head_logprobs(self, normed: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary log-probs [m, Vd] in float32 from the final norm's output."""

@@ -79,7 +79,8 @@ class FusedDraftStep:
     """`Eagle3Draft.step` and its normed output for up to `rows` rows (a catch-up's pending positions, a tree level's
     frontier) on `cache` (the proposer's SlotCache).
 
-    Call with embeds, hidden [T, H], positions, slots [T] and mask [T, S] bool → (what the next step receives, as
+    Call with embeds, hidden [T, H], the RoPE cos, sin [T, D] of the rows' positions (Eagle3Proposer.rotary),
+    slots [T] and mask [T, S] bool → (what the next step receives, as
     `step` returns it: the pre-norm output, or the normed one with norm_output; the final norm's output, what
     `Eagle3Draft.head` reads), both [T, H]: views of buffers the next call overwrites."""
 
@@ -111,7 +112,7 @@ class FusedDraftStep:
         return self.normed[:T]
 
     @torch.inference_mode()
-    def __call__(self, embeds, hidden, positions, slots, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, embeds, hidden, cos, sin, slots, mask) -> tuple[torch.Tensor, torch.Tensor]:
         c, layer, attn, mlp = self.config, self.layer, self.layer.self_attn, self.layer.mlp
         T, H, D = embeds.shape[0], c.hidden_size, c.head_dim
         if not 1 <= T <= self.rows:
@@ -120,8 +121,7 @@ class FusedDraftStep:
         _draft_input_kernel[(T, 2)](emb, hid, layer.input_layernorm.weight, layer.hidden_norm.weight, self.x, self.h,
                                     layer.hidden_norm.eps, K=H, KP2=triton.next_power_of_2(H),
                                     NORM_RESIDUAL=layer.norm_before_residual)  # fmt: skip
-        cos, sin = layer.rotary(positions[None], self.h.dtype)
-        cos, sin = cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
         qkv = _mm(self.x[:T], attn.qkv_proj.weight, attn.qkv_proj.bias, self.qkv_out[:T])
         kc, vc = self.cache.k[0], self.cache.v[0]
         _rows_rope_cache_kernel[(T, c.num_heads + 2 * c.num_kv_heads)](qkv, cos, sin, self.q, kc, vc, slots,

@@ -46,6 +46,7 @@ from eaglescope.fast import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast import invariant as inv_kernels
 from eaglescope.fast.engine import _graph, use_batch_invariant, use_matmul_attention
 from eaglescope.fast.fused_decode import fused_decode_supported
+from eaglescope.fast.fused_draft import FusedDraftStep, fused_draft_supported
 from eaglescope.fast.fused_verify import blas_library
 from eaglescope.fast.layers import compile_layers, use_gemv_reductions
 from eaglescope.models.draft import DraftConfig, Eagle3Draft
@@ -905,7 +906,14 @@ def roofline(
     _draft_step(rf, draft, K=shape[1])
     # end-to-end replay of the acceptance lengths measured on the trained target
     if replay and replay.get("per_round"):
-        _replayed_acceptance(rf, ft, van, draft, shape, replay["per_round"][: (400 if not smoke else 40)], compiled)
+        pr = replay["per_round"][: (400 if not smoke else 40)]
+        _replayed_acceptance(rf, ft, van, draft, shape, pr, compiled)
+        # the same rounds with the draft layer on fast/fused_draft.py's kernels (not the protocol's figure yet)
+        why = fused_draft_supported(draft)
+        if why is None and rf.left() > 120:
+            _replayed_acceptance(rf, ft, van, draft, shape, pr, compiled, fused_draft=True)
+        else:
+            res["replay_fused_draft"] = why or f"skipped: {rf.left():.0f} s left"
     if device.type == "cuda" and rf.left() > 60:
         try:
             checkpoint()
@@ -1081,6 +1089,21 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
         "torch.topk": round(1e3 * graphed_ms(lambda: lp.topk(K, -1), device, reps=50), 2),
         "top_k_rows": round(1e3 * graphed_ms(lambda: top_k_rows(lp, K), device, reps=50), 2),
     }
+    if fused_draft_supported(draft) is None:  # the same level with the layer on fast/fused_draft.py's kernels
+        fused = FusedDraftStep(draft, dcache, rows=K)
+        rotary = torch.compile(draft.midlayer.rotary) if device.type == "cuda" else draft.midlayer.rotary
+
+        def fstep():  # as Eagle3Proposer.fused_tree_level: its RoPE compiled, the layer, the head, the top-k
+            cos, sin = rotary(dpos, dtype)
+            normed = fused(emb[0], hid[0], cos[0, 0], sin[0, 0], dslots, dmask[0, 0])[1]
+            top_k_rows(torch.log_softmax(draft.head(normed).float(), -1), K)
+
+        rf.res["draft_step_ms_fused"] = round(graphed_ms(fstep, device, reps=50), 4)
+        if device.type == "cuda" and rf.left() > 150:
+            try:
+                rf.res["draft_step_fused_profile"] = _profile_step(fstep)
+            except Exception as e:
+                rf.res["draft_step_fused_profile"] = f"profiler failed: {type(e).__name__}: {e}"
     if device.type == "cuda":  # the same level with its products through cuBLASLt (as fast/fused_verify.py's down)
         with blas_library("cublaslt"):
             rf.res["draft_step_ms_cublaslt"] = round(graphed_ms(dstep, device, reps=50), 4)
@@ -1089,13 +1112,17 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
             rf.res["draft_step_profile"] = _profile_step(dstep)
         except Exception as e:
             rf.res["draft_step_profile"] = f"profiler failed: {type(e).__name__}: {e}"
-    lt = rf.res.get("draft_step_ms_cublaslt")
-    say(f"roofline draft step: {rf.res['draft_step_ms']} ms (cuBLASLt {lt}) ({rf.left():.0f} s left)")
+    lt, fd = rf.res.get("draft_step_ms_cublaslt"), rf.res.get("draft_step_ms_fused")
+    say(f"roofline draft step: {rf.res['draft_step_ms']} ms (cuBLASLt {lt}, fused {fd}) ({rf.left():.0f} s left)")
 
 
-def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compiled: bool) -> None:
-    """The fast round at 8B with the acceptance lengths `pr` measured on the trained target: τ, tok/s, η."""
+def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compiled: bool,
+                         fused_draft: bool = False) -> None:  # fmt: skip
+    """The fast round at 8B with the acceptance lengths `pr` measured on the trained target: τ, tok/s, η (in
+    res["replay_*"], or with `fused_draft`, the draft layer on its fused kernels, in res["replay_fused_draft"])."""
     res, prompt, ctx_new = rf.res, rf.prompt, rf.ctx_new
+    if fused_draft:
+        res = rf.res["replay_fused_draft"] = {}
     t_c = time.perf_counter()
     rf.checkpoint()
     # compiling the 8B round as one graph took 36 s (bench-all-20261129T150034.json); piece by piece (a tree level
@@ -1103,7 +1130,8 @@ def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compile
     compile_round = compiled and rf.left() > 45
     if compiled and not compile_round:  # the round then runs eager kernels in its graph: a slower round, lower η
         say(f"roofline replay: {rf.left():.0f} s left, too few to compile the round; it runs uncompiled")
-    fe = FastEagle(ft, draft, *shape, max_len=rf.prompt_len + ctx_new + 2, replay=True, compile=compile_round)
+    fe = FastEagle(ft, draft, *shape, max_len=rf.prompt_len + ctx_new + 2, replay=True, compile=compile_round,
+                   fused_draft=fused_draft)  # fmt: skip
     fe.generate(prompt, 32, replay=pr)
     res["replay_compile_and_capture_seconds"] = round(time.perf_counter() - t_c, 1)
     res["replay_round_compiled"] = fe.compiled
@@ -1123,7 +1151,10 @@ def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compile
     res["replay_vanilla_tokens_per_second"] = round(vtps, 2)
     res["replay_speedup"] = round(tps / vtps, 4)
     res["replay_eta"] = round(tps / vtps / tau, 4)
-    say(f"roofline replay: τ {tau:.2f}, {tps:.1f} vs {vtps:.1f} tok/s, round {res['replay_round_ms']} ms")
+    say(
+        f"roofline replay{' (fused draft)' if fused_draft else ''}: τ {tau:.2f}, {tps:.1f} vs {vtps:.1f} tok/s, "
+        f"round {res['replay_round_ms']} ms"
+    )
     if rf.device.type == "cuda" and rf.left() > 90:  # where the round's time goes: each operation alone
         try:
             res["replay_round_pieces"] = round_pieces(fe)

@@ -1,10 +1,12 @@
-"""The fused decode and verify kernels (fast/fused_decode.py, fast/fused_verify.py) built for the GPU, with the
-blocks tuned at 8B (1024-4096-wide K tiles, which the CPU tests' small blocks never take) and the verify's cuBLAS
-and cuBLASLt products. The path `generate --fast --no-batch-invariant` runs on a GPU.
+"""The fused decode, verify and draft kernels (fast/fused_decode.py, fast/fused_verify.py, fast/fused_draft.py) built
+for the GPU, with the blocks tuned at 8B (1024-4096-wide K tiles, which the CPU tests' small blocks never take) and
+the verify's cuBLAS and cuBLASLt products. The path `generate --fast --no-batch-invariant` runs on a GPU.
 
 An 8B-wide, two-layer Llama in float32: a one-token step and a 24- and a 64-row verify against the model's own
 modules (logits, taps, cache writes, within float32's reordering bound), then greedy decoding through the kernels
-against vanilla greedy. The CPU tests run the same kernels under Triton's interpreter at tiny widths."""
+against vanilla greedy; an 8B-wide draft layer's catch-up and tree level on the fused draft kernels against its
+modules, and speculative decoding through all three against vanilla greedy. The CPU tests run the same kernels under
+Triton's interpreter at tiny widths."""
 
 from __future__ import annotations
 
@@ -12,26 +14,42 @@ import copy
 
 import pytest
 import torch
+from drafts import make_draft
 from models import LLAMA_8B, make_checkpoint
-from tolerance import assert_step_matches_modules
+from tolerance import assert_close_float32, assert_step_matches_modules
 
+from eaglescope.decode.speculative import draft_slot_cache, target_embedding
 from eaglescope.decode.vanilla import generate_vanilla
-from eaglescope.fast import FastTarget, FastVanilla
+from eaglescope.fast import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode
+from eaglescope.fast.fused_draft import FusedDraftStep
 from eaglescope.fast.fused_verify import CUBLASLT_PRODUCTS, FusedVerify
 from eaglescope.models.targets import load_target
 from eaglescope.models.targets.llama import fuse_projections
+from eaglescope.taps import TapContract
 
 DEVICE = torch.device("cuda")
 S = 200  # cache slots: four 64-slot attention splits
 
 
 @pytest.fixture(scope="module")
-def wide(tmp_path_factory):
+def wide_dir(tmp_path_factory):
     """Two layers of Llama-3-8B's widths (hidden 4096, ffn 14336, 32/8 heads of 128), a 4096-token vocabulary."""
     dims = {**LLAMA_8B, "num_hidden_layers": 2, "vocab_size": 4096, "max_position_embeddings": 256}
-    ckpt = make_checkpoint("llama", tmp_path_factory.mktemp("wide"), seed=11, **dims)
-    return load_target(ckpt, device=DEVICE, dtype=torch.float32)
+    return make_checkpoint("llama", tmp_path_factory.mktemp("wide"), seed=11, **dims)
+
+
+@pytest.fixture(scope="module")
+def wide(wide_dir):
+    return load_target(wide_dir, device=DEVICE, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def wide_draft(wide_dir, wide):
+    """An EAGLE-3 draft of the same widths over taps 0 and 1, random norms, a 2048-token draft vocabulary."""
+    draft, _ = make_draft(wide_dir, taps=TapContract((0, 1), 2), draft_vocab_size=2048, seed=3, random_norms=True)
+    draft.load_target_embedding(target_embedding(wide))
+    return fuse_projections(draft.to(DEVICE))
 
 
 def _fresh(wide) -> tuple[torch.nn.Module, FastTarget]:
@@ -84,3 +102,48 @@ def test_greedy_through_the_fused_kernels_is_vanilla_greedy(wide):
     ft = FastTarget(copy.deepcopy(wide.model), S, fuse=True, float32_logits=True, fused_decode=True)
     assert ft.fused is not None
     assert FastVanilla(ft, n).generate(prompt).tokens == ref
+
+
+@pytest.mark.parametrize("T", [4, 7])
+def test_draft_layer_on_the_fused_kernels_matches_the_modules(wide_draft, T):
+    """A tree level's 4 rows and a catch-up's 7 at scattered slots (context, one earlier node, their own): the
+    output, the head's logits over the final norm and the draft-cache writes against the modules' step."""
+    draft = wide_draft
+    cache = draft_slot_cache(draft, S)
+    g = torch.Generator(DEVICE).manual_seed(T)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    slots = 150 + torch.arange(T, device=DEVICE)
+    mask = torch.zeros(T, S, dtype=torch.bool, device=DEVICE)
+    mask[:, :37] = True
+    mask[torch.arange(T, device=DEVICE), slots] = True
+    mask[1:, 90] = True
+    positions = torch.full((T,), 40, device=DEVICE)
+    H = draft.config.hidden_size
+    embeds = torch.randn(T, H, device=DEVICE, generator=g)
+    hidden = torch.randn(T, H, device=DEVICE, generator=g) * 3
+    before = (cache.k.clone(), cache.v.clone())
+    with torch.inference_mode():
+        want = draft.step(embeds[None], hidden[None], positions[None], cache, slots, mask[None, None])[0]
+        want_logits = draft.logits(want)
+    want_cache = (cache.k.clone(), cache.v.clone())
+    cache.k.copy_(before[0])
+    cache.v.copy_(before[1])
+    cos, sin = (x[0, 0] for x in draft.midlayer.rotary(positions[None], embeds.dtype))
+    out, normed = FusedDraftStep(draft, cache, rows=T)(embeds, hidden, cos, sin, slots, mask)
+    assert_close_float32(out, want, depth=16 * 2, key="out")
+    assert_close_float32(draft.head(normed), want_logits, depth=16 * 3, key="logits")
+    assert_close_float32(cache.k, want_cache[0], depth=16, key="cache.k")
+    assert_close_float32(cache.v, want_cache[1], depth=16, key="cache.v")
+
+
+def test_speculative_decoding_through_the_fused_target_and_draft_is_vanilla_greedy(wide, wide_draft):
+    """Target steps and verifies and the draft layer all on fused kernels, each round one CUDA graph: vanilla
+    greedy's tokens."""
+    prompt, n = [5, 17, 300, 41, 2048, 9], 16
+    ref = generate_vanilla(wide, prompt, n, stop_ids=[]).token_ids
+    ft = FastTarget(copy.deepcopy(wide.model), S, taps=(0, 1), fuse=True, float32_logits=True, fused_decode=True,
+                    fused_verify=True)  # fmt: skip
+    fe = FastEagle(ft, wide_draft, 3, 3, 8, max_len=len(prompt) + n + 2, fused_draft=True)
+    assert fe.use_graph and fe.proposer.fused_layer is not None
+    assert fe.generate(prompt, n).tokens == ref

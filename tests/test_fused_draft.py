@@ -1,6 +1,7 @@
 """The draft layer on fused kernels (fast/fused_draft.py), under Triton's interpreter in float32: a catch-up and a
 tree level against the draft's own modules (its output, the final norm's logits, the draft-cache writes) for the
-EAGLE 3.1 norm flags, and speculative decoding through it against vanilla greedy and the modules' run."""
+EAGLE 3.1 norm flags, speculative decoding through it against vanilla greedy and the modules' run, and doctor on
+a trace recorded through it."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ from drafts import make_draft  # noqa: E402
 from models import make_checkpoint  # noqa: E402
 from tolerance import assert_close_float32  # noqa: E402
 
-from eaglescope.decode.speculative import draft_slot_cache, target_embedding  # noqa: E402
+from eaglescope import trace as T  # noqa: E402
+from eaglescope.decode.speculative import Eagle3Proposer, draft_slot_cache, target_embedding  # noqa: E402
 from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
+from eaglescope.detective.diagnose import diagnose_trace  # noqa: E402
 from eaglescope.fast import FastEagle, FastTarget  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
 from eaglescope.fast.fused_draft import FusedDraftStep, fused_draft_supported  # noqa: E402
+from eaglescope.models.draft import load_draft, save_draft  # noqa: E402
 from eaglescope.models.targets import load_target  # noqa: E402
 from eaglescope.models.targets.llama import fuse_projections  # noqa: E402
 from eaglescope.taps import TapContract  # noqa: E402
@@ -74,8 +78,8 @@ def test_draft_step_matches_the_modules(target_dir, options):
     fused = FusedDraftStep(draft, cache, rows=5)
     H = draft.config.hidden_size
     calls, g = _calls()
-    for T, positions, slots, mask in calls:
-        embeds, hidden = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g) * 3
+    for rows, positions, slots, mask in calls:
+        embeds, hidden = torch.randn(rows, H, generator=g), torch.randn(rows, H, generator=g) * 3
         before = (cache.k.clone(), cache.v.clone())
         with torch.inference_mode():
             want = draft.step(embeds[None], hidden[None], positions[None], cache, slots, mask[None, None])[0]
@@ -101,12 +105,12 @@ def test_the_embedding_goes_first_in_the_attention_input(target_dir):
     H = draft.config.hidden_size
     with torch.no_grad():
         w.copy_(torch.cat([w[:, H:], w[:, :H]], dim=1))
-    (T, positions, slots, mask), g = _calls()[0][0], torch.Generator().manual_seed(3)
-    embeds, hidden = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    (rows, positions, slots, mask), g = _calls()[0][0], torch.Generator().manual_seed(3)
+    embeds, hidden = torch.randn(rows, H, generator=g), torch.randn(rows, H, generator=g)
     cos, sin = (x[0, 0] for x in draft.midlayer.rotary(positions[None], embeds.dtype))
     outs = []
     for d in (draft, swapped):
-        outs.append(FusedDraftStep(d, draft_slot_cache(d, S), rows=T)(embeds, hidden, cos, sin, slots, mask)[0])
+        outs.append(FusedDraftStep(d, draft_slot_cache(d, S), rows=rows)(embeds, hidden, cos, sin, slots, mask)[0])
     with torch.inference_mode():
         want = draft.step(embeds[None], hidden[None], positions[None], draft_slot_cache(draft, S), slots,
                           mask[None, None])[0]  # fmt: skip
@@ -163,3 +167,41 @@ def test_compiled_round_around_the_fused_draft_is_vanilla_greedy(target_dir):
     assert fe.proposer.piece("tree_level") == fe.proposer.fused_tree_level  # the layer stays on its kernels
     assert fe.proposer.piece("level_inputs") is compiled["level_inputs"]
     torch._dynamo.reset()
+
+
+class _FeedbackPostnorm(Eagle3Proposer):
+    """A tree step fed its parent's normed output instead of the pre-norm one (an engine's wiring mistake)."""
+
+    def child_hidden(self, parent_out):
+        return self.draft.norm(parent_out)
+
+
+@pytest.mark.parametrize("proposer_cls", [Eagle3Proposer, _FeedbackPostnorm], ids=["clean", "feedback_postnorm"])
+def test_doctor_reads_a_trace_of_the_fused_draft(target_dir, tmp_path, proposer_cls):
+    """A trace recorded with the draft layer on its kernels (the round's stages copied out as on the modules):
+    doctor's replay calls the clean run healthy, and names a hook fault that ran in the fused round's level inputs."""
+    target = load_target(target_dir, device="cpu")
+    draft, contract = make_draft(target_dir, draft_vocab_size=48, scale=3.0)
+    save_draft(draft, contract, tmp_path / "draft")
+    loaded = load_draft(tmp_path / "draft", target.num_layers)
+    loaded.model.load_target_embedding(target_embedding(target))
+    fuse_projections(loaded.model)
+    prompt = [5, 9, 14, 2, 33, 7, 21, 4, 17, 11]
+    rec = T.TraceRecorder(tmp_path / "t", producer="test-fused-draft")
+    rec.set_meta(prompt_ids=prompt, settings={"chain": None, "tree": "3,2,6"}, taps=contract.taps.to_dict())
+    max_len = len(prompt) + 24
+    ft = FastTarget(target.model, max_len + 12, taps=contract.taps.layers)
+    fe = FastEagle(ft, loaded.model, 3, 2, 6, max_len=max_len, recorder=rec, proposer_cls=proposer_cls,
+                   fused_draft=True)  # fmt: skip
+    out = fe.generate(prompt, 16)
+    rec.close()
+    assert out.tokens == generate_vanilla(target, prompt, 16, stop_ids=[]).token_ids
+    findings, ctx = diagnose_trace(target, load_draft(tmp_path / "draft", target.num_layers), tmp_path / "t")
+    if proposer_cls is Eagle3Proposer:
+        assert not findings, [(f.code, f.stage, f.verdict) for f in findings]
+    else:
+        assert findings, ctx.get("first_divergence")
+        top = findings[0]
+        assert (top.code, top.stage, top.round) == ("FEEDBACK_POSTNORM", T.draft_hidden_in(1), 1), [
+            (f.code, f.stage, f.round) for f in findings
+        ]

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 from drafts import make_draft  # noqa: E402
 from models import make_checkpoint  # noqa: E402
-from tolerance import assert_close_float32  # noqa: E402
+from tolerance import assert_close_float32, assert_draft_step_matches_modules  # noqa: E402
 
 from eaglescope import trace as T  # noqa: E402
 from eaglescope.decode.speculative import Eagle3Proposer, draft_slot_cache, target_embedding  # noqa: E402
@@ -80,20 +80,7 @@ def test_draft_step_matches_the_modules(target_dir, options):
     calls, g = _calls()
     for rows, positions, slots, mask in calls:
         embeds, hidden = torch.randn(rows, H, generator=g), torch.randn(rows, H, generator=g) * 3
-        before = (cache.k.clone(), cache.v.clone())
-        with torch.inference_mode():
-            want = draft.step(embeds[None], hidden[None], positions[None], cache, slots, mask[None, None])[0]
-            want_logits = draft.logits(want)
-        want_cache = (cache.k.clone(), cache.v.clone())
-        cache.k.copy_(before[0])
-        cache.v.copy_(before[1])
-        cos, sin = draft.midlayer.rotary(positions[None], embeds.dtype)
-        out, normed = fused(embeds, hidden, cos[0, 0], sin[0, 0], slots, mask)
-        assert_close_float32(out, want, depth=2, key="out")
-        assert_close_float32(draft.head(normed), want_logits, depth=3, key="logits")
-        assert_close_float32(cache.k, want_cache[0], key="cache.k")
-        assert_close_float32(cache.v, want_cache[1], key="cache.v")
-        assert not torch.equal(cache.k, before[0])  # the call wrote its keys
+        assert_draft_step_matches_modules(fused, draft, embeds, hidden, positions, slots, mask)
 
 
 def test_the_embedding_goes_first_in_the_attention_input(target_dir):

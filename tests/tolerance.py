@@ -57,3 +57,25 @@ def assert_step_matches_modules(ft, run, tokens, positions, mask, slots, depth: 
     assert_close_float32(ft.cache.k, want_cache[0], depth, key="cache.k")
     assert_close_float32(ft.cache.v, want_cache[1], depth, key="cache.v")
     assert not torch.equal(want_cache[0], before[0])
+
+
+def assert_draft_step_matches_modules(fused, draft, embeds, hidden, positions, slots, mask, unit: int = 1) -> None:
+    """`fused` (fast.fused_draft.FusedDraftStep on `draft`'s cache) against the draft's own `step` and `logits` from
+    the same cache: the cache entries the call writes (depth 1), what the next step receives (2: the projections,
+    then attention and the MLP) and the head's logits over the final norm (3), each depth times `unit` (wider sums
+    drift further: tests/gpu); the call must write some key."""
+    cache = fused.cache
+    before = (cache.k.clone(), cache.v.clone())
+    with torch.inference_mode():
+        want = draft.step(embeds[None], hidden[None], positions[None], cache, slots, mask[None, None])[0]
+        want_logits = draft.logits(want)
+    want_cache = (cache.k.clone(), cache.v.clone())
+    cache.k.copy_(before[0])
+    cache.v.copy_(before[1])
+    cos, sin = (x[0, 0] for x in draft.midlayer.rotary(positions[None], embeds.dtype))
+    out, normed = fused(embeds, hidden, cos, sin, slots, mask)
+    assert_close_float32(out, want, 2 * unit, key="out")
+    assert_close_float32(draft.head(normed), want_logits, 3 * unit, key="logits")
+    assert_close_float32(cache.k, want_cache[0], unit, key="cache.k")
+    assert_close_float32(cache.v, want_cache[1], unit, key="cache.v")
+    assert not torch.equal(cache.k, before[0])

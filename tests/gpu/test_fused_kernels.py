@@ -16,7 +16,7 @@ import pytest
 import torch
 from drafts import make_draft
 from models import LLAMA_8B, make_checkpoint
-from tolerance import assert_close_float32, assert_step_matches_modules
+from tolerance import assert_draft_step_matches_modules, assert_step_matches_modules
 
 from eaglescope.decode.speculative import draft_slot_cache, target_embedding
 from eaglescope.decode.vanilla import generate_vanilla
@@ -122,19 +122,8 @@ def test_draft_layer_on_the_fused_kernels_matches_the_modules(wide_draft, T):
     H = draft.config.hidden_size
     embeds = torch.randn(T, H, device=DEVICE, generator=g)
     hidden = torch.randn(T, H, device=DEVICE, generator=g) * 3
-    before = (cache.k.clone(), cache.v.clone())
-    with torch.inference_mode():
-        want = draft.step(embeds[None], hidden[None], positions[None], cache, slots, mask[None, None])[0]
-        want_logits = draft.logits(want)
-    want_cache = (cache.k.clone(), cache.v.clone())
-    cache.k.copy_(before[0])
-    cache.v.copy_(before[1])
-    cos, sin = (x[0, 0] for x in draft.midlayer.rotary(positions[None], embeds.dtype))
-    out, normed = FusedDraftStep(draft, cache, rows=T)(embeds, hidden, cos, sin, slots, mask)
-    assert_close_float32(out, want, depth=16 * 2, key="out")
-    assert_close_float32(draft.head(normed), want_logits, depth=16 * 3, key="logits")
-    assert_close_float32(cache.k, want_cache[0], depth=16, key="cache.k")
-    assert_close_float32(cache.v, want_cache[1], depth=16, key="cache.v")
+    fused = FusedDraftStep(draft, cache, rows=T)
+    assert_draft_step_matches_modules(fused, draft, embeds, hidden, positions, slots, mask, unit=16)
 
 
 def test_speculative_decoding_through_the_fused_target_and_draft_is_vanilla_greedy(wide, wide_draft):

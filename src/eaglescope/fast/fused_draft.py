@@ -37,26 +37,30 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _draft_input_kernel(emb, hid, w_emb, w_hid, x, h, eps, K: tl.constexpr, KP2: tl.constexpr,
-                            NORM_RESIDUAL: tl.constexpr):  # fmt: skip
-        """Program (t, 0): x[t, :K] = input_layernorm(emb[t]); program (t, 1): x[t, K:] = hidden_norm(hid[t]) and
-        h[t] = that norm (NORM_RESIDUAL) or hid[t]. The modules' two roundings (normalised, then the weight)."""
-        t, half = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        k = tl.arange(0, KP2)
-        ok = k < K
-        src = emb if half == 0 else hid
-        w = w_emb if half == 0 else w_hid
-        raw = tl.load(src + t * K + k, mask=ok, other=0.0)
+    def _rms_norm_row(raw, w, eps, K: tl.constexpr):
+        """The module's RMSNorm of one row: normalised in float32 and rounded to the row's dtype, then weighted."""
         xs = raw.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, 0) / K + eps)
-        normed = (xs * rstd).to(x.dtype.element_ty).to(tl.float32)
-        y = (tl.load(w + k, mask=ok, other=0.0).to(tl.float32) * normed).to(x.dtype.element_ty)
-        tl.store(x + t * 2 * K + half * K + k, y, mask=ok)
-        if half == 1:
-            if NORM_RESIDUAL:
-                tl.store(h + t * K + k, y, mask=ok)
-            else:
-                tl.store(h + t * K + k, raw, mask=ok)
+        normed = (xs * rstd).to(raw.dtype).to(tl.float32)
+        return (w.to(tl.float32) * normed).to(raw.dtype)
+
+    @triton.jit
+    def _draft_input_kernel(emb, hid, w_emb, w_hid, x, h, eps_emb, eps_hid, K: tl.constexpr, KP2: tl.constexpr,
+                            NORM_RESIDUAL: tl.constexpr):  # fmt: skip
+        """Program t: x[t] = [input_layernorm(emb[t]), hidden_norm(hid[t])] and h[t] = that hidden norm
+        (NORM_RESIDUAL) or hid[t]."""
+        t = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, KP2)
+        ok = k < K
+        e = tl.load(emb + t * K + k, mask=ok, other=0.0)
+        tl.store(x + t * 2 * K + k, _rms_norm_row(e, tl.load(w_emb + k, mask=ok, other=0.0), eps_emb, K), mask=ok)
+        raw = tl.load(hid + t * K + k, mask=ok, other=0.0)
+        y = _rms_norm_row(raw, tl.load(w_hid + k, mask=ok, other=0.0), eps_hid, K)
+        tl.store(x + t * 2 * K + K + k, y, mask=ok)
+        if NORM_RESIDUAL:
+            tl.store(h + t * K + k, y, mask=ok)
+        else:
+            tl.store(h + t * K + k, raw, mask=ok)
 
 
 def fused_draft_supported(draft: Eagle3Draft) -> str | None:
@@ -80,9 +84,9 @@ class FusedDraftStep:
     frontier) on `cache` (the proposer's SlotCache).
 
     Call with embeds, hidden [T, H], the RoPE cos, sin [T, D] of the rows' positions (Eagle3Proposer.rotary),
-    slots [T] and mask [T, S] bool → (what the next step receives, as
-    `step` returns it: the pre-norm output, or the normed one with norm_output; the final norm's output, what
-    `Eagle3Draft.head` reads), both [T, H]: views of buffers the next call overwrites."""
+    slots [T] and mask [T, S] bool → (what the next step receives, as `step` returns it: the pre-norm output, or the
+    normed one with norm_output; the final norm's output, what `Eagle3Draft.head` reads), both [T, H]: views of
+    buffers the next call overwrites."""
 
     def __init__(self, draft: Eagle3Draft, cache, rows: int) -> None:
         why = fused_draft_supported(draft)
@@ -118,9 +122,10 @@ class FusedDraftStep:
         if not 1 <= T <= self.rows:
             raise ValueError(f"this fused draft step runs 1..{self.rows} rows, not {T}")
         emb, hid = embeds.to(self.h.dtype).contiguous(), hidden.contiguous()
-        _draft_input_kernel[(T, 2)](emb, hid, layer.input_layernorm.weight, layer.hidden_norm.weight, self.x, self.h,
-                                    layer.hidden_norm.eps, K=H, KP2=triton.next_power_of_2(H),
-                                    NORM_RESIDUAL=layer.norm_before_residual)  # fmt: skip
+        emb_norm, hid_norm = layer.input_layernorm, layer.hidden_norm
+        _draft_input_kernel[(T,)](emb, hid, emb_norm.weight, hid_norm.weight, self.x, self.h, emb_norm.eps,
+                                  hid_norm.eps, K=H, KP2=triton.next_power_of_2(H),
+                                  NORM_RESIDUAL=layer.norm_before_residual)  # fmt: skip
         cos, sin = cos.contiguous(), sin.contiguous()
         qkv = _mm(self.x[:T], attn.qkv_proj.weight, attn.qkv_proj.bias, self.qkv_out[:T])
         kc, vc = self.cache.k[0], self.cache.v[0]

@@ -122,6 +122,7 @@ class Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    owns_group: bool = False  # this run started the process group (and so ends it)
 
     @property
     def main(self) -> bool:
@@ -151,6 +152,7 @@ def _setup(cfg: TrainConfig) -> tuple[Dist, torch.device]:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        d.owns_group = True
     return d, device
 
 
@@ -874,6 +876,11 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
     finally:
         run.bar.close()
         run.close_writer()
+    if run.d.owns_group:
+        # A process that exits with its gloo group alive can abort in the interpreter's teardown ("terminate called
+        # without an active exception", SIGABRT, after a complete run: pytorch/pytorch#190489). Only after success:
+        # on an error the other ranks may be gone, and ending an NCCL group then may wait for them.
+        dist.destroy_process_group()
     return TrainResult(run.out, run.step, run.metrics, run.history)
 
 

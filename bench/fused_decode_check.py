@@ -37,7 +37,13 @@ from run_bench import (  # noqa: E402
 
 from eaglescope.fast import FastTarget, FastVanilla  # noqa: E402
 from eaglescope.fast.engine import set_attention, use_matmul_attention  # noqa: E402
-from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode  # noqa: E402
+from eaglescope.fast.fused_decode import (  # noqa: E402
+    DEFAULT_BLOCKS,
+    FLASH_LAUNCH,
+    FusedDecode,
+    attention_limit,
+    fused_attention,
+)
 from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, CUBLASLT_PRODUCTS  # noqa: E402
 from eaglescope.fast.layers import compile_layers, use_gemv_reductions  # noqa: E402
 
@@ -304,6 +310,69 @@ def _fused_verify(
     return None
 
 
+def flash_launches(smoke: bool) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(rows, slots) blocks per program, then (warps, stages): the two stages of --sweep-flash."""
+    if smoke:
+        return [(16, 32), (32, 64)], [(4, 3), (2, 1)]
+    blocks = [(br, kb) for br in (16, 32, 64) for kb in (32, 64, 128)]
+    return blocks, [(w, st) for w in (2, 4, 8) for st in (1, 2, 3, 4)]
+
+
+def sweep_flash(ft: FastTarget, ctx: int, vocab: int, smoke: bool, res: dict, save) -> None:
+    """Flash attention's launch (FLASH_LAUNCH: rows and slots per program, warps, stages) at 24 and 64 rows: each
+    candidate over every layer of the verify's cache as one graph, the blocks at the default warps and stages first,
+    then warps and stages at the best blocks (by the 64-row time); then the whole verify on flash attention with the
+    winner beside it with FLASH_LAUNCH, in the same run. The verify is left as it was (the other figures are the
+    default's)."""
+    fv, dev, S = ft.fused_rows, ft.device, ft.size
+    a = fv.args
+    L, H, D = a.num_layers, a.num_heads, a.head_dim
+    cases = {}
+    for T in (24, 64) if not smoke else (4, 8):
+        slots = ctx + torch.arange(T, device=dev)
+        mask = torch.arange(S, device=dev)[None, :] <= slots[:, None]
+        q = torch.randn(T, H, D, device=dev, dtype=fv.q.dtype)
+        cases[T] = (q, mask, attention_limit(mask), torch.empty_like(q))
+
+    def layer_us(launch, T) -> float:
+        q, mask, limit, out = cases[T]
+
+        def f():
+            for i in range(L):
+                fused_attention(q, fv.cache.k[i, 0], fv.cache.v[i, 0], mask, out, flash=True, limit=limit,
+                                launch=launch)  # fmt: skip
+
+        with torch.inference_mode():
+            return round(graphed_ms(f, dev, 20) / L * 1000, 2)
+
+    blocks, configs = flash_launches(smoke)
+    big = max(cases)
+    timed = {}
+    for br, kb in blocks:
+        launch = (br, kb) + FLASH_LAUNCH[2:]
+        timed[launch] = {T: layer_us(launch, T) for T in cases}
+    br, kb = min(((k[0], k[1]) for k in timed), key=lambda b: timed[b + FLASH_LAUNCH[2:]][big])
+    for warps, stages in configs:
+        launch = (br, kb, warps, stages)
+        if launch not in timed:
+            timed[launch] = {T: layer_us(launch, T) for T in cases}
+    best = min(timed, key=lambda k: timed[k][big])
+    out = {"us_per_layer": {"_".join(map(str, k)): v for k, v in timed.items()}, "default": list(FLASH_LAUNCH),
+           "best": list(best)}  # fmt: skip
+    print("flash launches (rows, slots, warps, stages): µs a layer", json.dumps(out), flush=True)
+    sizes = (1, 24, 64) if not smoke else (1, 4, 8)
+    was, fv.attention = fv.attention, "flash"  # whichever attention the mixes above chose
+    for name, launch in (("default", FLASH_LAUNCH), ("best", best)):
+        fv.flash_launch = launch
+        v = verify_ms(ft, ctx, vocab, sizes=sizes)
+        out[f"verify_ms_{name}"] = {str(t): round(x, 4) for t, x in v.items()}
+        out[f"verify_cost_ratio_{name}"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
+        print(f"verify, flash launch {name} {launch}", json.dumps(out[f"verify_cost_ratio_{name}"]), flush=True)
+    fv.flash_launch, fv.attention = FLASH_LAUNCH, was
+    res["flash_sweep"] = out
+    save()
+
+
 def _verify_profile(ft: FastTarget, ctx: int, vocab: int, res: dict) -> None:
     """Where a verify's time goes: for 24 rows (the tuned tree's) and 64, its ms as one graph, the kernels it launches
     and their summed device time (what is left is the gaps between kernels), and the top kernels by time."""
@@ -350,6 +419,7 @@ def main() -> int:
     ap.add_argument("--no-sweep", action="store_true", help="the default blocks only")
     ap.add_argument("--sweep-verify", action="store_true", help="also sweep the fused verify kernels' blocks")
     ap.add_argument("--profile-verify", action="store_true", help="kernels and gaps of the 24- and 64-row verify")
+    ap.add_argument("--sweep-flash", action="store_true", help="time flash attention's launch alternatives")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -402,6 +472,8 @@ def main() -> int:
     _verify_on_modules(ft, model, ctx, a.vocab_size, sizes, not args.no_compiled, device, res, save)
 
     ft3 = _fused_verify(model, prompt, ctx, S, sizes, args.smoke, args.sweep_verify, device, res, save)
+    if args.sweep_flash and ft3 is not None:
+        sweep_flash(ft3, ctx, a.vocab_size, args.smoke, res, save)
     if args.profile_verify and ft3 is not None:
         _verify_profile(ft3, ctx, a.vocab_size, res)
         save()

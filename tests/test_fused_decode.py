@@ -75,6 +75,27 @@ def test_attention_matches_masked_reference(T, S, rep, seed):
     assert attention_splits(S)[1] == -(-S // 64)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    T=st.integers(1, 70), S=st.integers(1, 2600), density=st.sampled_from([0.0, 0.001, 0.3]), seed=st.integers(0, 99)
+)
+def test_attention_limit_is_one_past_the_highest_allowed_slot(T, S, density, seed):
+    """The kernel's answer (row blocks of 16, slot blocks of 1024 folded by one atomic maximum each) against the
+    definition, torch's: the highest slot any row allows, plus one; 0 for a mask that allows nothing."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(T, S, generator=g) < density
+    if seed % 3 == 0:  # the highest allowed slot in one late row only, in the last slot block
+        mask[T - 1, int(torch.randint(0, S, (1,), generator=g))] = True
+    want = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 0
+    got = attention_limit(mask)
+    assert got.dtype == torch.int32 and got.shape == (1,)
+    assert int(got) == want
+    # a strided view (the verify's rows of a wider buffer) reads the same mask
+    wide = torch.zeros(T, S + 7, dtype=torch.bool)
+    wide[:, :S] = mask
+    assert int(attention_limit(wide[:, :S])) == want
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     T=st.integers(1, 40),
@@ -82,11 +103,14 @@ def test_attention_matches_masked_reference(T, S, rep, seed):
     rep=st.sampled_from([1, 2, 4]),
     cut=st.floats(0.05, 1.0),
     seed=st.integers(0, 99),
+    rows=st.sampled_from([16, 32, 64]),
+    slots=st.sampled_from([32, 64, 128]),
 )
-def test_flash_attention_matches_masked_reference(T, S, rep, cut, seed):
-    """The running-softmax kernel: rows in blocks of 16 (row, head) pairs, the slots in 64-slot blocks up to one past
-    the highest allowed slot (`cut` leaves the cache's tail unused, as a verify early in a long cache does); blocks
-    with nothing allowed for some rows, rows whose first allowed slot comes late."""
+def test_flash_attention_matches_masked_reference(T, S, rep, cut, seed, rows, slots):
+    """The running-softmax kernel: rows in blocks of 16-64 (row, head) pairs, the slots in 32-128-slot blocks (the
+    launches --sweep-flash times) up to one past the highest allowed slot (`cut` leaves the cache's tail unused, as a
+    verify early in a long cache does); blocks with nothing allowed for some rows, rows whose first allowed slot
+    comes late."""
     q, k, v, mask = attention_case(T, S, rep, seed, density=0.3)
     mask[:, max(1, int(S * cut)) :] = False
     mask[
@@ -95,7 +119,7 @@ def test_flash_attention_matches_masked_reference(T, S, rep, cut, seed):
     want = attend(q, k, v, mask[None, None])
     limit = attention_limit(mask)
     assert int(limit) == int(mask.any(0).nonzero().max()) + 1
-    got = fused_attention(q[0].transpose(0, 1), k[0], v[0], mask, flash=True, limit=limit)
+    got = fused_attention(q[0].transpose(0, 1), k[0], v[0], mask, flash=True, limit=limit, launch=(rows, slots, 4, 3))
     assert_close_float32(got.transpose(0, 1)[None], want)
 
 

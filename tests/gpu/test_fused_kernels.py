@@ -21,7 +21,7 @@ from tolerance import assert_draft_step_matches_modules, assert_step_matches_mod
 from eaglescope.decode.speculative import draft_slot_cache, target_embedding
 from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla
-from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode
+from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode, attention_limit
 from eaglescope.fast.fused_draft import FusedDraftStep
 from eaglescope.fast.fused_verify import CUBLASLT_PRODUCTS, FusedVerify
 from eaglescope.models.targets import load_target
@@ -93,6 +93,18 @@ def test_verify_rows_on_cublas_and_cublaslt_match_the_modules(wide, T, cublaslt,
     was = torch.backends.cuda.preferred_blas_library()
     _against_modules(ft, fv, toks, slots, mask, slots, len(model.model.layers))
     assert torch.backends.cuda.preferred_blas_library() == was  # the library choice is put back
+
+
+@pytest.mark.parametrize("T,S_", [(1, 200), (24, 480), (64, 40000)])
+def test_attention_limit_kernel_is_one_past_the_highest_allowed_slot(T, S_):
+    """The verify's flash attention bound, in the kernel the GPU compiles (its slot blocks folded by atomics; 40 of
+    them for 40000 slots), against torch's definition, for a causal chain and a mask whose highest slot is one row's."""
+    slots = 100 + torch.arange(T, device=DEVICE)
+    mask = torch.arange(S_, device=DEVICE)[None, :] <= slots[:, None]
+    assert int(attention_limit(mask)) == 100 + T
+    mask[T // 2, S_ - 3] = True
+    assert int(attention_limit(mask)) == S_ - 2
+    assert int(attention_limit(torch.zeros(T, S_, dtype=torch.bool, device=DEVICE))) == 0
 
 
 def test_greedy_through_the_fused_kernels_is_vanilla_greedy(wide):

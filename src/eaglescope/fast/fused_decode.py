@@ -43,7 +43,13 @@ DEFAULT_BLOCKS: dict[str, tuple[int, ...]] = {
     "lm_head": (4, 4096, 8),
 }
 ATTN_BLOCK = 64
-FLASH_ROWS = 16  # (row, head) pairs per flash attention program: 128 programs for a 64-row verify at 8B
+# flash attention's launch: (row, head) pairs per program (16: 128 programs for a 64-row verify at 8B), slots per
+# block of its loop, warps, software-pipelining stages of that loop (Triton's defaults); 8.8 µs a layer at 24 and
+# 64 rows at 8B (NOTES version 19c). bench/fused_decode_check.py --sweep-flash times the alternatives.
+FLASH_LAUNCH = (16, 64, 4, 3)
+# attention_limit's tile: a program folds LIMIT_ROWS rows at a time over LIMIT_COLS slots (one program for a
+# 1024-slot cache; a 32k-slot cache gets 32, so a long cache is not read by one SM)
+LIMIT_ROWS, LIMIT_COLS = 16, 1024
 
 
 def launch_options(blocks: tuple[int, ...]) -> dict[str, int]:
@@ -262,6 +268,20 @@ if triton is not None:
             tl.store(counter, 0)
 
     @triton.jit
+    def _attention_limit_kernel(mask, limit, T, S, sm_t, BT: tl.constexpr, BS: tl.constexpr):
+        """Program j: limit = max(limit, one past the highest slot among j*BS .. j*BS+BS-1 that any of the T rows of
+        `mask` allows; 0 where none does). `limit` comes in zeroed."""
+        cols = tl.program_id(0) * BS + tl.arange(0, BS)
+        in_s = cols < S
+        seen = tl.zeros((BS,), tl.int32)
+        for t0 in range(0, T, BT):
+            t = t0 + tl.arange(0, BT)
+            both = (t[:, None] < T) & in_s[None, :]
+            allow = tl.load(mask + t[:, None].to(tl.int64) * sm_t + cols[None, :], mask=both, other=0) != 0
+            seen = tl.maximum(seen, tl.max(tl.where(allow & both, cols[None, :] + 1, 0), axis=0))
+        tl.atomic_max(limit, tl.max(seen, axis=0))
+
+    @triton.jit
     def _attend_flash_kernel(q, kc, vc, mask, y, limit, S, T, H, rep, scale, sq_t, sq_h, sm_t, sy_t, sy_h,
                              D: tl.constexpr, KB: tl.constexpr, BR: tl.constexpr):  # fmt: skip
         """Program (kv group g, row block): BR rows (t, r) of the T x rep query heads sharing kv head g against the
@@ -357,20 +377,32 @@ def attend_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 def attention_limit(mask: torch.Tensor) -> torch.Tensor:
     """One past the highest slot any row of `mask` [T, S] allows, as a device scalar [1] int32 (flash attention
-    visits the slots below it; computed once per step, every layer shares the mask)."""
-    slots = torch.arange(1, mask.shape[-1] + 1, device=mask.device, dtype=torch.int32)
-    return torch.where(mask.any(0), slots, 0).amax().reshape(1)
+    visits the slots below it; computed once per step, every layer shares the mask).
+
+    Why a kernel: torch's form (a column `any`, a `where`, an `amax`) is three launches, and the column reduction
+    alone took 7.5 µs of a 64-row verify at 8B (bench/NOTES.md, version 19c); here a memset and one launch, a program
+    per LIMIT_COLS slots, each folding its columns over every row into one atomic maximum."""
+    T, S = mask.shape
+    if not available(mask.device):
+        slots = torch.arange(1, S + 1, device=mask.device, dtype=torch.int32)
+        return torch.where(mask.any(0), slots, 0).amax().reshape(1)
+    limit = torch.zeros(1, device=mask.device, dtype=torch.int32)
+    mask = mask.contiguous()
+    _attention_limit_kernel[(triton.cdiv(S, LIMIT_COLS),)](mask, limit, T, S, mask.stride(0), BT=LIMIT_ROWS,
+                                                           BS=LIMIT_COLS)  # fmt: skip
+    return limit
 
 
 def fused_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | None = None,
     scratch: tuple[torch.Tensor, ...] | None = None, flash: bool = False, limit: torch.Tensor | None = None,
+    launch: tuple[int, int, int, int] = FLASH_LAUNCH,
 ) -> torch.Tensor:  # fmt: skip
     """q [T, H, D] (any strides with unit last), k/v [Hkv, S, D] (one layer of a slot cache), mask [T, S] bool
     (True = attend; every row must allow at least one slot) → out [T, H, D]. `scratch` = (part_m, part_l,
     part_acc, count) from attention_scratch, reusable across calls (the counters come back zeroed). `flash`: one
     program per (kv group, block of rows) walking the slots below `limit` (attention_limit(mask) when None) with a
-    running softmax; it needs 16-wide heads (tensor cores) and no scratch."""
+    running softmax; it needs 16-wide heads (tensor cores) and no scratch; `launch` as FLASH_LAUNCH."""
     T, H, D = q.shape
     Hkv, S, _ = k.shape
     keys, NS = attention_splits(S)
@@ -386,10 +418,10 @@ def fused_attention(
         if D < 16:
             raise ValueError(f"flash attention runs heads of 16 or more on tensor cores, not {D}")
         limit = attention_limit(mask) if limit is None else limit
-        BR = FLASH_ROWS
+        BR, KB, warps, stages = launch
         _attend_flash_kernel[(Hkv, triton.cdiv(T * rep, BR))](
             q, k, v, mask, out, limit, S, T, H, rep, D**-0.5, q.stride(0), q.stride(1), mask.stride(0),
-            out.stride(0), out.stride(1), D=D, KB=ATTN_BLOCK, BR=BR,
+            out.stride(0), out.stride(1), D=D, KB=KB, BR=BR, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return out
     part_m, part_l, part_acc, count = scratch if scratch is not None else attention_scratch(T, H, D, S, q.device)

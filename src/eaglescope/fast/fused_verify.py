@@ -34,6 +34,7 @@ from collections.abc import Iterator
 import torch
 
 from eaglescope.fast.fused_decode import (
+    FLASH_LAUNCH,
     attention_limit,
     attention_scratch,
     fused_attention,
@@ -294,6 +295,7 @@ class FusedVerify:
         self._reserve()
         self.logits_dtype = logits_dtype(model)
         self.attention = attention
+        self.flash_launch = FLASH_LAUNCH  # flash attention's (rows, slots, warps, stages) per program
         self._attend = None
         self._limit: torch.Tensor | None = None
 
@@ -380,7 +382,7 @@ class FusedVerify:
         kind = AUTO_ATTENTION if self.attention == "auto" else self.attention
         if kind in ("flash", "fused"):
             fused_attention(q, self.cache.k[i, 0], self.cache.v[i, 0], mask, out, self.scratch, flash=kind == "flash",
-                            limit=self._limit)  # fmt: skip
+                            limit=self._limit, launch=self.flash_launch)  # fmt: skip
             return
         k, v = self.cache.k[i, 0], self.cache.v[i, 0]
         if self._attend is None:  # compiled, the mask and softmax become one kernel between the two products

@@ -80,7 +80,7 @@ def test_attention_matches_masked_reference(T, S, rep, seed):
     T=st.integers(1, 70), S=st.integers(1, 2600), density=st.sampled_from([0.0, 0.001, 0.3]), seed=st.integers(0, 99)
 )
 def test_attention_limit_is_one_past_the_highest_allowed_slot(T, S, density, seed):
-    """The kernel's answer (row blocks of 16, slot blocks of 1024 folded by one atomic maximum each) against the
+    """The kernel's answer (row blocks of 16, slot blocks of 256 folded by one atomic maximum each) against the
     definition, torch's: the highest slot any row allows, plus one; 0 for a mask that allows nothing."""
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(T, S, generator=g) < density

@@ -97,7 +97,7 @@ def test_verify_rows_on_cublas_and_cublaslt_match_the_modules(wide, T, cublaslt,
 
 @pytest.mark.parametrize("T,S_", [(1, 200), (24, 480), (64, 40000)])
 def test_attention_limit_kernel_is_one_past_the_highest_allowed_slot(T, S_):
-    """The verify's flash attention bound, in the kernel the GPU compiles (its slot blocks folded by atomics; 40 of
+    """The verify's flash attention bound, in the kernel the GPU compiles (its slot blocks folded by atomics; 157 of
     them for 40000 slots), against torch's definition, for a causal chain and a mask whose highest slot is one row's."""
     slots = 100 + torch.arange(T, device=DEVICE)
     mask = torch.arange(S_, device=DEVICE)[None, :] <= slots[:, None]

@@ -47,9 +47,10 @@ ATTN_BLOCK = 64
 # block of its loop, warps, software-pipelining stages of that loop (Triton's defaults); 8.8 µs a layer at 24 and
 # 64 rows at 8B (NOTES version 19c). bench/fused_decode_check.py --sweep-flash times the alternatives.
 FLASH_LAUNCH = (16, 64, 4, 3)
-# attention_limit's tile: a program folds LIMIT_ROWS rows at a time over LIMIT_COLS slots (one program for a
-# 1024-slot cache; a 32k-slot cache gets 32, so a long cache is not read by one SM)
-LIMIT_ROWS, LIMIT_COLS = 16, 1024
+# attention_limit's tile: a program folds LIMIT_ROWS rows at a time over LIMIT_COLS slots (two programs for the
+# benchmarks' 480-slot cache; a 32k-slot cache gets 128, so a long cache is not read by one SM); 4096 values a tile
+# keep it in registers at the default four warps
+LIMIT_ROWS, LIMIT_COLS = 16, 256
 
 
 def launch_options(blocks: tuple[int, ...]) -> dict[str, int]:

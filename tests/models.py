@@ -65,11 +65,14 @@ def make_checkpoint(family: str, out: Path, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     # Random init is tiny (std 0.02); scale up so that logits are peaked enough for greedy
-    # decoding to be far from ties, which float32 reordering could otherwise flip.
+    # decoding to be far from ties, which float32 reordering could otherwise flip. Biases (qwen2's q/k/v) start at
+    # zero in transformers: drawn here, so a bias dropped or added twice changes the output.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.15 if "embed" in name else 1.0 / p.shape[1] ** 0.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
     model.save_pretrained(
         out,
         safe_serialization=True,

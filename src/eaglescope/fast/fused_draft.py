@@ -131,7 +131,7 @@ class FusedDraftStep:
         kc, vc = self.cache.k[0], self.cache.v[0]
         _rows_rope_cache_kernel[(T, c.num_heads + 2 * c.num_kv_heads)](qkv, cos, sin, self.q, kc, vc, slots,
                                                                        c.num_heads, c.num_kv_heads, self.cache.size,
-                                                                       D=D)  # fmt: skip
+                                                                       qkv, 0, D=D)  # fmt: skip
         q, out = self.q[:T].view(T, c.num_heads, D), self.attn[:T].view(T, c.num_heads, D)
         fused_attention(q, kc[0], vc[0], mask, out, self.scratch)
         o = _mm(self.attn[:T], attn.o_proj.weight, attn.o_proj.bias, self.residual_out[:T])

@@ -74,6 +74,8 @@ AUTO_ATTENTION = "flash"
 # o's and down's products left for the next norm kernel to add (module docstring): as fast as beta = 1 at 24-64 rows
 # (4.85 against 4.82 ms at 64, fused-decode-check-20261204T205136.json), and it rounds as the modules do
 DEFER_RESIDUAL = True
+# q/k/v on cuBLAS in one product (1), or cut over K into this many (split_k_mm; fused_decode_check.py times 2-8)
+QKV_SPLIT = 1
 # each product's epilogue (the kernel's MODE)
 EPILOGUE = {"qkv": "qkv", "o": "residual", "gate_up": "gate_up", "down": "residual", "lm_head": "plain"}
 
@@ -97,15 +99,27 @@ if triton is not None:
         tl.store(y + t * K + k, (w * normed).to(y.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rows_rope_cache_kernel(qkv, cos, sin, q, kc, vc, slots, n_heads, n_kv, S, D: tl.constexpr):
+    def _rows_rope_cache_kernel(qkv, cos, sin, q, kc, vc, slots, n_heads, n_kv, S, bias, part_stride,
+                                D: tl.constexpr, PARTS: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):  # fmt: skip
         """Program (row t, head) of a q/k/v product already in qkv [T, heads*D]: RoPE at the row's position (not
-        for v), then q → q[t, head], k/v → the cache at slots[t]."""
+        for v), then q → q[t, head], k/v → the cache at slots[t]. PARTS > 1: qkv holds that many float32 partials
+        of the product over slices of K (split_k_mm), part_stride elements apart, summed in slice order with the
+        bias (HAS_BIAS) and rounded once to the cache's dtype, as the one product would be."""
         HALF: tl.constexpr = D // 2
         t, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
         n_all = n_heads + 2 * n_kv
         j = tl.arange(0, HALF)
         src = qkv + (t * n_all + head) * D + j
         lo, hi = tl.load(src).to(tl.float32), tl.load(src + HALF).to(tl.float32)
+        if PARTS > 1:
+            for p in tl.static_range(1, PARTS):
+                lo += tl.load(src + p * part_stride)
+                hi += tl.load(src + p * part_stride + HALF)
+            if HAS_BIAS:
+                lo += tl.load(bias + head * D + j).to(tl.float32)
+                hi += tl.load(bias + head * D + HALF + j).to(tl.float32)
+            lo = lo.to(q.dtype.element_ty).to(tl.float32)
+            hi = hi.to(q.dtype.element_ty).to(tl.float32)
         if head < n_heads + n_kv:  # q and k heads rotate: x * cos + rotate_half(x) * sin
             c_lo, c_hi = tl.load(cos + t * D + j).to(tl.float32), tl.load(cos + t * D + HALF + j).to(tl.float32)
             s_lo, s_hi = tl.load(sin + t * D + j).to(tl.float32), tl.load(sin + t * D + HALF + j).to(tl.float32)
@@ -296,6 +310,7 @@ class FusedVerify:
         self.logits_dtype = logits_dtype(model)
         self.attention = attention
         self.flash_launch = FLASH_LAUNCH  # flash attention's (rows, slots, warps, stages) per program
+        self.qkv_split = QKV_SPLIT  # q/k/v on cuBLAS as this many products over K's slices (split_k_mm)
         self._attend = None
         self._limit: torch.Tensor | None = None
 
@@ -418,10 +433,16 @@ class FusedVerify:
                 captured.append(h.clone())
             kc, vc = self.cache.k[i], self.cache.v[i]
             if "qkv" in self.cublas:
-                out = _mm(x[:T], qkv.weight, qkv.bias, self.qkv_out[:T])
-                heads = a.num_heads + 2 * a.num_kv_heads
+                heads, split = a.num_heads + 2 * a.num_kv_heads, self.qkv_split
+                with_bias = split > 1 and qkv.bias is not None  # else the product added it
+                if split > 1:  # float32 partials over K's slices, summed (with the bias) by the RoPE kernel
+                    out = split_k_mm(x[:T], qkv.weight, split)
+                else:
+                    out = _mm(x[:T], qkv.weight, qkv.bias, self.qkv_out[:T])
                 _rows_rope_cache_kernel[(T, heads)](out, cos, sin, self.q, kc, vc, slots, a.num_heads,
-                                                    a.num_kv_heads, self.cache.size, D=D)  # fmt: skip
+                                                    a.num_kv_heads, self.cache.size, qkv.bias if with_bias else out,
+                                                    out.stride(0) if split > 1 else 0, D=D, PARTS=split,
+                                                    HAS_BIAS=with_bias)  # fmt: skip
             else:
                 self._product("qkv", x, qkv.weight, qkv.bias, self.q, T, nq + 2 * a.num_kv_heads * D, cos=cos,
                               sin=sin, kc=kc, vc=vc, slots=slots)  # fmt: skip
@@ -455,6 +476,23 @@ def blas_library(name: str | None) -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.preferred_blas_library(was)
+
+
+def split_k_mm(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """x [T, K] @ weight.T as `splits` products over K's slices → their float32 partials [splits, T, N], for a kernel
+    to sum. Why: at 64 rows the q/k/v product is 96 output tiles of 64 for 132 SMs and streams its weights at 75% of
+    copy with cuBLAS and cuBLASLt alike (fused-decode-check-20261204T185702.json); cut four ways over K it is 384
+    tiles. One batched call on strided views of both operands (no copies); bf16 inputs accumulate into float32
+    outputs on CUDA (bmm's out_dtype), so the partials are not rounded before their sum."""
+    T, K = x.shape
+    N = weight.shape[0]
+    if K % splits:
+        raise ValueError(f"split_k_mm cuts K = {K} into equal slices: {splits} does not divide it")
+    xs = x.view(T, splits, K // splits).transpose(0, 1)  # [splits, T, K/splits]
+    ws = weight.view(N, splits, K // splits).permute(1, 2, 0)  # [splits, K/splits, N]
+    if x.is_cuda and x.dtype != torch.float32:
+        return torch.bmm(xs, ws, out_dtype=torch.float32)
+    return torch.bmm(xs, ws).float()
 
 
 def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:

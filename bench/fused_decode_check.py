@@ -44,7 +44,7 @@ from eaglescope.fast.fused_decode import (  # noqa: E402
     attention_limit,
     fused_attention,
 )
-from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, CUBLASLT_PRODUCTS, QKV_SPLIT, split_k_mm  # noqa: E402
+from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, CUBLASLT_PRODUCTS, K_SPLITS, split_k_mm  # noqa: E402
 from eaglescope.fast.layers import compile_layers, use_gemv_reductions  # noqa: E402
 
 
@@ -381,53 +381,69 @@ def sweep_flash(ft: FastTarget, ctx: int, vocab: int, smoke: bool, res: dict, sa
     save()
 
 
-def sweep_qkv_split(ft: FastTarget, ctx: int, vocab: int, copy_gbs: float, smoke: bool, res: dict, save) -> None:
-    """The verify's q/k/v on cuBLAS as one product or as float32 partials over 2-8 slices of K (split_k_mm, summed
-    by the RoPE kernel): the product alone at 24 and 64 rows (every layer's weights, one graph) against the one
-    product, then the whole verify for each split, in the same run. The verify is left as it was."""
+def sweep_k_split(ft: FastTarget, ctx: int, vocab: int, copy_gbs: float, smoke: bool, res: dict, save) -> None:
+    """The verify's q/k/v, o and down on cuBLAS as one product or as float32 partials over 2-8 slices of K
+    (split_k_mm; summed by the RoPE kernel, or by the next norm kernel with the residual): each product alone at 24
+    and 64 rows (every layer's weights, one graph), then the whole verify for each product's split with the others
+    whole, then with each product at its best split (by the 64-row verify), in the same run. The verify is left as
+    it was."""
     fv, dev = ft.fused_rows, ft.device
-    a = fv.args
     layers = fv.model.model.layers
-    W = [layer.self_attn.qkv_proj.weight for layer in layers]
+    weights = {"qkv": [la.self_attn.qkv_proj.weight for la in layers],
+               "o": [la.self_attn.o_proj.weight for la in layers],
+               "down": [la.mlp.down_proj.weight for la in layers]}  # fmt: skip
     splits = (1, 2, 4, 8) if not smoke else (1, 2)
-    out: dict = {"alone_us_per_layer": {}, "alone_of_copy": {}}
-    for T in (24, 64) if not smoke else (4, 8):
-        x = torch.randn(T, a.hidden_size, device=dev, dtype=fv.h.dtype)
-        for split in splits:
+    rows = (24, 64) if not smoke else (4, 8)
+    out: dict = {"alone_us_per_layer": {}, "alone_of_copy": {}, "default": dict(K_SPLITS)}
+    for name, W in weights.items():
+        for T in rows:
+            x = torch.randn(T, W[0].shape[1], device=dev, dtype=fv.h.dtype)
+            for split in splits:
 
-            def f(split=split, x=x):
-                for w in W:
-                    F.linear(x, w) if split == 1 else split_k_mm(x, w, split)
+                def f(split=split, x=x, W=W):
+                    for w in W:
+                        F.linear(x, w) if split == 1 else split_k_mm(x, w, split)
 
-            key = f"{T}_rows_split_{split}"
-            try:
-                with torch.inference_mode():
-                    us = graphed_ms(f, dev, 20) / len(W) * 1000
-            except Exception as e:  # bmm's out_dtype missing from this torch, and kin: recorded, not fatal
-                out["alone_us_per_layer"][key] = f"{type(e).__name__}: {str(e)[:200]}"
-                print("qkv split", key, out["alone_us_per_layer"][key], flush=True)
-                continue
-            out["alone_us_per_layer"][key] = round(us, 2)
-            out["alone_of_copy"][key] = round(W[0].nbytes / (us * 1e-6) / 1e9 / copy_gbs, 4)
-            print(
-                "qkv split", key, out["alone_us_per_layer"][key], "µs", out["alone_of_copy"][key], "of copy", flush=True
-            )
-    sizes = (1, 24, 64) if not smoke else (1, 4, 8)
-    was = fv.qkv_split, fv.cublas
-    fv.cublas = tuple(sorted(set(fv.cublas) | {"qkv"}, key=CUBLAS_PRODUCTS.index))
-    for split in splits:
-        fv.qkv_split = split
+                key = f"{name}_{T}_rows_split_{split}"
+                try:
+                    with torch.inference_mode():
+                        us = graphed_ms(f, dev, 20) / len(W) * 1000
+                except Exception as e:  # bmm's out_dtype missing from this torch, and kin: recorded, not fatal
+                    out["alone_us_per_layer"][key] = f"{type(e).__name__}: {str(e)[:200]}"
+                    print("k split", key, out["alone_us_per_layer"][key], flush=True)
+                    continue
+                out["alone_us_per_layer"][key] = round(us, 2)
+                out["alone_of_copy"][key] = round(W[0].nbytes / (us * 1e-6) / 1e9 / copy_gbs, 4)
+                print("k split", key, out["alone_us_per_layer"][key], "µs", out["alone_of_copy"][key], "of copy",
+                      flush=True)  # fmt: skip
+    sizes = (1,) + rows
+    was = dict(fv.k_splits), fv.cublas, fv.defer_residual
+    fv.cublas, fv.defer_residual = CUBLAS_PRODUCTS, True  # every split product on cuBLAS, its add deferred
+
+    def verify(key: str, k_splits: dict) -> float:
+        fv.k_splits = {**K_SPLITS, **k_splits}
         try:
             v = verify_ms(ft, ctx, vocab, sizes=sizes)
         except Exception as e:
-            out[f"verify_split_{split}"] = f"{type(e).__name__}: {str(e)[:200]}"
-            continue
-        out[f"verify_ms_split_{split}"] = {str(t): round(x, 4) for t, x in v.items()}
-        out[f"verify_cost_ratio_split_{split}"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
-        print(f"verify, q/k/v in {split}", json.dumps(out[f"verify_cost_ratio_split_{split}"]), flush=True)
-    fv.qkv_split, fv.cublas = was
-    out["default"] = QKV_SPLIT
-    res["qkv_split_sweep"] = out
+            out[f"verify_{key}"] = f"{type(e).__name__}: {str(e)[:200]}"
+            return math.inf
+        out[f"verify_ms_{key}"] = {str(t): round(x, 4) for t, x in v.items()}
+        out[f"verify_cost_ratio_{key}"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
+        print(f"verify, {key}", json.dumps(out[f"verify_cost_ratio_{key}"]), flush=True)
+        return v[rows[-1]]
+
+    base = verify("whole", {})
+    best = {}
+    for name in weights:
+        timed = {split: verify(f"{name}_split_{split}", {name: split}) for split in splits[1:]}
+        split = min(timed, key=timed.get)
+        if timed[split] < base:
+            best[name] = split
+    out["best"] = {**K_SPLITS, **best}
+    if len(best) > 1:
+        verify("best", best)
+    fv.k_splits, fv.cublas, fv.defer_residual = was
+    res["k_split_sweep"] = out
     save()
 
 
@@ -478,7 +494,7 @@ def main() -> int:
     ap.add_argument("--sweep-verify", action="store_true", help="also sweep the fused verify kernels' blocks")
     ap.add_argument("--profile-verify", action="store_true", help="kernels and gaps of the 24- and 64-row verify")
     ap.add_argument("--sweep-flash", action="store_true", help="time flash attention's launch alternatives")
-    ap.add_argument("--sweep-qkv-split", action="store_true", help="time q/k/v as partials over slices of K")
+    ap.add_argument("--sweep-k-split", action="store_true", help="time q/k/v, o, down as partials over K's slices")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -533,8 +549,8 @@ def main() -> int:
     ft3 = _fused_verify(model, prompt, ctx, S, sizes, args.smoke, args.sweep_verify, device, res, save)
     if args.sweep_flash and ft3 is not None:
         sweep_flash(ft3, ctx, a.vocab_size, args.smoke, res, save)
-    if args.sweep_qkv_split and ft3 is not None:
-        sweep_qkv_split(ft3, ctx, a.vocab_size, res["copy_bandwidth_gbs"], args.smoke, res, save)
+    if args.sweep_k_split and ft3 is not None:
+        sweep_k_split(ft3, ctx, a.vocab_size, res["copy_bandwidth_gbs"], args.smoke, res, save)
     if args.profile_verify and ft3 is not None:
         _verify_profile(ft3, ctx, a.vocab_size, res)
         save()

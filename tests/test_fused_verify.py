@@ -87,26 +87,27 @@ def test_rmsnorm_rows_match_the_module(tiny_verify):
 
 
 @pytest.mark.parametrize(
-    "family,attention,cublas,defer,qkv_split",
+    "family,attention,cublas,defer,k_splits",
     [
-        ("llama", "fused", (), False, 1),
-        ("qwen2", "fused", (), False, 1),
-        ("qwen2", "fused", CUBLAS_PRODUCTS, False, 1),
-        ("llama", "matmul", ("o",), False, 1),
-        ("llama", "flash", CUBLAS_PRODUCTS, False, 1),
-        ("qwen2", "auto", (), False, 1),
-        ("llama", "flash", CUBLAS_PRODUCTS, True, 1),
-        ("qwen2", "auto", ("down",), True, 1),
-        ("llama", "flash", CUBLAS_PRODUCTS, True, 4),
-        ("qwen2", "flash", CUBLAS_PRODUCTS, True, 2),
+        ("llama", "fused", (), False, {}),
+        ("qwen2", "fused", (), False, {}),
+        ("qwen2", "fused", CUBLAS_PRODUCTS, False, {}),
+        ("llama", "matmul", ("o",), False, {}),
+        ("llama", "flash", CUBLAS_PRODUCTS, False, {}),
+        ("qwen2", "auto", (), False, {}),
+        ("llama", "flash", CUBLAS_PRODUCTS, True, {}),
+        ("qwen2", "auto", ("down",), True, {}),
+        ("llama", "flash", CUBLAS_PRODUCTS, True, {"qkv": 4, "o": 2, "down": 4}),
+        ("qwen2", "flash", CUBLAS_PRODUCTS, True, {"qkv": 2, "down": 2}),
     ],
 )
-def test_verify_step_matches_the_modules(family, attention, cublas, defer, qkv_split, tmp_path):
+def test_verify_step_matches_the_modules(family, attention, cublas, defer, k_splits, tmp_path):
     """Five tree rows at scattered slots with their own ancestor masks, over three attention splits (or as products);
     the products on the Triton kernel split over K (combined by the last slice), or on cuBLAS with the RoPE / SiLU
     kernels (qwen2: biases), the residual adds of o and down done at once or (defer) by the next norm kernel, the
-    last one by the final norm and the taps taken after it, q/k/v as one product or as partials over K's slices
-    that the RoPE kernel sums (qkv_split, with qwen2's bias): the modules' logits, taps and cache writes."""
+    last one by the final norm and the taps taken after it, products as one call or as partials over K's slices
+    (k_splits) that the RoPE kernel (q/k/v, with qwen2's bias) or the next norm kernel (o, down) sums: the modules'
+    logits, taps and cache writes."""
     ckpt = make_checkpoint(family, tmp_path, seed=3, num_hidden_layers=3, **WIDE_HEADS)
     model = fuse_projections(copy.deepcopy(load_target(ckpt, device="cpu", dtype=torch.float32).model))
     ft = FastTarget(model, size=150, taps=(0, 2), float32_logits=True)
@@ -119,7 +120,7 @@ def test_verify_step_matches_the_modules(family, attention, cublas, defer, qkv_s
         cublas=cublas,
         defer_residual=defer,
     )
-    fv.qkv_split = qkv_split
+    fv.k_splits.update(k_splits)
     if attention == "matmul":  # a compiled attention that fails gives way to the plain ops
 
         def failing(*args):

@@ -81,17 +81,22 @@ def test_one_token_step_with_the_8b_blocks_matches_the_modules(wide):
 
 @pytest.mark.parametrize("T", [24, 64])
 @pytest.mark.parametrize(
-    "cublaslt,defer,qkv_split",
-    [(CUBLASLT_PRODUCTS, False, 1), ((), False, 1), (CUBLASLT_PRODUCTS, True, 1), (CUBLASLT_PRODUCTS, True, 4)],
+    "cublaslt,defer,k_splits",
+    [
+        (CUBLASLT_PRODUCTS, False, {}),
+        ((), False, {}),
+        (CUBLASLT_PRODUCTS, True, {}),
+        (CUBLASLT_PRODUCTS, True, {"qkv": 4, "o": 2, "down": 4}),
+    ],
 )
-def test_verify_rows_on_cublas_and_cublaslt_match_the_modules(wide, T, cublaslt, defer, qkv_split):
+def test_verify_rows_on_cublas_and_cublaslt_match_the_modules(wide, T, cublaslt, defer, k_splits):
     """A chain of T rows after the prompt, on the default (flash) attention; until 9b630c3 these ran the split-slot
     grouped kernel at 24 rows and attention as products at 64 (gpu-tests-20261204T1914.txt). `defer`: o's and down's
-    residual adds in the next norm kernel; `qkv_split`: q/k/v as float32 partials over four slices of K, summed by
-    the RoPE kernel (bmm's out_dtype; not yet run on a GPU at its commit)."""
+    residual adds in the next norm kernel; `k_splits`: products as float32 partials over slices of K, summed by the
+    RoPE kernel or the next norm kernel (bmm's out_dtype; not yet run on a GPU at its commit)."""
     model, ft = _fresh(wide)
     fv = FusedVerify(model, ft.cache, taps=(0, 1), cublaslt=cublaslt, defer_residual=defer)
-    fv.qkv_split = qkv_split
+    fv.k_splits.update(k_splits)
     slots = 37 + torch.arange(T, device=DEVICE)
     mask = torch.arange(S, device=DEVICE)[None, :] <= slots[:, None]
     toks = torch.randint(0, 4096, (T,), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(T))

@@ -111,7 +111,7 @@ class FusedDraftStep:
     def _norm(self, norm, T: int, add: torch.Tensor) -> torch.Tensor:
         """self.h += add, then its RMSNorm into self.normed (one kernel)."""
         H = self.config.hidden_size
-        _rows_rmsnorm_kernel[(T,)](self.h, add, norm.weight, self.normed, norm.eps, K=H,
+        _rows_rmsnorm_kernel[(T,)](self.h, add, norm.weight, self.normed, norm.eps, 0, K=H,
                                    KP2=triton.next_power_of_2(H), ADD=True)  # fmt: skip
         return self.normed[:T]
 

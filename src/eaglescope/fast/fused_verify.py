@@ -74,23 +74,32 @@ AUTO_ATTENTION = "flash"
 # o's and down's products left for the next norm kernel to add (module docstring): as fast as beta = 1 at 24-64 rows
 # (4.85 against 4.82 ms at 64, fused-decode-check-20261204T205136.json), and it rounds as the modules do
 DEFER_RESIDUAL = True
-# q/k/v on cuBLAS in one product (1), or cut over K into this many (split_k_mm; fused_decode_check.py times 2-8)
-QKV_SPLIT = 1
+# each product on cuBLAS in one call (1), or cut over K into this many (split_k_mm; fused_decode_check.py
+# --sweep-k-split times 2-8)
+K_SPLITS = {"qkv": 1, "o": 1, "down": 1}
 # each product's epilogue (the kernel's MODE)
 EPILOGUE = {"qkv": "qkv", "o": "residual", "gate_up": "gate_up", "down": "residual", "lm_head": "plain"}
 
 if triton is not None:
 
     @triton.jit
-    def _rows_rmsnorm_kernel(x, r, nw, y, eps, K: tl.constexpr, KP2: tl.constexpr, ADD: tl.constexpr):
+    def _rows_rmsnorm_kernel(x, r, nw, y, eps, part_stride, K: tl.constexpr, KP2: tl.constexpr, ADD: tl.constexpr,
+                             PARTS: tl.constexpr = 1):  # fmt: skip
         """y[t] = RMSNorm(x[t]) with the module's two roundings; one program per row. With ADD, first x[t] += r[t]
-        in place (the residual add, rounded as the module's `h + proj(...)`)."""
+        in place (the residual add, rounded as the module's `h + proj(...)`). PARTS > 1: r holds that many float32
+        partials of the product over slices of K (split_k_mm), part_stride elements apart, summed in slice order
+        and rounded once to x's dtype before the add, as the one product would be."""
         t = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, KP2)
         ok = k < K
         xs = tl.load(x + t * K + k, mask=ok, other=0.0)
         if ADD:
-            xs = (xs.to(tl.float32) + tl.load(r + t * K + k, mask=ok, other=0.0).to(tl.float32)).to(xs.dtype)
+            add = tl.load(r + t * K + k, mask=ok, other=0.0).to(tl.float32)
+            if PARTS > 1:
+                for p in tl.static_range(1, PARTS):
+                    add += tl.load(r + p * part_stride + t * K + k, mask=ok, other=0.0)
+                add = add.to(xs.dtype).to(tl.float32)
+            xs = (xs.to(tl.float32) + add).to(xs.dtype)
             tl.store(x + t * K + k, xs, mask=ok)
         xs = xs.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, 0) / K + eps)
@@ -310,7 +319,9 @@ class FusedVerify:
         self.logits_dtype = logits_dtype(model)
         self.attention = attention
         self.flash_launch = FLASH_LAUNCH  # flash attention's (rows, slots, warps, stages) per program
-        self.qkv_split = QKV_SPLIT  # q/k/v on cuBLAS as this many products over K's slices (split_k_mm)
+        # q/k/v, o and down on cuBLAS as this many products over K's slices (split_k_mm; o and down when their
+        # residual adds are deferred and they have no bias)
+        self.k_splits = dict(K_SPLITS)
         self._attend = None
         self._limit: torch.Tensor | None = None
 
@@ -373,10 +384,13 @@ class FusedVerify:
         return blas_library("cublaslt" if name in self.cublaslt and x.is_cuda else None)
 
     def _norm(self, norm, x, T: int, add: torch.Tensor | None = None) -> torch.Tensor:
-        """RMSNorm of x's T rows into self.normed; with `add`, x += add first (in place)."""
+        """RMSNorm of x's T rows into self.normed; with `add` ([T, K], or split_k_mm's partials [parts, T, K]),
+        x += add first (in place)."""
         K = x.shape[1]
-        _rows_rmsnorm_kernel[(T,)](x, add if add is not None else x, norm.weight, self.normed, norm.eps, K=K,
-                                   KP2=triton.next_power_of_2(K), ADD=add is not None)  # fmt: skip
+        parts = add.shape[0] if add is not None and add.dim() == 3 else 1  # split_k_mm's partials
+        _rows_rmsnorm_kernel[(T,)](x, add if add is not None else x, norm.weight, self.normed, norm.eps,
+                                   add.stride(0) if parts > 1 else 0, K=K, KP2=triton.next_power_of_2(K),
+                                   ADD=add is not None, PARTS=parts)  # fmt: skip
         return self.normed
 
     def _residual(self, name: str, x, layer_proj, h, T: int) -> torch.Tensor | None:
@@ -387,6 +401,8 @@ class FusedVerify:
             return None
         with self._library(name, h):
             if self.defer_residual:
+                if self.k_splits[name] > 1 and layer_proj.bias is None:  # partials, summed by the next norm kernel
+                    return split_k_mm(x[:T], layer_proj.weight, self.k_splits[name])
                 return _mm(x[:T], layer_proj.weight, layer_proj.bias, self.residual_out[:T])
             _mm_residual(x[:T], layer_proj.weight, layer_proj.bias, h)
         return None
@@ -433,7 +449,7 @@ class FusedVerify:
                 captured.append(h.clone())
             kc, vc = self.cache.k[i], self.cache.v[i]
             if "qkv" in self.cublas:
-                heads, split = a.num_heads + 2 * a.num_kv_heads, self.qkv_split
+                heads, split = a.num_heads + 2 * a.num_kv_heads, self.k_splits["qkv"]
                 with_bias = split > 1 and qkv.bias is not None  # else the product added it
                 if split > 1:  # float32 partials over K's slices, summed (with the bias) by the RoPE kernel
                     out = split_k_mm(x[:T], qkv.weight, split)

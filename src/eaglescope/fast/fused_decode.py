@@ -44,9 +44,10 @@ DEFAULT_BLOCKS: dict[str, tuple[int, ...]] = {
 }
 ATTN_BLOCK = 64
 # flash attention's launch: (row, head) pairs per program (16: 128 programs for a 64-row verify at 8B), slots per
-# block of its loop, warps, software-pipelining stages of that loop (Triton's defaults); 8.8 µs a layer at 24 and
-# 64 rows at 8B (NOTES version 19c). bench/fused_decode_check.py --sweep-flash times the alternatives.
-FLASH_LAUNCH = (16, 64, 4, 3)
+# block of its loop, warps, software-pipelining stages of that loop. 128-slot blocks on 8 warps, 2 stages: 6.8 µs a
+# layer at 24 rows and 7.5 at 64 against 8.8 for 64-slot blocks on Triton's default 4 warps, 3 stages; the 64-row
+# verify 4.767 → 4.704 ms (bench/fused_decode_check.py --sweep-flash, fused-decode-check-20261205T030428.json)
+FLASH_LAUNCH = (16, 128, 8, 2)
 # attention_limit's tile: a program folds LIMIT_ROWS rows at a time over LIMIT_COLS slots (two programs for the
 # benchmarks' 480-slot cache; a 32k-slot cache gets 128, so a long cache is not read by one SM); 4096 values a tile
 # keep it in registers at the default four warps

@@ -908,12 +908,13 @@ def roofline(
     if replay and replay.get("per_round"):
         pr = replay["per_round"][: (400 if not smoke else 40)]
         _replayed_acceptance(rf, ft, van, draft, shape, pr, compiled)
-        # the same rounds with the draft layer on fast/fused_draft.py's kernels (not the protocol's figure yet)
-        why = fused_draft_supported(draft)
-        if why is None and rf.left() > 120:
-            _replayed_acceptance(rf, ft, van, draft, shape, pr, compiled, fused_draft=True)
+        # the same rounds with the draft layer on its modules (the default's alternative, FastEagle(fused_draft=...))
+        fused = fused_draft_supported(draft) is None and ft.fused_rows is not None
+        res["replay_draft_layer"] = "fused" if fused else "modules"
+        if fused and rf.left() > 120:
+            _replayed_acceptance(rf, ft, van, draft, shape, pr, compiled, fused_draft=False)
         else:
-            res["replay_fused_draft"] = why or f"skipped: {rf.left():.0f} s left"
+            res["replay_modules_draft"] = "the default ran the modules" if not fused else f"skipped: {rf.left():.0f} s"
     if device.type == "cuda" and rf.left() > 60:
         try:
             checkpoint()
@@ -1117,12 +1118,13 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
 
 
 def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compiled: bool,
-                         fused_draft: bool = False) -> None:  # fmt: skip
+                         fused_draft: bool | None = None) -> None:  # fmt: skip
     """The fast round at 8B with the acceptance lengths `pr` measured on the trained target: τ, tok/s, η (in
-    res["replay_*"], or with `fused_draft`, the draft layer on its fused kernels, in res["replay_fused_draft"])."""
+    res["replay_*"]; with fused_draft=False, the draft layer on its modules whatever FastEagle's default, in
+    res["replay_modules_draft"])."""
     res, prompt, ctx_new = rf.res, rf.prompt, rf.ctx_new
-    if fused_draft:
-        res = rf.res["replay_fused_draft"] = {}
+    if fused_draft is False:
+        res = rf.res["replay_modules_draft"] = {}
     t_c = time.perf_counter()
     rf.checkpoint()
     # compiling the 8B round as one graph took 36 s (bench-all-20261129T150034.json); piece by piece (a tree level
@@ -1151,10 +1153,8 @@ def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compile
     res["replay_vanilla_tokens_per_second"] = round(vtps, 2)
     res["replay_speedup"] = round(tps / vtps, 4)
     res["replay_eta"] = round(tps / vtps / tau, 4)
-    say(
-        f"roofline replay{' (fused draft)' if fused_draft else ''}: τ {tau:.2f}, {tps:.1f} vs {vtps:.1f} tok/s, "
-        f"round {res['replay_round_ms']} ms"
-    )
+    which = " (modules draft)" if fused_draft is False else ""
+    say(f"roofline replay{which}: τ {tau:.2f}, {tps:.1f} vs {vtps:.1f} tok/s, round {res['replay_round_ms']} ms")
     if rf.device.type == "cuda" and rf.left() > 90:  # where the round's time goes: each operation alone
         try:
             res["replay_round_pieces"] = round_pieces(fe)

@@ -127,6 +127,27 @@ def test_speculative_decoding_through_the_fused_draft_is_vanilla_greedy(target_d
     assert sum(runs[1].accepted) > 0
 
 
+def test_the_fused_draft_is_the_default_where_the_target_verifies_on_fused_kernels(tmp_path):
+    """FastEagle's fused_draft=None: the fused draft layer where the target's verifies run the fused kernels and the
+    draft is one it runs; the modules on a target without them, or for a draft it cannot run (unfused projections)."""
+    # 32-wide heads: the fused verify's tensor-core tiles need them
+    target_dir = make_checkpoint("llama", tmp_path, seed=5, num_hidden_layers=7, num_attention_heads=2,
+                                 num_key_value_heads=1)  # fmt: skip
+    tgt = load_target(target_dir, device="cpu", dtype=torch.float32)
+    tgt.set_taps(TapContract.default(tgt.num_layers))
+    fused_model = fuse_projections(copy.deepcopy(tgt.model))
+    on_kernels = FastTarget(fused_model, 64, taps=tgt.taps.layers, fused_decode=True, fused_verify=True)
+    plain = FastTarget(copy.deepcopy(tgt.model), 64, taps=tgt.taps.layers)
+    assert on_kernels.fused_rows is not None and plain.fused_rows is None
+    draft, _ = make_draft(target_dir, taps=tgt.taps, seed=14)
+    unfused = copy.deepcopy(draft)
+    fuse_projections(draft)
+    layer = lambda ft, d: FastEagle(ft, d, 3, 3, 8, max_len=20).proposer.fused_layer  # noqa: E731
+    assert isinstance(layer(on_kernels, draft), FusedDraftStep)
+    assert layer(plain, draft) is None
+    assert layer(on_kernels, unfused) is None
+
+
 def test_unsupported_drafts_are_refused_with_the_reason(target_dir):
     draft, _ = make_draft(target_dir, draft_vocab_size=48)
     assert "fuse_projections" in fused_draft_supported(draft)

@@ -40,7 +40,7 @@ from eaglescope.decode.speculative import Eagle3Proposer
 from eaglescope.decode.tree import DraftTree
 from eaglescope.decode.verify import accept_greedy
 from eaglescope.fast.fused_decode import FusedDecode, attend_fused
-from eaglescope.fast.fused_draft import FusedDraftStep
+from eaglescope.fast.fused_draft import FusedDraftStep, fused_draft_supported
 from eaglescope.fast.fused_verify import FusedVerify
 from eaglescope.fast.layers import Float32Logits, GemvLinear, allow_recompiles, argmax_rows, compile_layers
 from eaglescope.models.draft import Eagle3Draft
@@ -314,12 +314,13 @@ class FastEagle(Runner):
         recorder: T.TraceRecorder | None = None,
         trace_layers: bool = False,
         proposer_cls: type[Eagle3Proposer] = Eagle3Proposer,
-        fused_draft: bool = False,
+        fused_draft: bool | None = None,
     ) -> None:
         """`compile` torch.compiles the draft side of a round and the acceptance (not the target: compile its layers
         through FastTarget). `fused_draft` runs the draft layer on fast/fused_draft.py's kernels (the catch-up and
-        every tree level; with `compile`, the pieces around it compile; not yet timed on a GPU, bench/NOTES.md
-        version 21a). `recorder` records every round as a trace: each stage tensor is copied,
+        every tree level; with `compile`, the pieces around it compile); None: wherever the target's verifies run
+        the fused kernels and the draft is one they run (on an H200 at 8B a round 7.05 → 6.76 ms, bench/NOTES.md
+        "Measured (2026-12-05)"). `recorder` records every round as a trace: each stage tensor is copied,
         inside the (captured) round, into a buffer of its own, and the host records the buffers after reading the
         round; rounds then run one at a time, uncompiled. `trace_layers`: the trace also records every layer's
         state of the prefill (TraceRecorder.record_layers). `proposer_cls`: the draft side's class (a subclass
@@ -334,6 +335,8 @@ class FastEagle(Runner):
             raise ValueError(f"target cache {target.size} < {max_len + total_tokens + self.Pmax} needed")
         # the catch-up's pad rows land past the context: the draft's context region is Pmax longer than max_len
         self.proposer = proposer_cls(draft, depth, top_k, total_tokens, max_len + self.Pmax, recorder=self.stages)
+        if fused_draft is None:
+            fused_draft = target.fused_rows is not None and fused_draft_supported(draft) is None
         if fused_draft:
             self.proposer.fused_layer = FusedDraftStep(draft, self.proposer.cache, max(self.Pmax, top_k))
         c = draft.config

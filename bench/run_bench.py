@@ -45,8 +45,8 @@ from eaglescope.decode.tree import top_k_rows
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast import invariant as inv_kernels
 from eaglescope.fast.engine import _graph, use_batch_invariant, use_matmul_attention
-from eaglescope.fast.fused_decode import fused_decode_supported
-from eaglescope.fast.fused_draft import FusedDraftStep, fused_draft_supported
+from eaglescope.fast.fused_decode import available, fused_decode_supported
+from eaglescope.fast.fused_draft import FusedDraftStep, fused_draft_supported, log_softmax_top_k
 from eaglescope.fast.fused_verify import blas_library
 from eaglescope.fast.layers import compile_layers, use_gemv_reductions
 from eaglescope.models.draft import DraftConfig, Eagle3Draft
@@ -733,8 +733,8 @@ def graphed_ms(fn, device, reps: int) -> float:
     return ms
 
 
-def _profile_step(fn, reps: int = 3) -> str:
-    """Top kernels of `fn` by GPU time (the step run without its graph, so each kernel is visible)."""
+def _profile_step(fn, reps: int = 3, rows: int = 25) -> str:
+    """Top `rows` kernels of `fn` by GPU time (the step run without its graph, so each kernel is visible)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -746,10 +746,10 @@ def _profile_step(fn, reps: int = 3) -> str:
     avg = prof.key_averages()
     for key in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
         try:
-            return avg.table(sort_by=key, row_limit=25, max_name_column_width=70)
+            return avg.table(sort_by=key, row_limit=rows, max_name_column_width=70)
         except (AttributeError, KeyError, RuntimeError):
             continue
-    return avg.table(row_limit=25)
+    return avg.table(row_limit=rows)
 
 
 def kernels(fn) -> dict:
@@ -769,9 +769,10 @@ def kernels(fn) -> dict:
 
 
 @torch.inference_mode()
-def round_pieces(fe: FastEagle) -> dict:
+def round_pieces(fe: FastEagle, profile: bool = False) -> dict:
     """propose / verify / accept + commit of a FastEagle, each alone: ms as a graph, and kernels (their count and
-    summed device time: the graph's ms less that is launches and gaps)."""
+    summed device time: the graph's ms less that is launches and gaps); `profile`: also each piece's kernels by
+    time (`kernel_table`, one run)."""
     state = fe.propose()
     fe.d_len.sub_(fe.pend_n)  # propose advanced the draft's length: undo, so each replay sees the same state
     fe.verify(state)
@@ -794,6 +795,8 @@ def round_pieces(fe: FastEagle) -> dict:
     out = {}
     for name, fn in (("propose", propose), ("verify", verify), ("accept_commit", accept_commit)):
         out[name] = {"ms": round(graphed_ms(fn, fe.device, 100), 4), **kernels(fn)}
+        if profile and fe.device.type == "cuda":
+            out[name]["kernel_table"] = _profile_step(fn, reps=1, rows=45)
     return out
 
 
@@ -1090,14 +1093,22 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
         "torch.topk": round(1e3 * graphed_ms(lambda: lp.topk(K, -1), device, reps=50), 2),
         "top_k_rows": round(1e3 * graphed_ms(lambda: top_k_rows(lp, K), device, reps=50), 2),
     }
+    if available(device):  # the fused draft's children from bf16 logits: log-softmax and top-k in one launch
+        logits = torch.randn(K, dc.draft_vocab_size, device=device, dtype=dtype)
+        rf.res["draft_topk_us"]["log_softmax + top_k_rows"] = round(
+            1e3 * graphed_ms(lambda: top_k_rows(torch.log_softmax(logits.float(), -1), K), device, reps=50), 2
+        )
+        rf.res["draft_topk_us"]["log_softmax_top_k"] = round(
+            1e3 * graphed_ms(lambda: log_softmax_top_k(logits, K), device, reps=50), 2
+        )
     if fused_draft_supported(draft) is None:  # the same level with the layer on fast/fused_draft.py's kernels
         fused = FusedDraftStep(draft, dcache, rows=K)
         rotary = torch.compile(draft.midlayer.rotary) if device.type == "cuda" else draft.midlayer.rotary
 
-        def fstep():  # as Eagle3Proposer.fused_tree_level: its RoPE compiled, the layer, the head, the top-k
+        def fstep():  # as Eagle3Proposer.fused_tree_level: its RoPE compiled, the layer, the head, the children
             cos, sin = rotary(dpos, dtype)
             normed = fused(emb[0], hid[0], cos[0, 0], sin[0, 0], dslots, dmask[0, 0])[1]
-            top_k_rows(torch.log_softmax(draft.head(normed).float(), -1), K)
+            fused.children(draft.head(normed), K)
 
         rf.res["draft_step_ms_fused"] = round(graphed_ms(fstep, device, reps=50), 4)
         if device.type == "cuda" and rf.left() > 150:
@@ -1157,7 +1168,7 @@ def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compile
     say(f"roofline replay{which}: τ {tau:.2f}, {tps:.1f} vs {vtps:.1f} tok/s, round {res['replay_round_ms']} ms")
     if rf.device.type == "cuda" and rf.left() > 90:  # where the round's time goes: each operation alone
         try:
-            res["replay_round_pieces"] = round_pieces(fe)
+            res["replay_round_pieces"] = round_pieces(fe, profile=rf.left() > 150)
         except Exception as e:
             res["replay_round_pieces"] = f"profiler failed: {type(e).__name__}: {e}"
 

@@ -10,6 +10,8 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 from drafts import make_draft  # noqa: E402
@@ -18,11 +20,12 @@ from tolerance import assert_close_float32, assert_draft_step_matches_modules  #
 
 from eaglescope import trace as T  # noqa: E402
 from eaglescope.decode.speculative import Eagle3Proposer, draft_slot_cache, target_embedding  # noqa: E402
+from eaglescope.decode.tree import top_k_rows  # noqa: E402
 from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
 from eaglescope.detective.diagnose import diagnose_trace  # noqa: E402
 from eaglescope.fast import FastEagle, FastTarget  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
-from eaglescope.fast.fused_draft import FusedDraftStep, fused_draft_supported  # noqa: E402
+from eaglescope.fast.fused_draft import FusedDraftStep, fused_draft_supported, log_softmax_top_k  # noqa: E402
 from eaglescope.models.draft import load_draft, save_draft  # noqa: E402
 from eaglescope.models.targets import load_target  # noqa: E402
 from eaglescope.models.targets.llama import fuse_projections  # noqa: E402
@@ -146,6 +149,43 @@ def test_the_fused_draft_is_the_default_where_the_target_verifies_on_fused_kerne
     assert isinstance(layer(on_kernels, draft), FusedDraftStep)
     assert layer(plain, draft) is None
     assert layer(on_kernels, unfused) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.integers(3, 700), st.integers(1, 8), st.integers(0, 2**31 - 1),
+       st.sampled_from(["distinct", "ties", "masked"]), st.sampled_from([torch.float32, torch.bfloat16]))  # fmt: skip
+def test_log_softmax_top_k_is_torchs(m, vocab, k, seed, kind, dtype):
+    """The one-launch top-k children of a head's logits: torch's log-softmax values (float32), best first, at
+    distinct columns that hold them; the very columns where nothing ties; with -inf entries (a masked vocabulary)
+    and rows with fewer finite entries than k still distinct columns."""
+    k = min(k, vocab)
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, vocab, generator=g) * 3).to(dtype)
+    if kind == "ties":
+        x = (x * 2).round() / 2
+    if kind == "masked":  # most of every row masked out (one column of each kept), the first row all but one
+        drop = torch.rand(m, vocab, generator=g) < 0.9
+        drop[torch.arange(m), torch.randint(vocab, (m,), generator=g)] = False
+        x = x.masked_fill(drop, float("-inf"))
+        x[0, :] = float("-inf")
+        x[0, vocab // 2] = 1.0
+    lp = torch.log_softmax(x.float(), dim=-1)
+    vals, ids = log_softmax_top_k(x, k)
+    ref_vals, ref_ids = top_k_rows(lp, k)
+    assert vals.dtype == torch.float32 and ids.dtype == torch.long and vals.shape == ids.shape == (m, k)
+    torch.testing.assert_close(vals, ref_vals, rtol=1e-6, atol=1e-6)
+    assert torch.equal(lp.gather(1, ids), vals) or torch.allclose(lp.gather(1, ids), vals, rtol=1e-6, atol=1e-6)
+    assert all(len(set(r)) == k for r in ids.tolist())
+    assert bool((ids >= 0).all() and (ids < vocab).all())
+    if kind == "distinct" and dtype == torch.float32:
+        assert torch.equal(ids, ref_ids)
+
+
+def test_log_softmax_top_k_breaks_ties_towards_the_lower_column():
+    x = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0]])
+    vals, ids = log_softmax_top_k(x, 4)
+    assert ids.tolist() == [[1, 3, 4, 2]]
+    torch.testing.assert_close(vals, torch.log_softmax(x, -1)[:, [1, 3, 4, 2]])
 
 
 def test_unsupported_drafts_are_refused_with_the_reason(target_dir):

@@ -19,10 +19,11 @@ from models import LLAMA_8B, make_checkpoint
 from tolerance import assert_draft_step_matches_modules, assert_step_matches_modules
 
 from eaglescope.decode.speculative import draft_slot_cache, target_embedding
+from eaglescope.decode.tree import top_k_rows
 from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode, attention_limit
-from eaglescope.fast.fused_draft import FusedDraftStep
+from eaglescope.fast.fused_draft import TOP_K_MAX_WIDTH, FusedDraftStep, log_softmax_top_k
 from eaglescope.fast.fused_verify import CUBLASLT_PRODUCTS, FusedVerify
 from eaglescope.models.targets import load_target
 from eaglescope.models.targets.llama import fuse_projections
@@ -146,6 +147,28 @@ def test_draft_layer_on_the_fused_kernels_matches_the_modules(wide_draft, T):
     hidden = torch.randn(T, H, device=DEVICE, generator=g) * 3
     fused = FusedDraftStep(draft, cache, rows=T)
     assert_draft_step_matches_modules(fused, draft, embeds, hidden, positions, slots, mask, unit=16)
+
+
+@pytest.mark.parametrize("m,V,k", [(1, 32000, 4), (4, 32000, 4), (10, 32000, 10), (4, 65536, 8), (4, 128256, 4)])
+def test_log_softmax_top_k_at_draft_vocabularies_is_torchs(m, V, k):
+    """A tree level's children from bf16 logits in the kernel the GPU compiles (32 warps over a 32k row; 128k rows
+    take torch's ops): torch's log-softmax values, best first, the very columns (random logits do not tie in the
+    top k of a row), and distinct columns holding them when half a row ties at its maximum."""
+    g = torch.Generator(DEVICE).manual_seed(V + k)
+    x = (torch.randn(m, V, device=DEVICE, generator=g) * 4).to(torch.bfloat16)
+    lp = torch.log_softmax(x.float(), dim=-1)
+    vals, ids = log_softmax_top_k(x, k)
+    ref_vals, ref_ids = lp.topk(k, dim=-1)
+    torch.testing.assert_close(vals, ref_vals, rtol=1e-6, atol=2e-6)
+    if V <= TOP_K_MAX_WIDTH:  # bf16's coarse values do tie: the lower column first where torch may differ
+        assert torch.equal(lp.gather(1, ids), vals) or torch.allclose(lp.gather(1, ids), vals, atol=2e-6)
+        assert all(len(set(r)) == k for r in ids.tolist())
+    else:
+        assert torch.equal(ids, top_k_rows(lp, k)[1])
+    x[:, ::2] = x.max()  # half of every row ties at its maximum
+    vals, ids = log_softmax_top_k(x, k)
+    assert all(len(set(r)) == k for r in ids.tolist()) and bool((ids % 2 == 0).all())
+    torch.testing.assert_close(vals, torch.log_softmax(x.float(), -1).gather(1, ids), rtol=1e-6, atol=2e-6)
 
 
 def test_speculative_decoding_through_the_fused_target_and_draft_is_vanilla_greedy(wide, wide_draft):

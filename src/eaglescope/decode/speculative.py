@@ -59,9 +59,10 @@ class NoProposer(Proposer):
 
 
 # The draft side's fixed-shape pieces on the static backend, compiled one by one (Eagle3Proposer.compile); with a
-# fused draft layer, catch_up and tree_level are their inputs' pieces around it, and head_logprobs after it
+# fused draft layer, catch_up and tree_level are their inputs' pieces around it, and the root's logits come from
+# `logits` (the fused layer then picks every level's top-k children from logits itself)
 PIECES = ("catch_up", "_logprobs", "tree_level", "expand_level", "finalize", "catch_up_inputs", "level_inputs",
-          "rotary", "head_logprobs")  # fmt: skip
+          "rotary", "logits")  # fmt: skip
 
 
 class Eagle3Proposer(Proposer):
@@ -188,7 +189,7 @@ class Eagle3Proposer(Proposer):
         dev, K = self.device, self.top_k
         vocab = self.draft.config.draft_vocab_size
         b = TreeBuilder(root, K, dev, levels=self.depth, vocab=vocab, expand_fn=self.piece("expand_level"))
-        lp = self.piece("_logprobs")(h_root)
+        lp = self._root_children(h_root)
         self._record_topk(1, lp)
         frontier = b.expand(self._levels[:1], lp)  # from the root, builder id 0
         ctx_mask = self.slots < context  # [S]: the committed context, seen by every tree query
@@ -249,16 +250,23 @@ class Eagle3Proposer(Proposer):
         the next level_inputs gathers from it first, and nothing else holds it."""
         tok, positions, embeds, hidden_in, slots, mask = self.piece("level_inputs")(*args)
         out, normed = self.fused_layer(embeds, hidden_in, *self.piece("rotary")(positions), slots, mask)
-        return tok, positions, embeds, hidden_in, out, self.piece("head_logprobs")(normed)
+        return tok, positions, embeds, hidden_in, out, self.fused_layer.children(self.draft.head(normed), self.top_k)
+
+    def _root_children(self, h_root: torch.Tensor):
+        """The root's draft log-probs [1, V]; with the fused layer, its top-k children (log-probs, draft ids) [1, k]
+        straight from the logits (FusedDraftStep.children), as every level's."""
+        if self.fused_layer is None:
+            return self.piece("_logprobs")(h_root)
+        return self.fused_layer.children(self.piece("logits")(h_root), self.top_k)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft layer's RoPE cos, sin [T, D] at positions [T] (compiled: one kernel, eager: several)."""
         cos, sin = self.draft.midlayer.rotary(positions[None], self.dtype)
         return cos[0, 0], sin[0, 0]
 
-    def head_logprobs(self, normed: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary log-probs [m, Vd] in float32 from the final norm's output."""
-        return torch.log_softmax(self.draft.head(normed).float(), dim=-1)
+    def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [m, Vd] of what a draft step returned (Eagle3Draft.logits)."""
+        return self.draft.logits(hidden_out)
 
     def finalize(self, tokens, parents, depths, scores, lineage, num_nodes: int, total: int):
         """The builder's candidates reranked to `total` nodes (decode/tree.py finalize_tree), draft ids mapped to the
@@ -329,9 +337,10 @@ class Eagle3Proposer(Proposer):
         # the features of the position before the root, paired with the root token
         return self.expand(out[-1:], tokens[-1], root_position, self.committed)
 
-    def _record_topk(self, step: int, lp: torch.Tensor) -> None:
+    def _record_topk(self, step: int, lp: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> None:
+        """`lp`: a step's log-probs [m, V], or its top-k children (log-probs, draft ids) already picked."""
         if self.rec is not None:
-            v, i = top_k_rows(lp, min(self.top_k, lp.shape[-1]))
+            v, i = lp if isinstance(lp, tuple) else top_k_rows(lp, min(self.top_k, lp.shape[-1]))
             self.rec.record(T.draft_topk(step - 1), {T.TOPK_IDS: self.to_target_ids(i), T.TOPK_LOGPROBS: v})
 
 

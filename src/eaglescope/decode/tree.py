@@ -222,16 +222,22 @@ class TreeBuilder:
         self.num_nodes = 1  # the same count on the host (shapes only: no value is read back)
         self.expand_fn = expand_fn or expand_level
 
-    def expand(self, parent_nodes: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-        """Add the top_k children of each ``parent_nodes[j]`` (draft log-probs ``logprobs[j]``).
+    def expand(
+        self, parent_nodes: torch.Tensor, logprobs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """Add the top_k children of each ``parent_nodes[j]`` (draft log-probs ``logprobs[j]``, or the children
+        already picked: their log-probs and token ids ``[m, min(top_k, V)]`` each, best first).
 
         Returns the builder ids of the next frontier: the global top_k new candidates by cumulative
         log-prob, best first."""
         parent_nodes = parent_nodes.to(self.device, torch.long).flatten()
         m = parent_nodes.shape[0]
-        if logprobs.dim() != 2 or logprobs.shape[0] != m:
-            raise EagleScopeError(f"expand needs logprobs [{m}, V] for {m} parents, got {list(logprobs.shape)}")
-        k = min(self.top_k, logprobs.shape[1])
+        picked = isinstance(logprobs, tuple)
+        first = logprobs[0] if picked else logprobs
+        if first.dim() != 2 or first.shape[0] != m or (picked and first.shape[1] > self.top_k):
+            want = f"[{m}, <= {self.top_k}] children" if picked else f"logprobs [{m}, V]"
+            raise EagleScopeError(f"expand needs {want} for {m} parents, got {list(first.shape)}")
+        k = first.shape[1] if picked else min(self.top_k, first.shape[1])
         if self.num_nodes + m * k > self.capacity:
             raise EagleScopeError(f"tree builder full: {self.num_nodes} + {m * k} nodes exceed its {self.capacity}")
         self.num_nodes += m * k
@@ -278,8 +284,9 @@ def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def expand_level(tokens, parents, depths, scores, lineage, next_id, parent_nodes, logprobs, k: int, top_k: int):
     """One level of TreeBuilder.expand, in place: the top-k children of each of parent_nodes [m] (log-probs [m, V]) get
     builder ids next_id .. next_id + m*k - 1, next_id moves past them → the next frontier (the global top_k of the new
-    candidates by cumulative log-prob, best first). Tensors in, tensors out, no host read: capturable and compilable."""
-    child_lp, child_tok = top_k_rows(logprobs, k)  # [m, k]
+    candidates by cumulative log-prob, best first). `logprobs` may be the children already picked (log-probs, ids)
+    [m, k]. Tensors in, tensors out, no host read: capturable and compilable."""
+    child_lp, child_tok = logprobs if isinstance(logprobs, tuple) else top_k_rows(logprobs, k)  # [m, k]
     cum = (scores[parent_nodes][:, None] + child_lp.to(scores.dtype)).flatten()  # [m*k]
     ids = next_id + torch.arange(cum.shape[0], device=tokens.device)
     of = parent_nodes.repeat_interleave(k)  # each candidate's parent

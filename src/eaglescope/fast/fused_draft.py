@@ -15,7 +15,10 @@ T rows (a catch-up's pending positions or a tree level's frontier) is twelve lau
             module's `h + proj(...)`): o's by the post-attention norm, down's by the final norm, which also leaves
             the step's pre-norm output in the residual stream;
 - gate/up:  cuBLAS, then fused_verify's SiLU·up kernel;
-- lm_head:  the draft's own head over the final norm's rows.
+- lm_head:  the draft's own head over the final norm's rows;
+- top-k:    `log_softmax_top_k`, one launch for a tree level's children: each row's top k of its log-softmax, where
+            torch takes a copy to float32, a log-softmax, two top-k passes and a sort (~40 µs of a 254 µs level at 8B,
+            bench-roofline-20261205T032356.json's draft_step_fused_profile).
 
 The products are the modules' (cuBLAS, as compiled modules call it), so this changes which small kernels run, not
 how the weights are read. Roundings follow the modules' except RoPE and the norm's reciprocal square root, which
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from eaglescope.decode.tree import top_k_rows
 from eaglescope.fast.fused_decode import attention_scratch, available, fused_attention, triton
 from eaglescope.fast.fused_verify import _mm, _rows_rmsnorm_kernel, _rows_rope_cache_kernel, _rows_silu_mul_kernel
 from eaglescope.models.draft import Eagle3Draft
@@ -61,6 +65,46 @@ if triton is not None:
             tl.store(h + t * K + k, y, mask=ok)
         else:
             tl.store(h + t * K + k, raw, mask=ok)
+
+    @triton.jit
+    def _log_softmax_top_k_kernel(x, vals, ids, V, stride, K: tl.constexpr, BLOCK: tl.constexpr):
+        """Program r: the K largest entries of log_softmax(x[r]) in float32, best first, ties to the lower column."""
+        r = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        taken = cols >= V  # the padding past the row counts as already chosen
+        v = tl.load(x + r * stride + cols, mask=~taken, other=float("-inf")).to(tl.float32)
+        top = tl.max(v, 0)
+        log_sum = tl.log(tl.sum(tl.exp(v - top), 0))  # log-softmax = (x - max) - log(sum(exp(x - max))), as torch
+        for j in tl.static_range(K):
+            best = tl.max(tl.where(taken, float("-inf"), v), 0)
+            # the first column holding it that is not taken yet: distinct ids even among -inf entries; a NaN row
+            # (no column equals its max) gets the last column, in range, rather than an id past the vocabulary
+            at = tl.minimum(tl.min(tl.where((v == best) & ~taken, cols, BLOCK), 0), V - 1)
+            tl.store(vals + r * K + j, (best - top) - log_sum)
+            tl.store(ids + r * K + j, at.to(tl.int64))
+            taken = taken | (cols == at)
+
+
+# the widest row log_softmax_top_k holds in one program's registers (a 32k draft vocabulary is 32 values a thread)
+TOP_K_MAX_WIDTH = 65536
+
+
+def log_softmax_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_k_rows(torch.log_softmax(logits.float(), -1), k) of a draft head's logits [m, V] → (log-probs float32,
+    columns int64), each [m, k], best first: one Triton launch, a program per row (the row, 64 KB at a 32k
+    vocabulary, sits in its registers; K passes pick the maxima). Rows wider than TOP_K_MAX_WIDTH, or where
+    Triton cannot run, take torch's ops. The same values up to the float32 sum's order; among equal values the
+    lower column first."""
+    m, V = logits.shape
+    if not available(logits.device) or V > TOP_K_MAX_WIDTH or k > V:
+        return top_k_rows(torch.log_softmax(logits.float(), dim=-1), k)
+    logits = logits.contiguous()
+    vals = torch.empty(m, k, device=logits.device, dtype=torch.float32)
+    ids = torch.empty(m, k, device=logits.device, dtype=torch.long)
+    block = triton.next_power_of_2(V)
+    _log_softmax_top_k_kernel[(m,)](logits, vals, ids, V, logits.stride(0), K=k, BLOCK=block,
+                                    num_warps=max(4, min(32, block // 1024)))  # fmt: skip
+    return vals, ids
 
 
 def fused_draft_supported(draft: Eagle3Draft) -> str | None:
@@ -107,6 +151,11 @@ class FusedDraftStep:
         self.normed = z(R, H)
         self.gate_up_out, self.act = z(R, 2 * c.intermediate_size), z(R, c.intermediate_size)
         self.scratch = attention_scratch(R, c.num_heads, D, cache.size, dev)
+
+    @staticmethod
+    def children(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A level's top-k children from the head's logits [m, V]: (log-probs, draft ids) [m, min(k, V)] each."""
+        return log_softmax_top_k(logits, min(k, logits.shape[-1]))
 
     def _norm(self, norm, T: int, add: torch.Tensor) -> torch.Tensor:
         """self.h += add, then its RMSNorm into self.normed (one kernel)."""

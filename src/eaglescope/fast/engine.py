@@ -356,6 +356,7 @@ class FastEagle(Runner):
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
         self.graph = None
         self._accept_fn, self._commit_fn = self._accept, self._commit
+        self._verify_inputs_fn = self._verify_inputs
         self.compiled = False  # whether the draft side and acceptance run compiled (False after a fallback)
         if recorder is not None:
             self.run_ahead, compile = False, False  # a recorded round is read before the next one runs
@@ -368,6 +369,8 @@ class FastEagle(Runner):
             self.proposer.compile()
             self._accept_fn = torch.compile(self._accept, dynamic=False)
             self._commit_fn = torch.compile(self._commit, dynamic=False)
+            # eagerly the verify's mask over the whole target cache is ~10 small kernels, compiled one
+            self._verify_inputs_fn = torch.compile(self._verify_inputs, dynamic=False)
             self.compiled = True
         self._prompt_len = 0
         self._launched = self._read = 0
@@ -413,14 +416,19 @@ class FastEagle(Runner):
     def verify(self, state: RoundState) -> None:
         """Target verify over the tree at slots t_len..t_len+N-1 → logits, aux."""
         tree = state.tree
-        N = tree.tokens.shape[0]
-        rel = self.t_slots - self.t_len
-        inwin = (rel >= 0) & (rel < N)
-        vmask = (tree.mask[:, rel.clamp(0, N - 1)] & inwin[None, :]) | (rel < 0)[None, :]
-        vslots = self.t_len + torch.arange(N, device=self.device)
-        state.logits, state.aux = self.t.run(tree.tokens, self.t_len + tree.depths, vmask, vslots)
+        mask, positions, slots = self._verify_inputs_fn(tree.mask, tree.depths)
+        state.logits, state.aux = self.t.run(tree.tokens, positions, mask, slots)
         if self.stages is not None:
             record_target(self.stages, state.aux, self.t.taps)
+
+    def _verify_inputs(self, tree_mask: torch.Tensor, depths: torch.Tensor):
+        """The verify's attention mask over the target cache [N, size] (the context, then the tree's own ancestor
+        mask at slots t_len..t_len+N-1), its RoPE positions and its slots [N]."""
+        N = tree_mask.shape[0]
+        rel = self.t_slots - self.t_len
+        inwin = (rel >= 0) & (rel < N)
+        mask = (tree_mask[:, rel.clamp(0, N - 1)] & inwin[None, :]) | (rel < 0)[None, :]
+        return mask, self.t_len + depths, self.t_len + torch.arange(N, device=self.device)
 
     def accept(self, state: RoundState) -> None:
         t = state.tree
@@ -474,6 +482,7 @@ class FastEagle(Runner):
         log.warning("the compiled EAGLE-3 round failed (%s: %s); running it uncompiled", type(e).__name__, e)
         self.proposer.uncompile()
         self._accept_fn, self._commit_fn = self._accept, self._commit
+        self._verify_inputs_fn = self._verify_inputs
         self.compiled = False
 
     def prepare(self, prompt_ids: list[int], budget: int) -> None:

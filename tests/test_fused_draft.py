@@ -20,12 +20,17 @@ from tolerance import assert_close_float32, assert_draft_step_matches_modules  #
 
 from eaglescope import trace as T  # noqa: E402
 from eaglescope.decode.speculative import Eagle3Proposer, draft_slot_cache, target_embedding  # noqa: E402
-from eaglescope.decode.tree import top_k_rows  # noqa: E402
+from eaglescope.decode.tree import TreeBuilder, expand_level, top_k_rows  # noqa: E402
 from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
 from eaglescope.detective.diagnose import diagnose_trace  # noqa: E402
 from eaglescope.fast import FastEagle, FastTarget  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
-from eaglescope.fast.fused_draft import FusedDraftStep, fused_draft_supported, log_softmax_top_k  # noqa: E402
+from eaglescope.fast.fused_draft import (  # noqa: E402
+    FusedDraftStep,
+    expand_level_fused,
+    fused_draft_supported,
+    log_softmax_top_k,
+)
 from eaglescope.models.draft import load_draft, save_draft  # noqa: E402
 from eaglescope.models.targets import load_target  # noqa: E402
 from eaglescope.models.targets.llama import fuse_projections  # noqa: E402
@@ -186,6 +191,35 @@ def test_log_softmax_top_k_breaks_ties_towards_the_lower_column():
     vals, ids = log_softmax_top_k(x, 4)
     assert ids.tolist() == [[1, 3, 4, 2]]
     torch.testing.assert_close(vals, torch.log_softmax(x, -1)[:, [1, 3, 4, 2]])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 5), st.integers(3, 40), st.integers(0, 2**31 - 1), st.booleans())
+def test_expand_level_in_one_launch_is_the_builders(top_k, levels, vocab, seed, ties):
+    """A whole tree grown level by level through the one-launch expansion and through decode/tree.py's: the same
+    builder buffers (tokens, parents, depths, scores, lineage, next id) after every level, and the same frontier, best
+    first (with coarse log-probs, where candidates tie, the same cumulative log-probs at distinct new ids)."""
+    g = torch.Generator().manual_seed(seed)
+    builders = [TreeBuilder(7, top_k, "cpu", levels=levels, vocab=vocab, expand_fn=fn)
+                for fn in (expand_level, expand_level_fused)]  # fmt: skip
+    frontiers = [torch.tensor([0])] * 2
+    for _ in range(levels):
+        lp = torch.log_softmax(torch.randn(frontiers[0].shape[0], vocab, generator=g) * 3, -1)
+        if ties:
+            lp = (lp * 2).round() / 2
+        k = min(top_k, vocab)
+        nxt = []
+        for b, f in zip(builders, frontiers, strict=True):
+            nxt.append(b.expand(f, top_k_rows(lp, k)))
+        ref, got = builders
+        for name in ("tokens", "parents", "depths", "scores", "lineage", "next_id"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), name
+        if ties:
+            assert torch.equal(ref.scores[nxt[1]], ref.scores[nxt[0]]) and len(set(nxt[1].tolist())) == len(nxt[1])
+            nxt[1] = nxt[0]  # grow both from the same frontier
+        else:
+            assert torch.equal(nxt[1], nxt[0])
+        frontiers = nxt
 
 
 def test_unsupported_drafts_are_refused_with_the_reason(target_dir):

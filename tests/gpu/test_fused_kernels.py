@@ -19,11 +19,11 @@ from models import LLAMA_8B, make_checkpoint
 from tolerance import assert_draft_step_matches_modules, assert_step_matches_modules
 
 from eaglescope.decode.speculative import draft_slot_cache, target_embedding
-from eaglescope.decode.tree import top_k_rows
+from eaglescope.decode.tree import TreeBuilder, expand_level, top_k_rows
 from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode, attention_limit
-from eaglescope.fast.fused_draft import TOP_K_MAX_WIDTH, FusedDraftStep, log_softmax_top_k
+from eaglescope.fast.fused_draft import TOP_K_MAX_WIDTH, FusedDraftStep, expand_level_fused, log_softmax_top_k
 from eaglescope.fast.fused_verify import CUBLASLT_PRODUCTS, FusedVerify
 from eaglescope.models.targets import load_target
 from eaglescope.models.targets.llama import fuse_projections
@@ -169,6 +169,25 @@ def test_log_softmax_top_k_at_draft_vocabularies_is_torchs(m, V, k):
     vals, ids = log_softmax_top_k(x, k)
     assert all(len(set(r)) == k for r in ids.tolist()) and bool((ids % 2 == 0).all())
     torch.testing.assert_close(vals, torch.log_softmax(x.float(), -1).gather(1, ids), rtol=1e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("depth,top_k", [(6, 4), (7, 10)])
+def test_expand_level_in_one_launch_at_the_benchmarks_trees(depth, top_k):
+    """The protocol's (6, 4) tree and the official (7, 10) one (100 candidates a level in one warp) grown through
+    the one-launch expansion and through decode/tree.py's from the same children: the same builder after every level
+    and the same frontier."""
+    g = torch.Generator(DEVICE).manual_seed(depth)
+    builders = [TreeBuilder(7, top_k, DEVICE, levels=depth, vocab=32000, expand_fn=fn)
+                for fn in (expand_level, expand_level_fused)]  # fmt: skip
+    frontier = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    for _ in range(depth):
+        logits = torch.randn(frontier.shape[0], 32000, device=DEVICE, generator=g).to(torch.bfloat16)
+        children = log_softmax_top_k(logits, top_k)
+        ref, got = (b.expand(frontier, children) for b in builders)
+        for name in ("tokens", "parents", "depths", "scores", "lineage", "next_id"):
+            assert torch.equal(getattr(builders[1], name), getattr(builders[0], name)), name
+        assert torch.equal(got, ref)
+        frontier = ref
 
 
 def test_speculative_decoding_through_the_fused_target_and_draft_is_vanilla_greedy(wide, wide_draft):

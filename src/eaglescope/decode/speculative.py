@@ -295,6 +295,8 @@ class Eagle3Proposer(Proposer):
         """One of PIECES: compiled after `compile`, else the plain function."""
         if self.fused_layer is not None and name in ("catch_up", "tree_level"):
             return getattr(self, "fused_" + name)  # their inputs' pieces around the fused layer
+        if self.fused_layer is not None and name == "expand_level":
+            return self.fused_layer.expand_level  # the children come picked: the level's writes in one launch
         if self._compiled is not None:
             return self._compiled[name]
         return expand_level if name == "expand_level" else getattr(self, name)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglescope.decode.tree import top_k_rows
+from eaglescope.decode.tree import expand_level, top_k_rows
 from eaglescope.fast.fused_decode import attention_scratch, available, fused_attention, triton
 from eaglescope.fast.fused_verify import _mm, _rows_rmsnorm_kernel, _rows_rope_cache_kernel, _rows_silu_mul_kernel
 from eaglescope.models.draft import Eagle3Draft
@@ -83,6 +83,56 @@ if triton is not None:
             tl.store(vals + r * K + j, (best - top) - log_sum)
             tl.store(ids + r * K + j, at.to(tl.int64))
             taken = taken | (cols == at)
+
+    @triton.jit
+    def _expand_level_kernel(tokens, parents, depths, scores, lineage, next_id, parent_nodes, child_lp, child_tok,
+                             frontier, COLS: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOP: tl.constexpr,
+                             NP2: tl.constexpr, CP2: tl.constexpr):  # fmt: skip
+        """decode/tree.py expand_level with the children picked, in one program of one warp (the warp reads next_id
+        before it moves it): candidate c = j*K + i is child i of parent_nodes[j]; the TOP best by cumulative
+        log-prob, ties to the earlier candidate, are the next frontier."""
+        c = tl.arange(0, NP2)
+        ok = c < N
+        base = tl.load(next_id)
+        ids = base + c
+        of = tl.load(parent_nodes + c // K, mask=ok, other=0)
+        cum = tl.load(scores + of, mask=ok, other=0.0) + tl.load(child_lp + c, mask=ok, other=0.0)
+        depth = tl.load(depths + of, mask=ok, other=0) + 1
+        tl.store(tokens + ids, tl.load(child_tok + c, mask=ok, other=0), mask=ok)
+        tl.store(parents + ids, of, mask=ok)
+        tl.store(depths + ids, depth, mask=ok)
+        tl.store(scores + ids, cum, mask=ok)
+        col = tl.arange(0, CP2)[None, :]
+        row_ok = ok[:, None] & (col < COLS)
+        up = tl.load(lineage + of[:, None] * COLS + col, mask=row_ok, other=0)
+        tl.store(lineage + ids[:, None] * COLS + col, tl.where(col >= depth[:, None], ids[:, None], up), mask=row_ok)
+        taken = ~ok
+        for j in tl.static_range(TOP):
+            best = tl.max(tl.where(taken, float("-inf"), cum), 0)
+            at = tl.minimum(tl.min(tl.where((cum == best) & ~taken, c, NP2), 0), N - 1)
+            tl.store(frontier + j, base + at)
+            taken = taken | (c == at)
+        tl.store(next_id, base + N)
+
+
+def expand_level_fused(tokens, parents, depths, scores, lineage, next_id, parent_nodes, logprobs, k: int,
+                       top_k: int) -> torch.Tensor:  # fmt: skip
+    """decode/tree.py expand_level in one launch (where the children are picked already, `logprobs` = (log-probs,
+    ids) [m, k], and Triton runs): eagerly a dozen small kernels a level, compiled as many (its index_copy_'s, the
+    lineage, the frontier's top-k). The same writes and frontier; among candidates of equal cumulative log-prob,
+    the earlier one first."""
+    if not isinstance(logprobs, tuple) or not available(tokens.device):
+        return expand_level(tokens, parents, depths, scores, lineage, next_id, parent_nodes, logprobs, k, top_k)
+    child_lp, child_tok = logprobs
+    n = parent_nodes.shape[0] * k
+    top = min(top_k, n)
+    frontier = torch.empty(top, dtype=torch.long, device=tokens.device)
+    cols = lineage.shape[1]
+    _expand_level_kernel[(1,)](tokens, parents, depths, scores, lineage, next_id, parent_nodes.contiguous(),
+                               child_lp.to(scores.dtype).contiguous(), child_tok.contiguous(), frontier, COLS=cols,
+                               N=n, K=k, TOP=top, NP2=triton.next_power_of_2(n),
+                               CP2=triton.next_power_of_2(cols), num_warps=1)  # fmt: skip
+    return frontier
 
 
 # the widest row log_softmax_top_k holds in one program's registers (a 32k draft vocabulary is 32 values a thread)
@@ -151,6 +201,8 @@ class FusedDraftStep:
         self.normed = z(R, H)
         self.gate_up_out, self.act = z(R, 2 * c.intermediate_size), z(R, c.intermediate_size)
         self.scratch = attention_scratch(R, c.num_heads, D, cache.size, dev)
+
+    expand_level = staticmethod(expand_level_fused)
 
     @staticmethod
     def children(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

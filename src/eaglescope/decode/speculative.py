@@ -233,14 +233,16 @@ class Eagle3Proposer(Proposer):
     def level_inputs(self, tokens, parents, lineage, slot_of, ctx_mask, frontier, prev_front, prev_out,
                      root_position, level):  # fmt: skip
         """tree_level's draft step inputs → (tokens, positions, embeddings, features in, slots [m], mask [m, S])."""
-        m, S, dev = frontier.shape[0], self.cache.size, self.device
+        m, dev = frontier.shape[0], self.device
         par = parents[frontier]
         hidden_in = self.child_hidden(prev_out[(prev_front[None, :] == par[:, None]).float().argmax(1)])
         slots = self.tree_base + (level - 1) * self.top_k + self.slots[:m]
-        slot_of.index_copy_(0, frontier, slots)
-        # each row's ancestors (and itself) at their slots; the root's keys are in the context
-        anc = torch.zeros(m, S + 1, dtype=torch.bool, device=dev).scatter_(1, slot_of[lineage[frontier]], True)
-        mask = anc[:, :S] | ctx_mask[None, :]
+        # each row's ancestors at their slots (the root's keys are in the context), and itself at its own new slot:
+        # one comparison over [m, S, depth + 1], which compiles to one kernel where a scatter into zeros took three
+        lin = lineage[frontier]
+        own = torch.where(lin == frontier[:, None], slots[:, None], slot_of[lin])
+        mask = ctx_mask[None, :] | (self.slots[None, :, None] == own[:, None, :]).any(-1)
+        slot_of.index_copy_(0, frontier, slots)  # for the levels below
         positions = _as_index(self.tree_position(root_position, level), dev).expand(m)
         tok = self.to_target_ids(tokens[frontier])  # the embedding is the target's
         return tok, positions, self.embed(tok), hidden_in, slots, mask

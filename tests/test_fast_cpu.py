@@ -217,7 +217,7 @@ def test_gemv_linear_matches_linear():
 
 
 @pytest.mark.parametrize("depth", [2, 5])
-def test_compiled_draft_side_is_six_graphs_at_any_depth(tiny, depth):
+def test_compiled_draft_side_is_seven_graphs_at_any_depth(tiny, depth):
     """`--compile`'s draft side is a few graphs per tree budget, not one per level: the tree's buffers are sized once
     and the level is a tensor, so one compiled tree level runs at every depth and a deeper tree compiles no more (the
     count also fails on a graph break). The compiled rounds decode as the plain ones do (dynamo's eager backend)."""
@@ -238,8 +238,8 @@ def test_compiled_draft_side_is_six_graphs_at_any_depth(tiny, depth):
     counters.clear()
     compiled = run(True)
     assert (compiled.tokens, compiled.accepted) == (plain.tokens, plain.accepted)
-    # catch-up, the root's log-probs, the tree level, the root's and a level's expansion, the rerank
-    assert counters["stats"]["unique_graphs"] == 6
+    # the tree's start, catch-up, the root's log-probs, the tree level, the root's and a level's expansion, the rerank
+    assert counters["stats"]["unique_graphs"] == 7
     torch._dynamo.reset()
 
 

@@ -16,7 +16,15 @@ from eaglescope import trace as T
 from eaglescope.decode.generation import DecodeSettings, SamplingConfig
 from eaglescope.decode.round import RoundState, SlotCache, StageBuffers
 from eaglescope.decode.sampling import process_logits, sample
-from eaglescope.decode.tree import DraftTree, TreeBuilder, expand_level, finalize_tree, top_k_rows
+from eaglescope.decode.tree import (
+    DraftTree,
+    TreeBuilder,
+    expand_level,
+    finalize_tree,
+    top_k_rows,
+    tree_buffers,
+    tree_capacity,
+)
 from eaglescope.errors import EagleScopeError
 from eaglescope.models.draft import Eagle3Draft, check_draft_matches_target, load_draft
 from eaglescope.models.targets import load_target
@@ -62,7 +70,7 @@ class NoProposer(Proposer):
 # fused draft layer, catch_up and tree_level are their inputs' pieces around it, and the root's logits come from
 # `logits` (the fused layer then picks every level's top-k children from logits itself)
 PIECES = ("catch_up", "_logprobs", "tree_level", "expand_level", "finalize", "catch_up_inputs", "level_inputs",
-          "rotary", "logits")  # fmt: skip
+          "rotary", "logits", "tree_start")  # fmt: skip
 
 
 class Eagle3Proposer(Proposer):
@@ -188,17 +196,13 @@ class Eagle3Proposer(Proposer):
         depth: compiled once (`compile`), not once per level."""
         dev, K = self.device, self.top_k
         vocab = self.draft.config.draft_vocab_size
-        b = TreeBuilder(root, K, dev, levels=self.depth, vocab=vocab, expand_fn=self.piece("expand_level"))
+        capacity = tree_capacity(K, self.depth, vocab)
+        buffers, ctx_mask, slot_of, prev_front, prev_out = self.piece("tree_start")(root, h_root, context, capacity)
+        b = TreeBuilder(root, K, dev, levels=self.depth, vocab=vocab, expand_fn=self.piece("expand_level"),
+                        buffers=buffers)  # fmt: skip
         lp = self._root_children(h_root)
         self._record_topk(1, lp)
         frontier = b.expand(self._levels[:1], lp)  # from the root, builder id 0
-        ctx_mask = self.slots < context  # [S]: the committed context, seen by every tree query
-        # the draft-cache slot of each builder node whose keys a level wrote (the cache's size: none yet)
-        slot_of = torch.full((b.capacity,), self.cache.size, dtype=torch.long, device=dev)
-        # level 1's parent is the root for every row: the root's id and features, as wide as a frontier (dense, as
-        # every later level's are: a compiled level is specialised to its inputs' strides)
-        m = frontier.shape[0]
-        prev_front, prev_out = self._levels[:1].repeat(m), h_root.repeat(m, 1)
         for level in range(1, self.depth):
             bufs = (b.tokens, b.parents, b.lineage, slot_of)
             at = self._levels[level : level + 1]
@@ -216,6 +220,16 @@ class Eagle3Proposer(Proposer):
         bufs = (b.tokens, b.parents, b.depths, b.scores, b.lineage)
         tokens, parents, depths, scores, source, mask = self.piece("finalize")(*bufs, b.num_nodes, self.total_tokens)
         return DraftTree(tokens, parents, depths, scores, source=source, mask=mask)
+
+    def tree_start(self, root, h_root: torch.Tensor, context, capacity: int):
+        """What a tree's expansion starts from → (tree_buffers of the root alone, the committed context's draft-cache
+        slots [S] (seen by every tree query), each builder node's draft-cache slot [capacity] (the cache's size: none
+        yet), level 1's parents: the root's id and features [m], [m, H], as wide as a frontier (dense, as every later
+        level's are: a compiled level is specialised to its inputs' strides))."""
+        m = min(self.top_k, self.draft.config.draft_vocab_size)
+        buffers = tree_buffers(root, capacity, self.depth + 1, self.device)
+        slot_of = torch.full((capacity,), self.cache.size, dtype=torch.long, device=self.device)
+        return buffers, self.slots < context, slot_of, self._levels[:1].repeat(m), h_root.repeat(m, 1)
 
     def tree_level(self, tokens, parents, lineage, slot_of, ctx_mask, frontier, prev_front, prev_out, root_position,
                    level):  # fmt: skip

@@ -200,25 +200,18 @@ class TreeBuilder:
         levels: int,
         vocab: int,
         expand_fn=None,
+        buffers: tuple[torch.Tensor, ...] | None = None,
     ):
+        """`buffers`: tree_buffers(root_token, capacity, levels + 1, device)'s tensors, made by the caller (the static
+        backend compiles their initialisation into a piece of its round)."""
         if top_k < 1:
             raise EagleScopeError(f"tree top_k must be >= 1, got {top_k}")
         self.top_k = top_k
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.capacity = tree_capacity(top_k, levels, vocab)
-        z = lambda *s: torch.zeros(*s, dtype=torch.long, device=self.device)  # noqa: E731
-        self.tokens = z(self.capacity)
-        if isinstance(root_token, torch.Tensor):  # the static backend's [1] device tensor: no host copy
-            self.tokens[:1].copy_(root_token.reshape(1))
-        else:
-            self.tokens[:1].fill_(int(root_token))
-        self.parents = z(self.capacity).fill_(-1)
-        self.depths = z(self.capacity)
-        self.scores = torch.zeros(self.capacity, device=self.device)  # float32 cumulative draft log-probs
-        # [capacity, levels+1]: column d = the node's ancestor at depth d, the node itself past its own
-        # depth; makes an ancestor mask one scatter instead of a walk up the tree
-        self.lineage = z(self.capacity, levels + 1)
-        self.next_id = z(1) + 1  # the first free builder id, on the device
+        if buffers is None:
+            buffers = tree_buffers(root_token, self.capacity, levels + 1, self.device)
+        self.tokens, self.parents, self.depths, self.scores, self.lineage, self.next_id = buffers
         self.num_nodes = 1  # the same count on the host (shapes only: no value is read back)
         self.expand_fn = expand_fn or expand_level
 
@@ -261,6 +254,21 @@ class TreeBuilder:
         if check:  # host syncs; connectivity holds by construction, tests check it
             tree.validate()  # a missing ancestor would show up as parent -1 here
         return tree
+
+
+def tree_buffers(root_token: int | torch.Tensor, capacity: int, columns: int, device: torch.device):
+    """A TreeBuilder's buffers holding the root alone → (tokens, parents, depths, scores, lineage, next_id)."""
+    z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
+    tokens = z(capacity)
+    if isinstance(root_token, torch.Tensor):  # the static backend's [1] device tensor: no host copy
+        tokens[:1].copy_(root_token.reshape(1))
+    else:
+        tokens[:1].fill_(int(root_token))
+    scores = torch.zeros(capacity, device=device)  # float32 cumulative draft log-probs
+    # [capacity, columns]: column d = the node's ancestor at depth d, the node itself past its own depth; makes an
+    # ancestor mask one comparison instead of a walk up the tree
+    lineage = z(capacity, columns)
+    return tokens, z(capacity).fill_(-1), z(capacity), scores, lineage, z(1) + 1  # next_id: the first free id
 
 
 def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -321,9 +321,9 @@ def finalize_tree(tokens, parents, depths, scores, lineage, num_nodes: int, tota
     # rank by score desc, ties to the shallower node: stable sort by depth, then stable by score
     by_depth = cand[torch.sort(depths[cand], stable=True).indices]
     ranked = by_depth[torch.sort(scores[by_depth], descending=True, stable=True).indices]
+    # final order: by depth, then score desc (parents precede children; siblings best first): `ranked` is by score
+    # desc already, so one stable sort by depth
     kept = ranked[:n_keep]
-    # final order: by depth, then score desc (parents precede children; siblings best first)
-    kept = kept[torch.sort(scores[kept], descending=True, stable=True).indices]
     kept = kept[torch.sort(depths[kept], stable=True).indices]
     src = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), kept])
     remap = torch.full((num_nodes,), -1, dtype=torch.long, device=dev)

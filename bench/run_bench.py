@@ -808,7 +808,7 @@ def copy_bandwidth_gbs(n: int, device, dtype) -> float:
     return round(2 * src.numel() * src.element_size() / ms / 1e6, 1)
 
 
-def verify_ms(ft: FastTarget, ctx: int, vocab: int, sizes=(1, 8, 16, 32, 64, 128)) -> dict[int, float]:
+def verify_ms(ft: FastTarget, ctx: int, vocab: int, sizes=(1, 8, 16, 24, 32, 64, 128)) -> dict[int, float]:
     """ms of one target forward over T chain tokens after `ctx` cached ones, each T captured as its own graph."""
     times, dev, S = {}, ft.device, ft.size
     for T in sizes:

@@ -68,21 +68,23 @@ if triton is not None:
 
     @triton.jit
     def _log_softmax_top_k_kernel(x, vals, ids, V, stride, K: tl.constexpr, BLOCK: tl.constexpr):
-        """Program r: the K largest entries of log_softmax(x[r]) in float32, best first, ties to the lower column."""
+        """Program r: the K largest entries of log_softmax(x[r]) in float32, best first, ties to the lower column.
+        A chosen entry becomes NaN, which equals nothing (the padding past the row starts so): one register a
+        value, as a 32k row over 1024 threads leaves 64 a thread."""
         r = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        taken = cols >= V  # the padding past the row counts as already chosen
-        v = tl.load(x + r * stride + cols, mask=~taken, other=float("-inf")).to(tl.float32)
-        top = tl.max(v, 0)
-        log_sum = tl.log(tl.sum(tl.exp(v - top), 0))  # log-softmax = (x - max) - log(sum(exp(x - max))), as torch
+        v = tl.load(x + r * stride + cols, mask=cols < V, other=float("nan")).to(tl.float32)
+        top = tl.max(tl.where(v == v, v, float("-inf")), 0)
+        # log-softmax = (x - max) - log(sum(exp(x - max))), as torch computes it
+        log_sum = tl.log(tl.sum(tl.where(v == v, tl.exp(v - top), 0.0), 0))
         for j in tl.static_range(K):
-            best = tl.max(tl.where(taken, float("-inf"), v), 0)
-            # the first column holding it that is not taken yet: distinct ids even among -inf entries; a NaN row
-            # (no column equals its max) gets the last column, in range, rather than an id past the vocabulary
-            at = tl.minimum(tl.min(tl.where((v == best) & ~taken, cols, BLOCK), 0), V - 1)
+            best = tl.max(tl.where(v == v, v, float("-inf")), 0)
+            # the first column holding it that is not chosen yet: distinct ids even among -inf entries; a row of
+            # NaN (no column equals its max) gets the last column, in range, rather than an id past the vocabulary
+            at = tl.minimum(tl.min(tl.where(v == best, cols, BLOCK), 0), V - 1)
             tl.store(vals + r * K + j, (best - top) - log_sum)
             tl.store(ids + r * K + j, at.to(tl.int64))
-            taken = taken | (cols == at)
+            v = tl.where(cols == at, float("nan"), v)
 
     @triton.jit
     def _expand_level_kernel(tokens, parents, depths, scores, lineage, next_id, parent_nodes, child_lp, child_tok,

@@ -175,7 +175,8 @@ def test_log_softmax_top_k_at_draft_vocabularies_is_torchs(m, V, k):
 def test_expand_level_in_one_launch_at_the_benchmarks_trees(depth, top_k):
     """The protocol's (6, 4) tree and the official (7, 10) one (100 candidates a level in one warp) grown through
     the one-launch expansion and through decode/tree.py's from the same children: the same builder after every level
-    and the same frontier."""
+    and a frontier of the same cumulative log-probs at distinct ids (bf16 logits tie often: torch's top-k orders tied
+    candidates its own way), the same ids where nothing ties."""
     g = torch.Generator(DEVICE).manual_seed(depth)
     builders = [TreeBuilder(7, top_k, DEVICE, levels=depth, vocab=32000, expand_fn=fn)
                 for fn in (expand_level, expand_level_fused)]  # fmt: skip
@@ -186,7 +187,10 @@ def test_expand_level_in_one_launch_at_the_benchmarks_trees(depth, top_k):
         ref, got = (b.expand(frontier, children) for b in builders)
         for name in ("tokens", "parents", "depths", "scores", "lineage", "next_id"):
             assert torch.equal(getattr(builders[1], name), getattr(builders[0], name)), name
-        assert torch.equal(got, ref)
+        scores = builders[0].scores
+        assert torch.equal(scores[got], scores[ref]) and len(set(got.tolist())) == got.shape[0]
+        if scores[ref].unique().shape[0] == ref.shape[0]:
+            assert torch.equal(got, ref)
         frontier = ref
 
 

@@ -417,7 +417,7 @@ def sweep_k_split(ft: FastTarget, ctx: int, vocab: int, copy_gbs: float, smoke: 
                 print("k split", key, out["alone_us_per_layer"][key], "µs", out["alone_of_copy"][key], "of copy",
                       flush=True)  # fmt: skip
     sizes = (1,) + rows
-    was = fv.k_splits, fv.cublas, fv.defer_residual
+    was = dict(fv.k_splits), fv.cublas, fv.defer_residual
     fv.cublas, fv.defer_residual = CUBLAS_PRODUCTS, True  # every split product on cuBLAS, its add deferred
 
     def verify(key: str, k_splits: dict) -> float:

@@ -19,7 +19,7 @@ from eaglescope.decode.speculative import target_embedding  # noqa: E402
 from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
-from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, K_SPLITS, MAX_ROWS, FusedVerify, _attend_products  # noqa: E402
+from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, MAX_ROWS, FusedVerify, _attend_products  # noqa: E402
 from eaglescope.models.targets import load_target  # noqa: E402
 from eaglescope.models.targets.llama import RMSNorm, fuse_projections  # noqa: E402
 from eaglescope.taps import TapContract  # noqa: E402
@@ -120,8 +120,7 @@ def test_verify_step_matches_the_modules(family, attention, cublas, defer, k_spl
         cublas=cublas,
         defer_residual=defer,
     )
-    if k_splits:  # else the measured default by rows (k_splits_for)
-        fv.k_splits = {**K_SPLITS, **k_splits}
+    fv.k_splits.update(k_splits)
     if attention == "matmul":  # a compiled attention that fails gives way to the plain ops
 
         def failing(*args):

@@ -24,7 +24,7 @@ from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode, attention_limit
 from eaglescope.fast.fused_draft import TOP_K_MAX_WIDTH, FusedDraftStep, expand_level_fused, log_softmax_top_k
-from eaglescope.fast.fused_verify import CUBLASLT_PRODUCTS, K_SPLITS, FusedVerify
+from eaglescope.fast.fused_verify import CUBLASLT_PRODUCTS, FusedVerify
 from eaglescope.models.targets import load_target
 from eaglescope.models.targets.llama import fuse_projections
 from eaglescope.taps import TapContract
@@ -97,8 +97,7 @@ def test_verify_rows_on_cublas_and_cublaslt_match_the_modules(wide, T, cublaslt,
     RoPE kernel or the next norm kernel (bmm's out_dtype; not yet run on a GPU at its commit)."""
     model, ft = _fresh(wide)
     fv = FusedVerify(model, ft.cache, taps=(0, 1), cublaslt=cublaslt, defer_residual=defer)
-    if k_splits:  # else the measured default by rows (k_splits_for)
-        fv.k_splits = {**K_SPLITS, **k_splits}
+    fv.k_splits.update(k_splits)
     slots = 37 + torch.arange(T, device=DEVICE)
     mask = torch.arange(S, device=DEVICE)[None, :] <= slots[:, None]
     toks = torch.randint(0, 4096, (T,), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(T))

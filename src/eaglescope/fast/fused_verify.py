@@ -75,19 +75,8 @@ AUTO_ATTENTION = "flash"
 # (4.85 against 4.82 ms at 64, fused-decode-check-20261204T205136.json), and it rounds as the modules do
 DEFER_RESIDUAL = True
 # each product on cuBLAS in one call (1), or cut over K into this many (split_k_mm; fused_decode_check.py
-# --sweep-k-split times 2-8), by the verify's rows: up to K_SPLITS_FEW_ROWS[0] rows o and down in 2 (at 24 rows o
-# 13.6 → 11.2 µs and down 33.0 → 30.6 µs a layer alone, the verify 4.751 → 4.697 and 4.693 ms with either,
-# fused-decode-check-20261205T030428.json), past them every product whole (at 64 rows each split lost)
+# --sweep-k-split times 2-8)
 K_SPLITS = {"qkv": 1, "o": 1, "down": 1}
-K_SPLITS_FEW_ROWS = (32, {"qkv": 1, "o": 2, "down": 2})
-
-
-def k_splits_for(T: int) -> dict[str, int]:
-    """The measured K_SPLITS for a T-row verify."""
-    rows, few = K_SPLITS_FEW_ROWS
-    return dict(few if T <= rows else K_SPLITS)
-
-
 # each product's epilogue (the kernel's MODE)
 EPILOGUE = {"qkv": "qkv", "o": "residual", "gate_up": "gate_up", "down": "residual", "lm_head": "plain"}
 
@@ -331,8 +320,8 @@ class FusedVerify:
         self.attention = attention
         self.flash_launch = FLASH_LAUNCH  # flash attention's (rows, slots, warps, stages) per program
         # q/k/v, o and down on cuBLAS as this many products over K's slices (split_k_mm; o and down when their
-        # residual adds are deferred and they have no bias): a dict for every row count, or None: k_splits_for(T)
-        self.k_splits: dict[str, int] | None = None
+        # residual adds are deferred and they have no bias)
+        self.k_splits = dict(K_SPLITS)
         self._attend = None
         self._limit: torch.Tensor | None = None
 
@@ -404,7 +393,7 @@ class FusedVerify:
                                    ADD=add is not None, PARTS=parts)  # fmt: skip
         return self.normed
 
-    def _residual(self, name: str, x, layer_proj, h, T: int, splits: dict[str, int]) -> torch.Tensor | None:
+    def _residual(self, name: str, x, layer_proj, h, T: int) -> torch.Tensor | None:
         """h += x @ W.T (+ b) for the o or down product; → the product when its add is deferred to the next norm
         (defer_residual), else None (added now: addmm's beta = 1 on cuBLAS, the kernel's epilogue otherwise)."""
         if name not in self.cublas:
@@ -412,8 +401,8 @@ class FusedVerify:
             return None
         with self._library(name, h):
             if self.defer_residual:
-                if splits[name] > 1 and layer_proj.bias is None:  # partials, summed by the next norm kernel
-                    return split_k_mm(x[:T], layer_proj.weight, splits[name])
+                if self.k_splits[name] > 1 and layer_proj.bias is None:  # partials, summed by the next norm kernel
+                    return split_k_mm(x[:T], layer_proj.weight, self.k_splits[name])
                 return _mm(x[:T], layer_proj.weight, layer_proj.bias, self.residual_out[:T])
             _mm_residual(x[:T], layer_proj.weight, layer_proj.bias, h)
         return None
@@ -452,7 +441,6 @@ class FusedVerify:
         if (AUTO_ATTENTION if self.attention == "auto" else self.attention) == "flash":
             self._limit = attention_limit(mask)  # every layer's flash attention visits the slots below it
         F, nq = a.intermediate_size, a.num_heads * D
-        splits = self.k_splits if self.k_splits is not None else k_splits_for(T)
         captured = []
         pending = None  # a residual product the next norm adds into h (defer_residual)
         for i, layer in enumerate(m.model.layers):
@@ -461,7 +449,7 @@ class FusedVerify:
                 captured.append(h.clone())
             kc, vc = self.cache.k[i], self.cache.v[i]
             if "qkv" in self.cublas:
-                heads, split = a.num_heads + 2 * a.num_kv_heads, splits["qkv"]
+                heads, split = a.num_heads + 2 * a.num_kv_heads, self.k_splits["qkv"]
                 with_bias = split > 1 and qkv.bias is not None  # else the product added it
                 if split > 1:  # float32 partials over K's slices, summed (with the bias) by the RoPE kernel
                     out = split_k_mm(x[:T], qkv.weight, split)
@@ -475,7 +463,7 @@ class FusedVerify:
                 self._product("qkv", x, qkv.weight, qkv.bias, self.q, T, nq + 2 * a.num_kv_heads * D, cos=cos,
                               sin=sin, kc=kc, vc=vc, slots=slots)  # fmt: skip
             self._attention(i, mask, T)
-            pending = self._residual("o", self.attn, layer.self_attn.o_proj, h, T, splits)
+            pending = self._residual("o", self.attn, layer.self_attn.o_proj, h, T)
             gu, x = layer.mlp.gate_up_proj, self._norm(layer.post_attention_layernorm, h, T, add=pending)
             if "gate_up" in self.cublas:
                 with self._library("gate_up", x):
@@ -483,7 +471,7 @@ class FusedVerify:
                 _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](out, self.act, F, BLOCK=1024)
             else:
                 self._product("gate_up", x, gu.weight, gu.bias, self.act, T, F)
-            pending = self._residual("down", self.act, layer.mlp.down_proj, h, T, splits)
+            pending = self._residual("down", self.act, layer.mlp.down_proj, h, T)
         logits = torch.empty(T, a.vocab_size, device=h.device, dtype=self.logits_dtype)
         self._product("lm_head", self._norm(m.model.norm, h, T, add=pending), m.lm_head.weight, None, logits, T,
                       a.vocab_size)  # fmt: skip

@@ -447,6 +447,78 @@ def sweep_k_split(ft: FastTarget, ctx: int, vocab: int, copy_gbs: float, smoke: 
     save()
 
 
+def mix_candidates(name: str, head_dim: int, smoke: bool) -> list[tuple[int, ...]]:
+    """_rows_gemm_kernel blocks (BLOCK_N, BLOCK_K, warps, stages, swap) --sweep-verify-mix tries for a product: the
+    64-row sweep's shapes and swapped tiles (the weight rows on the tensor-core product's M side, 64-128 of them as
+    cuBLAS's few-row tiles have); q/k/v's BLOCK_N counts row pairs within half a head."""
+    if smoke:
+        return [(16, 16, 1, 2, 0), (16, 16, 1, 2, 1)]
+    grid = [(32, 64, 4, 4, 0), (64, 64, 4, 4, 0), (32, 128, 4, 4, 0), (64, 128, 8, 3, 0),
+            (64, 64, 4, 4, 1), (64, 128, 4, 3, 1), (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (128, 64, 4, 4, 1),
+            (128, 128, 8, 3, 1), (32, 128, 4, 4, 1)]  # fmt: skip
+    return [b for b in grid if name != "qkv" or (head_dim // 2) % b[0] == 0]
+
+
+def sweep_verify_mix(ft: FastTarget, ctx: int, vocab: int, T: int, smoke: bool, res: dict, save) -> None:
+    """The T-row verify's products, each in turn (coordinate descent, the best kept before the next): left where the
+    verify has it (cuBLAS for the layer products), through the other of cuBLAS / cuBLASLt, or on _rows_gemm_kernel
+    at each of mix_candidates' blocks (its epilogue then does the RoPE / SiLU / residual work a kernel of its own
+    does after cuBLAS); every candidate timed as the whole verify (one graph) at T rows. Records each
+    time, the best mix and its verify beside the starting one's, in the same run; the verify is left as it was."""
+    fv = ft.fused_rows
+    D = fv.args.head_dim
+    sizes = (1, T)
+    was = fv.cublas, fv.cublaslt, dict(fv.blocks)
+    out: dict = {"rows": T, "start": {"cublas": list(fv.cublas), "cublaslt": list(fv.cublaslt),
+                                       "blocks": {k: list(v) for k, v in fv.blocks.items()}}, "ms": {}}  # fmt: skip
+
+    def timed(key: str) -> float:
+        try:
+            v = verify_ms(ft, ctx, vocab, sizes=sizes)
+        except Exception as e:  # a tile that does not compile (shared memory, registers): not a candidate
+            out["ms"][key] = f"{type(e).__name__}: {str(e)[:200]}"
+            torch.cuda.synchronize() if ft.device.type == "cuda" else None
+            print("verify mix", key, out["ms"][key], flush=True)
+            return math.inf
+        out["ms"][key] = round(v[T], 4)
+        out.setdefault("step_ms", round(v[1], 4))
+        print("verify mix", key, out["ms"][key], "ms", flush=True)
+        return v[T]
+
+    best = timed("start")
+    out["start_ms"] = out["ms"]["start"]
+    for name in ("qkv", "o", "gate_up", "down", "lm_head"):
+        keep = fv.cublas, fv.cublaslt, fv.blocks[name]
+        # q/k/v's cuBLAS product takes no library choice (FusedVerify runs it as torch picks); the lm_head is Triton's
+        if name in fv.cublas and name != "qkv":  # the other library for it
+            fv.cublaslt = tuple(p for p in keep[1] if p != name) if name in keep[1] else keep[1] + (name,)
+            ms = timed(f"{name}_cublaslt_{'on' if name in fv.cublaslt else 'off'}")
+            if ms < best:
+                best, keep = ms, (fv.cublas, fv.cublaslt, keep[2])
+        start = keep
+        for blocks in mix_candidates(name, D, smoke):
+            fv.cublas = tuple(p for p in start[0] if p != name)
+            fv.cublaslt = tuple(p for p in start[1] if p != name)
+            fv.set_blocks(name, blocks)
+            ms = timed(f"{name}_triton_{'_'.join(map(str, blocks))}")
+            if ms < best:
+                best, keep = ms, (fv.cublas, fv.cublaslt, tuple(blocks))
+        fv.cublas, fv.cublaslt = keep[:2]
+        fv.set_blocks(name, keep[2])
+    out["best"] = {"cublas": list(fv.cublas), "cublaslt": list(fv.cublaslt),
+                   "blocks": {k: list(v) for k, v in fv.blocks.items()}}  # fmt: skip
+    out["best_ms"] = round(best, 4)
+    out["best_ms_again"] = timed("best_again")  # the winner timed once more: the descent's spread beside its gain
+    fv.cublas, fv.cublaslt = was[:2]
+    for name, blocks in was[2].items():
+        fv.set_blocks(name, blocks)
+    out["start_ms_again"] = timed("start_again")
+    print(f"verify mix at {T} rows: start {out['start_ms']} ms, best {out['best_ms']} ms", json.dumps(out["best"]),
+          flush=True)  # fmt: skip
+    res[f"verify_mix_sweep_{T}"] = out
+    save()
+
+
 def _verify_profile(ft: FastTarget, ctx: int, vocab: int, res: dict) -> None:
     """Where a verify's time goes: for 24 rows (the tuned tree's) and 64, its ms as one graph, the kernels it launches
     and their summed device time (what is left is the gaps between kernels), and the top kernels by time."""
@@ -495,6 +567,14 @@ def main() -> int:
     ap.add_argument("--profile-verify", action="store_true", help="kernels and gaps of the 24- and 64-row verify")
     ap.add_argument("--sweep-flash", action="store_true", help="time flash attention's launch alternatives")
     ap.add_argument("--sweep-k-split", action="store_true", help="time q/k/v, o, down as partials over K's slices")
+    ap.add_argument(
+        "--sweep-verify-mix",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="ROWS",
+        help="at each of these row counts, each product on cuBLAS or on the Triton kernel's blocks",
+    )
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -551,6 +631,8 @@ def main() -> int:
         sweep_flash(ft3, ctx, a.vocab_size, args.smoke, res, save)
     if args.sweep_k_split and ft3 is not None:
         sweep_k_split(ft3, ctx, a.vocab_size, res["copy_bandwidth_gbs"], args.smoke, res, save)
+    for rows in args.sweep_verify_mix if ft3 is not None else ():
+        sweep_verify_mix(ft3, ctx, a.vocab_size, rows, args.smoke, res, save)
     if args.profile_verify and ft3 is not None:
         _verify_profile(ft3, ctx, a.vocab_size, res)
         save()

@@ -45,13 +45,15 @@ def tiny_verify(tmp_path_factory):
     bk=st.sampled_from([16, 32]),
     bias=st.booleans(),
     name=st.sampled_from(["o", "lm_head", "gate_up"]),
+    swap=st.booleans(),
     seed=st.integers(0, 99),
 )
-@example(T=14, n=134, k=156, bn=16, bk=16, bias=False, name="gate_up", seed=29)  # a tolerance once too tight
-def test_row_products_match_the_modules(tiny_verify, T, n, k, bn, bk, bias, name, seed):
+@example(T=14, n=134, k=156, bn=16, bk=16, bias=False, name="gate_up", swap=False, seed=29)  # a tolerance too tight
+@example(T=20, n=150, k=300, bn=32, bk=16, bias=True, name="gate_up", swap=True, seed=1)  # paired, swapped, split
+def test_row_products_match_the_modules(tiny_verify, T, n, k, bn, bk, bias, name, swap, seed):
     """Partial row, column and K tiles, the reduction split over K (up to 4 slices here) and added by the last slice
     of each column tile, then each epilogue: o (residual) y = res + x @ W.T + b; lm_head (plain) y = x @ W.T;
-    gate_up y = SiLU(x @ Wg.T + bg) * (x @ Wu.T + bu)."""
+    gate_up y = SiLU(x @ Wg.T + bg) * (x @ Wu.T + bu); each step's tile product as x @ W.T or (swap) as W @ x.T."""
     g = torch.Generator().manual_seed(seed)
     rows = 2 * n if name == "gate_up" else n
     x, w = torch.randn(T, k, generator=g), torch.randn(rows, k, generator=g)
@@ -69,7 +71,7 @@ def test_row_products_match_the_modules(tiny_verify, T, n, k, bn, bk, bias, name
     else:
         want = res.double() + prod if name == "o" else prod
     y = res.clone()
-    tiny_verify.set_blocks(name, (bn, bk, 1, 2))
+    tiny_verify.set_blocks(name, (bn, bk, 1, 2, int(swap)))
     tiles, splits, _ = tiny_verify._geometry(name, n, k)
     tiny_verify._product(name, x, w, b, y, T, n)
     excess = (y.double() - want).abs() - bound - 1e-5 * want.abs() - 1e-6
@@ -87,35 +89,38 @@ def test_rmsnorm_rows_match_the_module(tiny_verify):
 
 
 @pytest.mark.parametrize(
-    "family,attention,cublas,defer,k_splits",
+    "family,attention,cublas,defer,k_splits,swap",
     [
-        ("llama", "fused", (), False, {}),
-        ("qwen2", "fused", (), False, {}),
-        ("qwen2", "fused", CUBLAS_PRODUCTS, False, {}),
-        ("llama", "matmul", ("o",), False, {}),
-        ("llama", "flash", CUBLAS_PRODUCTS, False, {}),
-        ("qwen2", "auto", (), False, {}),
-        ("llama", "flash", CUBLAS_PRODUCTS, True, {}),
-        ("qwen2", "auto", ("down",), True, {}),
-        ("llama", "flash", CUBLAS_PRODUCTS, True, {"qkv": 4, "o": 2, "down": 4}),
-        ("qwen2", "flash", CUBLAS_PRODUCTS, True, {"qkv": 2, "down": 2}),
+        ("llama", "fused", (), False, {}, 0),
+        ("qwen2", "fused", (), False, {}, 0),
+        ("qwen2", "fused", CUBLAS_PRODUCTS, False, {}, 0),
+        ("llama", "matmul", ("o",), False, {}, 0),
+        ("llama", "flash", CUBLAS_PRODUCTS, False, {}, 0),
+        ("qwen2", "auto", (), False, {}, 0),
+        ("llama", "flash", CUBLAS_PRODUCTS, True, {}, 0),
+        ("qwen2", "auto", ("down",), True, {}, 0),
+        ("llama", "flash", CUBLAS_PRODUCTS, True, {"qkv": 4, "o": 2, "down": 4}, 0),
+        ("qwen2", "flash", CUBLAS_PRODUCTS, True, {"qkv": 2, "down": 2}, 0),
+        ("qwen2", "flash", (), False, {}, 1),
+        ("llama", "flash", ("o", "down"), True, {}, 1),
     ],
 )
-def test_verify_step_matches_the_modules(family, attention, cublas, defer, k_splits, tmp_path):
+def test_verify_step_matches_the_modules(family, attention, cublas, defer, k_splits, swap, tmp_path):
     """Five tree rows at scattered slots with their own ancestor masks, over three attention splits (or as products);
-    the products on the Triton kernel split over K (combined by the last slice), or on cuBLAS with the RoPE / SiLU
-    kernels (qwen2: biases), the residual adds of o and down done at once or (defer) by the next norm kernel, the
-    last one by the final norm and the taps taken after it, products as one call or as partials over K's slices
-    (k_splits) that the RoPE kernel (q/k/v, with qwen2's bias) or the next norm kernel (o, down) sums: the modules'
-    logits, taps and cache writes."""
+    the products on the Triton kernel split over K (combined by the last slice; swap: its tiles as weights @ x.T),
+    or on cuBLAS with the RoPE / SiLU kernels (qwen2: biases), the residual adds of o and down done at once or
+    (defer) by the next norm kernel, the last one by the final norm and the taps taken after it, products as one
+    call or as partials over K's slices (k_splits) that the RoPE kernel (q/k/v, with qwen2's bias) or the next norm
+    kernel (o, down) sums: the modules' logits, taps and cache writes."""
     ckpt = make_checkpoint(family, tmp_path, seed=3, num_hidden_layers=3, **WIDE_HEADS)
     model = fuse_projections(copy.deepcopy(load_target(ckpt, device="cpu", dtype=torch.float32).model))
     ft = FastTarget(model, size=150, taps=(0, 2), float32_logits=True)
+    swapped = {name: (16, 16, 1, 2, 1) for name in ("qkv", "gate_up", "lm_head")}
     fv = FusedVerify(
         model,
         ft.cache,
         taps=(0, 2),
-        blocks={"down": (16, 16, 1, 2), "o": (16, 16, 1, 2)},
+        blocks={"down": (16, 16, 1, 2, swap), "o": (16, 16, 1, 2, swap), **(swapped if swap else {})},
         attention=attention,
         cublas=cublas,
         defer_residual=defer,

@@ -106,6 +106,21 @@ def test_verify_rows_on_cublas_and_cublaslt_match_the_modules(wide, T, cublaslt,
     assert torch.backends.cuda.preferred_blas_library() == was  # the library choice is put back
 
 
+@pytest.mark.parametrize("T", [8, 24, 64])
+def test_verify_rows_on_swapped_triton_tiles_match_the_modules(wide, T):
+    """Every product on _rows_gemm_kernel with SWAP (the weight tile as the tensor-core product's M side, the rows
+    on its N side), split over K where the 8B widths call for it, each epilogue (RoPE and cache writes, residual,
+    SiLU·up, the lm_head's plain store): the candidates fused_decode_check.py --sweep-verify-mix times at 24 rows."""
+    model, ft = _fresh(wide)
+    swapped = {name: (64, 64, 4, 3, 1) for name in ("qkv", "o", "gate_up", "down", "lm_head")}
+    fv = FusedVerify(model, ft.cache, taps=(0, 1), blocks=swapped, cublas=())
+    slots = 37 + torch.arange(T, device=DEVICE)
+    mask = torch.arange(S, device=DEVICE)[None, :] <= slots[:, None]
+    toks = torch.randint(0, 4096, (T,), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(T))
+    _against_modules(ft, fv, toks, slots, mask, slots, len(model.model.layers))
+    assert not fv.count.any()  # every split product's counters back at zero
+
+
 @pytest.mark.parametrize("T,S_", [(1, 200), (24, 480), (64, 40000)])
 def test_attention_limit_kernel_is_one_past_the_highest_allowed_slot(T, S_):
     """The verify's flash attention bound, in the kernel the GPU compiles (its slot blocks folded by atomics; 157 of

@@ -50,8 +50,9 @@ if triton is not None:
     import triton.language as tl
 
 MAX_ROWS = 64
-# (BLOCK_N, BLOCK_K, num_warps, num_stages), from the 64-token sweep at 8B (fused-decode-check-20261129T144905.json);
-# BLOCK_N counts row pairs for qkv (j, j + D/2) and gate_up (j, F + j)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages[, swap]), from the 64-token sweep at 8B (fused-decode-check-20261129T144905
+# .json); BLOCK_N counts row pairs for qkv (j, j + D/2) and gate_up (j, F + j); swap (default 0): _rows_gemm_kernel's
+# SWAP, the weight tile as the tensor-core product's M side
 ROW_BLOCKS = {
     "qkv": (32, 64, 4, 4),
     "o": (32, 64, 4, 4),
@@ -157,11 +158,14 @@ if triton is not None:
     def _rows_gemm_kernel(x, w, b, y, cos, sin, kc, vc, slots, part, count, T, N, n_heads, n_kv, S,
                           K: tl.constexpr, K_SLICE: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr,
                           PAIR: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, D: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr):  # fmt: skip
         """x[:T] @ W[cols].T on tensor cores, K cut into SPLITS slices whose float32 partials the last slice of a
         column tile to finish adds in slice order (a counter per tile), then the MODE's epilogue:
         "plain" y = . (+ b); "residual" y += .; "gate_up" (cols j and N + j, PAIR) y = SiLU(gate) * up;
-        "qkv" (rows j and j + D/2 of a head, PAIR) RoPE on q/k heads, q → y[t, head], k/v → the cache at slots[t]."""
+        "qkv" (rows j and j + D/2 of a head, PAIR) RoPE on q/k heads, q → y[t, head], k/v → the cache at slots[t].
+        SWAP: each step's product as W[cols] @ x.T, the weight tile on the tensor-core instruction's M side (BN rows)
+        and the few tokens on its N side, as cuBLAS's tiles for few rows are (64 weight rows by 24 tokens at 24 rows,
+        bench/NOTES.md, version 23a); the accumulator is transposed once, after the K loop."""
         HALF: tl.constexpr = D // 2
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         t = tl.arange(0, BM)
@@ -178,8 +182,12 @@ if triton is not None:
             ok_n = j < N
         k_lo = pid_s * K_SLICE
         k_hi = tl.minimum(k_lo + K_SLICE, K)
-        acc_a = tl.zeros((BM, BN), tl.float32)
-        acc_b = tl.zeros((BM, BN), tl.float32)
+        if SWAP:
+            acc_a = tl.zeros((BN, BM), tl.float32)
+            acc_b = tl.zeros((BN, BM), tl.float32)
+        else:
+            acc_a = tl.zeros((BM, BN), tl.float32)
+            acc_b = tl.zeros((BM, BN), tl.float32)
         for k0 in range(k_lo, k_hi, BK):
             kk = k0 + tl.arange(0, BK)
             if EVEN_K:  # BK divides K and K_SLICE: no K mask, so the loads stay vectorised
@@ -189,14 +197,24 @@ if triton is not None:
                 in_k = kk < k_hi
                 xs = tl.load(x + t[:, None] * K + kk[None, :], mask=ok_t[:, None] & in_k[None, :], other=0.0)
                 wa = tl.load(w + rows_a[:, None] * K + kk[None, :], mask=ok_n[:, None] & in_k[None, :], other=0.0)
-            acc_a += tl.dot(xs, tl.trans(wa), input_precision="ieee")  # float32 weights: no TF32
+            if SWAP:
+                acc_a += tl.dot(wa, tl.trans(xs), input_precision="ieee")
+            else:
+                acc_a += tl.dot(xs, tl.trans(wa), input_precision="ieee")  # float32 weights: no TF32
             if PAIR:
                 if EVEN_K:
                     wb = tl.load(w + rows_b[:, None] * K + kk[None, :], mask=ok_n[:, None], other=0.0)
                 else:
                     wb = tl.load(w + rows_b[:, None] * K + kk[None, :], mask=ok_n[:, None] & in_k[None, :],
                                  other=0.0)  # fmt: skip
-                acc_b += tl.dot(xs, tl.trans(wb), input_precision="ieee")
+                if SWAP:
+                    acc_b += tl.dot(wb, tl.trans(xs), input_precision="ieee")
+                else:
+                    acc_b += tl.dot(xs, tl.trans(wb), input_precision="ieee")
+        if SWAP:
+            acc_a = tl.trans(acc_a)
+            if PAIR:
+                acc_b = tl.trans(acc_b)
         ok = ok_t[:, None] & ok_n[None, :]
         last = True
         if SPLITS > 1:
@@ -355,13 +373,13 @@ class FusedVerify:
         if tiles_max > self.count.numel():
             self.count = torch.zeros(tiles_max, device=dev, dtype=torch.int32)
 
-    def set_blocks(self, name: str, blocks: tuple[int, int, int, int]) -> None:
+    def set_blocks(self, name: str, blocks: tuple[int, ...]) -> None:
         self.blocks[name] = tuple(blocks)
         self._reserve()
 
     def _product(self, name: str, x, weight, bias, y, T: int, N: int, **rope) -> None:
         """y (per the product's EPILOGUE) from x[:T] @ weight.T; N output columns (pairs for gate_up and qkv)."""
-        bn, bk, warps, stages = self.blocks[name]
+        bn, bk, warps, stages, *swap = self.blocks[name]
         K, D = weight.shape[1], self.args.head_dim
         tiles, splits, k_slice = self._geometry(name, N, K)
         mode = EPILOGUE[name]
@@ -377,7 +395,8 @@ class FusedVerify:
             x, weight, bias if bias is not None else weight, y, rope.get("cos", x), rope.get("sin", x),
             rope.get("kc", x), rope.get("vc", x), rope.get("slots", x), self.part, self.count, T, N, a.num_heads,
             a.num_kv_heads, c.size, K=K, K_SLICE=k_slice, SPLITS=splits, MODE=mode, PAIR=mode in ("qkv", "gate_up"),
-            HAS_BIAS=bias is not None, EVEN_K=K % bk == 0, D=D, BM=BM, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+            HAS_BIAS=bias is not None, EVEN_K=K % bk == 0, D=D, BM=BM, BN=bn, BK=bk, SWAP=bool(swap and swap[0]),
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
 
     def _library(self, name: str, x: torch.Tensor) -> contextlib.AbstractContextManager:

@@ -42,6 +42,7 @@ from eaglescope.fast.fused_decode import (  # noqa: E402
     FLASH_LAUNCH,
     FusedDecode,
     attention_limit,
+    flash_scratch,
     fused_attention,
 )
 from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, CUBLASLT_PRODUCTS, K_SPLITS, split_k_mm  # noqa: E402
@@ -234,10 +235,12 @@ def _verify_on_modules(ft, model, ctx: int, vocab: int, sizes, compiled: bool, d
 
 
 def _fused_verify(
-    model, prompt, ctx: int, S: int, sizes, smoke: bool, sweep_blocks: bool, device, res: dict, save
-) -> FastTarget | None:
+    model, prompt, ctx: int, S: int, sizes, smoke: bool, sweep_blocks: bool, device, res: dict, save,
+    try_mixes: bool = True,
+) -> FastTarget | None:  # fmt: skip
     """Verifies on the fused verify kernels (fast/fused_verify.py): T-row tensor-core products, same layout; the
-    fastest mix of attention kernel and cuBLAS products, which the returned target keeps (None: not run)."""
+    fastest mix of attention kernel and cuBLAS products (try_mixes; else FusedVerify's default), which the returned
+    target keeps (None: not run)."""
     a = model.args
     torch._dynamo.reset()
     try:
@@ -277,14 +280,18 @@ def _fused_verify(
             save()
         best = None
         no_qkv = tuple(p for p in CUBLAS_PRODUCTS if p != "qkv")
-        for cublas, lt, defer in (
+        mixes = (
             (CUBLAS_PRODUCTS, CUBLASLT_PRODUCTS, True),  # o's and down's residual adds in the next norm kernel
             (CUBLAS_PRODUCTS, CUBLASLT_PRODUCTS, False),
             (CUBLAS_PRODUCTS, (), False),
             (no_qkv, CUBLASLT_PRODUCTS, False),
             ((), (), False),
-        ):
-            for attention in ("flash", "fused", "matmul"):  # running softmax, split-slot grouped kernel, products
+        )
+        attentions = ("flash", "fused", "matmul")  # running softmax, split-slot grouped kernel, products
+        if not try_mixes:  # the verify's own default only
+            mixes, attentions = ((fv.cublas, fv.cublaslt, fv.defer_residual),), (fv.attention,)
+        for cublas, lt, defer in mixes:
+            for attention in attentions:
                 fv.attention, fv.cublas, fv.cublaslt, fv.defer_residual = attention, cublas, lt, defer
                 v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
                 key = f"{attention}_attention_cublas_{'_'.join(cublas) or 'none'}_cublaslt_{'_'.join(lt) or 'none'}"
@@ -319,10 +326,11 @@ def flash_launches(smoke: bool) -> tuple[list[tuple[int, int]], list[tuple[int, 
 
 
 def sweep_flash(ft: FastTarget, ctx: int, vocab: int, smoke: bool, res: dict, save) -> None:
-    """Flash attention's launch (FLASH_LAUNCH: rows and slots per program, warps, stages) at 24 and 64 rows: each
-    candidate over every layer of the verify's cache as one graph, the blocks at the default warps and stages first,
-    then warps and stages at the best blocks (by the 64-row time); then the whole verify on flash attention with the
-    winner beside it with FLASH_LAUNCH, in the same run. The verify is left as it was (the other figures are the
+    """Flash attention's launch (FLASH_LAUNCH: rows and slots per program, warps, stages, splits) at 24 and 64 rows:
+    each candidate over every layer of the verify's cache as one graph, the blocks at the default warps and stages
+    first, then warps and stages at the best blocks, then 2-4 splits of the best's walk (each stage's best by the sum
+    of its 24- and 64-row times); then the whole verify on flash attention with the winner beside it with
+    FLASH_LAUNCH, in the same run. The verify is left as it was (the other figures are the
     default's)."""
     fv, dev, S = ft.fused_rows, ft.device, ft.size
     a = fv.args
@@ -338,10 +346,11 @@ def sweep_flash(ft: FastTarget, ctx: int, vocab: int, smoke: bool, res: dict, sa
         """µs a layer; inf where the launch does not compile (a wide tile at deep pipelining can ask for more shared
         memory than an SM has)."""
         q, mask, limit, out = cases[T]
+        scratch = flash_scratch(T, H, D, launch, dev) if len(launch) > 4 else None  # made before the capture
 
         def f():
             for i in range(L):
-                fused_attention(q, fv.cache.k[i, 0], fv.cache.v[i, 0], mask, out, flash=True, limit=limit,
+                fused_attention(q, fv.cache.k[i, 0], fv.cache.v[i, 0], mask, out, scratch, flash=True, limit=limit,
                                 launch=launch)  # fmt: skip
 
         try:
@@ -353,17 +362,21 @@ def sweep_flash(ft: FastTarget, ctx: int, vocab: int, smoke: bool, res: dict, sa
             return math.inf
 
     blocks, configs = flash_launches(smoke)
-    big = max(cases)
     timed = {}
+    total = lambda launch: sum(timed[launch].values())  # noqa: E731  (24 rows weigh for η, 64 for verify-64)
     for br, kb in blocks:
-        launch = (br, kb) + FLASH_LAUNCH[2:]
+        launch = (br, kb) + FLASH_LAUNCH[2:4]
         timed[launch] = {T: layer_us(launch, T) for T in cases}
-    br, kb = min(((k[0], k[1]) for k in timed), key=lambda b: timed[b + FLASH_LAUNCH[2:]][big])
+    br, kb = min(((k[0], k[1]) for k in timed), key=lambda b: total(b + FLASH_LAUNCH[2:4]))
     for warps, stages in configs:
         launch = (br, kb, warps, stages)
         if launch not in timed:
             timed[launch] = {T: layer_us(launch, T) for T in cases}
-    best = min(timed, key=lambda k: timed[k][big])
+    best = min(timed, key=total)
+    for splits in (2, 3, 4) if not smoke else (2,):  # the walk in interleaved splits, combined by the last
+        launch = best[:4] + (splits,)
+        timed[launch] = {T: layer_us(launch, T) for T in cases}
+    best = min(timed, key=total)
     finite = lambda us: {T: (x if math.isfinite(x) else None) for T, x in us.items()}  # noqa: E731
     out = {"us_per_layer": {"_".join(map(str, k)): finite(v) for k, v in timed.items()}, "default": list(FLASH_LAUNCH),
            "best": list(best)}  # fmt: skip
@@ -563,6 +576,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model, float32 (CPU: TRITON_INTERPRET=1)")
     ap.add_argument("--no-compiled", action="store_true", help="skip the compiled-layers comparison")
     ap.add_argument("--no-sweep", action="store_true", help="the default blocks only")
+    ap.add_argument("--no-mixes", action="store_true", help="the fused verify's default mix only (no mix table)")
     ap.add_argument("--sweep-verify", action="store_true", help="also sweep the fused verify kernels' blocks")
     ap.add_argument("--profile-verify", action="store_true", help="kernels and gaps of the 24- and 64-row verify")
     ap.add_argument("--sweep-flash", action="store_true", help="time flash attention's launch alternatives")
@@ -626,7 +640,8 @@ def main() -> int:
     sizes = (1, 8, 16, 24, 32, 64, 128) if not args.smoke else (1, 4, 8)
     _verify_on_modules(ft, model, ctx, a.vocab_size, sizes, not args.no_compiled, device, res, save)
 
-    ft3 = _fused_verify(model, prompt, ctx, S, sizes, args.smoke, args.sweep_verify, device, res, save)
+    ft3 = _fused_verify(model, prompt, ctx, S, sizes, args.smoke, args.sweep_verify, device, res, save,
+                        try_mixes=not args.no_mixes)  # fmt: skip
     if args.sweep_flash and ft3 is not None:
         sweep_flash(ft3, ctx, a.vocab_size, args.smoke, res, save)
     if args.sweep_k_split and ft3 is not None:

@@ -24,6 +24,7 @@ from eaglescope.fast.fused_decode import (  # noqa: E402
     attention_limit,
     attention_scratch,
     attention_splits,
+    flash_scratch,
     fused_attention,
     fused_decode_supported,
     fused_linear,
@@ -96,7 +97,7 @@ def test_attention_limit_is_one_past_the_highest_allowed_slot(T, S, density, see
     assert int(attention_limit(wide[:, :S])) == want
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     T=st.integers(1, 40),
     S=st.integers(1, 300),
@@ -105,12 +106,15 @@ def test_attention_limit_is_one_past_the_highest_allowed_slot(T, S, density, see
     seed=st.integers(0, 99),
     rows=st.sampled_from([16, 32, 64]),
     slots=st.sampled_from([32, 64, 128]),
+    splits=st.sampled_from([1, 2, 3, 5]),
+    reuse=st.booleans(),
 )
-def test_flash_attention_matches_masked_reference(T, S, rep, cut, seed, rows, slots):
+def test_flash_attention_matches_masked_reference(T, S, rep, cut, seed, rows, slots, splits, reuse):
     """The running-softmax kernel: rows in blocks of 16-64 (row, head) pairs, the slots in 32-128-slot blocks (the
     launches --sweep-flash times) up to one past the highest allowed slot (`cut` leaves the cache's tail unused, as a
     verify early in a long cache does); blocks with nothing allowed for some rows, rows whose first allowed slot
-    comes late."""
+    comes late; the walk in 1-5 interleaved splits combined by the last to finish (splits with no block at all where
+    the cache is short), its scratch made here or reused from a larger launch's, its counters left at zero."""
     q, k, v, mask = attention_case(T, S, rep, seed, density=0.3)
     mask[:, max(1, int(S * cut)) :] = False
     mask[
@@ -119,8 +123,19 @@ def test_flash_attention_matches_masked_reference(T, S, rep, cut, seed, rows, sl
     want = attend(q, k, v, mask[None, None])
     limit = attention_limit(mask)
     assert int(limit) == int(mask.any(0).nonzero().max()) + 1
-    got = fused_attention(q[0].transpose(0, 1), k[0], v[0], mask, flash=True, limit=limit, launch=(rows, slots, 4, 3))
+    launch = (rows, slots, 4, 3, splits)
+    scratch = None
+    if reuse:  # partials not yet written read as NaN (the interpreter runs programs one after another, so "the first
+        # to finish combines" still ends right here: that order is tests/gpu's to check)
+        scratch = flash_scratch(T + 7, q.shape[1], q.shape[-1], launch, q.device)
+        for part in scratch[:3]:
+            part.fill_(float("nan"))
+    got = fused_attention(
+        q[0].transpose(0, 1), k[0], v[0], mask, scratch=scratch, flash=True, limit=limit, launch=launch
+    )
     assert_close_float32(got.transpose(0, 1)[None], want)
+    if scratch is not None:
+        assert not scratch[3].any()  # every row block's counter back at zero for the next call
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])

@@ -89,29 +89,31 @@ def test_rmsnorm_rows_match_the_module(tiny_verify):
 
 
 @pytest.mark.parametrize(
-    "family,attention,cublas,defer,k_splits,swap",
+    "family,attention,cublas,defer,k_splits,swap,flash_splits",
     [
-        ("llama", "fused", (), False, {}, 0),
-        ("qwen2", "fused", (), False, {}, 0),
-        ("qwen2", "fused", CUBLAS_PRODUCTS, False, {}, 0),
-        ("llama", "matmul", ("o",), False, {}, 0),
-        ("llama", "flash", CUBLAS_PRODUCTS, False, {}, 0),
-        ("qwen2", "auto", (), False, {}, 0),
-        ("llama", "flash", CUBLAS_PRODUCTS, True, {}, 0),
-        ("qwen2", "auto", ("down",), True, {}, 0),
-        ("llama", "flash", CUBLAS_PRODUCTS, True, {"qkv": 4, "o": 2, "down": 4}, 0),
-        ("qwen2", "flash", CUBLAS_PRODUCTS, True, {"qkv": 2, "down": 2}, 0),
-        ("qwen2", "flash", (), False, {}, 1),
-        ("llama", "flash", ("o", "down"), True, {}, 1),
+        ("llama", "fused", (), False, {}, 0, 1),
+        ("qwen2", "fused", (), False, {}, 0, 1),
+        ("qwen2", "fused", CUBLAS_PRODUCTS, False, {}, 0, 1),
+        ("llama", "matmul", ("o",), False, {}, 0, 1),
+        ("llama", "flash", CUBLAS_PRODUCTS, False, {}, 0, 1),
+        ("qwen2", "auto", (), False, {}, 0, 1),
+        ("llama", "flash", CUBLAS_PRODUCTS, True, {}, 0, 1),
+        ("qwen2", "auto", ("down",), True, {}, 0, 1),
+        ("llama", "flash", CUBLAS_PRODUCTS, True, {"qkv": 4, "o": 2, "down": 4}, 0, 1),
+        ("qwen2", "flash", CUBLAS_PRODUCTS, True, {"qkv": 2, "down": 2}, 0, 1),
+        ("qwen2", "flash", (), False, {}, 1, 1),
+        ("llama", "flash", ("o", "down"), True, {}, 1, 1),
+        ("llama", "flash", CUBLAS_PRODUCTS, True, {}, 0, 3),
     ],
 )
-def test_verify_step_matches_the_modules(family, attention, cublas, defer, k_splits, swap, tmp_path):
+def test_verify_step_matches_the_modules(family, attention, cublas, defer, k_splits, swap, flash_splits, tmp_path):
     """Five tree rows at scattered slots with their own ancestor masks, over three attention splits (or as products);
     the products on the Triton kernel split over K (combined by the last slice; swap: its tiles as weights @ x.T),
     or on cuBLAS with the RoPE / SiLU kernels (qwen2: biases), the residual adds of o and down done at once or
     (defer) by the next norm kernel, the last one by the final norm and the taps taken after it, products as one
     call or as partials over K's slices (k_splits) that the RoPE kernel (q/k/v, with qwen2's bias) or the next norm
-    kernel (o, down) sums: the modules' logits, taps and cache writes."""
+    kernel (o, down) sums, flash attention's walk in one program or in interleaved splits (flash_splits): the modules'
+    logits, taps and cache writes."""
     ckpt = make_checkpoint(family, tmp_path, seed=3, num_hidden_layers=3, **WIDE_HEADS)
     model = fuse_projections(copy.deepcopy(load_target(ckpt, device="cpu", dtype=torch.float32).model))
     ft = FastTarget(model, size=150, taps=(0, 2), float32_logits=True)
@@ -126,6 +128,8 @@ def test_verify_step_matches_the_modules(family, attention, cublas, defer, k_spl
         defer_residual=defer,
     )
     fv.k_splits.update(k_splits)
+    if flash_splits > 1:  # 32-slot blocks: the five below the highest allowed slot (131), split unevenly
+        fv.flash_launch = (16, 32, 1, 2, flash_splits)
     if attention == "matmul":  # a compiled attention that fails gives way to the plain ops
 
         def failing(*args):

@@ -22,7 +22,7 @@ from eaglescope.decode.speculative import draft_slot_cache, target_embedding
 from eaglescope.decode.tree import TreeBuilder, expand_level, top_k_rows
 from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla
-from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FusedDecode, attention_limit
+from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FLASH_LAUNCH, FusedDecode, attention_limit
 from eaglescope.fast.fused_draft import TOP_K_MAX_WIDTH, FusedDraftStep, expand_level_fused, log_softmax_top_k
 from eaglescope.fast.fused_verify import CUBLASLT_PRODUCTS, FusedVerify
 from eaglescope.models.targets import load_target
@@ -119,6 +119,26 @@ def test_verify_rows_on_swapped_triton_tiles_match_the_modules(wide, T):
     toks = torch.randint(0, 4096, (T,), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(T))
     _against_modules(ft, fv, toks, slots, mask, slots, len(model.model.layers))
     assert not fv.count.any()  # every split product's counters back at zero
+
+
+@pytest.mark.parametrize("T", [24, 64])
+@pytest.mark.parametrize("splits", [2, 3])
+def test_verify_rows_on_split_flash_attention_match_the_modules(wide, T, splits):
+    """Flash attention's walk in interleaved splits, the last to finish combining (programs really run side by side
+    here, unlike under the interpreter): the default mix with FLASH_LAUNCH plus `splits`, twice over the same counters
+    and a cache of 40 filled slots that the splits share unevenly."""
+    model, ft = _fresh(wide)
+    fv = FusedVerify(model, ft.cache, taps=(0, 1))
+    fv.flash_launch = FLASH_LAUNCH[:4] + (splits,)
+    slots = 37 + torch.arange(T, device=DEVICE)
+    mask = torch.arange(S, device=DEVICE)[None, :] <= slots[:, None]
+    toks = torch.randint(0, 4096, (T,), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(T))
+    empty = ft.cache.k.clone(), ft.cache.v.clone()
+    for _ in range(2):
+        ft.cache.k.copy_(empty[0])
+        ft.cache.v.copy_(empty[1])
+        _against_modules(ft, fv, toks, slots, mask, slots, len(model.model.layers))
+    assert not fv._flash_part[3].any()
 
 
 @pytest.mark.parametrize("T,S_", [(1, 200), (24, 480), (64, 40000)])

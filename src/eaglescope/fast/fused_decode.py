@@ -44,9 +44,10 @@ DEFAULT_BLOCKS: dict[str, tuple[int, ...]] = {
 }
 ATTN_BLOCK = 64
 # flash attention's launch: (row, head) pairs per program (16: 128 programs for a 64-row verify at 8B), slots per
-# block of its loop, warps, software-pipelining stages of that loop. 128-slot blocks on 8 warps, 2 stages: 6.8 µs a
-# layer at 24 rows and 7.5 at 64 against 8.8 for 64-slot blocks on Triton's default 4 warps, 3 stages; the 64-row
-# verify 4.767 → 4.704 ms (bench/fused_decode_check.py --sweep-flash, fused-decode-check-20261205T030428.json)
+# block of its loop, warps, software-pipelining stages of that loop[, splits of the walk: 1 when absent].
+# 128-slot blocks on 8 warps, 2 stages: 6.8 µs a layer at 24 rows and 7.5 at 64 against 8.8 for 64-slot blocks on
+# Triton's default 4 warps, 3 stages; the 64-row verify 4.767 → 4.704 ms (bench/fused_decode_check.py
+# --sweep-flash, fused-decode-check-20261205T030428.json)
 FLASH_LAUNCH = (16, 128, 8, 2)
 # attention_limit's tile: a program folds LIMIT_ROWS rows at a time over LIMIT_COLS slots (two programs for the
 # benchmarks' 480-slot cache; a 32k-slot cache gets 128, so a long cache is not read by one SM); 4096 values a tile
@@ -284,14 +285,18 @@ if triton is not None:
         tl.atomic_max(limit, tl.max(seen, axis=0))
 
     @triton.jit
-    def _attend_flash_kernel(q, kc, vc, mask, y, limit, S, T, H, rep, scale, sq_t, sq_h, sm_t, sy_t, sy_h,
-                             D: tl.constexpr, KB: tl.constexpr, BR: tl.constexpr):  # fmt: skip
-        """Program (kv group g, row block): BR rows (t, r) of the T x rep query heads sharing kv head g against the
-        cache slots below `limit` (a device scalar: one past the highest slot any row allows), KB slots at a time
-        with a running softmax (the maximum and the sum rescaled at each block). No partials and no last-program
-        combine: _attend_rows_kernel's combine walks its splits one after another, which made it slower than two
-        products and a softmax at 64 rows (NOTES v11, v19)."""
-        g, rb = tl.program_id(0), tl.program_id(1)
+    def _attend_flash_kernel(q, kc, vc, mask, y, limit, part_m, part_l, part_acc, count, S, T, H, rep, scale, sq_t,
+                             sq_h, sm_t, sy_t, sy_h, D: tl.constexpr, KB: tl.constexpr, BR: tl.constexpr,
+                             SPLITS: tl.constexpr):  # fmt: skip
+        """Program (kv group g, row block, split): BR rows (t, r) of the T x rep query heads sharing kv head g against
+        the cache slots below `limit` (a device scalar: one past the highest slot any row allows), KB slots at a time
+        with a running softmax (the maximum and the sum rescaled at each block). SPLITS = 1: one program walks every
+        block, no partials (_attend_rows_kernel's combine of its 64-slot splits, one after another, made it slower
+        than two products and a softmax at 64 rows: NOTES v11, v19). SPLITS > 1: split s walks blocks s, s + SPLITS,
+        ... and writes its maximum, sum and float32 output; the last of a row block's splits to finish combines
+        them in split order (a counter per row block, reset after): a few splits, where the walk, not the combine,
+        is what a program waits on (NOTES version 23b)."""
+        g, rb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i = rb * BR + tl.arange(0, BR)
         ok_i = i < T * rep
         t, h = i // rep, g * rep + i % rep
@@ -301,7 +306,7 @@ if triton is not None:
         total = tl.zeros((BR,), tl.float32)
         acc = tl.zeros((BR, D), tl.float32)
         end = tl.load(limit)
-        for s0 in range(0, end, KB):
+        for s0 in range(sp * KB, end, SPLITS * KB):
             offs = s0 + tl.arange(0, KB)
             in_s = offs < end
             both = ok_i[:, None] & in_s[None, :]
@@ -317,9 +322,35 @@ if triton is not None:
             total = total * keep + tl.sum(p, axis=1)
             acc = acc * keep[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision="ieee")
             top = new_top
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(y + t[:, None] * sy_t + h[:, None] * sy_h + d[None, :], out.to(y.dtype.element_ty),
-                 mask=ok_i[:, None])  # fmt: skip
+        if SPLITS > 1:
+            r = tl.arange(0, BR)
+            block = g * tl.num_programs(1) + rb
+            at = (block * SPLITS + sp) * BR + r
+            tl.store(part_m + at, top)
+            tl.store(part_l + at, total)
+            tl.store(part_acc + at[:, None] * D + d[None, :], acc)
+            tl.debug_barrier()  # every warp's partial stores land before the counter says so
+            if tl.atomic_add(count + block, 1) == SPLITS - 1:
+                first = block * SPLITS * BR + r
+                top = tl.full((BR,), float("-inf"), tl.float32)
+                for j in range(0, SPLITS):
+                    top = tl.maximum(top, tl.load(part_m + first + j * BR, cache_modifier=".cg"))
+                shift = tl.where(top == float("-inf"), 0.0, top)  # a row no split saw a slot for
+                total = tl.zeros((BR,), tl.float32)
+                acc = tl.zeros((BR, D), tl.float32)
+                for j in range(0, SPLITS):
+                    keep = tl.exp(tl.load(part_m + first + j * BR, cache_modifier=".cg") - shift)
+                    total += keep * tl.load(part_l + first + j * BR, cache_modifier=".cg")
+                    part = tl.load(part_acc + (first + j * BR)[:, None] * D + d[None, :], cache_modifier=".cg")
+                    acc += keep[:, None] * part
+                out = acc / tl.where(total > 0, total, 1.0)[:, None]
+                tl.store(y + t[:, None] * sy_t + h[:, None] * sy_h + d[None, :], out.to(y.dtype.element_ty),
+                         mask=ok_i[:, None])  # fmt: skip
+                tl.store(count + block, 0)  # ready for the next call
+        else:
+            out = acc / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(y + t[:, None] * sy_t + h[:, None] * sy_h + d[None, :], out.to(y.dtype.element_ty),
+                     mask=ok_i[:, None])  # fmt: skip
 
     @triton.jit
     def _gate_up_kernel(x, nw, w, b, act, F, eps, K: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
@@ -404,7 +435,8 @@ def fused_attention(
     (True = attend; every row must allow at least one slot) → out [T, H, D]. `scratch` = (part_m, part_l,
     part_acc, count) from attention_scratch, reusable across calls (the counters come back zeroed). `flash`: one
     program per (kv group, block of rows) walking the slots below `limit` (attention_limit(mask) when None) with a
-    running softmax; it needs 16-wide heads (tensor cores) and no scratch; `launch` as FLASH_LAUNCH."""
+    running softmax; it needs 16-wide heads (tensor cores); `launch` as FLASH_LAUNCH, and with more than one split
+    `scratch` from flash_scratch (allocated here when None or too small, which a graph capture does not allow)."""
     T, H, D = q.shape
     Hkv, S, _ = k.shape
     keys, NS = attention_splits(S)
@@ -420,10 +452,18 @@ def fused_attention(
         if D < 16:
             raise ValueError(f"flash attention runs heads of 16 or more on tensor cores, not {D}")
         limit = attention_limit(mask) if limit is None else limit
-        BR, KB, warps, stages = launch
-        _attend_flash_kernel[(Hkv, triton.cdiv(T * rep, BR))](
-            q, k, v, mask, out, limit, S, T, H, rep, D**-0.5, q.stride(0), q.stride(1), mask.stride(0),
-            out.stride(0), out.stride(1), D=D, KB=KB, BR=BR, num_warps=warps, num_stages=stages,
+        BR, KB, warps, stages, *more = launch
+        splits = more[0] if more else 1
+        part = (out,) * 4  # unused with one split
+        if splits > 1:
+            part = scratch if scratch is not None and flash_scratch_fits(scratch, T, H, launch) else None
+            if part is None:
+                if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError("flash attention's split scratch is missing inside a graph capture")
+                part = flash_scratch(T, H, D, launch, q.device)
+        _attend_flash_kernel[(Hkv, triton.cdiv(T * rep, BR), splits)](
+            q, k, v, mask, out, limit, *part, S, T, H, rep, D**-0.5, q.stride(0), q.stride(1), mask.stride(0),
+            out.stride(0), out.stride(1), D=D, KB=KB, BR=BR, SPLITS=splits, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return out
     part_m, part_l, part_acc, count = scratch if scratch is not None else attention_scratch(T, H, D, S, q.device)
@@ -438,6 +478,28 @@ def fused_attention(
             mask.stride(0), out.stride(0), out.stride(1), D=D, KB=keys, BR=BR,
         )  # fmt: skip
     return out
+
+
+def _flash_blocks(T: int, H: int, launch: tuple[int, ...]) -> int:
+    """Row blocks of a flash launch over T rows of H query heads: (kv group, BR (row, head) pairs) each."""
+    return H * T // launch[0] + H + 1  # kv groups x cdiv(T * rep, BR) <= T * H / BR + kv groups
+
+
+def flash_scratch(T: int, H: int, D: int, launch: tuple[int, ...], device) -> tuple[torch.Tensor, ...]:
+    """(part_m, part_l, part_acc, count) for flash attention split `launch[4]` ways over up to T rows: each split's
+    maximum, sum and output per (row, head) pair of its block, and a counter per row block (zeroed; the kernel
+    leaves it zeroed)."""
+    splits = launch[4] if len(launch) > 4 else 1
+    pairs = _flash_blocks(T, H, launch) * launch[0] * splits
+    f32 = dict(device=device, dtype=torch.float32)
+    count = torch.zeros(_flash_blocks(T, H, launch), device=device, dtype=torch.int32)
+    return torch.empty(pairs, **f32), torch.empty(pairs, **f32), torch.empty(pairs * D, **f32), count
+
+
+def flash_scratch_fits(scratch: tuple[torch.Tensor, ...], T: int, H: int, launch: tuple[int, ...]) -> bool:
+    splits = launch[4] if len(launch) > 4 else 1
+    blocks = _flash_blocks(T, H, launch)
+    return scratch[3].numel() >= blocks and scratch[0].numel() >= blocks * launch[0] * splits
 
 
 def attention_scratch(T: int, H: int, D: int, S: int, device) -> tuple[torch.Tensor, ...]:

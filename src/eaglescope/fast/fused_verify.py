@@ -37,6 +37,8 @@ from eaglescope.fast.fused_decode import (
     FLASH_LAUNCH,
     attention_limit,
     attention_scratch,
+    flash_scratch,
+    flash_scratch_fits,
     fused_attention,
     fused_decode_supported,
     logits_dtype,
@@ -336,7 +338,8 @@ class FusedVerify:
         self._reserve()
         self.logits_dtype = logits_dtype(model)
         self.attention = attention
-        self.flash_launch = FLASH_LAUNCH  # flash attention's (rows, slots, warps, stages) per program
+        self.flash_launch = FLASH_LAUNCH  # flash attention's (rows, slots, warps, stages[, splits]) per program
+        self._flash_part: tuple[torch.Tensor, ...] | None = None
         # q/k/v, o and down on cuBLAS as this many products over K's slices (split_k_mm; o and down when their
         # residual adds are deferred and they have no bias)
         self.k_splits = dict(K_SPLITS)
@@ -426,12 +429,23 @@ class FusedVerify:
             _mm_residual(x[:T], layer_proj.weight, layer_proj.bias, h)
         return None
 
+    def _flash_scratch(self) -> tuple[torch.Tensor, ...] | None:
+        """Flash attention's split partials for MAX_ROWS rows at self.flash_launch (None: one split needs none), made
+        again when the launch outgrows them (a graph's warm-up runs do that before its capture)."""
+        a, launch = self.args, self.flash_launch
+        if len(launch) < 5 or launch[4] == 1:
+            return None
+        if self._flash_part is None or not flash_scratch_fits(self._flash_part, MAX_ROWS, a.num_heads, launch):
+            self._flash_part = flash_scratch(MAX_ROWS, a.num_heads, a.head_dim, launch, self.h.device)
+        return self._flash_part
+
     def _attention(self, i: int, mask, T: int) -> None:
         a, D = self.args, self.args.head_dim
         q, out = self.q[:T].view(T, a.num_heads, D), self.attn[:T].view(T, a.num_heads, D)
         kind = AUTO_ATTENTION if self.attention == "auto" else self.attention
         if kind in ("flash", "fused"):
-            fused_attention(q, self.cache.k[i, 0], self.cache.v[i, 0], mask, out, self.scratch, flash=kind == "flash",
+            scratch = self.scratch if kind == "fused" else self._flash_scratch()
+            fused_attention(q, self.cache.k[i, 0], self.cache.v[i, 0], mask, out, scratch, flash=kind == "flash",
                             limit=self._limit, launch=self.flash_launch)  # fmt: skip
             return
         k, v = self.cache.k[i, 0], self.cache.v[i, 0]

@@ -46,7 +46,7 @@ from eaglescope.fast import FastEagle, FastTarget, FastVanilla
 from eaglescope.fast import invariant as inv_kernels
 from eaglescope.fast.engine import _graph, use_batch_invariant, use_matmul_attention
 from eaglescope.fast.fused_decode import available, fused_decode_supported
-from eaglescope.fast.fused_draft import FusedDraftStep, fused_draft_supported, log_softmax_top_k
+from eaglescope.fast.fused_draft import DRAFT_K_SPLITS, FusedDraftStep, fused_draft_supported, log_softmax_top_k
 from eaglescope.fast.fused_verify import blas_library
 from eaglescope.fast.layers import compile_layers, use_gemv_reductions
 from eaglescope.models.draft import DraftConfig, Eagle3Draft
@@ -1111,6 +1111,12 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
             fused.children(draft.head(normed), K)
 
         rf.res["draft_step_ms_fused"] = round(graphed_ms(fstep, device, reps=50), 4)
+        fused.k_splits = {"o": 2, "down": 2}  # o and down as partials the next norm sums (no split-K reduce kernels)
+        try:
+            rf.res["draft_step_ms_fused_k_split_2"] = round(graphed_ms(fstep, device, reps=50), 4)
+        except Exception as e:  # bmm's out_dtype and kin: recorded, not fatal
+            rf.res["draft_step_ms_fused_k_split_2"] = f"{type(e).__name__}: {str(e)[:200]}"
+        fused.k_splits = dict(DRAFT_K_SPLITS)
         if device.type == "cuda" and rf.left() > 150:
             try:
                 rf.res["draft_step_fused_profile"] = _profile_step(fstep)

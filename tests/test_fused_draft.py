@@ -68,12 +68,16 @@ def _calls():
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"norm_before_residual": True}, {"norm_output": True, "norm_before_fc": True}, {"logit_scale": 0.7}],
-    ids=["eagle3", "norm_before_residual", "norm_output", "logit_scale"],
-)
+    [{}, {"norm_before_residual": True}, {"norm_output": True, "norm_before_fc": True}, {"logit_scale": 0.7},
+     {"k_splits": {"o": 2, "down": 4}}, {"k_splits": {"down": 2}, "norm_before_residual": True}],
+    ids=["eagle3", "norm_before_residual", "norm_output", "logit_scale", "k_splits", "k_splits_nbr"],
+)  # fmt: skip
 def test_draft_step_matches_the_modules(target_dir, options):
     """Each call's output (what the next step receives), the head's logits over the final norm and the keys and
-    values written at its slots: the modules' `step` and `logits` from the same cache, to float32's bound."""
+    values written at its slots: the modules' `step` and `logits` from the same cache, to float32's bound; o and
+    down also as float32 partials over K's slices that the next norm kernel sums (k_splits)."""
+    options = dict(options)
+    k_splits = options.pop("k_splits", {})
     set_after = ("logit_scale", "norm_before_residual")  # config fields for_target does not take
     draft = _draft(target_dir, **{k: v for k, v in options.items() if k not in set_after})
     for k in set_after:
@@ -84,6 +88,7 @@ def test_draft_step_matches_the_modules(target_dir, options):
     cache.k.normal_(generator=torch.Generator().manual_seed(1))
     cache.v.normal_(generator=torch.Generator().manual_seed(2))
     fused = FusedDraftStep(draft, cache, rows=5)
+    fused.k_splits.update(k_splits)
     H = draft.config.hidden_size
     calls, g = _calls()
     for rows, positions, slots, mask in calls:

@@ -163,9 +163,11 @@ def test_greedy_through_the_fused_kernels_is_vanilla_greedy(wide):
 
 
 @pytest.mark.parametrize("T", [4, 7])
-def test_draft_layer_on_the_fused_kernels_matches_the_modules(wide_draft, T):
+@pytest.mark.parametrize("k_splits", [{}, {"o": 2, "down": 2}])
+def test_draft_layer_on_the_fused_kernels_matches_the_modules(wide_draft, T, k_splits):
     """A tree level's 4 rows and a catch-up's 7 at scattered slots (context, one earlier node, their own): the
-    output, the head's logits over the final norm and the draft-cache writes against the modules' step."""
+    output, the head's logits over the final norm and the draft-cache writes against the modules' step; o and down
+    as one product each or as float32 partials over K's halves (bmm's out_dtype) that the next norm kernel sums."""
     draft = wide_draft
     cache = draft_slot_cache(draft, S)
     g = torch.Generator(DEVICE).manual_seed(T)
@@ -181,6 +183,7 @@ def test_draft_layer_on_the_fused_kernels_matches_the_modules(wide_draft, T):
     embeds = torch.randn(T, H, device=DEVICE, generator=g)
     hidden = torch.randn(T, H, device=DEVICE, generator=g) * 3
     fused = FusedDraftStep(draft, cache, rows=T)
+    fused.k_splits.update(k_splits)
     assert_draft_step_matches_modules(fused, draft, embeds, hidden, positions, slots, mask, unit=16)
 
 

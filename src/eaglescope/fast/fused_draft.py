@@ -31,7 +31,13 @@ import torch
 
 from eaglescope.decode.tree import expand_level, top_k_rows
 from eaglescope.fast.fused_decode import attention_scratch, available, fused_attention, triton
-from eaglescope.fast.fused_verify import _mm, _rows_rmsnorm_kernel, _rows_rope_cache_kernel, _rows_silu_mul_kernel
+from eaglescope.fast.fused_verify import (
+    _mm,
+    _rows_rmsnorm_kernel,
+    _rows_rope_cache_kernel,
+    _rows_silu_mul_kernel,
+    split_k_mm,
+)
 from eaglescope.models.draft import Eagle3Draft
 from eaglescope.models.drafts.llama import DraftAttention
 
@@ -137,6 +143,10 @@ def expand_level_fused(tokens, parents, depths, scores, lineage, next_id, parent
     return frontier
 
 
+# o and down as this many products over K's slices (fast/fused_verify.py split_k_mm), summed by the next norm kernel
+# in place of cuBLAS's own split-K and its reduce kernel (two launches a level); 1: one product, today's. At 4 rows
+# cuBLAS runs both as split-K + reduce (bench-roofline-20261205T050738.json's propose table); not yet timed split here
+DRAFT_K_SPLITS = {"o": 1, "down": 1}
 # the widest row log_softmax_top_k holds in one program's registers (a 32k draft vocabulary is 32 values a thread)
 TOP_K_MAX_WIDTH = 65536
 
@@ -203,6 +213,7 @@ class FusedDraftStep:
         self.normed = z(R, H)
         self.gate_up_out, self.act = z(R, 2 * c.intermediate_size), z(R, c.intermediate_size)
         self.scratch = attention_scratch(R, c.num_heads, D, cache.size, dev)
+        self.k_splits = dict(DRAFT_K_SPLITS)
 
     expand_level = staticmethod(expand_level_fused)
 
@@ -212,11 +223,21 @@ class FusedDraftStep:
         return log_softmax_top_k(logits, min(k, logits.shape[-1]))
 
     def _norm(self, norm, T: int, add: torch.Tensor) -> torch.Tensor:
-        """self.h += add, then its RMSNorm into self.normed (one kernel)."""
+        """self.h += add ([T, H], or split_k_mm's float32 partials [parts, T, H], summed first), then its RMSNorm into
+        self.normed (one kernel)."""
         H = self.config.hidden_size
-        _rows_rmsnorm_kernel[(T,)](self.h, add, norm.weight, self.normed, norm.eps, 0, K=H,
-                                   KP2=triton.next_power_of_2(H), ADD=True)  # fmt: skip
+        parts = add.shape[0] if add.dim() == 3 else 1
+        _rows_rmsnorm_kernel[(T,)](self.h, add, norm.weight, self.normed, norm.eps, add.stride(0) if parts > 1 else 0,
+                                   K=H, KP2=triton.next_power_of_2(H), ADD=True, PARTS=parts)  # fmt: skip
         return self.normed[:T]
+
+    def _residual_product(self, name: str, x: torch.Tensor, proj) -> torch.Tensor:
+        """o's or down's product for the next norm to add: one product into a buffer, or float32 partials over K's
+        slices (k_splits; not with a bias, which the one product adds)."""
+        T, splits = x.shape[0], self.k_splits[name]
+        if splits > 1 and proj.bias is None:
+            return split_k_mm(x, proj.weight, splits)
+        return _mm(x, proj.weight, proj.bias, self.residual_out[:T])
 
     @torch.inference_mode()
     def __call__(self, embeds, hidden, cos, sin, slots, mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,11 +258,11 @@ class FusedDraftStep:
                                                                        qkv, 0, D=D)  # fmt: skip
         q, out = self.q[:T].view(T, c.num_heads, D), self.attn[:T].view(T, c.num_heads, D)
         fused_attention(q, kc[0], vc[0], mask, out, self.scratch)
-        o = _mm(self.attn[:T], attn.o_proj.weight, attn.o_proj.bias, self.residual_out[:T])
+        o = self._residual_product("o", self.attn[:T], attn.o_proj)
         x = self._norm(layer.post_attention_layernorm, T, o)
         gate_up = _mm(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, self.gate_up_out[:T])
         F = c.intermediate_size
         _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](gate_up, self.act, F, BLOCK=1024)
-        down = _mm(self.act[:T], mlp.down_proj.weight, mlp.down_proj.bias, self.residual_out[:T])
+        down = self._residual_product("down", self.act[:T], mlp.down_proj)
         normed = self._norm(self.draft.norm, T, down)  # self.h is now the step's pre-norm output
         return (normed if c.norm_output else self.h[:T]), normed

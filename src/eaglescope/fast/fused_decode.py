@@ -429,7 +429,7 @@ def attention_limit(mask: torch.Tensor) -> torch.Tensor:
 def fused_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | None = None,
     scratch: tuple[torch.Tensor, ...] | None = None, flash: bool = False, limit: torch.Tensor | None = None,
-    launch: tuple[int, int, int, int] = FLASH_LAUNCH,
+    launch: tuple[int, ...] = FLASH_LAUNCH,
 ) -> torch.Tensor:  # fmt: skip
     """q [T, H, D] (any strides with unit last), k/v [Hkv, S, D] (one layer of a slot cache), mask [T, S] bool
     (True = attend; every row must allow at least one slot) → out [T, H, D]. `scratch` = (part_m, part_l,

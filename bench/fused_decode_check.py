@@ -484,6 +484,7 @@ def sweep_verify_mix(ft: FastTarget, ctx: int, vocab: int, T: int, smoke: bool, 
     was = fv.cublas, fv.cublaslt, dict(fv.blocks)
     out: dict = {"rows": T, "start": {"cublas": list(fv.cublas), "cublaslt": list(fv.cublaslt),
                                        "blocks": {k: list(v) for k, v in fv.blocks.items()}}, "ms": {}}  # fmt: skip
+    res[f"verify_mix_sweep_{T}"] = out
 
     def timed(key: str) -> float:
         try:
@@ -496,6 +497,7 @@ def sweep_verify_mix(ft: FastTarget, ctx: int, vocab: int, T: int, smoke: bool, 
         out["ms"][key] = round(v[T], 4)
         out.setdefault("step_ms", round(v[1], 4))
         print("verify mix", key, out["ms"][key], "ms", flush=True)
+        save()  # a run cut off by its time limit keeps every candidate timed so far
         return v[T]
 
     best = timed("start")
@@ -528,7 +530,6 @@ def sweep_verify_mix(ft: FastTarget, ctx: int, vocab: int, T: int, smoke: bool, 
     out["start_ms_again"] = timed("start_again")
     print(f"verify mix at {T} rows: start {out['start_ms']} ms, best {out['best_ms']} ms", json.dumps(out["best"]),
           flush=True)  # fmt: skip
-    res[f"verify_mix_sweep_{T}"] = out
     save()
 
 

@@ -125,11 +125,12 @@ def test_verify_rows_on_swapped_triton_tiles_match_the_modules(wide, T):
 @pytest.mark.parametrize("splits", [2, 3])
 def test_verify_rows_on_split_flash_attention_match_the_modules(wide, T, splits):
     """Flash attention's walk in interleaved splits, the last to finish combining (programs really run side by side
-    here, unlike under the interpreter): the default mix with FLASH_LAUNCH plus `splits`, twice over the same counters
-    and a cache of 40 filled slots that the splits share unevenly."""
+    here, unlike under the interpreter): the default mix, flash attention on 32-slot blocks (FLASH_LAUNCH's 128 would
+    put the 61 or 101 slots below the limit in one block, leaving every split but the first with nothing to walk)
+    split 2 or 3 ways, so the 2-4 blocks are shared unevenly; twice over the same counters."""
     model, ft = _fresh(wide)
     fv = FusedVerify(model, ft.cache, taps=(0, 1))
-    fv.flash_launch = FLASH_LAUNCH[:4] + (splits,)
+    fv.flash_launch = (FLASH_LAUNCH[0], 32) + FLASH_LAUNCH[2:4] + (splits,)
     slots = 37 + torch.arange(T, device=DEVICE)
     mask = torch.arange(S, device=DEVICE)[None, :] <= slots[:, None]
     toks = torch.randint(0, 4096, (T,), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(T))

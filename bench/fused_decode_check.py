@@ -45,8 +45,15 @@ from eaglescope.fast.fused_decode import (  # noqa: E402
     flash_scratch,
     fused_attention,
 )
-from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, CUBLASLT_PRODUCTS, K_SPLITS, split_k_mm  # noqa: E402
+from eaglescope.fast.fused_verify import (  # noqa: E402
+    CUBLAS_PRODUCTS,
+    CUBLASLT_PRODUCTS,
+    K_SPLITS,
+    MAX_ROWS,
+    split_k_mm,
+)
 from eaglescope.fast.layers import compile_layers, use_gemv_reductions  # noqa: E402
+from eaglescope.fast.tuning import load_tuning  # noqa: E402
 
 
 def grid(smoke: bool) -> list[tuple[int, ...]]:
@@ -153,18 +160,20 @@ def verify_products(fv, device, copy_gbs: float, T: int) -> dict:
     y_h = torch.zeros(T, H, device=device, dtype=fv.h.dtype)
     logits = torch.zeros(T, a.vocab_size, device=device, dtype=torch.float32)
     rope = dict(cos=cos, sin=sin, kc=fv.cache.k[0], vc=fv.cache.v[0], slots=rows)
+    base = fv.settings()  # the blocks set on fv, whatever its tuning says for T rows
+
+    def product(name, x, w, y, n, **rope):
+        return lambda: fv._product(name, base, x, w, None, y, T, n, **rope)
+
     cases = {
-        "qkv": (layer.self_attn.qkv_proj.weight, x_h, lambda: fv._product("qkv", x_h, layer.self_attn.qkv_proj.weight,
-                                                                          None, fv.q, T, nqkv, **rope)),
-        "o": (layer.self_attn.o_proj.weight, x_h, lambda: fv._product("o", x_h, layer.self_attn.o_proj.weight, None,
-                                                                      y_h, T, H)),
-        "gate_up": (layer.mlp.gate_up_proj.weight, x_h, lambda: fv._product("gate_up", x_h,
-                                                                            layer.mlp.gate_up_proj.weight, None,
-                                                                            fv.act, T, ffn)),
-        "down": (layer.mlp.down_proj.weight, x_f, lambda: fv._product("down", x_f, layer.mlp.down_proj.weight, None,
-                                                                      y_h, T, H)),
-        "lm_head": (fv.model.lm_head.weight, x_h, lambda: fv._product("lm_head", x_h, fv.model.lm_head.weight, None,
-                                                                      logits, T, a.vocab_size)),
+        "qkv": (layer.self_attn.qkv_proj.weight, x_h,
+                product("qkv", x_h, layer.self_attn.qkv_proj.weight, fv.q, nqkv, **rope)),
+        "o": (layer.self_attn.o_proj.weight, x_h, product("o", x_h, layer.self_attn.o_proj.weight, y_h, H)),
+        "gate_up": (layer.mlp.gate_up_proj.weight, x_h,
+                    product("gate_up", x_h, layer.mlp.gate_up_proj.weight, fv.act, ffn)),
+        "down": (layer.mlp.down_proj.weight, x_f, product("down", x_f, layer.mlp.down_proj.weight, y_h, H)),
+        "lm_head": (fv.model.lm_head.weight, x_h,
+                    product("lm_head", x_h, fv.model.lm_head.weight, logits, a.vocab_size)),
     }  # fmt: skip
     out = {}
     for name, (w, x, run) in cases.items():
@@ -248,6 +257,10 @@ def _fused_verify(
     except ValueError as e:  # the smoke model's heads are too narrow for the tensor-core tiles
         res["fused_verify"] = f"not run: {e}"
     else:
+        # every figure below from the built-in settings (and the mixes and sweeps set on them); the tuning file in
+        # effect, if any, timed on its own at the end and kept for --tuning-out
+        res["tuning_in_effect"] = {**ft3.tuning.describe(), **ft3.tuning.document()}
+        tuned, ft3.fused_rows.by_rows = ft3.fused_rows.by_rows, []
         ft3.prefill(torch.tensor(prompt, device=device))
         with torch.inference_mode():  # the verify kernels against the modules, 24 chain tokens
             T = min(24, S - ctx - 1)
@@ -312,9 +325,53 @@ def _fused_verify(
         print("verify, fused verify kernels", json.dumps(res["fused_verify_vs_modules"]), attention,
               json.dumps(res["verify_cost_ratio_fused_verify"]), json.dumps(res["verify_ms_fused_verify"]),
               flush=True)  # fmt: skip
+        if tuned:  # the tuning file's settings where its entries reach, this mix elsewhere
+            fv.by_rows = tuned
+            v = verify_ms(ft3, ctx, a.vocab_size, sizes=sizes)
+            res["verify_ms_fused_verify_tuned"] = {str(t): round(x, 4) for t, x in v.items()}
+            print("verify, fused verify kernels, tuned", json.dumps(res["verify_ms_fused_verify_tuned"]), flush=True)
+            fv.by_rows = []
         save()
         return ft3
     return None
+
+
+def tuning_document(res: dict, result_file: str, command: list[str]) -> dict | None:
+    """A fast/tuning.py file from this run: the tuning in effect when it began, each row count's swept product mix
+    as its entry, flash attention's swept launch in every entry (and in one for MAX_ROWS rows). A winner is kept
+    only where it beat the start when both were timed again in the same run, so noise does not move a setting;
+    None where nothing was swept."""
+    swept = [v for k, v in res.items() if k.startswith("verify_mix_sweep_") and isinstance(v, dict)]
+    flash = res.get("flash_sweep")
+    if not swept and not flash:
+        return None
+    doc = res.get("tuning_in_effect", {})
+    entries = {e["max_rows"]: dict(e) for e in doc.get("verify", [])}
+    for sweep in swept:
+        if "best_ms_again" in sweep and sweep["best_ms_again"] < sweep.get("start_ms_again", math.inf):
+            entries[sweep["rows"]] = {"max_rows": sweep["rows"], **sweep["best"]}
+    if flash and "verify_ms_best" in flash:
+        best, default = flash["verify_ms_best"], flash["verify_ms_default"]
+        rows = [t for t in best if t != "1"]
+        if sum(best[t] for t in rows) < sum(default[t] for t in rows):
+            entries.setdefault(MAX_ROWS, {"max_rows": MAX_ROWS})
+            for entry in entries.values():
+                entry["flash_launch"] = list(flash["best"])
+    out = {"device": res["device"], "source": {"command": " ".join(command), "commit": res["commit"],
+           "date": res["date"], "result": result_file}, "verify": [entries[r] for r in sorted(entries)]}  # fmt: skip
+    if "draft" in doc:
+        out["draft"] = doc["draft"]
+    return out
+
+
+def write_tuning(doc: dict, path: Path) -> None:
+    """Write a tuning file beside its path, check that fast/tuning.py reads it, then move it into place: a file
+    that would not load never replaces one that does."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    load_tuning(tmp)
+    os.replace(tmp, path)
 
 
 def flash_launches(smoke: bool) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -472,18 +529,57 @@ def mix_candidates(name: str, head_dim: int, smoke: bool) -> list[tuple[int, ...
     return [b for b in grid if name != "qkv" or (head_dim // 2) % b[0] == 0]
 
 
-def sweep_verify_mix(ft: FastTarget, ctx: int, vocab: int, T: int, smoke: bool, res: dict, save) -> None:
-    """The T-row verify's products, each in turn (coordinate descent, the best kept before the next): left where the
-    verify has it (cuBLAS for the layer products), through the other of cuBLAS / cuBLASLt, or on _rows_gemm_kernel
-    at each of mix_candidates' blocks (its epilogue then does the RoPE / SiLU / residual work a kernel of its own
-    does after cuBLAS); every candidate timed as the whole verify (one graph) at T rows. Records each
-    time, the best mix and its verify beside the starting one's, in the same run; the verify is left as it was."""
+def mix_states(fv, name: str, smoke: bool) -> list[tuple]:
+    """Every state --sweep-verify-mix tries for one product, as (cublas, cublaslt, blocks, k split) with the other
+    products as fv has them: on cuBLAS through either library (q/k/v's product takes none: FusedVerify runs it as
+    torch picks) whole or in 2 of K's slices (q/k/v always, o and down with their adds deferred), or on
+    _rows_gemm_kernel at each of mix_candidates' blocks."""
+    others = tuple(p for p in fv.cublas if p != name)
+    others_lt = tuple(p for p in fv.cublaslt if p != name)
+    states = []
+    if name in CUBLAS_PRODUCTS:
+        order = lambda names: tuple(p for p in CUBLAS_PRODUCTS if p in names)  # noqa: E731
+        libraries = (False,) if name == "qkv" else (False, True)
+        splits = (1, 2) if name == "qkv" or (name in K_SPLITS and fv.defer_residual) else (1,)
+        for lt in libraries:
+            for split in splits:
+                states.append((order(others + (name,)), order(others_lt + ((name,) if lt else ())),
+                               fv.blocks[name], split))  # fmt: skip
+    for blocks in mix_candidates(name, fv.args.head_dim, smoke):
+        states.append((others, others_lt, tuple(blocks), 1))
+    return states
+
+
+def sweep_verify_mix(ft: FastTarget, ctx: int, vocab: int, T: int, smoke: bool, res: dict, save,
+                     flash_launch: tuple[int, ...] | None = None) -> None:  # fmt: skip
+    """The T-row verify's products, each in turn (coordinate descent, the best kept before the next): every state
+    mix_states names for it (cuBLAS or cuBLASLt, whole or in K's slices; _rows_gemm_kernel's tiles, whose epilogue
+    then does the RoPE / SiLU / residual work a kernel of its own does after cuBLAS); every candidate timed as the
+    whole verify (one graph) at T rows, flash attention at `flash_launch` (None: the verify's). Records each time,
+    the best mix and, in the same run, both it and the starting one timed again; the verify is left as it was."""
     fv = ft.fused_rows
-    D = fv.args.head_dim
     sizes = (1, T)
-    was = fv.cublas, fv.cublaslt, dict(fv.blocks)
-    out: dict = {"rows": T, "start": {"cublas": list(fv.cublas), "cublaslt": list(fv.cublaslt),
-                                       "blocks": {k: list(v) for k, v in fv.blocks.items()}}, "ms": {}}  # fmt: skip
+    was = fv.cublas, fv.cublaslt, dict(fv.blocks), dict(fv.k_splits), fv.flash_launch
+    fv.flash_launch = tuple(flash_launch or fv.flash_launch)
+
+    def same(a: tuple, b: tuple) -> bool:
+        return (set(a[0]), set(a[1]), tuple(a[2]), a[3]) == (set(b[0]), set(b[1]), tuple(b[2]), b[3])
+
+    def state(name: str) -> tuple:
+        return fv.cublas, fv.cublaslt, fv.blocks[name], fv.k_splits.get(name, 1)
+
+    def put(name: str, st: tuple) -> None:
+        fv.cublas, fv.cublaslt = st[:2]
+        fv.set_blocks(name, st[2])
+        if name in fv.k_splits:
+            fv.k_splits[name] = st[3]
+
+    def settings() -> dict:
+        return {"cublas": list(fv.cublas), "cublaslt": list(fv.cublaslt),
+                "blocks": {k: list(v) for k, v in fv.blocks.items()}, "k_splits": dict(fv.k_splits),
+                "flash_launch": list(fv.flash_launch)}  # fmt: skip
+
+    out: dict = {"rows": T, "start": settings(), "ms": {}}
     res[f"verify_mix_sweep_{T}"] = out
 
     def timed(key: str) -> float:
@@ -503,31 +599,25 @@ def sweep_verify_mix(ft: FastTarget, ctx: int, vocab: int, T: int, smoke: bool, 
     best = timed("start")
     out["start_ms"] = out["ms"]["start"]
     for name in ("qkv", "o", "gate_up", "down", "lm_head"):
-        keep = fv.cublas, fv.cublaslt, fv.blocks[name]
-        # q/k/v's cuBLAS product takes no library choice (FusedVerify runs it as torch picks); the lm_head is Triton's
-        if name in fv.cublas and name != "qkv":  # the other library for it
-            fv.cublaslt = tuple(p for p in keep[1] if p != name) if name in keep[1] else keep[1] + (name,)
-            ms = timed(f"{name}_cublaslt_{'on' if name in fv.cublaslt else 'off'}")
+        keep = state(name)
+        for st in mix_states(fv, name, smoke):
+            if same(st, keep):
+                continue
+            put(name, st)
+            on = "cublaslt" if name in st[1] else "cublas"
+            where = f"{on}_split_{st[3]}" if name in st[0] else f"triton_{'_'.join(map(str, st[2]))}"
+            ms = timed(f"{name}_{where}")
             if ms < best:
-                best, keep = ms, (fv.cublas, fv.cublaslt, keep[2])
-        start = keep
-        for blocks in mix_candidates(name, D, smoke):
-            fv.cublas = tuple(p for p in start[0] if p != name)
-            fv.cublaslt = tuple(p for p in start[1] if p != name)
-            fv.set_blocks(name, blocks)
-            ms = timed(f"{name}_triton_{'_'.join(map(str, blocks))}")
-            if ms < best:
-                best, keep = ms, (fv.cublas, fv.cublaslt, tuple(blocks))
-        fv.cublas, fv.cublaslt = keep[:2]
-        fv.set_blocks(name, keep[2])
-    out["best"] = {"cublas": list(fv.cublas), "cublaslt": list(fv.cublaslt),
-                   "blocks": {k: list(v) for k, v in fv.blocks.items()}}  # fmt: skip
+                best, keep = ms, st
+        put(name, keep)
+    out["best"] = settings()
     out["best_ms"] = round(best, 4)
     out["best_ms_again"] = timed("best_again")  # the winner timed once more: the descent's spread beside its gain
-    fv.cublas, fv.cublaslt = was[:2]
+    fv.cublas, fv.cublaslt, fv.k_splits = was[0], was[1], was[3]
     for name, blocks in was[2].items():
         fv.set_blocks(name, blocks)
     out["start_ms_again"] = timed("start_again")
+    fv.flash_launch = was[4]
     print(f"verify mix at {T} rows: start {out['start_ms']} ms, best {out['best_ms']} ms", json.dumps(out["best"]),
           flush=True)  # fmt: skip
     save()
@@ -590,6 +680,7 @@ def main() -> int:
         metavar="ROWS",
         help="at each of these row counts, each product on cuBLAS or on the Triton kernel's blocks",
     )
+    ap.add_argument("--tuning-out", metavar="PATH", help="write the sweeps' winners as a fast/tuning.py file here")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -643,12 +734,25 @@ def main() -> int:
 
     ft3 = _fused_verify(model, prompt, ctx, S, sizes, args.smoke, args.sweep_verify, device, res, save,
                         try_mixes=not args.no_mixes)  # fmt: skip
+
+    def tune() -> None:  # after every sweep: a run cut off by its time limit keeps the tuning of what it finished
+        doc = tuning_document(res, path.name, sys.argv) if args.tuning_out else None
+        if doc is not None:
+            write_tuning(doc, Path(args.tuning_out))
+            res["tuning_out"] = {"path": args.tuning_out, "file": doc}
+            print("wrote tuning", args.tuning_out, flush=True)
+            save()
+
+    flash = None
     if args.sweep_flash and ft3 is not None:
         sweep_flash(ft3, ctx, a.vocab_size, args.smoke, res, save)
+        flash = tuple(res["flash_sweep"]["best"])  # the product mixes below are swept with it
+        tune()
     if args.sweep_k_split and ft3 is not None:
         sweep_k_split(ft3, ctx, a.vocab_size, res["copy_bandwidth_gbs"], args.smoke, res, save)
     for rows in args.sweep_verify_mix if ft3 is not None else ():
-        sweep_verify_mix(ft3, ctx, a.vocab_size, rows, args.smoke, res, save)
+        sweep_verify_mix(ft3, ctx, a.vocab_size, rows, args.smoke, res, save, flash_launch=flash)
+        tune()
     if args.profile_verify and ft3 is not None:
         _verify_profile(ft3, ctx, a.vocab_size, res)
         save()

@@ -49,6 +49,7 @@ from eaglescope.fast.fused_decode import available, fused_decode_supported
 from eaglescope.fast.fused_draft import DRAFT_K_SPLITS, FusedDraftStep, fused_draft_supported, log_softmax_top_k
 from eaglescope.fast.fused_verify import blas_library
 from eaglescope.fast.layers import compile_layers, use_gemv_reductions
+from eaglescope.fast.tuning import tuning_for
 from eaglescope.models.draft import DraftConfig, Eagle3Draft
 from eaglescope.models.targets import load_target
 from eaglescope.models.targets.llama import LlamaArgs, LlamaModel, NativeTarget, RopeSpec, fuse_projections
@@ -1102,7 +1103,7 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
             1e3 * graphed_ms(lambda: log_softmax_top_k(logits, K), device, reps=50), 2
         )
     if fused_draft_supported(draft) is None:  # the same level with the layer on fast/fused_draft.py's kernels
-        fused = FusedDraftStep(draft, dcache, rows=K)
+        fused = FusedDraftStep(draft, dcache, rows=K, k_splits=tuning_for(device).draft_k_splits)  # as FastEagle
         rotary = torch.compile(draft.midlayer.rotary) if device.type == "cuda" else draft.midlayer.rotary
 
         def fstep():  # as Eagle3Proposer.fused_tree_level: its RoPE compiled, the layer, the head, the children
@@ -1116,7 +1117,7 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
             rf.res["draft_step_ms_fused_k_split_2"] = round(graphed_ms(fstep, device, reps=50), 4)
         except Exception as e:  # bmm's out_dtype and kin: recorded, not fatal
             rf.res["draft_step_ms_fused_k_split_2"] = f"{type(e).__name__}: {str(e)[:200]}"
-        fused.k_splits = dict(DRAFT_K_SPLITS)
+        fused.k_splits = {**DRAFT_K_SPLITS, **(tuning_for(device).draft_k_splits or {})}
         if device.type == "cuda" and rf.left() > 150:
             try:
                 rf.res["draft_step_fused_profile"] = _profile_step(fstep)
@@ -1233,6 +1234,7 @@ def _run_meta(device, smoke: bool) -> dict:
         # the device copy of the tree has no .git: the caller passes the commit in the environment
         "commit": os.environ.get("EAGLESCOPE_COMMIT") or (commit if len(commit) == 40 else "unknown"),
         "smoke": smoke,
+        "tuning": tuning_for(device).describe(),  # the fast path's launch settings (fast/tuning.py)
     }
     try:
         import transformers

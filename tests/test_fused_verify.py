@@ -72,8 +72,8 @@ def test_row_products_match_the_modules(tiny_verify, T, n, k, bn, bk, bias, name
         want = res.double() + prod if name == "o" else prod
     y = res.clone()
     tiny_verify.set_blocks(name, (bn, bk, 1, 2, int(swap)))
-    tiles, splits, _ = tiny_verify._geometry(name, n, k)
-    tiny_verify._product(name, x, w, b, y, T, n)
+    tiles, splits, _ = tiny_verify._geometry(name, n, k, tiny_verify.blocks[name])
+    tiny_verify._product(name, tiny_verify.settings(), x, w, b, y, T, n)
     excess = (y.double() - want).abs() - bound - 1e-5 * want.abs() - 1e-6
     assert excess.max() <= 0, f"off by {excess.max():.3g} beyond float32's bound"
     assert not tiny_verify.count.any()

@@ -18,9 +18,11 @@ sys.path.insert(0, str(BENCH))
 import fused_decode_check as fdc  # noqa: E402
 from models import make_checkpoint  # noqa: E402
 
+from eaglescope.errors import EagleScopeError  # noqa: E402
 from eaglescope.fast import FastTarget  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
-from eaglescope.fast.fused_verify import FusedVerify  # noqa: E402
+from eaglescope.fast.fused_verify import K_SPLITS, MAX_ROWS, FusedVerify  # noqa: E402
+from eaglescope.fast.tuning import load_tuning  # noqa: E402
 from eaglescope.models.targets import load_target  # noqa: E402
 from eaglescope.models.targets.llama import fuse_projections  # noqa: E402
 
@@ -38,7 +40,8 @@ def verify(tmp_path_factory):
 
 
 def _cost(seed: int):
-    """An additive cost per product: a price for each (library, blocks) state, one tile that fails to compile."""
+    """An additive cost per product: a price for each (library, K split) or Triton blocks state, one tile that fails
+    to compile."""
     g = torch.Generator().manual_seed(seed)
     price: dict = {}
 
@@ -47,50 +50,104 @@ def _cost(seed: int):
             price[key] = float(torch.rand((), generator=g)) + 0.1
         return price[key]
 
+    def key_of(fv, name: str, cublas, cublaslt, blocks, k_splits) -> tuple:
+        if name in cublas:
+            return (name, "cublaslt" if name in cublaslt else "cublas", k_splits.get(name, 1))
+        return (name, tuple(blocks[name]))
+
     def verify_ms(ft, ctx, vocab, sizes):
         fv = ft.fused_rows
         if fv.blocks["o"][-1] == 1 and "o" not in fv.cublas:
             raise RuntimeError("out of shared memory")  # a swapped o tile that does not compile
-        total = sum(
-            of((name, "cublaslt" if name in fv.cublaslt else "cublas"))
-            if name in fv.cublas
-            else of((name, tuple(fv.blocks[name])))
-            for name in PRODUCTS
-        )
+        total = sum(of(key_of(fv, n, fv.cublas, fv.cublaslt, fv.blocks, fv.k_splits)) for n in PRODUCTS)
         return {1: 1.0, sizes[-1]: total}
 
-    return of, verify_ms
+    return of, key_of, verify_ms
+
+
+def _sweep(verify, monkeypatch, seed: int) -> tuple:
+    of, key_of, fake = _cost(seed)
+    monkeypatch.setattr(fdc, "verify_ms", fake)
+    res: dict = {}
+    fdc.sweep_verify_mix(SimpleNamespace(fused_rows=verify, device=torch.device("cpu")), 8, 100, 4, False, res,
+                         lambda: None)  # fmt: skip
+    return of, key_of, res
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_descent_ends_on_the_cheapest_mix_and_puts_the_verify_back(verify, monkeypatch, seed):
-    of, fake = _cost(seed)
-    monkeypatch.setattr(fdc, "verify_ms", fake)
-    before = verify.cublas, verify.cublaslt, dict(verify.blocks)
-    res: dict = {}
-    fdc.sweep_verify_mix(SimpleNamespace(fused_rows=verify, device=torch.device("cpu")), 8, 100, 4, False, res,
-                         lambda: None)  # fmt: skip
+    before = verify.cublas, verify.cublaslt, dict(verify.blocks), dict(verify.k_splits), verify.flash_launch
+    of, key_of, res = _sweep(verify, monkeypatch, seed)
     out = res["verify_mix_sweep_4"]
-    assert (verify.cublas, verify.cublaslt, verify.blocks) == before
+    assert (verify.cublas, verify.cublaslt, verify.blocks, verify.k_splits, verify.flash_launch) == before
     # every state the descent could reach, priced the same way: the cheapest total is the one it reports
     D = verify.args.head_dim
     options = {}
     for name in PRODUCTS:
         opts = [(name, tuple(b)) for b in fdc.mix_candidates(name, D, False) if not (name == "o" and b[-1] == 1)]
-        opts.append((name, tuple(before[2][name])) if name == "lm_head" else (name, "cublas"))
-        if name in ("o", "gate_up", "down"):
-            opts.append((name, "cublaslt"))
+        if name == "lm_head":
+            opts.append((name, tuple(before[2][name])))
+        else:
+            libraries = ("cublas",) if name == "qkv" else ("cublas", "cublaslt")
+            splits = (1, 2) if name in K_SPLITS else (1,)
+            opts += [(name, lib, split) for lib in libraries for split in splits]
         options[name] = opts
     cheapest = min(sum(of(k) for k in combo) for combo in itertools.product(*options.values()))
     assert out["best_ms"] == pytest.approx(cheapest, abs=1e-4)
     assert out["best_ms_again"] == pytest.approx(cheapest, abs=1e-4)
-    chosen = sum(
-        of((n, "cublaslt" if n in out["best"]["cublaslt"] else "cublas"))
-        if n in out["best"]["cublas"]
-        else of((n, tuple(out["best"]["blocks"][n])))
-        for n in PRODUCTS
-    )
+    best = out["best"]
+    chosen = sum(of(key_of(verify, n, best["cublas"], best["cublaslt"], best["blocks"], best["k_splits"]))
+                 for n in PRODUCTS)  # fmt: skip
     assert chosen == pytest.approx(cheapest)
-    assert not any(b[-1] == 1 for n, b in out["best"]["blocks"].items() if n == "o" and n not in out["best"]["cublas"])
+    assert not any(b[-1] == 1 for n, b in best["blocks"].items() if n == "o" and n not in best["cublas"])
     assert any(isinstance(v, str) and "shared memory" in v for v in out["ms"].values())
-    assert set(out["best"]["cublaslt"]) <= set(out["best"]["cublas"])
+    assert set(best["cublaslt"]) <= set(best["cublas"])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_sweeps_winner_is_written_as_a_tuning_file_the_verify_runs(verify, monkeypatch, tmp_path, seed):
+    """--tuning-out: the 4-row winner (it beat the start when both were timed again) becomes the entry for up to 4
+    rows, flash attention's swept launch goes into every entry, the file in effect before keeps its other entries,
+    and FusedVerify built from the file runs exactly the winner at 4 rows."""
+    _, _, res = _sweep(verify, monkeypatch, seed)
+    out = res["verify_mix_sweep_4"]
+    assert out["best_ms_again"] < out["start_ms_again"]  # this table's start is never its cheapest
+    res |= {"device": "cpu", "commit": "abc", "date": "2026-12-05T00:00:00+00:00",
+            "tuning_in_effect": {"path": "old.json", "verify": [{"max_rows": 4, "cublas": []},
+                                                                 {"max_rows": 16, "k_splits": {"o": 2}}],
+                                 "draft": {"k_splits": {"down": 2}}},
+            "flash_sweep": {"best": [16, 64, 4, 2, 2], "verify_ms_best": {"1": 1.0, "4": 2.0, "8": 3.0},
+                            "verify_ms_default": {"1": 1.0, "4": 2.5, "8": 3.0}}}  # fmt: skip
+    doc = fdc.tuning_document(res, "fused-decode-check-x.json", ["fused_decode_check.py", "--sweep-verify-mix", "4"])
+    path = tmp_path / "tuned" / "gpu.json"
+    fdc.write_tuning(doc, path)
+    tuned = load_tuning(path)
+    assert [rows for rows, _ in tuned.verify] == [4, 16, MAX_ROWS] and tuned.draft_k_splits == {"down": 2}
+    assert tuned.verify[1][1] == {"k_splits": {"o": 2}, "flash_launch": (16, 64, 4, 2, 2)}
+    assert tuned.source["commit"] == "abc" and tuned.source["result"] == "fused-decode-check-x.json"
+    fv = FusedVerify(verify.model, verify.cache, by_rows=tuned.verify)
+    s = fv.settings(4)
+    best = out["best"]
+    assert (set(s.cublas), set(s.cublaslt), s.k_splits) == (set(best["cublas"]), set(best["cublaslt"]),
+                                                            best["k_splits"])  # fmt: skip
+    assert {k: list(v) for k, v in s.blocks.items()} == best["blocks"] and s.flash_launch == (16, 64, 4, 2, 2)
+    assert fv.settings(40).flash_launch == (16, 64, 4, 2, 2) and fv.settings(40).cublas == verify.cublas
+
+
+def test_no_winner_and_no_faster_launch_leave_the_tuning_as_it_was(tmp_path):
+    """A winner that did not beat the start when both were timed again, and a flash launch no faster than the
+    default, move nothing; with nothing swept there is no file."""
+    res = {"device": "cpu", "commit": "abc", "date": "d",
+           "tuning_in_effect": {"verify": [{"max_rows": 8, "cublas": ["o"]}]},
+           "verify_mix_sweep_4": {"rows": 4, "best": {"cublas": []}, "best_ms_again": 2.0, "start_ms_again": 2.0},
+           "flash_sweep": {"best": [16, 64, 4, 2, 2], "verify_ms_best": {"1": 1.0, "4": 2.0},
+                           "verify_ms_default": {"1": 1.0, "4": 2.0}}}  # fmt: skip
+    doc = fdc.tuning_document(res, "r.json", ["x"])
+    assert doc["verify"] == [{"max_rows": 8, "cublas": ["o"]}]
+    assert fdc.tuning_document({"device": "cpu", "commit": "c", "date": "d"}, "r.json", ["x"]) is None
+    bad = {"verify": [{"max_rows": 99}]}
+    path = tmp_path / "t.json"
+    path.write_text("{}")
+    with pytest.raises(EagleScopeError):
+        fdc.write_tuning(bad, path)
+    assert path.read_text() == "{}"  # a file that would not load never replaces one that does

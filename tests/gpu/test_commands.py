@@ -162,3 +162,17 @@ def test_bench_methods_equal_vanilla_greedy(cli, models, tmp_path, compile):
     assert [r["method"] for r in out["rows"]] == ["vanilla", "chain=3", "tree=3,2,6"]
     assert all(r["identical_to_vanilla"] == 3 and r["backend"] == "fast" for r in out["rows"]), out["rows"]
     assert [r["compiled_round"] for r in out["rows"]] == [False, compile, compile]  # vanilla has no round to compile
+
+
+def test_a_bad_tuning_file_is_one_error_line_where_the_fused_kernels_read_it(cli, models, tmp_path, monkeypatch):
+    """--no-batch-invariant verifies on the fused kernels, which read $EAGLESCOPE_TUNING (fast/tuning.py): a file
+    they cannot use is the one error line naming it, exit 2, and nothing on stdout."""
+    _, target, draft = models
+    bad = tmp_path / "tuning.json"
+    bad.write_text(json.dumps({"verify": [{"max_rows": 8, "blocks": {"o": [64, 64, 4]}}]}))
+    monkeypatch.setenv("EAGLESCOPE_TUNING", str(bad))
+    rc, out, err = cli("generate", "--target", target, "--draft", draft, *SHAPES["tree"], "--prompt-ids",
+                       ",".join(map(str, PROMPT)), "--max-new-tokens", NEW, "--no-batch-invariant")  # fmt: skip
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines() == [f"eaglescope: error: tuning file {bad}: verify entry 0: blocks of o is 4 or 5 "
+                                        "positive integers, not [64, 64, 4]"]  # fmt: skip

@@ -11,6 +11,7 @@ Triton's interpreter at tiny widths."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from tolerance import assert_draft_step_matches_modules, assert_step_matches_mod
 from eaglescope.decode.speculative import draft_slot_cache, target_embedding
 from eaglescope.decode.tree import TreeBuilder, expand_level, top_k_rows
 from eaglescope.decode.vanilla import generate_vanilla
-from eaglescope.fast import FastEagle, FastTarget, FastVanilla
+from eaglescope.fast import FastEagle, FastTarget, FastVanilla, tuning
 from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FLASH_LAUNCH, FusedDecode, attention_limit
 from eaglescope.fast.fused_draft import TOP_K_MAX_WIDTH, FusedDraftStep, expand_level_fused, log_softmax_top_k
 from eaglescope.fast.fused_verify import CUBLASLT_PRODUCTS, FusedVerify
@@ -245,3 +246,36 @@ def test_speculative_decoding_through_the_fused_target_and_draft_is_vanilla_gree
     fe = FastEagle(ft, wide_draft, 3, 3, 8, max_len=len(prompt) + n + 2, fused_draft=True)
     assert fe.use_graph and fe.proposer.fused_layer is not None
     assert fe.generate(prompt, n).tokens == ref
+
+
+def test_speculative_decoding_under_a_tuning_file_is_vanilla_greedy(wide, wide_draft, tmp_path, monkeypatch):
+    """A tuning file as the engine reads it ($EAGLESCOPE_TUNING): the verify's q/k/v, gate/up and lm_head on swapped
+    Triton tiles, o and down on cuBLAS in K's halves, flash attention on 32-slot blocks in 2 splits, the draft
+    level's o and down in halves; each round one CUDA graph: vanilla greedy's tokens."""
+    swapped = [64, 64, 4, 3, 1]
+    doc = {"verify": [{"max_rows": 64, "cublas": ["o", "down"], "cublaslt": ["down"], "k_splits": {"o": 2, "down": 2},
+                       "blocks": {n: swapped for n in ("qkv", "gate_up", "lm_head")},
+                       "flash_launch": [FLASH_LAUNCH[0], 32, *FLASH_LAUNCH[2:4], 2]}],
+           "draft": {"k_splits": {"o": 2, "down": 2}}}  # fmt: skip
+    (tmp_path / "tuning.json").write_text(json.dumps(doc))
+    monkeypatch.setenv(tuning.ENV, str(tmp_path / "tuning.json"))
+    prompt, n = [5, 17, 300, 41, 2048, 9], 16
+    ref = generate_vanilla(wide, prompt, n, stop_ids=[]).token_ids
+    ft = FastTarget(copy.deepcopy(wide.model), S, taps=(0, 1), fuse=True, float32_logits=True, fused_decode=True,
+                    fused_verify=True)  # fmt: skip
+    fe = FastEagle(ft, wide_draft, 3, 3, 8, max_len=len(prompt) + n + 2, fused_draft=True)
+    assert ft.fused_rows.settings(8).cublas == ("o", "down") and fe.proposer.fused_layer.k_splits == {"o": 2, "down": 2}
+    assert fe.use_graph and fe.generate(prompt, n).tokens == ref
+
+
+def test_this_gpus_tuning_file_is_found_by_its_name(tmp_path, monkeypatch):
+    """fast/tuned/<the name torch reports for this GPU>.json, read without $EAGLESCOPE_TUNING."""
+    monkeypatch.setattr(tuning, "TUNED_DIR", tmp_path)
+    monkeypatch.delenv(tuning.ENV, raising=False)
+    name = torch.cuda.get_device_name(DEVICE)
+    assert tuning.tuning_for(DEVICE) is tuning.BUILT_IN
+    path = tuning.device_file(name)
+    assert path.parent == tmp_path and " " not in path.name
+    path.write_text(json.dumps({"device": name, "draft": {"k_splits": {"down": 2}}}))
+    found = tuning.tuning_for(DEVICE)
+    assert found.path == str(path) and found.draft_k_splits == {"down": 2}

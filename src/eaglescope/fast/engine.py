@@ -43,6 +43,7 @@ from eaglescope.fast.fused_decode import FusedDecode, attend_fused
 from eaglescope.fast.fused_draft import FusedDraftStep, fused_draft_supported
 from eaglescope.fast.fused_verify import FusedVerify
 from eaglescope.fast.layers import Float32Logits, GemvLinear, allow_recompiles, argmax_rows, compile_layers
+from eaglescope.fast.tuning import BUILT_IN, tuning_for
 from eaglescope.models.draft import Eagle3Draft
 from eaglescope.models.targets.llama import LlamaModel, QKVProjection, RMSNorm, fuse_projections
 
@@ -131,8 +132,9 @@ class FastTarget:
         if fused_decode:
             self.fused = FusedDecode(model, self.cache, self.taps)
         self.fused_rows = None
-        if fused_verify:
-            self.fused_rows = FusedVerify(model, self.cache, self.taps)
+        self.tuning = tuning_for(self.device) if fused_verify else BUILT_IN
+        if fused_verify:  # with this GPU's tuned settings by row count, where a tuning file has them
+            self.fused_rows = FusedVerify(model, self.cache, self.taps, by_rows=self.tuning.verify)
 
     def _forward(self, tokens, positions, mask, slots, taps):
         if self.batch_invariant:
@@ -338,7 +340,8 @@ class FastEagle(Runner):
         if fused_draft is None:
             fused_draft = target.fused_rows is not None and fused_draft_supported(draft) is None
         if fused_draft:
-            self.proposer.fused_layer = FusedDraftStep(draft, self.proposer.cache, max(self.Pmax, top_k))
+            self.proposer.fused_layer = FusedDraftStep(draft, self.proposer.cache, max(self.Pmax, top_k),
+                                                       k_splits=tuning_for(dev).draft_k_splits)  # fmt: skip
         c = draft.config
         nH = c.num_aux * c.target_hidden_size
         z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731

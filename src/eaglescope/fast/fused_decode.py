@@ -485,14 +485,17 @@ def _flash_blocks(T: int, H: int, launch: tuple[int, ...]) -> int:
     return H * T // launch[0] + H + 1  # kv groups x cdiv(T * rep, BR) <= T * H / BR + kv groups
 
 
-def flash_scratch(T: int, H: int, D: int, launch: tuple[int, ...], device) -> tuple[torch.Tensor, ...]:
+def flash_scratch(T: int, H: int, D: int, launch: tuple[int, ...], device,
+                  *more: tuple[int, ...]) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """(part_m, part_l, part_acc, count) for flash attention split `launch[4]` ways over up to T rows: each split's
     maximum, sum and output per (row, head) pair of its block, and a counter per row block (zeroed; the kernel
-    leaves it zeroed)."""
-    splits = launch[4] if len(launch) > 4 else 1
-    pairs = _flash_blocks(T, H, launch) * launch[0] * splits
+    leaves it zeroed). With `more` launches, sized for each of them too (a verify whose row counts launch
+    differently keeps one scratch, made before any graph capture)."""
+    launches = (launch, *more)
+    blocks = max(_flash_blocks(T, H, x) for x in launches)
+    pairs = max(_flash_blocks(T, H, x) * x[0] * (x[4] if len(x) > 4 else 1) for x in launches)
     f32 = dict(device=device, dtype=torch.float32)
-    count = torch.zeros(_flash_blocks(T, H, launch), device=device, dtype=torch.int32)
+    count = torch.zeros(blocks, device=device, dtype=torch.int32)
     return torch.empty(pairs, **f32), torch.empty(pairs, **f32), torch.empty(pairs * D, **f32), count
 
 

@@ -194,7 +194,7 @@ class FusedDraftStep:
     normed one with norm_output; the final norm's output, what `Eagle3Draft.head` reads), both [T, H]: views of
     buffers the next call overwrites."""
 
-    def __init__(self, draft: Eagle3Draft, cache, rows: int) -> None:
+    def __init__(self, draft: Eagle3Draft, cache, rows: int, k_splits: dict[str, int] | None = None) -> None:
         why = fused_draft_supported(draft)
         if why:
             raise ValueError(why)
@@ -213,7 +213,7 @@ class FusedDraftStep:
         self.normed = z(R, H)
         self.gate_up_out, self.act = z(R, 2 * c.intermediate_size), z(R, c.intermediate_size)
         self.scratch = attention_scratch(R, c.num_heads, D, cache.size, dev)
-        self.k_splits = dict(DRAFT_K_SPLITS)
+        self.k_splits = {**DRAFT_K_SPLITS, **(k_splits or {})}  # o's and down's (fast/tuning.py's draft k_splits)
 
     expand_level = staticmethod(expand_level_fused)
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -286,6 +287,18 @@ def _splits(n_tiles: int, K: int, bk: int) -> int:
     return max(1, min(triton.cdiv(SPLIT_PROGRAMS, n_tiles), K // (4 * bk)))
 
 
+class VerifySettings(NamedTuple):
+    """What a verify of some row count runs (FusedVerify.settings): the products left to cuBLAS, those of them run
+    through cuBLASLt, each product's _rows_gemm_kernel blocks, each cuBLAS product's K splits, flash attention's
+    launch."""
+
+    cublas: tuple[str, ...]
+    cublaslt: tuple[str, ...]
+    blocks: dict[str, tuple[int, ...]]
+    k_splits: dict[str, int]
+    flash_launch: tuple[int, ...]
+
+
 class FusedVerify:
     """T-token steps (2 <= T <= MAX_ROWS) of `model` on `cache` (a fast.SlotCache) through the kernels above.
 
@@ -295,29 +308,24 @@ class FusedVerify:
     compiled on a GPU), "auto" (AUTO_ATTENTION). `cublas` names the layer products left to cuBLAS (the rest run on
     _rows_gemm_kernel), `cublaslt` those of them run through cuBLASLt on a GPU (default: CUBLASLT_PRODUCTS);
     `defer_residual`: o's and down's residual adds (on cuBLAS) done by the next norm kernel (default DEFER_RESIDUAL),
-    else by cuBLAS's beta = 1."""
+    else by cuBLAS's beta = 1. `by_rows`: (max_rows, settings) for verifies of up to max_rows rows, each setting
+    (cublas, cublaslt, blocks, k_splits, flash_launch) in place of the one given here (fast/tuning.py's files)."""
 
     def __init__(self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None,
                  attention: str = "auto", cublas: tuple[str, ...] = CUBLAS_PRODUCTS,
-                 cublaslt: tuple[str, ...] | None = None, defer_residual: bool = DEFER_RESIDUAL) -> None:  # fmt: skip
+                 cublaslt: tuple[str, ...] | None = None, defer_residual: bool = DEFER_RESIDUAL,
+                 by_rows: Sequence[tuple[int, dict]] = ()) -> None:  # fmt: skip
         why = fused_verify_supported(model, model.lm_head.weight.device)
         if why:
             raise ValueError(why)
-        if set(cublas) - set(CUBLAS_PRODUCTS):
-            raise ValueError(f"cuBLAS serves the products {CUBLAS_PRODUCTS}, not {tuple(set(cublas))}")
         if cublaslt is None:  # the measured default, for those products cuBLAS runs
             cublaslt = tuple(p for p in CUBLASLT_PRODUCTS if p in cublas)
-        if set(cublaslt) - set(cublas):
-            raise ValueError(f"cuBLASLt runs products left to cuBLAS ({tuple(cublas)}), not {tuple(set(cublaslt))}")
+        self._check(VerifySettings(tuple(cublas), tuple(cublaslt), {}, {}, ()), "FusedVerify")
         if attention not in ("auto", "flash", "fused", "matmul"):
             raise ValueError(f"attention is 'auto', 'flash', 'fused' or 'matmul', not {attention!r}")
         a = model.args
         self.model, self.cache, self.taps, self.args = model, cache, tuple(taps), a
-        self.blocks = {**ROW_BLOCKS, **(blocks or {})}
-        half = a.head_dim // 2
-        bn = self.blocks["qkv"][0]
-        if half % bn:
-            self.blocks["qkv"] = (min(bn, half),) + self.blocks["qkv"][1:]
+        self.blocks = self._fit({**ROW_BLOCKS, **(blocks or {})})
         w = model.lm_head.weight
         dev, dt = w.device, model.model.embed_tokens.weight.dtype
         R, H, nq = MAX_ROWS, a.hidden_size, a.num_heads * a.head_dim
@@ -335,7 +343,6 @@ class FusedVerify:
         self.scratch = attention_scratch(R, a.num_heads, a.head_dim, cache.size, dev)
         self.part = torch.zeros(1, device=dev, dtype=torch.float32)  # split-K partials
         self.count = torch.zeros(1, device=dev, dtype=torch.int32)  # a finish counter per column tile
-        self._reserve()
         self.logits_dtype = logits_dtype(model)
         self.attention = attention
         self.flash_launch = FLASH_LAUNCH  # flash attention's (rows, slots, warps, stages[, splits]) per program
@@ -343,6 +350,11 @@ class FusedVerify:
         # q/k/v, o and down on cuBLAS as this many products over K's slices (split_k_mm; o and down when their
         # residual adds are deferred and they have no bias)
         self.k_splits = dict(K_SPLITS)
+        # (max_rows, settings) overriding the ones above for verifies of up to max_rows rows (fast/tuning.py)
+        self.by_rows = sorted(((int(r), dict(o)) for r, o in by_rows), key=lambda e: e[0])
+        for rows, _ in self.by_rows:
+            self._check(self.settings(rows), f"the settings for up to {rows} rows")
+        self._reserve()
         self._attend = None
         self._limit: torch.Tensor | None = None
 
@@ -350,27 +362,61 @@ class FusedVerify:
     def supports_rows(T: int) -> bool:
         return 2 <= T <= MAX_ROWS
 
-    def _geometry(self, name: str, N: int, K: int) -> tuple[int, int, int]:
+    def settings(self, T: int | None = None) -> VerifySettings:
+        """What a T-row verify runs: the attributes above, with each key of the first by_rows entry whose max_rows
+        is at least T in place of theirs (cuBLASLt then keeps only products the entry leaves to cuBLAS); T None: the
+        attributes alone."""
+        over = next((o for rows, o in self.by_rows if T is not None and T <= rows), {})
+        cublas = tuple(over.get("cublas", self.cublas))
+        cublaslt = tuple(over["cublaslt"]) if "cublaslt" in over else tuple(p for p in self.cublaslt if p in cublas)
+        return VerifySettings(cublas, cublaslt, self._fit({**self.blocks, **over.get("blocks", {})}),
+                              {**self.k_splits, **over.get("k_splits", {})},
+                              tuple(over.get("flash_launch", self.flash_launch)))  # fmt: skip
+
+    def _fit(self, blocks: dict) -> dict[str, tuple[int, ...]]:
+        """q/k/v's BLOCK_N counts row pairs within half a head: at most half of head_dim."""
+        blocks = {name: tuple(b) for name, b in blocks.items()}
+        half, bn = self.args.head_dim // 2, blocks["qkv"][0]
+        if half % bn:
+            blocks["qkv"] = (min(bn, half),) + blocks["qkv"][1:]
+        return blocks
+
+    @staticmethod
+    def _check(s: VerifySettings, where: str) -> None:
+        if set(s.cublas) - set(CUBLAS_PRODUCTS):
+            raise ValueError(f"{where}: cuBLAS serves the products {CUBLAS_PRODUCTS}, not {s.cublas}")
+        if set(s.cublaslt) - set(s.cublas):
+            raise ValueError(f"{where}: cuBLASLt runs products left to cuBLAS ({s.cublas}), not {s.cublaslt}")
+
+    def _geometry(self, name: str, N: int, K: int, blocks: tuple[int, ...]) -> tuple[int, int, int]:
         """(column tiles, K-slices, K per slice) of a product with N output columns (pairs for gate_up and qkv)."""
-        bn, bk = self.blocks[name][:2]
+        bn, bk = blocks[:2]
         D = self.args.head_dim
         tiles = N // D * (D // 2 // bn) if name == "qkv" else triton.cdiv(N, bn)
         k_slice = triton.cdiv(triton.cdiv(K, bk), _splits(tiles, K, bk)) * bk
         return tiles, triton.cdiv(K, k_slice), k_slice
 
     def _reserve(self) -> None:
-        """Split-K scratch for the current blocks at MAX_ROWS rows: allocated outside any graph capture."""
+        """Split-K scratch for the blocks of every row count's settings at MAX_ROWS rows: allocated outside any graph
+        capture."""
         a = self.args
         D, H, F = a.head_dim, a.hidden_size, a.intermediate_size
         shapes = {"qkv": ((a.num_heads + 2 * a.num_kv_heads) * D, H), "o": (H, a.num_heads * D), "gate_up": (F, H),
                   "down": (H, F), "lm_head": (a.vocab_size, H)}  # fmt: skip
         need, tiles_max = 1, 1
-        for name, (N, K) in shapes.items():
-            tiles, splits, _ = self._geometry(name, N, K)
-            if splits > 1:
-                need = max(need, tiles * splits * 2 * MAX_ROWS * self.blocks[name][0])
-            tiles_max = max(tiles_max, tiles)
+        for blocks in [self.blocks] + [self.settings(rows).blocks for rows, _ in self.by_rows]:
+            for name, (N, K) in shapes.items():
+                tiles, splits, _ = self._geometry(name, N, K, blocks[name])
+                if splits > 1:
+                    need = max(need, tiles * splits * 2 * MAX_ROWS * blocks[name][0])
+                tiles_max = max(tiles_max, tiles)
         dev = self.h.device
+        # flash attention's split partials for every launch that splits, so that no row count's first call remakes
+        # them under another row count's captured graph
+        launches = [x for x in [self.flash_launch] + [self.settings(r).flash_launch for r, _ in self.by_rows]
+                    if len(x) > 4 and x[4] > 1]  # fmt: skip
+        if launches:
+            self._flash_scratch(launches[0], *launches[1:])
         if need > self.part.numel():
             self.part = torch.zeros(need, device=dev, dtype=torch.float32)
         if tiles_max > self.count.numel():
@@ -380,11 +426,11 @@ class FusedVerify:
         self.blocks[name] = tuple(blocks)
         self._reserve()
 
-    def _product(self, name: str, x, weight, bias, y, T: int, N: int, **rope) -> None:
+    def _product(self, name: str, s: VerifySettings, x, weight, bias, y, T: int, N: int, **rope) -> None:
         """y (per the product's EPILOGUE) from x[:T] @ weight.T; N output columns (pairs for gate_up and qkv)."""
-        bn, bk, warps, stages, *swap = self.blocks[name]
+        bn, bk, warps, stages, *swap = s.blocks[name]
         K, D = weight.shape[1], self.args.head_dim
-        tiles, splits, k_slice = self._geometry(name, N, K)
+        tiles, splits, k_slice = self._geometry(name, N, K, s.blocks[name])
         mode = EPILOGUE[name]
         BM = max(16, triton.next_power_of_2(T))
         need = tiles * splits * 2 * BM * bn if splits > 1 else 0
@@ -402,8 +448,9 @@ class FusedVerify:
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
 
-    def _library(self, name: str, x: torch.Tensor) -> contextlib.AbstractContextManager:
-        return blas_library("cublaslt" if name in self.cublaslt and x.is_cuda else None)
+    @staticmethod
+    def _library(name: str, s: VerifySettings, x: torch.Tensor) -> contextlib.AbstractContextManager:
+        return blas_library("cublaslt" if name in s.cublaslt and x.is_cuda else None)
 
     def _norm(self, norm, x, T: int, add: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm of x's T rows into self.normed; with `add` ([T, K], or split_k_mm's partials [parts, T, K]),
@@ -415,38 +462,42 @@ class FusedVerify:
                                    ADD=add is not None, PARTS=parts)  # fmt: skip
         return self.normed
 
-    def _residual(self, name: str, x, layer_proj, h, T: int) -> torch.Tensor | None:
+    def _residual(self, name: str, s: VerifySettings, x, layer_proj, h, T: int) -> torch.Tensor | None:
         """h += x @ W.T (+ b) for the o or down product; → the product when its add is deferred to the next norm
         (defer_residual), else None (added now: addmm's beta = 1 on cuBLAS, the kernel's epilogue otherwise)."""
-        if name not in self.cublas:
-            self._product(name, x, layer_proj.weight, layer_proj.bias, h, T, h.shape[1])
+        if name not in s.cublas:
+            self._product(name, s, x, layer_proj.weight, layer_proj.bias, h, T, h.shape[1])
             return None
-        with self._library(name, h):
+        with self._library(name, s, h):
             if self.defer_residual:
-                if self.k_splits[name] > 1 and layer_proj.bias is None:  # partials, summed by the next norm kernel
-                    return split_k_mm(x[:T], layer_proj.weight, self.k_splits[name])
+                if s.k_splits[name] > 1 and layer_proj.bias is None:  # partials, summed by the next norm kernel
+                    return split_k_mm(x[:T], layer_proj.weight, s.k_splits[name])
                 return _mm(x[:T], layer_proj.weight, layer_proj.bias, self.residual_out[:T])
             _mm_residual(x[:T], layer_proj.weight, layer_proj.bias, h)
         return None
 
-    def _flash_scratch(self) -> tuple[torch.Tensor, ...] | None:
-        """Flash attention's split partials for MAX_ROWS rows at self.flash_launch (None: one split needs none), made
-        again when the launch outgrows them (a graph's warm-up runs do that before its capture)."""
-        a, launch = self.args, self.flash_launch
+    def _flash_scratch(self, launch: tuple[int, ...], *more: tuple[int, ...]) -> tuple[torch.Tensor, ...] | None:
+        """Flash attention's split partials for MAX_ROWS rows at `launch` and `more` (None: one split needs none),
+        made again when a launch outgrows them (_reserve sizes them for every row count's launch; a launch set after
+        it is remade by a graph's warm-up runs, before its capture)."""
+        a = self.args
         if len(launch) < 5 or launch[4] == 1:
             return None
-        if self._flash_part is None or not flash_scratch_fits(self._flash_part, MAX_ROWS, a.num_heads, launch):
-            self._flash_part = flash_scratch(MAX_ROWS, a.num_heads, a.head_dim, launch, self.h.device)
+        fits = self._flash_part is not None and all(
+            flash_scratch_fits(self._flash_part, MAX_ROWS, a.num_heads, x) for x in (launch, *more)
+        )
+        if not fits:
+            self._flash_part = flash_scratch(MAX_ROWS, a.num_heads, a.head_dim, launch, self.h.device, *more)
         return self._flash_part
 
-    def _attention(self, i: int, mask, T: int) -> None:
+    def _attention(self, i: int, s: VerifySettings, mask, T: int) -> None:
         a, D = self.args, self.args.head_dim
         q, out = self.q[:T].view(T, a.num_heads, D), self.attn[:T].view(T, a.num_heads, D)
         kind = AUTO_ATTENTION if self.attention == "auto" else self.attention
         if kind in ("flash", "fused"):
-            scratch = self.scratch if kind == "fused" else self._flash_scratch()
+            scratch = self.scratch if kind == "fused" else self._flash_scratch(s.flash_launch)
             fused_attention(q, self.cache.k[i, 0], self.cache.v[i, 0], mask, out, scratch, flash=kind == "flash",
-                            limit=self._limit, launch=self.flash_launch)  # fmt: skip
+                            limit=self._limit, launch=s.flash_launch)  # fmt: skip
             return
         k, v = self.cache.k[i, 0], self.cache.v[i, 0]
         if self._attend is None:  # compiled, the mask and softmax become one kernel between the two products
@@ -474,6 +525,7 @@ class FusedVerify:
         if (AUTO_ATTENTION if self.attention == "auto" else self.attention) == "flash":
             self._limit = attention_limit(mask)  # every layer's flash attention visits the slots below it
         F, nq = a.intermediate_size, a.num_heads * D
+        s = self.settings(T)
         captured = []
         pending = None  # a residual product the next norm adds into h (defer_residual)
         for i, layer in enumerate(m.model.layers):
@@ -481,8 +533,8 @@ class FusedVerify:
             if i in self.taps:  # after the norm: it completes h with the previous layer's down
                 captured.append(h.clone())
             kc, vc = self.cache.k[i], self.cache.v[i]
-            if "qkv" in self.cublas:
-                heads, split = a.num_heads + 2 * a.num_kv_heads, self.k_splits["qkv"]
+            if "qkv" in s.cublas:
+                heads, split = a.num_heads + 2 * a.num_kv_heads, s.k_splits["qkv"]
                 with_bias = split > 1 and qkv.bias is not None  # else the product added it
                 if split > 1:  # float32 partials over K's slices, summed (with the bias) by the RoPE kernel
                     out = split_k_mm(x[:T], qkv.weight, split)
@@ -493,20 +545,20 @@ class FusedVerify:
                                                     out.stride(0) if split > 1 else 0, D=D, PARTS=split,
                                                     HAS_BIAS=with_bias)  # fmt: skip
             else:
-                self._product("qkv", x, qkv.weight, qkv.bias, self.q, T, nq + 2 * a.num_kv_heads * D, cos=cos,
+                self._product("qkv", s, x, qkv.weight, qkv.bias, self.q, T, nq + 2 * a.num_kv_heads * D, cos=cos,
                               sin=sin, kc=kc, vc=vc, slots=slots)  # fmt: skip
-            self._attention(i, mask, T)
-            pending = self._residual("o", self.attn, layer.self_attn.o_proj, h, T)
+            self._attention(i, s, mask, T)
+            pending = self._residual("o", s, self.attn, layer.self_attn.o_proj, h, T)
             gu, x = layer.mlp.gate_up_proj, self._norm(layer.post_attention_layernorm, h, T, add=pending)
-            if "gate_up" in self.cublas:
-                with self._library("gate_up", x):
+            if "gate_up" in s.cublas:
+                with self._library("gate_up", s, x):
                     out = _mm(x[:T], gu.weight, gu.bias, self.gate_up_out[:T])
                 _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](out, self.act, F, BLOCK=1024)
             else:
-                self._product("gate_up", x, gu.weight, gu.bias, self.act, T, F)
-            pending = self._residual("down", self.act, layer.mlp.down_proj, h, T)
+                self._product("gate_up", s, x, gu.weight, gu.bias, self.act, T, F)
+            pending = self._residual("down", s, self.act, layer.mlp.down_proj, h, T)
         logits = torch.empty(T, a.vocab_size, device=h.device, dtype=self.logits_dtype)
-        self._product("lm_head", self._norm(m.model.norm, h, T, add=pending), m.lm_head.weight, None, logits, T,
+        self._product("lm_head", s, self._norm(m.model.norm, h, T, add=pending), m.lm_head.weight, None, logits, T,
                       a.vocab_size)  # fmt: skip
         aux = torch.cat(captured, dim=-1) if captured else None
         return logits, aux

@@ -67,4 +67,5 @@ def fast_runner(
     )
     fe = FastEagle(ft, draft, depth, top_k, total, max_len + 2, recorder=recorder, trace_layers=trace_layers,
                    compile=compile_round)  # fmt: skip
+    info["tuning"] = ft.tuning.path  # a tuning file's launch settings (fast/tuning.py), or None: the built-ins
     return fe, info

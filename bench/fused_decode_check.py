@@ -245,7 +245,7 @@ def _verify_on_modules(ft, model, ctx: int, vocab: int, sizes, compiled: bool, d
 
 def _fused_verify(
     model, prompt, ctx: int, S: int, sizes, smoke: bool, sweep_blocks: bool, device, res: dict, save,
-    try_mixes: bool = True,
+    try_mixes: bool = True, products: bool = True,
 ) -> FastTarget | None:  # fmt: skip
     """Verifies on the fused verify kernels (fast/fused_verify.py): T-row tensor-core products, same layout; the
     fastest mix of attention kernel and cuBLAS products (try_mixes; else FusedVerify's default), which the returned
@@ -284,8 +284,9 @@ def _fused_verify(
                 else 0.0,
             }
         fv = ft3.fused_rows
-        res["verify_products"] = verify_products(fv, device, res["copy_bandwidth_gbs"], 4 if smoke else 64)
-        save()
+        if products:  # each product alone against cuBLAS and cuBLASLt
+            res["verify_products"] = verify_products(fv, device, res["copy_bandwidth_gbs"], 4 if smoke else 64)
+            save()
         if sweep_blocks:
             res["verify_sweep"] = sweep_verify(ft3, ctx, a.vocab_size, smoke)
             res["verify_best_blocks"] = dict(fv.blocks)
@@ -680,6 +681,11 @@ def main() -> int:
         metavar="ROWS",
         help="at each of these row counts, each product on cuBLAS or on the Triton kernel's blocks",
     )
+    ap.add_argument(
+        "--sweeps-only",
+        action="store_true",
+        help="skip the modules' verify table and each product alone (the sweeps need neither)",
+    )
     ap.add_argument("--tuning-out", metavar="PATH", help="write the sweeps' winners as a fast/tuning.py file here")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -730,10 +736,13 @@ def main() -> int:
     save()
 
     sizes = (1, 8, 16, 24, 32, 64, 128) if not args.smoke else (1, 4, 8)
-    _verify_on_modules(ft, model, ctx, a.vocab_size, sizes, not args.no_compiled, device, res, save)
+    if args.sweeps_only:  # a device call's minutes go to the sweeps
+        sizes = (1, 24, 64, 128) if not args.smoke else (1, 4, 8)  # the mixes are chosen at sizes[-2]
+    else:
+        _verify_on_modules(ft, model, ctx, a.vocab_size, sizes, not args.no_compiled, device, res, save)
 
     ft3 = _fused_verify(model, prompt, ctx, S, sizes, args.smoke, args.sweep_verify, device, res, save,
-                        try_mixes=not args.no_mixes)  # fmt: skip
+                        try_mixes=not args.no_mixes, products=not args.sweeps_only)  # fmt: skip
 
     def tune() -> None:  # after every sweep: a run cut off by its time limit keeps the tuning of what it finished
         doc = tuning_document(res, path.name, sys.argv) if args.tuning_out else None

@@ -163,11 +163,13 @@ def test_the_fused_draft_is_the_default_where_the_target_verifies_on_fused_kerne
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 5), st.integers(3, 700), st.integers(1, 8), st.integers(0, 2**31 - 1),
-       st.sampled_from(["distinct", "ties", "masked"]), st.sampled_from([torch.float32, torch.bfloat16]))  # fmt: skip
-def test_log_softmax_top_k_is_torchs(m, vocab, k, seed, kind, dtype):
-    """The one-launch top-k children of a head's logits: torch's log-softmax values (float32), best first, at
-    distinct columns that hold them; the very columns where nothing ties; with -inf entries (a masked vocabulary)
-    and rows with fewer finite entries than k still distinct columns."""
+       st.sampled_from(["distinct", "ties", "masked"]), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.sampled_from([16, 64, 2048]))  # fmt: skip
+def test_log_softmax_top_k_is_torchs(m, vocab, k, seed, kind, dtype, chunk):
+    """The one-launch top-k children of a head's logits, its rows cut into 1-44 chunks whose last program merges:
+    torch's log-softmax values (float32), best first, at distinct columns that hold them; the very columns where
+    nothing ties; with -inf entries (a masked vocabulary: whole chunks of -inf, rows with fewer finite entries than
+    k) still distinct columns; the row counters left at zero for the next call."""
     k = min(k, vocab)
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(m, vocab, generator=g) * 3).to(dtype)
@@ -180,7 +182,9 @@ def test_log_softmax_top_k_is_torchs(m, vocab, k, seed, kind, dtype):
         x[0, :] = float("-inf")
         x[0, vocab // 2] = 1.0
     lp = torch.log_softmax(x.float(), dim=-1)
-    vals, ids = log_softmax_top_k(x, k)
+    count = torch.zeros(m + 1, dtype=torch.int32)
+    vals, ids = log_softmax_top_k(x, k, count, chunk=chunk)
+    assert not count.any()
     ref_vals, ref_ids = top_k_rows(lp, k)
     assert vals.dtype == torch.float32 and ids.dtype == torch.long and vals.shape == ids.shape == (m, k)
     torch.testing.assert_close(vals, ref_vals, rtol=1e-6, atol=1e-6)

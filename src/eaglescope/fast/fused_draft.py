@@ -73,24 +73,51 @@ if triton is not None:
             tl.store(h + t * K + k, raw, mask=ok)
 
     @triton.jit
-    def _log_softmax_top_k_kernel(x, vals, ids, V, stride, K: tl.constexpr, BLOCK: tl.constexpr):
-        """Program r: the K largest entries of log_softmax(x[r]) in float32, best first, ties to the lower column.
-        A chosen entry becomes NaN, which equals nothing (the padding past the row starts so): one register a
-        value, as a 32k row over 1024 threads leaves 64 a thread."""
+    def _log_softmax_top_k_kernel(x, vals, ids, part_max, part_sum, part_val, part_id, count, V, stride,
+                                  K: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, SP2: tl.constexpr,
+                                  CAND: tl.constexpr):  # fmt: skip
+        """Program (r, s): the maximum, the sum of exponentials under it and the K largest entries (ties to the lower
+        column) of row r's columns s*CHUNK.. ; the last program of the row to finish (a counter per row) merges the
+        SPLITS partials in order: the K largest of log_softmax(x[r]) in float32, best first. A chosen entry becomes
+        NaN, which equals nothing (the padding past the row starts so)."""
         r = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
+        s = tl.program_id(1)
+        cols = s * CHUNK + tl.arange(0, CHUNK)
         v = tl.load(x + r * stride + cols, mask=cols < V, other=float("nan")).to(tl.float32)
         top = tl.max(tl.where(v == v, v, float("-inf")), 0)
-        # log-softmax = (x - max) - log(sum(exp(x - max))), as torch computes it
-        log_sum = tl.log(tl.sum(tl.where(v == v, tl.exp(v - top), 0.0), 0))
+        total = tl.sum(tl.where(v == v, tl.exp(v - top), 0.0), 0)  # NaN for a chunk of -inf: the merge skips it
+        at_part = r * SPLITS + s
+        tl.store(part_max + at_part, top)
+        tl.store(part_sum + at_part, total)
         for j in tl.static_range(K):
             best = tl.max(tl.where(v == v, v, float("-inf")), 0)
-            # the first column holding it that is not chosen yet: distinct ids even among -inf entries; a row of
-            # NaN (no column equals its max) gets the last column, in range, rather than an id past the vocabulary
-            at = tl.minimum(tl.min(tl.where(v == best, cols, BLOCK), 0), V - 1)
-            tl.store(vals + r * K + j, (best - top) - log_sum)
-            tl.store(ids + r * K + j, at.to(tl.int64))
+            at = tl.min(tl.where(v == best, cols, V), 0)  # V: this chunk has no entry left
+            tl.store(part_val + at_part * K + j, tl.where(at < V, best, float("nan")))
+            tl.store(part_id + at_part * K + j, at)
             v = tl.where(cols == at, float("nan"), v)
+        tl.debug_barrier()  # every warp's partial stores land before the counter says so
+        if tl.atomic_add(count + r, 1) == SPLITS - 1:
+            c = tl.arange(0, CAND)
+            c_ok = c < SPLITS * K
+            cv = tl.load(part_val + r * SPLITS * K + c, mask=c_ok, other=float("nan"), cache_modifier=".cg")
+            cid = tl.load(part_id + r * SPLITS * K + c, mask=c_ok, other=V, cache_modifier=".cg")
+            p = tl.arange(0, SP2)
+            p_ok = p < SPLITS
+            p_max = tl.load(part_max + r * SPLITS + p, mask=p_ok, other=float("-inf"), cache_modifier=".cg")
+            p_sum = tl.load(part_sum + r * SPLITS + p, mask=p_ok, other=0.0, cache_modifier=".cg")
+            row_max = tl.max(p_max, 0)
+            scaled = tl.where(p_max > float("-inf"), p_sum * tl.exp(p_max - row_max), 0.0)  # chunks of -inf: none
+            # log-softmax = (x - max) - log(sum(exp(x - max))), as torch computes it
+            log_sum = tl.log(tl.sum(scaled, 0))
+            for j in tl.static_range(K):
+                best = tl.max(tl.where(cv == cv, cv, float("-inf")), 0)
+                # the lowest column holding it not chosen yet: distinct ids even among -inf entries; a row of NaN
+                # gets the last column, in range, rather than an id past the vocabulary
+                at = tl.minimum(tl.min(tl.where(cv == best, cid, V), 0), V - 1)
+                tl.store(vals + r * K + j, (best - row_max) - log_sum)
+                tl.store(ids + r * K + j, at.to(tl.int64))
+                cv = tl.where(cid == at, float("nan"), cv)
+            tl.store(count + r, 0)  # for the next call
 
     @triton.jit
     def _expand_level_kernel(tokens, parents, depths, scores, lineage, next_id, parent_nodes, child_lp, child_tok,
@@ -147,25 +174,38 @@ def expand_level_fused(tokens, parents, depths, scores, lineage, next_id, parent
 # in place of cuBLAS's own split-K and its reduce kernel (two launches a level); 1: one product, today's. At 4 rows
 # cuBLAS runs both as split-K + reduce (bench-roofline-20261205T050738.json's propose table); not yet timed split here
 DRAFT_K_SPLITS = {"o": 1, "down": 1}
-# the widest row log_softmax_top_k holds in one program's registers (a 32k draft vocabulary is 32 values a thread)
-TOP_K_MAX_WIDTH = 65536
+# log_softmax_top_k's columns a program (16 a thread over 4 warps), and the widest row it takes (its merge holds
+# every chunk's k candidates: 128 chunks at most)
+TOP_K_CHUNK = 2048
+TOP_K_MAX_WIDTH = 128 * TOP_K_CHUNK
 
 
-def log_softmax_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def log_softmax_top_k(
+    logits: torch.Tensor, k: int, count: torch.Tensor | None = None, chunk: int = TOP_K_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """top_k_rows(torch.log_softmax(logits.float(), -1), k) of a draft head's logits [m, V] → (log-probs float32,
-    columns int64), each [m, k], best first: one Triton launch, a program per row (the row, 64 KB at a 32k
-    vocabulary, sits in its registers; K passes pick the maxima). Rows wider than TOP_K_MAX_WIDTH, or where
-    Triton cannot run, take torch's ops. The same values up to the float32 sum's order; among equal values the
-    lower column first."""
+    columns int64), each [m, k], best first, in one Triton launch: a program per 2048 columns of a row, the last of
+    the row to finish merging (16 x 4 programs for a tree level of a 32k vocabulary). `count`: int32 zeros, one a
+    row at least, that the launch leaves at zero (FusedDraftStep keeps one; None: made here); `chunk`: the columns a
+    program takes, a power of two (the tests shrink it to run many programs a row). Rows wider than
+    TOP_K_MAX_WIDTH, or where Triton cannot run, take torch's ops. The same values up to the float32 sum's order;
+    among equal values the lower column first."""
     m, V = logits.shape
-    if not available(logits.device) or V > TOP_K_MAX_WIDTH or k > V:
+    if not available(logits.device) or V > 128 * chunk or k > V:
         return top_k_rows(torch.log_softmax(logits.float(), dim=-1), k)
-    logits = logits.contiguous()
-    vals = torch.empty(m, k, device=logits.device, dtype=torch.float32)
-    ids = torch.empty(m, k, device=logits.device, dtype=torch.long)
-    block = triton.next_power_of_2(V)
-    _log_softmax_top_k_kernel[(m,)](logits, vals, ids, V, logits.stride(0), K=k, BLOCK=block,
-                                    num_warps=max(4, min(32, block // 1024)))  # fmt: skip
+    logits, dev = logits.contiguous(), logits.device
+    splits = triton.cdiv(V, chunk)
+    if count is None:
+        count = torch.zeros(m, device=dev, dtype=torch.int32)
+    vals = torch.empty(m, k, device=dev, dtype=torch.float32)
+    ids = torch.empty(m, k, device=dev, dtype=torch.long)
+    part_max, part_sum = torch.empty(2, m, splits, device=dev, dtype=torch.float32)
+    part_val = torch.empty(m, splits, k, device=dev, dtype=torch.float32)
+    part_id = torch.empty(m, splits, k, device=dev, dtype=torch.int32)
+    _log_softmax_top_k_kernel[(m, splits)](logits, vals, ids, part_max, part_sum, part_val, part_id, count, V,
+                                           logits.stride(0), K=k, CHUNK=chunk, SPLITS=splits,
+                                           SP2=triton.next_power_of_2(splits),
+                                           CAND=triton.next_power_of_2(splits * k), num_warps=4)  # fmt: skip
     return vals, ids
 
 
@@ -214,13 +254,15 @@ class FusedDraftStep:
         self.gate_up_out, self.act = z(R, 2 * c.intermediate_size), z(R, c.intermediate_size)
         self.scratch = attention_scratch(R, c.num_heads, D, cache.size, dev)
         self.k_splits = {**DRAFT_K_SPLITS, **(k_splits or {})}  # o's and down's (fast/tuning.py's draft k_splits)
+        self.topk_count = torch.zeros(R, device=dev, dtype=torch.int32)  # log_softmax_top_k's counters
 
     expand_level = staticmethod(expand_level_fused)
 
-    @staticmethod
-    def children(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def children(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A level's top-k children from the head's logits [m, V]: (log-probs, draft ids) [m, min(k, V)] each."""
-        return log_softmax_top_k(logits, min(k, logits.shape[-1]))
+        if logits.shape[0] > self.topk_count.shape[0]:
+            self.topk_count = torch.zeros(logits.shape[0], device=logits.device, dtype=torch.int32)
+        return log_softmax_top_k(logits, min(k, logits.shape[-1]), self.topk_count)
 
     def _norm(self, norm, T: int, add: torch.Tensor) -> torch.Tensor:
         """self.h += add ([T, H], or split_k_mm's float32 partials [parts, T, H], summed first), then its RMSNorm into

@@ -214,10 +214,9 @@ if triton is not None:
                     acc_b += tl.dot(wb, tl.trans(xs), input_precision="ieee")
                 else:
                     acc_b += tl.dot(xs, tl.trans(wb), input_precision="ieee")
-        if SWAP:
+        if SWAP:  # both, PAIR or not: acc_b's shape must be [BM, BN] wherever the split combine below redefines it
             acc_a = tl.trans(acc_a)
-            if PAIR:
-                acc_b = tl.trans(acc_b)
+            acc_b = tl.trans(acc_b)
         ok = ok_t[:, None] & ok_n[None, :]
         last = True
         if SPLITS > 1:

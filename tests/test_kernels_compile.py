@@ -1,0 +1,55 @@
+"""The fused verify's product kernel compiled for an H100/H200 (sm_90) on this CPU, by Triton's own compiler, at every
+epilogue, with and without swapped tiles and split K, with a row tile unlike the weight tile.
+
+Why: Triton's interpreter (which the other CPU tests run the kernels under) executes a kernel's Python line by line
+and never type-checks it, so a kernel can pass every CPU test and still fail to compile on the GPU: the swapped
+tiles' accumulator kept its [BN, BM] shape where the split combine redefines it as [BM, BN], which only a GPU run
+found (bench/results/gpu-tests-20261205T1012-fused-kernels-h100.txt). Triton's compiler runs without a GPU when told
+the target, so this checks here what the GPU would refuse. In a subprocess: the suite's conftest sets
+TRITON_INTERPRET=1, under which kernels are not compilable objects."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import itertools, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from eaglescope.fast.fused_verify import _rows_gemm_kernel
+
+pointers = {n: "*bf16" for n in ("x", "w", "b", "y", "cos", "sin", "kc", "vc")}
+signature = {**pointers, "slots": "*i64", "part": "*fp32", "count": "*i32",
+             **{n: "i32" for n in ("T", "N", "n_heads", "n_kv", "S")}}
+failed = {}
+modes = ("plain", "residual", "gate_up", "qkv")
+for mode, swap, splits, bm in itertools.product(modes, (False, True), (1, 2), (16, 64)):
+    const = dict(K=4096, K_SLICE=4096 // splits, SPLITS=splits, MODE=mode, PAIR=mode in ("gate_up", "qkv"),
+                 HAS_BIAS=mode != "residual", EVEN_K=True, D=128, BM=bm, BN=64, BK=64, SWAP=swap)
+    src = ASTSource(fn=_rows_gemm_kernel, signature={**signature, **{k: "constexpr" for k in const}},
+                    constexprs=const)
+    try:
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    except Exception as e:
+        failed[f"{mode} swap={swap} splits={splits} BM={bm}"] = str(e).strip().splitlines()[-1][:300]
+print(json.dumps({"failed": failed}))
+"""
+
+
+def test_the_product_kernel_compiles_for_sm90_in_every_configuration():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said aloud (it warns otherwise)
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["failed"] == {}

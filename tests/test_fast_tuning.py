@@ -201,3 +201,14 @@ def test_an_entry_that_leaves_cublaslt_a_product_not_on_cublas_is_refused(tmp_pa
     cache = FastTarget(model, size=16).cache
     with pytest.raises(ValueError, match="settings for up to 8 rows: cuBLASLt runs products left to cuBLAS"):
         FusedVerify(model, cache, cublas=("o",), by_rows=[(8, {"cublaslt": ("down",)})])
+
+
+@pytest.mark.parametrize("path", sorted(tuning.TUNED_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_each_committed_tuning_file_loads_under_its_gpus_name(path, tmp_path):
+    """fast/tuned/: every file checks, is named for the GPU it was measured on, and builds a verify."""
+    tuned = tuning.load_tuning(path)
+    assert tuned.device and tuning.device_file(tuned.device) == path
+    assert tuned.verify and tuned.source.get("commit")
+    ckpt = make_checkpoint("llama", tmp_path, num_hidden_layers=1, **WIDE_HEADS)
+    model = fuse_projections(load_target(ckpt, device="cpu", dtype=torch.float32).model)
+    FusedVerify(model, FastTarget(model, size=16).cache, by_rows=tuned.verify)

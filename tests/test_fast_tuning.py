@@ -205,10 +205,18 @@ def test_an_entry_that_leaves_cublaslt_a_product_not_on_cublas_is_refused(tmp_pa
 
 @pytest.mark.parametrize("path", sorted(tuning.TUNED_DIR.glob("*.json")), ids=lambda p: p.name)
 def test_each_committed_tuning_file_loads_under_its_gpus_name(path, tmp_path):
-    """fast/tuned/: every file checks, is named for the GPU it was measured on, and builds a verify."""
+    """fast/tuned/: every file checks, is named for the GPU it was measured on, and its settings (swept at 8B widths)
+    verify a target of other widths as the modules do, at each entry's row count."""
     tuned = tuning.load_tuning(path)
     assert tuned.device and tuning.device_file(tuned.device) == path
     assert tuned.verify and tuned.source.get("commit")
     ckpt = make_checkpoint("llama", tmp_path, num_hidden_layers=1, **WIDE_HEADS)
-    model = fuse_projections(load_target(ckpt, device="cpu", dtype=torch.float32).model)
-    FusedVerify(model, FastTarget(model, size=16).cache, by_rows=tuned.verify)
+    model = fuse_projections(copy.deepcopy(load_target(ckpt, device="cpu", dtype=torch.float32).model))
+    ft = FastTarget(model, size=96, taps=(0,), float32_logits=True)
+    fv = FusedVerify(model, ft.cache, taps=(0,), by_rows=tuned.verify)
+    ft.prefill(torch.arange(3, 9))
+    for T in sorted({rows for rows, _ in tuned.verify}):
+        slots = 6 + torch.arange(T)
+        mask = torch.arange(96)[None, :] <= slots[:, None]
+        toks = torch.randint(0, model.args.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
+        assert_step_matches_modules(ft, fv, toks, slots, mask, slots, 2)

@@ -29,13 +29,15 @@ from run_bench import (  # noqa: E402
     SMOKE_DIMS,
     _profile_step,
     copy_bandwidth_gbs,
+    fused_draft_level,
     graphed_ms,
     kernels,
+    random_draft,
     random_target,
     verify_ms,
 )
 
-from eaglescope.fast import FastTarget, FastVanilla  # noqa: E402
+from eaglescope.fast import FastTarget, FastVanilla, SlotCache  # noqa: E402
 from eaglescope.fast.engine import set_attention, use_matmul_attention  # noqa: E402
 from eaglescope.fast.fused_decode import (  # noqa: E402
     DEFAULT_BLOCKS,
@@ -45,6 +47,7 @@ from eaglescope.fast.fused_decode import (  # noqa: E402
     flash_scratch,
     fused_attention,
 )
+from eaglescope.fast.fused_draft import DRAFT_K_SPLITS, fused_draft_supported  # noqa: E402
 from eaglescope.fast.fused_verify import (  # noqa: E402
     CUBLAS_PRODUCTS,
     CUBLASLT_PRODUCTS,
@@ -343,8 +346,8 @@ def tuning_document(res: dict, result_file: str, command: list[str]) -> dict | N
     only where it beat the start when both were timed again in the same run, so noise does not move a setting;
     None where nothing was swept."""
     swept = [v for k, v in res.items() if k.startswith("verify_mix_sweep_") and isinstance(v, dict)]
-    flash = res.get("flash_sweep")
-    if not swept and not flash:
+    flash, draft = res.get("flash_sweep"), res.get("draft_sweep")
+    if not swept and not flash and not draft:
         return None
     doc = res.get("tuning_in_effect", {})
     entries = {e["max_rows"]: dict(e) for e in doc.get("verify", [])}
@@ -360,7 +363,9 @@ def tuning_document(res: dict, result_file: str, command: list[str]) -> dict | N
                 entry["flash_launch"] = list(flash["best"])
     out = {"device": res["device"], "source": {"command": " ".join(command), "commit": res["commit"],
            "date": res["date"], "result": result_file}, "verify": [entries[r] for r in sorted(entries)]}  # fmt: skip
-    if "draft" in doc:
+    if draft and draft.get("best_ms_again", math.inf) < draft.get("start_ms_again", math.inf):
+        out["draft"] = {"k_splits": dict(draft["best"])}
+    elif "draft" in doc:
         out["draft"] = doc["draft"]
     return out
 
@@ -624,6 +629,52 @@ def sweep_verify_mix(ft: FastTarget, ctx: int, vocab: int, T: int, smoke: bool, 
     save()
 
 
+DRAFT_SPLIT_CANDIDATES = ({"o": 2}, {"down": 2}, {"o": 2, "down": 2}, {"down": 4}, {"o": 2, "down": 4})
+
+
+def sweep_draft(model, rows: tuple[int, ...], ctx: int, S: int, res: dict, save) -> None:
+    """The fused draft level's K splits (fast/tuning.py's draft k_splits: o and down as float32 partials that the
+    next norm kernel sums, with no split-K reduce kernel): an 8B-shaped draft for `model` with random weights, one
+    tree level of each of `rows` frontier rows (the tuned (6, 4, 24) tree's 4 and the official (7, 10, 60) tree's 10)
+    for every candidate, the best by the sum; then the best and the default timed again, in the same run."""
+    draft = random_draft(model, model.model.embed_tokens.weight.dtype)
+    why = fused_draft_supported(draft)
+    if why:
+        res["draft_sweep"] = {"skipped": why}
+        return
+    c, dev = draft.config, model.model.embed_tokens.weight.device
+    levels = {}
+    for K in rows:
+        dcache = SlotCache(1, 1, c.num_kv_heads, S, c.head_dim, draft.fc.weight.dtype, dev)
+        levels[K] = fused_draft_level(draft, dcache, K, ctx, dict(DRAFT_K_SPLITS))
+    out: dict = {"rows": list(rows), "default": dict(DRAFT_K_SPLITS), "ms": {}}
+    res["draft_sweep"] = out
+
+    def timed(key: str, k_splits: dict[str, int]) -> float:
+        ms = {}
+        for K, (fused, level) in levels.items():
+            fused.k_splits = {**DRAFT_K_SPLITS, **k_splits}
+            try:
+                ms[str(K)] = round(graphed_ms(level, dev, reps=50), 4)
+            except Exception as e:  # bmm's out_dtype and kin: not a candidate here
+                out["ms"][key] = f"{type(e).__name__}: {str(e)[:200]}"
+                print("draft level", key, out["ms"][key], flush=True)
+                return math.inf
+        out["ms"][key] = ms
+        print("draft level", key, json.dumps(ms), "ms", flush=True)
+        save()
+        return sum(ms.values())
+
+    name = lambda k: "_".join(f"{p}_{n}" for p, n in sorted(k.items())) or "whole"  # noqa: E731
+    cost = {name(k): (timed(name(k), k), k) for k in ({},) + DRAFT_SPLIT_CANDIDATES}
+    best_ms, best = min(cost.values(), key=lambda v: v[0])
+    out["best"] = {**DRAFT_K_SPLITS, **best}
+    out["best_ms_again"] = timed("best_again", best)
+    out["start_ms_again"] = timed("start_again", {})
+    print(f"draft level: default {cost['whole'][0]:.4f} ms, best {best_ms:.4f} ms", json.dumps(out["best"]), flush=True)
+    save()
+
+
 def _verify_profile(ft: FastTarget, ctx: int, vocab: int, res: dict) -> None:
     """Where a verify's time goes: for 24 rows (the tuned tree's) and 64, its ms as one graph, the kernels it launches
     and their summed device time (what is left is the gaps between kernels), and the top kernels by time."""
@@ -685,6 +736,9 @@ def main() -> int:
         "--sweeps-only",
         action="store_true",
         help="skip the modules' verify table and each product alone (the sweeps need neither)",
+    )
+    ap.add_argument(
+        "--sweep-draft", action="store_true", help="the fused draft level's o and down whole or in K's slices"
     )
     ap.add_argument("--tuning-out", metavar="PATH", help="write the sweeps' winners as a fast/tuning.py file here")
     args = ap.parse_args()
@@ -761,6 +815,11 @@ def main() -> int:
         sweep_k_split(ft3, ctx, a.vocab_size, res["copy_bandwidth_gbs"], args.smoke, res, save)
     for rows in args.sweep_verify_mix if ft3 is not None else ():
         sweep_verify_mix(ft3, ctx, a.vocab_size, rows, args.smoke, res, save, flash_launch=flash)
+        tune()
+    if args.sweep_draft:
+        del ft3  # the draft's level is timed alone
+        ft3 = None
+        sweep_draft(model, (4, 10) if not args.smoke else (2, 3), ctx, S, res, save)
         tune()
     if args.profile_verify and ft3 is not None:
         _verify_profile(ft3, ctx, a.vocab_size, res)

@@ -1047,22 +1047,29 @@ def _fastest_decode(rf: _Roofline, variants: list[tuple]) -> tuple[FastTarget, F
     return ft, van, compiled, mm_attn
 
 
-def _draft_8b(rf: _Roofline, compiled: bool, mm_attn: bool) -> Eagle3Draft:
-    """An 8B-sized EAGLE-3 draft with random weights, fused and (with --compile) its layer compiled."""
-    a = rf.a
+def random_draft(target: LlamaModel, dtype: torch.dtype) -> Eagle3Draft:
+    """An EAGLE-3 draft shaped for `target` (draft vocabulary 32,000 or the target's if smaller) with random
+    weights and the target's embedding, its projections fused, in `dtype` on the target's device."""
+    a = target.args
     dc = DraftConfig(
         hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_heads=a.num_heads,
         num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size,
         draft_vocab_size=min(32000, a.vocab_size), target_hidden_size=a.hidden_size, num_aux=3,
         max_position_embeddings=8192, rope=a.rope,
     )  # fmt: skip
-    draft = Eagle3Draft(dc).to(rf.device)
+    embed = target.model.embed_tokens.weight
+    draft = Eagle3Draft(dc).to(embed.device)
     with torch.no_grad():
         for n_, p in draft.named_parameters():
             if p.dim() > 1 and n_ != "embed_tokens.weight":
                 p.normal_(0, 0.02)
-    draft.load_target_embedding(rf.model.model.embed_tokens.weight.float())
-    draft = fuse_projections(to_infer(draft, rf.dtype))
+    draft.load_target_embedding(embed.float())
+    return fuse_projections(to_infer(draft, dtype))
+
+
+def _draft_8b(rf: _Roofline, compiled: bool, mm_attn: bool) -> Eagle3Draft:
+    """An 8B-sized EAGLE-3 draft with random weights, fused and (with --compile) its layer compiled."""
+    draft = random_draft(rf.model, rf.dtype)
     # autotuning every kernel of the draft layer and the tree builder costs minutes; it paid only for the products
     torch._inductor.config.coordinate_descent_tuning = False
     if mm_attn:
@@ -1070,6 +1077,28 @@ def _draft_8b(rf: _Roofline, compiled: bool, mm_attn: bool) -> Eagle3Draft:
     if compiled:
         compile_layers([draft.midlayer])
     return draft
+
+
+def fused_draft_level(draft: Eagle3Draft, dcache, K: int, ctx: int, k_splits: dict[str, int] | None = None):
+    """One tree level of K frontier rows at context `ctx` as Eagle3Proposer.fused_tree_level runs it (its RoPE
+    compiled, the layer on fast/fused_draft.py's kernels, the head, the children), on random inputs: (the
+    FusedDraftStep, whose k_splits may be changed between calls, and the level as a function)."""
+    c, device = draft.config, dcache.k.device
+    dtype = draft.fc.weight.dtype
+    emb = torch.randn(K, c.hidden_size, device=device, dtype=dtype)
+    hid = torch.randn(K, c.hidden_size, device=device, dtype=dtype)
+    pos = torch.full((1, K), ctx, device=device)
+    slots = ctx + torch.arange(K, device=device)
+    mask = torch.arange(dcache.size, device=device)[None, :] <= slots[:, None]
+    fused = FusedDraftStep(draft, dcache, rows=K, k_splits=k_splits)  # as FastEagle builds it
+    rotary = torch.compile(draft.midlayer.rotary) if device.type == "cuda" else draft.midlayer.rotary
+
+    def level():
+        cos, sin = rotary(pos, dtype)
+        normed = fused(emb, hid, cos[0, 0], sin[0, 0], slots, mask)[1]
+        fused.children(draft.head(normed), K)
+
+    return fused, level
 
 
 def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
@@ -1103,14 +1132,7 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
             1e3 * graphed_ms(lambda: log_softmax_top_k(logits, K), device, reps=50), 2
         )
     if fused_draft_supported(draft) is None:  # the same level with the layer on fast/fused_draft.py's kernels
-        fused = FusedDraftStep(draft, dcache, rows=K, k_splits=tuning_for(device).draft_k_splits)  # as FastEagle
-        rotary = torch.compile(draft.midlayer.rotary) if device.type == "cuda" else draft.midlayer.rotary
-
-        def fstep():  # as Eagle3Proposer.fused_tree_level: its RoPE compiled, the layer, the head, the children
-            cos, sin = rotary(dpos, dtype)
-            normed = fused(emb[0], hid[0], cos[0, 0], sin[0, 0], dslots, dmask[0, 0])[1]
-            fused.children(draft.head(normed), K)
-
+        fused, fstep = fused_draft_level(draft, dcache, K, base_ctx, tuning_for(device).draft_k_splits)
         rf.res["draft_step_ms_fused"] = round(graphed_ms(fstep, device, reps=50), 4)
         fused.k_splits = {"o": 2, "down": 2}  # o and down as partials the next norm sums (no split-K reduce kernels)
         try:

@@ -151,3 +151,37 @@ def test_no_winner_and_no_faster_launch_leave_the_tuning_as_it_was(tmp_path):
     with pytest.raises(EagleScopeError):
         fdc.write_tuning(bad, path)
     assert path.read_text() == "{}"  # a file that would not load never replaces one that does
+
+
+@pytest.mark.parametrize("cheapest", [{"o": 1, "down": 4}, {"o": 2, "down": 1}])
+def test_the_draft_sweep_writes_the_cheapest_k_splits(monkeypatch, tmp_path, cheapest):
+    """--sweep-draft: every candidate runs the real fused draft level (the interpreter's kernels) with its K splits,
+    timed by a cost table over both row counts; the cheapest, if it beats the default when both are timed again,
+    becomes the file's draft entry, and FastEagle's FusedDraftStep reads it from there. A tie moves nothing."""
+    model = fdc.random_target(fdc.SMOKE_DIMS, torch.device("cpu"), torch.float32)
+    levels, real = {}, fdc.fused_draft_level
+
+    def recorded(draft, dcache, K, ctx, k_splits=None):
+        fused, level = real(draft, dcache, K, ctx, k_splits)
+        levels[level] = fused
+        return fused, level
+
+    def cost_of(k_splits: dict) -> float:
+        return 1.0 if k_splits == cheapest else 2.0 + 0.1 * k_splits["o"] + 0.01 * k_splits["down"]
+
+    def table_ms(fn, device, reps):
+        fn()  # the level runs with these splits: a split that did not divide K would raise here
+        return cost_of(levels[fn].k_splits)
+
+    monkeypatch.setattr(fdc, "fused_draft_level", recorded)
+    monkeypatch.setattr(fdc, "graphed_ms", table_ms)
+    res = {"device": "cpu", "commit": "abc", "date": "d", "tuning_in_effect": {"draft": {"k_splits": {"o": 2}}}}
+    fdc.sweep_draft(model, (2, 3), ctx=4, S=16, res=res, save=lambda: None)
+    out = res["draft_sweep"]
+    assert out["best"] == cheapest and out["best_ms_again"] == 2.0 < out["start_ms_again"]
+    assert len(out["ms"]) == len(fdc.DRAFT_SPLIT_CANDIDATES) + 3  # the default, each candidate, both again
+    path = tmp_path / "gpu.json"
+    fdc.write_tuning(fdc.tuning_document(res, "r.json", ["x"]), path)
+    assert load_tuning(path).draft_k_splits == cheapest
+    out["best_ms_again"] = out["start_ms_again"]  # timed again, the winner no longer wins: the file's draft stays
+    assert fdc.tuning_document(res, "r.json", ["x"])["draft"] == {"k_splits": {"o": 2}}

@@ -15,9 +15,9 @@ import torch
 pytest.importorskip("triton")
 from drafts import make_draft  # noqa: E402
 from models import make_checkpoint  # noqa: E402
-from tolerance import assert_step_matches_modules  # noqa: E402
+from tolerance import assert_draft_step_matches_modules, assert_step_matches_modules  # noqa: E402
 
-from eaglescope.decode.speculative import target_embedding  # noqa: E402
+from eaglescope.decode.speculative import draft_slot_cache, target_embedding  # noqa: E402
 from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
 from eaglescope.errors import EagleScopeError  # noqa: E402
 from eaglescope.fast import FastEagle, FastTarget, fused_draft, fused_verify, tuning  # noqa: E402
@@ -206,7 +206,8 @@ def test_an_entry_that_leaves_cublaslt_a_product_not_on_cublas_is_refused(tmp_pa
 @pytest.mark.parametrize("path", sorted(tuning.TUNED_DIR.glob("*.json")), ids=lambda p: p.name)
 def test_each_committed_tuning_file_loads_under_its_gpus_name(path, tmp_path):
     """fast/tuned/: every file checks, is named for the GPU it was measured on, and its settings (swept at 8B widths)
-    verify a target of other widths as the modules do, at each entry's row count."""
+    verify a target of other widths as the modules do, at each entry's row count; its draft entry runs a draft
+    level as the draft's modules do."""
     tuned = tuning.load_tuning(path)
     assert tuned.device and tuning.device_file(tuned.device) == path
     assert tuned.verify and tuned.source.get("commit")
@@ -220,3 +221,14 @@ def test_each_committed_tuning_file_loads_under_its_gpus_name(path, tmp_path):
         mask = torch.arange(96)[None, :] <= slots[:, None]
         toks = torch.randint(0, model.args.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
         assert_step_matches_modules(ft, fv, toks, slots, mask, slots, 2)
+    if tuned.draft_k_splits:
+        draft, _ = make_draft(ckpt, taps=TapContract((0,), 1), seed=3, scale=1.0)
+        fuse_projections(draft)
+        cache = draft_slot_cache(draft, 32)
+        fused = fused_draft.FusedDraftStep(draft, cache, rows=4, k_splits=tuned.draft_k_splits)
+        assert fused.k_splits == {**fused_draft.DRAFT_K_SPLITS, **tuned.draft_k_splits}
+        g = torch.Generator().manual_seed(4)
+        H, slots = draft.config.hidden_size, 9 + torch.arange(4)
+        mask = torch.arange(32)[None, :] <= slots[:, None]
+        embeds, hidden = torch.randn(4, H, generator=g), torch.randn(4, H, generator=g)
+        assert_draft_step_matches_modules(fused, draft, embeds, hidden, torch.full((4,), 9), slots, mask)

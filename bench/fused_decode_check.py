@@ -52,7 +52,6 @@ from eaglescope.fast.fused_verify import (  # noqa: E402
     CUBLAS_PRODUCTS,
     CUBLASLT_PRODUCTS,
     K_SPLITS,
-    MAX_ROWS,
     split_k_mm,
 )
 from eaglescope.fast.layers import compile_layers, use_gemv_reductions  # noqa: E402
@@ -342,9 +341,10 @@ def _fused_verify(
 
 def tuning_document(res: dict, result_file: str, command: list[str]) -> dict | None:
     """A fast/tuning.py file from this run: the tuning in effect when it began, each row count's swept product mix
-    as its entry, flash attention's swept launch in every entry (and in one for MAX_ROWS rows). A winner is kept
-    only where it beat the start when both were timed again in the same run, so noise does not move a setting;
-    None where nothing was swept."""
+    as its entry, flash attention's launch swept at the least swept row count at or above an entry's max_rows in that
+    entry (and an entry for each swept row count where a launch won). A winner is kept only where it beat the start
+    in the same run (the mixes: both timed again), so noise does not move a setting; None where nothing was
+    swept."""
     swept = [v for k, v in res.items() if k.startswith("verify_mix_sweep_") and isinstance(v, dict)]
     flash, draft = res.get("flash_sweep"), res.get("draft_sweep")
     if not swept and not flash and not draft:
@@ -354,13 +354,13 @@ def tuning_document(res: dict, result_file: str, command: list[str]) -> dict | N
     for sweep in swept:
         if "best_ms_again" in sweep and sweep["best_ms_again"] < sweep.get("start_ms_again", math.inf):
             entries[sweep["rows"]] = {"max_rows": sweep["rows"], **sweep["best"]}
-    if flash and "verify_ms_best" in flash:
-        best, default = flash["verify_ms_best"], flash["verify_ms_default"]
-        rows = [t for t in best if t != "1"]
-        if sum(best[t] for t in rows) < sum(default[t] for t in rows):
-            entries.setdefault(MAX_ROWS, {"max_rows": MAX_ROWS})
-            for entry in entries.values():
-                entry["flash_launch"] = list(flash["best"])
+    winners, swept_rows = flash_winners(flash), sorted(int(T) for T in (flash or {}).get("best_by_rows", {}))
+    for T in winners:
+        entries.setdefault(T, {"max_rows": T})
+    for rows, entry in entries.items():  # each entry: the winner of the least swept row count that covers it
+        T = next((t for t in swept_rows if t >= rows), None)
+        if T in winners:
+            entry["flash_launch"] = list(winners[T])
     out = {"device": res["device"], "source": {"command": " ".join(command), "commit": res["commit"],
            "date": res["date"], "result": result_file}, "verify": [entries[r] for r in sorted(entries)]}  # fmt: skip
     if draft and draft.get("best_ms_again", math.inf) < draft.get("start_ms_again", math.inf):
@@ -368,6 +368,16 @@ def tuning_document(res: dict, result_file: str, command: list[str]) -> dict | N
     elif "draft" in doc:
         out["draft"] = doc["draft"]
     return out
+
+
+def flash_winners(flash: dict | None) -> dict[int, list[int]]:
+    """{rows: launch} of --sweep-flash's result where the fastest finalist beat FLASH_LAUNCH in the whole verify at
+    that row count (a tie or a loss moves nothing)."""
+    if not flash or "best_by_rows" not in flash:
+        return {}
+    default, whole = "_".join(map(str, flash["default"])), flash["verify_ms"]
+    return {int(T): launch for T, launch in flash["best_by_rows"].items()
+            if whole["_".join(map(str, launch))][T] < whole[default][T]}  # fmt: skip
 
 
 def write_tuning(doc: dict, path: Path) -> None:
@@ -388,13 +398,18 @@ def flash_launches(smoke: bool) -> tuple[list[tuple[int, int]], list[tuple[int, 
     return blocks, [(w, st) for w in (2, 4, 8) for st in (1, 2, 3, 4)]
 
 
+def flash_splits(smoke: bool) -> tuple[int, ...]:
+    """The splits of the best launch's walk that --sweep-flash tries."""
+    return (2, 3, 4) if not smoke else (2,)
+
+
 def sweep_flash(ft: FastTarget, ctx: int, vocab: int, smoke: bool, res: dict, save) -> None:
     """Flash attention's launch (FLASH_LAUNCH: rows and slots per program, warps, stages, splits) at 24 and 64 rows:
     each candidate over every layer of the verify's cache as one graph, the blocks at the default warps and stages
     first, then warps and stages at the best blocks, then 2-4 splits of the best's walk (each stage's best by the sum
-    of its 24- and 64-row times); then the whole verify on flash attention with the winner beside it with
-    FLASH_LAUNCH, in the same run. The verify is left as it was (the other figures are the
-    default's)."""
+    of its 24- and 64-row times); then the finalists (FLASH_LAUNCH, the best, the best in each split) each timed as
+    the whole verify on flash attention, and at each row count the fastest there recorded as `best_by_rows`. The
+    verify is left as it was (the other figures are the default's)."""
     fv, dev, S = ft.fused_rows, ft.device, ft.size
     a = fv.args
     L, H, D = a.num_layers, a.num_heads, a.head_dim
@@ -436,7 +451,7 @@ def sweep_flash(ft: FastTarget, ctx: int, vocab: int, smoke: bool, res: dict, sa
         if launch not in timed:
             timed[launch] = {T: layer_us(launch, T) for T in cases}
     best = min(timed, key=total)
-    for splits in (2, 3, 4) if not smoke else (2,):  # the walk in interleaved splits, combined by the last
+    for splits in flash_splits(smoke):  # the walk in interleaved splits, combined by the last
         launch = best[:4] + (splits,)
         timed[launch] = {T: layer_us(launch, T) for T in cases}
     best = min(timed, key=total)
@@ -444,15 +459,23 @@ def sweep_flash(ft: FastTarget, ctx: int, vocab: int, smoke: bool, res: dict, sa
     out = {"us_per_layer": {"_".join(map(str, k)): finite(v) for k, v in timed.items()}, "default": list(FLASH_LAUNCH),
            "best": list(best)}  # fmt: skip
     print("flash launches (rows, slots, warps, stages): µs a layer", json.dumps(out), flush=True)
-    sizes = (1, 24, 64) if not smoke else (1, 4, 8)
+    # the finalists judged inside the whole verify, at each row count on its own: timed alone, the 32 layers' K/V
+    # stay in L2 between repetitions, while in a verify 15 GB of weights pass between one layer's attention and the
+    # next, so K/V come from memory and a walk in splits (more programs waiting on loads at once) can win there
+    # where it lost alone (the replayed round's flash attention took 9.05 µs a layer against 6.8 here:
+    # bench/NOTES.md, version 23b)
+    rows = tuple(T for T in cases)
+    finalists = list(dict.fromkeys([FLASH_LAUNCH, best[:4]] + [best[:4] + (n,) for n in flash_splits(smoke)]))
+    finalists = [f for f in finalists if f == FLASH_LAUNCH or all(math.isfinite(x) for x in timed[f].values())]
     was, fv.attention = fv.attention, "flash"  # whichever attention the mixes above chose
-    for name, launch in (("default", FLASH_LAUNCH), ("best", best)):
+    whole: dict[tuple[int, ...], dict[int, float]] = {}
+    for launch in finalists:
         fv.flash_launch = launch
-        v = verify_ms(ft, ctx, vocab, sizes=sizes)
-        out[f"verify_ms_{name}"] = {str(t): round(x, 4) for t, x in v.items()}
-        out[f"verify_cost_ratio_{name}"] = {str(t): round(x / v[1], 4) for t, x in v.items()}
-        print(f"verify, flash launch {name} {launch}", json.dumps(out[f"verify_cost_ratio_{name}"]), flush=True)
+        whole[launch] = verify_ms(ft, ctx, vocab, sizes=(1, *rows))
+        print(f"verify, flash launch {launch}", {T: round(x, 4) for T, x in whole[launch].items()}, flush=True)
     fv.flash_launch, fv.attention = FLASH_LAUNCH, was
+    out["verify_ms"] = {"_".join(map(str, k)): {str(T): round(x, 4) for T, x in v.items()} for k, v in whole.items()}
+    out["best_by_rows"] = {str(T): list(min(whole, key=lambda f, T=T: whole[f][T])) for T in rows}
     res["flash_sweep"] = out
     save()
 
@@ -809,12 +832,13 @@ def main() -> int:
     flash = None
     if args.sweep_flash and ft3 is not None:
         sweep_flash(ft3, ctx, a.vocab_size, args.smoke, res, save)
-        flash = tuple(res["flash_sweep"]["best"])  # the product mixes below are swept with it
+        flash = flash_winners(res["flash_sweep"])  # the product mixes below are swept with them
         tune()
     if args.sweep_k_split and ft3 is not None:
         sweep_k_split(ft3, ctx, a.vocab_size, res["copy_bandwidth_gbs"], args.smoke, res, save)
     for rows in args.sweep_verify_mix if ft3 is not None else ():
-        sweep_verify_mix(ft3, ctx, a.vocab_size, rows, args.smoke, res, save, flash_launch=flash)
+        sweep_verify_mix(ft3, ctx, a.vocab_size, rows, args.smoke, res, save,
+                         flash_launch=(flash or {}).get(rows))  # fmt: skip
         tune()
     if args.sweep_draft:
         del ft3  # the draft's level is timed alone

@@ -21,6 +21,7 @@ from models import make_checkpoint  # noqa: E402
 from eaglescope.errors import EagleScopeError  # noqa: E402
 from eaglescope.fast import FastTarget  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
+from eaglescope.fast.fused_decode import FLASH_LAUNCH  # noqa: E402
 from eaglescope.fast.fused_verify import K_SPLITS, MAX_ROWS, FusedVerify  # noqa: E402
 from eaglescope.fast.tuning import load_tuning  # noqa: E402
 from eaglescope.models.targets import load_target  # noqa: E402
@@ -112,18 +113,24 @@ def test_the_sweeps_winner_is_written_as_a_tuning_file_the_verify_runs(verify, m
     _, _, res = _sweep(verify, monkeypatch, seed)
     out = res["verify_mix_sweep_4"]
     assert out["best_ms_again"] < out["start_ms_again"]  # this table's start is never its cheapest
-    res |= {"device": "cpu", "commit": "abc", "date": "2026-12-05T00:00:00+00:00",
-            "tuning_in_effect": {"path": "old.json", "verify": [{"max_rows": 4, "cublas": []},
-                                                                 {"max_rows": 16, "k_splits": {"o": 2}}],
-                                 "draft": {"k_splits": {"down": 2}}},
-            "flash_sweep": {"best": [16, 64, 4, 2, 2], "verify_ms_best": {"1": 1.0, "4": 2.0, "8": 3.0},
-                            "verify_ms_default": {"1": 1.0, "4": 2.5, "8": 3.0}}}  # fmt: skip
+    res |= {
+        "device": "cpu",
+        "commit": "abc",
+        "date": "2026-12-05T00:00:00+00:00",
+        "tuning_in_effect": {
+            "path": "old.json",
+            "verify": [{"max_rows": 4, "cublas": []}, {"max_rows": 16, "k_splits": {"o": 2}}],
+            "draft": {"k_splits": {"down": 2}},
+        },
+        "flash_sweep": _flash_result({4: ([16, 64, 4, 2, 2], 2.0, 2.5), 8: ([16, 64, 4, 2, 2], 3.0, 3.0)}),
+    }
     doc = fdc.tuning_document(res, "fused-decode-check-x.json", ["fused_decode_check.py", "--sweep-verify-mix", "4"])
     path = tmp_path / "tuned" / "gpu.json"
     fdc.write_tuning(doc, path)
     tuned = load_tuning(path)
-    assert [rows for rows, _ in tuned.verify] == [4, 16, MAX_ROWS] and tuned.draft_k_splits == {"down": 2}
-    assert tuned.verify[1][1] == {"k_splits": {"o": 2}, "flash_launch": (16, 64, 4, 2, 2)}
+    assert [rows for rows, _ in tuned.verify] == [4, 16] and tuned.draft_k_splits == {"down": 2}
+    # the 4-row winner: the 4-row entry's launch; 8 rows tied the default, so the 16-row entry keeps its own
+    assert tuned.verify[1][1] == {"k_splits": {"o": 2}}
     assert tuned.source["commit"] == "abc" and tuned.source["result"] == "fused-decode-check-x.json"
     fv = FusedVerify(verify.model, verify.cache, by_rows=tuned.verify)
     s = fv.settings(4)
@@ -131,17 +138,55 @@ def test_the_sweeps_winner_is_written_as_a_tuning_file_the_verify_runs(verify, m
     assert (set(s.cublas), set(s.cublaslt), s.k_splits) == (set(best["cublas"]), set(best["cublaslt"]),
                                                             best["k_splits"])  # fmt: skip
     assert {k: list(v) for k, v in s.blocks.items()} == best["blocks"] and s.flash_launch == (16, 64, 4, 2, 2)
-    assert fv.settings(40).flash_launch == (16, 64, 4, 2, 2) and fv.settings(40).cublas == verify.cublas
+    assert fv.settings(40).flash_launch == verify.flash_launch and fv.settings(40).cublas == verify.cublas
+
+
+def _flash_result(by_rows: dict[int, tuple[list[int], float, float]]) -> dict:
+    """--sweep-flash's result where, at each row count, `launch` took `ms` in the whole verify and FLASH_LAUNCH
+    `default_ms`."""
+    default = "_".join(map(str, FLASH_LAUNCH))
+    whole: dict = {default: {"1": 1.0}}
+    for T, (launch, ms, default_ms) in by_rows.items():
+        whole.setdefault("_".join(map(str, launch)), {"1": 1.0})[str(T)] = ms
+        whole[default][str(T)] = default_ms
+    return {"default": list(FLASH_LAUNCH), "best": list(next(iter(by_rows.values()))[0]), "verify_ms": whole,
+            "best_by_rows": {str(T): launch for T, (launch, _, _) in by_rows.items()}}  # fmt: skip
+
+
+def test_each_row_count_takes_the_flash_launch_that_won_in_its_whole_verify():
+    """--sweep-flash judges its finalists inside the whole verify at 24 and 64 rows apart: each winner goes to the
+    entries that row count covers (an entry for it made if none), the file's other settings stay, and a row count
+    where no finalist beat the default keeps the launch its entries had."""
+    res = {
+        "device": "cpu",
+        "commit": "abc",
+        "date": "d",
+        "tuning_in_effect": {"verify": [{"max_rows": 8, "cublas": ["o"]}, {"max_rows": 24, "k_splits": {"o": 2}}]},
+        "flash_sweep": _flash_result({24: ([16, 128, 8, 2, 3], 4.6, 4.7), 64: ([16, 64, 4, 3], 4.8, 4.7)}),
+    }
+    doc = fdc.tuning_document(res, "r.json", ["x"])
+    assert doc["verify"] == [
+        {"max_rows": 8, "cublas": ["o"], "flash_launch": [16, 128, 8, 2, 3]},
+        {"max_rows": 24, "k_splits": {"o": 2}, "flash_launch": [16, 128, 8, 2, 3]},
+    ]
+    res["flash_sweep"] = _flash_result({24: ([16, 128, 8, 2, 3], 4.8, 4.7), 64: ([16, 64, 4, 3], 4.6, 4.7)})
+    doc = fdc.tuning_document(res, "r.json", ["x"])
+    assert doc["verify"] == [{"max_rows": 8, "cublas": ["o"]}, {"max_rows": 24, "k_splits": {"o": 2}},
+                             {"max_rows": MAX_ROWS, "flash_launch": [16, 64, 4, 3]}]  # fmt: skip
+    assert fdc.flash_winners(res["flash_sweep"]) == {64: [16, 64, 4, 3]}
 
 
 def test_no_winner_and_no_faster_launch_leave_the_tuning_as_it_was(tmp_path):
     """A winner that did not beat the start when both were timed again, and a flash launch no faster than the
     default, move nothing; with nothing swept there is no file."""
-    res = {"device": "cpu", "commit": "abc", "date": "d",
-           "tuning_in_effect": {"verify": [{"max_rows": 8, "cublas": ["o"]}]},
-           "verify_mix_sweep_4": {"rows": 4, "best": {"cublas": []}, "best_ms_again": 2.0, "start_ms_again": 2.0},
-           "flash_sweep": {"best": [16, 64, 4, 2, 2], "verify_ms_best": {"1": 1.0, "4": 2.0},
-                           "verify_ms_default": {"1": 1.0, "4": 2.0}}}  # fmt: skip
+    res = {
+        "device": "cpu",
+        "commit": "abc",
+        "date": "d",
+        "tuning_in_effect": {"verify": [{"max_rows": 8, "cublas": ["o"]}]},
+        "verify_mix_sweep_4": {"rows": 4, "best": {"cublas": []}, "best_ms_again": 2.0, "start_ms_again": 2.0},
+        "flash_sweep": _flash_result({4: ([16, 64, 4, 2, 2], 2.0, 2.0)}),
+    }
     doc = fdc.tuning_document(res, "r.json", ["x"])
     assert doc["verify"] == [{"max_rows": 8, "cublas": ["o"]}]
     assert fdc.tuning_document({"device": "cpu", "commit": "c", "date": "d"}, "r.json", ["x"]) is None

@@ -76,6 +76,18 @@ def test_attention_matches_masked_reference(T, S, rep, seed):
     assert attention_splits(S)[1] == -(-S // 64)
 
 
+@settings(max_examples=8, deadline=None)
+@given(T=st.integers(2, 40), S=st.integers(700, 4600), rep=st.sampled_from([1, 4]), seed=st.integers(0, 99))
+def test_attention_over_many_splits_combines_every_split(T, S, rep, seed):
+    """A long cache (12-64 splits of 64 or 128 slots) for a few rows: the last split to finish combines the others'
+    maxima and sums at once and their outputs a few splits a load (1-4 by the row block), slots in any split."""
+    q, k, v, mask = attention_case(T, S, rep, seed, density=0.02)
+    mask[:, -1] = True  # the last split holds a slot of every row
+    want = attend(q, k, v, mask[None, None])
+    got = fused_attention(q[0].transpose(0, 1), k[0], v[0], mask)
+    assert_close_float32(got.transpose(0, 1)[None], want)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     T=st.integers(1, 70), S=st.integers(1, 2600), density=st.sampled_from([0.0, 0.001, 0.3]), seed=st.integers(0, 99)

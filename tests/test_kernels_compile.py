@@ -1,5 +1,6 @@
 """The fused verify's product kernel compiled for an H100/H200 (sm_90) on this CPU, by Triton's own compiler, at every
-epilogue, with and without swapped tiles and split K, with a row tile unlike the weight tile.
+epilogue, with and without swapped tiles and split K, with a row tile unlike the weight tile; the few-row attention
+kernel at every row block and split count it launches with.
 
 Why: Triton's interpreter (which the other CPU tests run the kernels under) executes a kernel's Python line by line
 and never type-checks it, so a kernel can pass every CPU test and still fail to compile on the GPU: the swapped
@@ -44,12 +45,43 @@ for mode, swap, splits, bm in itertools.product(modes, (False, True), (1, 2), (1
 print(json.dumps({"failed": failed}))
 """
 
+ATTENTION_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from eaglescope.fast.fused_decode import _attend_rows_kernel
 
-def test_the_product_kernel_compiles_for_sm90_in_every_configuration():
+pointers = {n: "*bf16" for n in ("q", "kc", "vc", "y")}
+signature = {**pointers, "mask": "*i1", "part_m": "*fp32", "part_l": "*fp32", "part_acc": "*fp32", "count": "*i32",
+             **{n: "i32" for n in ("S", "NS", "T", "H", "rep")}, "scale": "fp32",
+             **{n: "i32" for n in ("sq_t", "sq_h", "sm_t", "sy_t", "sy_h")}}
+failed = {}
+for br in (16, 32, 64):
+    for ns_p2 in (1, 8, 64):  # as fused_attention launches it: CH splits a load, BR * CH <= 64
+        const = dict(D=128, KB=64, BR=br, NS_P2=ns_p2, CH=max(1, min(64 // br, ns_p2)))
+        src = ASTSource(fn=_attend_rows_kernel, signature={**signature, **{k: "constexpr" for k in const}},
+                        constexprs=const)
+        try:
+            triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        except Exception as e:
+            failed[f"BR={br} NS_P2={ns_p2}"] = str(e).strip().splitlines()[-1][:300]
+print(json.dumps({"failed": failed}))
+"""
+
+
+def _compile_failures(script: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said aloud (it warns otherwise)
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["failed"] == {}
+    return json.loads(done.stdout.strip().splitlines()[-1])["failed"]
+
+
+def test_the_product_kernel_compiles_for_sm90_in_every_configuration():
+    assert _compile_failures(SCRIPT) == {}
+
+
+def test_the_few_row_attention_kernel_compiles_for_sm90_at_every_row_block():
+    assert _compile_failures(ATTENTION_SCRIPT) == {}

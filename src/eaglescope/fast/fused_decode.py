@@ -221,10 +221,15 @@ if triton is not None:
 
     @triton.jit
     def _attend_rows_kernel(q, kc, vc, mask, y, part_m, part_l, part_acc, count, S, NS, T, H, rep, scale, sq_t,
-                            sq_h, sm_t, sy_t, sy_h, D: tl.constexpr, KB: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+                            sq_h, sm_t, sy_t, sy_h, D: tl.constexpr, KB: tl.constexpr, BR: tl.constexpr,
+                            NS_P2: tl.constexpr, CH: tl.constexpr):  # fmt: skip
         """Program (kv group g, split, row block): BR rows (t, r) of the T x rep query heads sharing kv head g,
         against one KB-slot block, on tensor cores: each K/V block is loaded once for all of them (one program per
-        row re-read K/V per row: 11.3 ms for a 64-token verify at 8B). Partials and combine as _attend_kernel."""
+        row re-read K/V per row: 11.3 ms for a 64-token verify at 8B). Partials as _attend_kernel; the last split
+        to finish combines them: every split's maximum and sum in one load each, the outputs CH splits a load.
+        Why not one split after another: each of those loads waits on L2 before the next is issued, ~0.7 µs a
+        split, so the combine, not the slots, set the time (8.8 µs a call for a 4-row draft level at ~7 splits,
+        bench-roofline-20261205T050738.json; 64 splits at a 4k-slot cache)."""
         g, sp, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i = rb * BR + tl.arange(0, BR)
         ok_i = i < T * rep
@@ -250,21 +255,23 @@ if triton is not None:
         counter = count + g * tl.cdiv(T * rep, BR) + rb
         tl.debug_barrier()  # every warp's partial stores land before the counter says so
         if tl.atomic_add(counter, 1) == NS - 1:
-            top = tl.full((BR,), float("-inf"), tl.float32)
-            for j in range(0, NS):
-                top = tl.maximum(
-                    top, tl.load(part_m + row * NS + j, mask=ok_i, other=float("-inf"), cache_modifier=".cg")
-                )
-            top = tl.where(ok_i, top, 0.0)
-            total = tl.zeros((BR,), tl.float32)
+            j = tl.arange(0, NS_P2)
+            at = row[:, None] * NS + j[None, :]
+            ok = ok_i[:, None] & (j[None, :] < NS)
+            ms = tl.load(part_m + at, mask=ok, other=float("-inf"), cache_modifier=".cg")  # -inf: a split of no slot
+            top = tl.max(ms, axis=1)
+            top = tl.where(top == float("-inf"), 0.0, top)  # a padding row (every row of the mask allows a slot)
+            wgt = tl.where(ok, tl.exp(ms - top[:, None]), 0.0)
+            total = tl.sum(wgt * tl.load(part_l + at, mask=ok, other=0.0, cache_modifier=".cg"), axis=1)
+            c = tl.arange(0, CH)
             out = tl.zeros((BR, D), tl.float32)
-            for j in range(0, NS):
-                m_j = tl.load(part_m + row * NS + j, mask=ok_i, other=float("-inf"), cache_modifier=".cg")
-                w = tl.exp(m_j - top)
-                total += w * tl.load(part_l + row * NS + j, mask=ok_i, other=0.0, cache_modifier=".cg")
-                a_j = tl.load(part_acc + (row * NS + j)[:, None] * D + d[None, :], mask=ok_i[:, None], other=0.0,
-                              cache_modifier=".cg")  # fmt: skip
-                out += w[:, None] * a_j
+            for j0 in range(0, NS, CH):  # [BR, CH, D] partial outputs a load
+                jc = j0 + c
+                w_c = tl.sum(tl.where(j[None, None, :] == jc[None, :, None], wgt[:, None, :], 0.0), axis=2)
+                ok_c = ok_i[:, None] & (jc[None, :] < NS)
+                a_c = tl.load(part_acc + ((row[:, None] * NS + jc[None, :]) * D)[:, :, None] + d[None, None, :],
+                              mask=ok_c[:, :, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+                out += tl.sum(w_c[:, :, None] * a_c, axis=1)
             out = out / tl.where(ok_i, total, 1.0)[:, None]
             tl.store(y + t[:, None] * sy_t + h[:, None] * sy_h + d[None, :], out.to(y.dtype.element_ty),
                      mask=ok_i[:, None])  # fmt: skip
@@ -475,7 +482,8 @@ def fused_attention(
         BR = min(64, max(16, triton.next_power_of_2(T * rep)))
         _attend_rows_kernel[(Hkv, NS, triton.cdiv(T * rep, BR))](
             q, k, v, mask, out, part_m, part_l, part_acc, count, S, NS, T, H, rep, D**-0.5, q.stride(0), q.stride(1),
-            mask.stride(0), out.stride(0), out.stride(1), D=D, KB=keys, BR=BR,
+            mask.stride(0), out.stride(0), out.stride(1), D=D, KB=keys, BR=BR, NS_P2=triton.next_power_of_2(NS),
+            CH=max(1, min(64 // BR, triton.next_power_of_2(NS))),
         )  # fmt: skip
     return out
 

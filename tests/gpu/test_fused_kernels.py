@@ -23,7 +23,14 @@ from eaglescope.decode.speculative import draft_slot_cache, target_embedding
 from eaglescope.decode.tree import TreeBuilder, expand_level
 from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla, tuning
-from eaglescope.fast.fused_decode import DEFAULT_BLOCKS, FLASH_LAUNCH, FusedDecode, attention_limit
+from eaglescope.fast.fused_decode import (
+    DEFAULT_BLOCKS,
+    FLASH_LAUNCH,
+    FusedDecode,
+    attention_limit,
+    attention_scratch,
+    fused_attention,
+)
 from eaglescope.fast.fused_draft import FusedDraftStep, expand_level_fused, log_softmax_top_k
 from eaglescope.fast.fused_verify import CUBLASLT_PRODUCTS, FusedVerify
 from eaglescope.models.targets import load_target
@@ -153,6 +160,27 @@ def test_attention_limit_kernel_is_one_past_the_highest_allowed_slot(T, S_):
     mask[T // 2, S_ - 3] = True
     assert int(attention_limit(mask)) == S_ - 2
     assert int(attention_limit(torch.zeros(T, S_, dtype=torch.bool, device=DEVICE))) == 0
+
+
+@pytest.mark.parametrize("T", [4, 7, 16])
+def test_few_row_attention_over_a_long_cache_combines_every_split(T):
+    """The draft's attention (the split-slot kernel for a few rows) at 8B's heads over a 4096-slot cache: 64 splits
+    running at once, the last to finish combining them a few at a time (4, 2 or 1 a load for 4, 7 and 16 rows' row
+    blocks), twice over the same counters, against float32 attention over the masked slots."""
+    g = torch.Generator(DEVICE).manual_seed(T)
+    Hkv, rep, D, S_ = 8, 4, 128, 4096
+    q = torch.randn(T, Hkv * rep, D, device=DEVICE, generator=g)
+    k, v = (torch.randn(Hkv, S_, D, device=DEVICE, generator=g) for _ in range(2))
+    mask = torch.rand(T, S_, device=DEVICE, generator=g) < 0.05
+    mask[:, 3000 + torch.arange(T, device=DEVICE)] = torch.eye(T, dtype=torch.bool, device=DEVICE)
+    scores = torch.einsum("thd,hsd->ths", q, k.repeat_interleave(rep, 0)) * D**-0.5
+    want = torch.einsum("ths,hsd->thd", scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1),
+                        v.repeat_interleave(rep, 0))  # fmt: skip
+    scratch = attention_scratch(T, Hkv * rep, D, S_, DEVICE)
+    for _ in range(2):
+        got = fused_attention(q, k, v, mask, scratch=scratch)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not scratch[3].any()
 
 
 def test_greedy_through_the_fused_kernels_is_vanilla_greedy(wide):

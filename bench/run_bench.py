@@ -1131,6 +1131,10 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
         rf.res["draft_topk_us"]["log_softmax_top_k"] = round(
             1e3 * graphed_ms(lambda: log_softmax_top_k(logits, K), device, reps=50), 2
         )
+        for chunk in (8192, 32768):  # fewer, wider programs a row (32768: one a row, 842fe7c's kernel's launch)
+            rf.res["draft_topk_us"][f"log_softmax_top_k_chunk_{chunk}"] = round(
+                1e3 * graphed_ms(lambda chunk=chunk: log_softmax_top_k(logits, K, chunk=chunk), device, reps=50), 2
+            )
     if fused_draft_supported(draft) is None:  # the same level with the layer on fast/fused_draft.py's kernels
         fused, fstep = fused_draft_level(draft, dcache, K, base_ctx, tuning_for(device).draft_k_splits)
         rf.res["draft_step_ms_fused"] = round(graphed_ms(fstep, device, reps=50), 4)

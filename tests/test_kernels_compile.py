@@ -1,6 +1,7 @@
 """The fused verify's product kernel compiled for an H100/H200 (sm_90) on this CPU, by Triton's own compiler, at every
 epilogue, with and without swapped tiles and split K, with a row tile unlike the weight tile; the few-row attention
-kernel at every row block and split count it launches with.
+kernel at every row block and split count it launches with; the draft children's log-softmax + top-k at every chunk
+the roofline times.
 
 Why: Triton's interpreter (which the other CPU tests run the kernels under) executes a kernel's Python line by line
 and never type-checks it, so a kernel can pass every CPU test and still fail to compile on the GPU: the swapped
@@ -69,6 +70,30 @@ for br in (16, 32, 64):
 print(json.dumps({"failed": failed}))
 """
 
+TOP_K_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from eaglescope.fast.fused_draft import _log_softmax_top_k_kernel, top_k_warps
+
+signature = {"x": "*bf16", "vals": "*fp32", "ids": "*i64", "part_max": "*fp32", "part_sum": "*fp32",
+             "part_val": "*fp32", "part_id": "*i32", "count": "*i32", "V": "i32", "stride": "i32"}
+failed = {}
+for chunk in (2048, 8192, 32768):  # a 32k draft vocabulary in 16, 4 or 1 programs a row
+    for k in (4, 10):
+        splits = triton.cdiv(32000, chunk)
+        const = dict(K=k, CHUNK=chunk, SPLITS=splits, SP2=triton.next_power_of_2(splits),
+                     CAND=triton.next_power_of_2(splits * k))
+        src = ASTSource(fn=_log_softmax_top_k_kernel, signature={**signature, **{c: "constexpr" for c in const}},
+                        constexprs=const)
+        try:
+            triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": top_k_warps(chunk)})
+        except Exception as e:
+            failed[f"chunk={chunk} k={k}"] = str(e).strip().splitlines()[-1][:300]
+print(json.dumps({"failed": failed}))
+"""
+
 
 def _compile_failures(script: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -85,3 +110,7 @@ def test_the_product_kernel_compiles_for_sm90_in_every_configuration():
 
 def test_the_few_row_attention_kernel_compiles_for_sm90_at_every_row_block():
     assert _compile_failures(ATTENTION_SCRIPT) == {}
+
+
+def test_the_draft_childrens_kernel_compiles_for_sm90_at_every_chunk():
+    assert _compile_failures(TOP_K_SCRIPT) == {}

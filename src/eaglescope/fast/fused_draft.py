@@ -174,10 +174,16 @@ def expand_level_fused(tokens, parents, depths, scores, lineage, next_id, parent
 # in place of cuBLAS's own split-K and its reduce kernel (two launches a level); 1: one product, today's. At 4 rows
 # cuBLAS runs both as split-K + reduce (bench-roofline-20261205T050738.json's propose table); not yet timed split here
 DRAFT_K_SPLITS = {"o": 1, "down": 1}
-# log_softmax_top_k's columns a program (16 a thread over 4 warps), and the widest row it takes (its merge holds
-# every chunk's k candidates: 128 chunks at most)
+# log_softmax_top_k's columns a program (16 a thread over 4 warps: top_k_warps), and the widest row it takes (its
+# merge holds every chunk's k candidates: 128 chunks at most)
 TOP_K_CHUNK = 2048
 TOP_K_MAX_WIDTH = 128 * TOP_K_CHUNK
+
+
+def top_k_warps(chunk: int) -> int:
+    """Warps of a log_softmax_top_k program over `chunk` columns: 16 values a thread up to 32 warps (a whole 32k row
+    in one program, 842fe7c's kernel, takes 32)."""
+    return max(4, min(32, chunk // 512))
 
 
 def log_softmax_top_k(
@@ -205,7 +211,8 @@ def log_softmax_top_k(
     _log_softmax_top_k_kernel[(m, splits)](logits, vals, ids, part_max, part_sum, part_val, part_id, count, V,
                                            logits.stride(0), K=k, CHUNK=chunk, SPLITS=splits,
                                            SP2=triton.next_power_of_2(splits),
-                                           CAND=triton.next_power_of_2(splits * k), num_warps=4)  # fmt: skip
+                                           CAND=triton.next_power_of_2(splits * k),
+                                           num_warps=top_k_warps(chunk))  # fmt: skip
     return vals, ids
 
 

@@ -22,76 +22,60 @@ import pytest
 
 pytest.importorskip("triton")
 
-SCRIPT = r"""
-import itertools, json, sys
+# each script below ends with `failed`: {configuration: the compiler's last line} for every one that did not compile
+HEADER = r"""
+import itertools, json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+failed = {}
+
+
+def check(name, fn, signature, const, **options):
+    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in const}}, constexprs=const)
+    try:
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    except Exception as e:
+        failed[name] = str(e).strip().splitlines()[-1][:300]
+"""
+
+SCRIPT = r"""
 from eaglescope.fast.fused_verify import _rows_gemm_kernel
 
 pointers = {n: "*bf16" for n in ("x", "w", "b", "y", "cos", "sin", "kc", "vc")}
 signature = {**pointers, "slots": "*i64", "part": "*fp32", "count": "*i32",
              **{n: "i32" for n in ("T", "N", "n_heads", "n_kv", "S")}}
-failed = {}
 modes = ("plain", "residual", "gate_up", "qkv")
 for mode, swap, splits, bm in itertools.product(modes, (False, True), (1, 2), (16, 64)):
     const = dict(K=4096, K_SLICE=4096 // splits, SPLITS=splits, MODE=mode, PAIR=mode in ("gate_up", "qkv"),
                  HAS_BIAS=mode != "residual", EVEN_K=True, D=128, BM=bm, BN=64, BK=64, SWAP=swap)
-    src = ASTSource(fn=_rows_gemm_kernel, signature={**signature, **{k: "constexpr" for k in const}},
-                    constexprs=const)
-    try:
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-    except Exception as e:
-        failed[f"{mode} swap={swap} splits={splits} BM={bm}"] = str(e).strip().splitlines()[-1][:300]
-print(json.dumps({"failed": failed}))
+    check(f"{mode} swap={swap} splits={splits} BM={bm}", _rows_gemm_kernel, signature, const, num_warps=4,
+          num_stages=3)
 """
 
 ATTENTION_SCRIPT = r"""
-import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from eaglescope.fast.fused_decode import _attend_rows_kernel
 
 pointers = {n: "*bf16" for n in ("q", "kc", "vc", "y")}
 signature = {**pointers, "mask": "*i1", "part_m": "*fp32", "part_l": "*fp32", "part_acc": "*fp32", "count": "*i32",
              **{n: "i32" for n in ("S", "NS", "T", "H", "rep")}, "scale": "fp32",
              **{n: "i32" for n in ("sq_t", "sq_h", "sm_t", "sy_t", "sy_h")}}
-failed = {}
-for br in (16, 32, 64):
-    for ns_p2 in (1, 8, 64):  # as fused_attention launches it: CH splits a load, BR * CH <= 64
-        const = dict(D=128, KB=64, BR=br, NS_P2=ns_p2, CH=max(1, min(64 // br, ns_p2)))
-        src = ASTSource(fn=_attend_rows_kernel, signature={**signature, **{k: "constexpr" for k in const}},
-                        constexprs=const)
-        try:
-            triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-        except Exception as e:
-            failed[f"BR={br} NS_P2={ns_p2}"] = str(e).strip().splitlines()[-1][:300]
-print(json.dumps({"failed": failed}))
+for br, ns_p2 in itertools.product((16, 32, 64), (1, 8, 64)):  # as fused_attention launches: CH splits a load
+    const = dict(D=128, KB=64, BR=br, NS_P2=ns_p2, CH=max(1, min(64 // br, ns_p2)))
+    check(f"BR={br} NS_P2={ns_p2}", _attend_rows_kernel, signature, const, num_warps=4, num_stages=3)
 """
 
 TOP_K_SCRIPT = r"""
-import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from eaglescope.fast.fused_draft import _log_softmax_top_k_kernel, top_k_warps
 
 signature = {"x": "*bf16", "vals": "*fp32", "ids": "*i64", "part_max": "*fp32", "part_sum": "*fp32",
              "part_val": "*fp32", "part_id": "*i32", "count": "*i32", "V": "i32", "stride": "i32"}
-failed = {}
-for chunk in (2048, 8192, 32768):  # a 32k draft vocabulary in 16, 4 or 1 programs a row
-    for k in (4, 10):
-        splits = triton.cdiv(32000, chunk)
-        const = dict(K=k, CHUNK=chunk, SPLITS=splits, SP2=triton.next_power_of_2(splits),
-                     CAND=triton.next_power_of_2(splits * k))
-        src = ASTSource(fn=_log_softmax_top_k_kernel, signature={**signature, **{c: "constexpr" for c in const}},
-                        constexprs=const)
-        try:
-            triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": top_k_warps(chunk)})
-        except Exception as e:
-            failed[f"chunk={chunk} k={k}"] = str(e).strip().splitlines()[-1][:300]
-print(json.dumps({"failed": failed}))
+for chunk, k in itertools.product((2048, 8192, 32768), (4, 10)):  # a 32k draft vocabulary in 16, 4 or 1 programs
+    splits = triton.cdiv(32000, chunk)
+    const = dict(K=k, CHUNK=chunk, SPLITS=splits, SP2=triton.next_power_of_2(splits),
+                 CAND=triton.next_power_of_2(splits * k))
+    check(f"chunk={chunk} k={k}", _log_softmax_top_k_kernel, signature, const, num_warps=top_k_warps(chunk))
 """
 
 
@@ -99,6 +83,7 @@ def _compile_failures(script: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said aloud (it warns otherwise)
+    script = HEADER + script + "\nprint(json.dumps({'failed': failed}))\n"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])["failed"]

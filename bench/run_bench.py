@@ -1204,6 +1204,17 @@ def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compile
             res["replay_round_pieces"] = round_pieces(fe, profile=rf.left() > 150)
         except Exception as e:
             res["replay_round_pieces"] = f"profiler failed: {type(e).__name__}: {e}"
+    # after the pieces (a start moves the state they are timed at back to the prompt). η above is end to end: each
+    # run's start (the target's prefill; for EAGLE-3 also the draft's catch-up over the prompt) is spread over ~74
+    # rounds but over 256 vanilla tokens. The starts alone (a one-token generate is the start and nothing else), and
+    # η with them taken out of both: what the round itself costs against a step
+    start_e, start_v = fe.generate(prompt, 1, replay=pr).seconds, van.generate(prompt, 1).seconds
+    res["replay_start_ms"] = round(start_e * 1e3, 3)
+    res["replay_vanilla_start_ms"] = round(start_v * 1e3, 3)
+    res["replay_round_ms_after_start"] = round((rr.seconds - start_e) / len(rr.accepted) * 1e3, 4)
+    res["replay_eta_after_start"] = round(
+        (vv.seconds - start_v) / ctx_new / ((rr.seconds - start_e) / len(rr.accepted)), 4
+    )
 
 
 # -- main -------------------------------------------------------------------------------------------

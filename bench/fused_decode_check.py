@@ -461,9 +461,9 @@ def sweep_flash(ft: FastTarget, ctx: int, vocab: int, smoke: bool, res: dict, sa
     print("flash launches (rows, slots, warps, stages): µs a layer", json.dumps(out), flush=True)
     # the finalists judged inside the whole verify, at each row count on its own: timed alone, the 32 layers' K/V
     # stay in L2 between repetitions, while in a verify 15 GB of weights pass between one layer's attention and the
-    # next, so K/V come from memory and a walk in splits (more programs waiting on loads at once) can win there
-    # where it lost alone (the replayed round's flash attention took 9.05 µs a layer against 6.8 here:
-    # bench/NOTES.md, version 23b)
+    # next, so K/V come from memory, and a launch is judged where it runs (the replayed round's flash attention took
+    # 9.05 µs a layer against 6.8 here; on an H200 the split walks lost inside the verify too:
+    # fused-decode-check-20261205T150136.json, bench/NOTES.md version 26a)
     rows = tuple(T for T in cases)
     finalists = list(dict.fromkeys([FLASH_LAUNCH, best[:4]] + [best[:4] + (n,) for n in flash_splits(smoke)]))
     finalists = [f for f in finalists if f == FLASH_LAUNCH or all(math.isfinite(x) for x in timed[f].values())]

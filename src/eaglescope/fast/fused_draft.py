@@ -172,7 +172,8 @@ def expand_level_fused(tokens, parents, depths, scores, lineage, next_id, parent
 
 # o and down as this many products over K's slices (fast/fused_verify.py split_k_mm), summed by the next norm kernel
 # in place of cuBLAS's own split-K and its reduce kernel (two launches a level); 1: one product, today's. At 4 rows
-# cuBLAS runs both as split-K + reduce (bench-roofline-20261205T050738.json's propose table); not yet timed split here
+# cuBLAS runs both as split-K + reduce (bench-roofline-20261205T050738.json's propose table); in halves they were
+# 0.9-1.6% faster a level on an H100 and an H200, which their tuning files say (fast/tuning.py)
 DRAFT_K_SPLITS = {"o": 1, "down": 1}
 # log_softmax_top_k's columns a program (16 a thread over 4 warps: top_k_warps), and the widest row it takes (its
 # merge holds every chunk's k candidates: 128 chunks at most)

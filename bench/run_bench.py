@@ -824,6 +824,14 @@ def verify_ms(ft: FastTarget, ctx: int, vocab: int, sizes=(1, 8, 16, 24, 32, 64,
     return times
 
 
+def prefill_ms(ft: FastTarget, prompt: list[int]) -> float:
+    """ms of the prompt's prefill as a decode's start runs it (FastTarget.prefill, eager launches included): with the
+    replay's start (replay_start_ms) it splits the speculative start into the target's prefill and the rest (the
+    draft's catch-up over the prompt, host reads)."""
+    ids = torch.tensor(prompt, device=ft.device)
+    return round(event_ms(lambda: ft.prefill(ids), reps=10), 3)
+
+
 @dataclass
 class _Roofline:
     """What every stage of the roofline shares: the 8B-shaped target, its sizes, and the results filled in place."""
@@ -896,6 +904,8 @@ def roofline(
     ft, van, compiled, mm_attn = _fastest_decode(rf, _decode_variants(rf, compile_target, variant_names))
     r = van.generate(rf.prompt, rf.ctx_new)
     res["decode_tokens_per_second_end_to_end"] = round(rf.ctx_new / r.seconds, 2)
+    res["prefill_ms"] = prefill_ms(ft, rf.prompt)
+    say(f"roofline prefill of {rf.prompt_len} tokens: {res['prefill_ms']} ms")
 
     # verify cost: T tokens (a chain) at the same context, each shape captured in its own graph
     times = verify_ms(ft, rf.base_ctx, a.vocab_size)

@@ -824,12 +824,19 @@ def verify_ms(ft: FastTarget, ctx: int, vocab: int, sizes=(1, 8, 16, 24, 32, 64,
     return times
 
 
-def prefill_ms(ft: FastTarget, prompt: list[int]) -> float:
-    """ms of the prompt's prefill as a decode's start runs it (FastTarget.prefill, eager launches included): with the
-    replay's start (replay_start_ms) it splits the speculative start into the target's prefill and the rest (the
-    draft's catch-up over the prompt, host reads)."""
+def prefill_ms(ft: FastTarget, prompt: list[int]) -> dict[str, float]:
+    """ms of the prompt's prefill, eager launches included as a decode's start pays them: as FastTarget.prefill runs it
+    ("default": the modules, compiled where the target's layers are) and, where the fused verify takes that many rows,
+    on its kernels ("fused_verify"). With the replay's start (replay_start_ms) it splits the speculative start into the
+    target's prefill and the rest (the draft's catch-up over the prompt, host reads)."""
     ids = torch.tensor(prompt, device=ft.device)
-    return round(event_ms(lambda: ft.prefill(ids), reps=10), 3)
+    out = {"default": round(event_ms(lambda: ft.prefill(ids), reps=10), 3)}
+    if ft.fused_rows is not None and ft.fused_rows.supports_rows(len(prompt)):
+        slots = torch.arange(len(prompt), device=ft.device)
+        mask = torch.arange(ft.size, device=ft.device)[None, :] <= slots[:, None]
+        with torch.inference_mode():
+            out["fused_verify"] = round(event_ms(lambda: ft.fused_rows(ids, slots, mask, slots), reps=10), 3)
+    return out
 
 
 @dataclass
@@ -905,7 +912,7 @@ def roofline(
     r = van.generate(rf.prompt, rf.ctx_new)
     res["decode_tokens_per_second_end_to_end"] = round(rf.ctx_new / r.seconds, 2)
     res["prefill_ms"] = prefill_ms(ft, rf.prompt)
-    say(f"roofline prefill of {rf.prompt_len} tokens: {res['prefill_ms']} ms")
+    say(f"roofline prefill of {rf.prompt_len} tokens (ms): {res['prefill_ms']}")
 
     # verify cost: T tokens (a chain) at the same context, each shape captured in its own graph
     times = verify_ms(ft, rf.base_ctx, a.vocab_size)

@@ -124,12 +124,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stopped(rc: int) -> int:
-    """`rc`, or for a rank of a torchrun job (WORLD_SIZE > 1) the process's end with `rc`, skipping the interpreter's
-    teardown. Why: a rank that stops on an error still has torch.distributed's gloo worker threads, and one of them
-    taking the GIL while the interpreter finalizes aborts the process after its one line ("terminate called without
-    an active exception", SIGABRT: ~1 run in 20 of a two-rank job on CPU, torch 2.13). Every `finally` and the
-    command's own cleanup have run by now; only stdio is left to flush."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    """`rc`, or where this process's torch.distributed group is still up (a torchrun rank that stopped on an error)
+    the process's end with `rc`, skipping the interpreter's teardown. Why: the group's gloo worker threads are still
+    running then, and one of them taking the GIL while the interpreter finalizes aborts the process after its one
+    line ("terminate called without an active exception", SIGABRT: ~1 run in 20 of a two-rank job on CPU, torch
+    2.13). Every `finally` and the command's own cleanup have run by now; only stdio is left to flush."""
+    dist = sys.modules.get("torch.distributed")  # never imported: no group
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
         return rc
     sys.stdout.flush()
     sys.stderr.flush()

@@ -361,3 +361,24 @@ def test_more_ranks_than_gpus_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda _: pytest.fail("set_device on a GPU that is not there"))
     with pytest.raises(EagleScopeError, match=r"local rank 1 on a node with 1 visible GPU.*--nproc-per-node"):
         loop._setup(TrainConfig(target="t", data="d", out="o", device="cuda"))
+
+
+_EXIT_SCRIPT = """
+import atexit, os, sys, torch.distributed as dist
+from eaglescope.cli import main
+if sys.argv[1] == "group":
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+atexit.register(lambda: print("teardown ran", file=sys.stderr, flush=True))
+sys.exit(main(["train", "--target", sys.argv[2] + ".missing", "--data", "d", "--out", "o"]))
+"""
+
+
+@pytest.mark.parametrize("group", [True, False])
+def test_an_error_exit_skips_the_teardown_only_where_a_process_group_is_up(tmp_path, group):
+    # A rank whose group is up ends right after its line (the teardown is where gloo's threads abort it); any other
+    # process exits normally, its atexit handlers run (an engine's trace files are closed by them).
+    res = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, "group" if group else "none", str(tmp_path / "store")],
+                         env=environment(1), capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert res.returncode == 2 and lines[0].startswith("eaglescope: error: "), res.stderr
+    assert lines[1:] == ([] if group else ["teardown ran"]), res.stderr

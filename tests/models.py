@@ -17,6 +17,8 @@ TINY = dict(
     max_position_embeddings=256,
     rms_norm_eps=1e-6,
 )
+# TINY's widths with head_dim 32: the fused kernels' tensor-core tiles need D/2 >= 16
+WIDE_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)
 
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),

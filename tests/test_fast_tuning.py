@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 from drafts import make_draft  # noqa: E402
-from models import make_checkpoint  # noqa: E402
+from models import WIDE_HEADS, make_checkpoint  # noqa: E402
 from tolerance import assert_draft_step_matches_modules, assert_step_matches_modules  # noqa: E402
 
 from eaglescope.decode.speculative import draft_slot_cache, target_embedding  # noqa: E402
@@ -29,7 +29,6 @@ from eaglescope.taps import TapContract  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not inv.available("cpu"), reason="needs TRITON_INTERPRET=1 on a CPU-only machine")
 
-WIDE_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)  # head_dim 32: tensor-core tiles need D/2 >= 16
 SMALL = [16, 16, 1, 2]  # interpreter-sized tiles
 
 

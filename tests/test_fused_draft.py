@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 from drafts import make_draft  # noqa: E402
-from models import make_checkpoint  # noqa: E402
+from models import WIDE_HEADS, make_checkpoint  # noqa: E402
 from tolerance import assert_close_float32, assert_draft_step_matches_modules  # noqa: E402
 
 from eaglescope import trace as T  # noqa: E402
@@ -143,9 +143,7 @@ def test_speculative_decoding_through_the_fused_draft_is_vanilla_greedy(target_d
 def test_the_fused_draft_is_the_default_where_the_target_verifies_on_fused_kernels(tmp_path):
     """FastEagle's fused_draft=None: the fused draft layer where the target's verifies run the fused kernels and the
     draft is one it runs; the modules on a target without them, or for a draft it cannot run (unfused projections)."""
-    # 32-wide heads: the fused verify's tensor-core tiles need them
-    target_dir = make_checkpoint("llama", tmp_path, seed=5, num_hidden_layers=7, num_attention_heads=2,
-                                 num_key_value_heads=1)  # fmt: skip
+    target_dir = make_checkpoint("llama", tmp_path, seed=5, num_hidden_layers=7, **WIDE_HEADS)
     tgt = load_target(target_dir, device="cpu", dtype=torch.float32)
     tgt.set_taps(TapContract.default(tgt.num_layers))
     fused_model = fuse_projections(copy.deepcopy(tgt.model))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 from drafts import make_draft  # noqa: E402
-from models import make_checkpoint  # noqa: E402
+from models import WIDE_HEADS, make_checkpoint  # noqa: E402
 from tolerance import assert_step_matches_modules  # noqa: E402
 
 from eaglescope.decode.speculative import target_embedding  # noqa: E402
@@ -25,8 +25,6 @@ from eaglescope.models.targets.llama import RMSNorm, fuse_projections  # noqa: E
 from eaglescope.taps import TapContract  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not inv.available("cpu"), reason="needs TRITON_INTERPRET=1 on a CPU-only machine")
-
-WIDE_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)  # head_dim 32: tensor-core tiles need D/2 >= 16
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 BENCH = Path(__file__).parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 import fused_decode_check as fdc  # noqa: E402
-from models import make_checkpoint  # noqa: E402
+from models import WIDE_HEADS, make_checkpoint  # noqa: E402
 
 from eaglescope.errors import EagleScopeError  # noqa: E402
 from eaglescope.fast import FastTarget  # noqa: E402
@@ -34,8 +34,7 @@ PRODUCTS = ("qkv", "o", "gate_up", "down", "lm_head")
 
 @pytest.fixture(scope="module")
 def verify(tmp_path_factory):
-    ckpt = make_checkpoint("llama", tmp_path_factory.mktemp("mix"), num_hidden_layers=1, num_attention_heads=2,
-                           num_key_value_heads=1)  # fmt: skip
+    ckpt = make_checkpoint("llama", tmp_path_factory.mktemp("mix"), num_hidden_layers=1, **WIDE_HEADS)
     model = fuse_projections(load_target(ckpt, device="cpu", dtype=torch.float32).model)
     return FusedVerify(model, FastTarget(model, size=16).cache)
 

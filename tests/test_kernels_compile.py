@@ -33,6 +33,7 @@ failed = {}
 
 
 def check(name, fn, signature, const, **options):
+    const = {"PDL": False, **const}  # every kernel's launch says whether it waits on the previous one
     src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in const}}, constexprs=const)
     try:
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
@@ -78,6 +79,39 @@ for chunk, k in itertools.product((2048, 8192, 32768), (4, 10)):  # a 32k draft 
     check(f"chunk={chunk} k={k}", _log_softmax_top_k_kernel, signature, const, num_warps=top_k_warps(chunk))
 """
 
+# programmatic dependent launch (fast/fused_decode.py PDL): with PDL on, a kernel of each file, and of each kind of
+# launch the round makes (a product, a row kernel, the attention, the children), waits on the previous kernel first
+PDL_SCRIPT = r"""
+from eaglescope.fast.fused_decode import _attend_flash_kernel, _gemv_kernel
+from eaglescope.fast.fused_verify import _rows_rmsnorm_kernel, _rows_rope_cache_kernel, _rows_silu_mul_kernel
+
+i32 = lambda *names: {n: "i32" for n in names}
+kernels = {
+    "gemv": (_gemv_kernel, {**{n: "*bf16" for n in ("x", "nw", "w", "b", "y")}, **i32("N"), "eps": "fp32"},
+             dict(K=4096, NORM=True, HAS_BIAS=False, RESIDUAL=False, BN=4, BK=512, KP2=4096)),
+    "flash": (_attend_flash_kernel, {**{n: "*bf16" for n in ("q", "kc", "vc")}, "mask": "*i1", "y": "*bf16",
+                                     "limit": "*i32", "part_m": "*fp32", "part_l": "*fp32", "part_acc": "*fp32",
+                                     "count": "*i32", **i32("S", "T", "H", "rep"), "scale": "fp32",
+                                     **i32("sq_t", "sq_h", "sm_t", "sy_t", "sy_h")},
+              dict(D=128, KB=128, BR=16, SPLITS=1)),
+    "rmsnorm": (_rows_rmsnorm_kernel, {**{n: "*bf16" for n in ("x", "r", "nw", "y")}, "eps": "fp32",
+                                       **i32("part_stride")}, dict(K=4096, KP2=4096, ADD=True, PARTS=2)),
+    "rope": (_rows_rope_cache_kernel, {**{n: "*bf16" for n in ("qkv", "cos", "sin", "q", "kc", "vc")},
+                                       "slots": "*i64", **i32("n_heads", "n_kv", "S"), "bias": "*bf16",
+                                       **i32("part_stride")}, dict(D=128, PARTS=2, HAS_BIAS=True)),
+    "silu": (_rows_silu_mul_kernel, {"gate_up": "*bf16", "act": "*bf16", **i32("F")}, dict(BLOCK=1024)),
+}
+for name, (fn, signature, const) in kernels.items():
+    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in {**const, "PDL": 1}}},
+                    constexprs={**const, "PDL": True})
+    try:
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True}).asm["ptx"]
+        if "griddepcontrol.wait" not in ptx or "griddepcontrol.launch_dependents" not in ptx:
+            failed[name] = "no griddepcontrol in its PTX"
+    except Exception as e:
+        failed[name] = str(e).strip().splitlines()[-1][:300]
+"""
+
 
 def _compile_failures(script: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -99,3 +133,7 @@ def test_the_few_row_attention_kernel_compiles_for_sm90_at_every_row_block():
 
 def test_the_draft_childrens_kernel_compiles_for_sm90_at_every_chunk():
     assert _compile_failures(TOP_K_SCRIPT) == {}
+
+
+def test_the_kernels_wait_on_the_previous_one_when_launched_with_pdl():
+    assert _compile_failures(PDL_SCRIPT) == {}

@@ -22,6 +22,8 @@ kernels run under Triton's interpreter, which is how the CPU tests exercise them
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -55,6 +57,28 @@ FLASH_LAUNCH = (16, 128, 8, 2)
 LIMIT_ROWS, LIMIT_COLS = 16, 256
 
 
+# Programmatic dependent launch (sm_90 on): every kernel of this package is launched so that it may start while the
+# kernel before it in the stream drains, and its first instruction (await_previous) waits until that kernel has
+# finished and its writes are visible; so only the launch's latency overlaps the previous kernel, never a read or
+# write. It then lets the next such kernel launch at once. A CUDA graph captures the edges as they are. Why: a 24-row
+# verify at 8B is ~300 kernels and each tree level ~25, and between two kernels of a graph the SMs sit idle for about
+# a microsecond (the round's pieces, bench/NOTES.md "Session of 2026-12-05 night"). False: plain launches.
+PDL = True
+
+
+@functools.cache
+def _has_pdl(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9 and hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
+
+
+def pdl_options(x: torch.Tensor) -> dict[str, bool]:
+    """A kernel's launch keywords for PDL where it runs: on a Hopper-or-later GPU with a Triton that has
+    griddepcontrol (3.5 on), else plain (the interpreter has no griddepcontrol)."""
+    if PDL and x.is_cuda and _has_pdl(x.device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
 def launch_options(blocks: tuple[int, ...]) -> dict[str, int]:
     """num_warps (and num_stages when the block tuple names it) for a product kernel's launch."""
     return {"num_warps": blocks[2], **({"num_stages": blocks[3]} if len(blocks) > 3 else {})}
@@ -85,6 +109,14 @@ def fused_decode_supported(model: nn.Module, device: torch.device | str) -> str 
 
 
 if triton is not None:
+
+    @triton.jit
+    def await_previous(PDL: tl.constexpr):
+        """With PDL: wait for the kernel before this one in the stream (its writes visible after), then let the next
+        kernel launch. Every load and store of a kernel comes after it."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _rstd(x, K: tl.constexpr, eps, BK: tl.constexpr, KP2: tl.constexpr):
@@ -141,8 +173,10 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x, nw, w, b, y, N, eps, K: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     RESIDUAL: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KP2: tl.constexpr):  # fmt: skip
+                     RESIDUAL: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KP2: tl.constexpr,
+                     PDL: tl.constexpr = False):  # fmt: skip
         """y[rows] = W[rows] @ in (+ bias) (+ y[rows] when RESIDUAL: the residual stream, updated in place)."""
+        await_previous(PDL)
         rows = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
         ok = rows < N
         acc = _dot_rows(x, nw, w, rows, ok, eps, K, NORM, BN, BK, KP2)
@@ -155,9 +189,10 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_kernel(x, nw, w, b, cos, sin, q, kc, vc, slot, n_heads, n_kv, S, eps, K: tl.constexpr,
                          HAS_BIAS: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         KP2: tl.constexpr):  # fmt: skip
+                         KP2: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
         """Program (head, chunk): rows j and j + D/2 of one q, k or v head; RoPE (not for v), then q → q[head],
         k/v → their cache at `slot`."""
+        await_previous(PDL)
         HALF: tl.constexpr = D // 2
         pid = tl.program_id(0)
         head = pid // (HALF // BN)
@@ -184,12 +219,14 @@ if triton is not None:
 
     @triton.jit
     def _attend_kernel(q, kc, vc, mask, y, part_m, part_l, part_acc, count, S, NS, H, rep, scale, sq_t, sq_h,
-                       sm_t, sy_t, sy_h, D: tl.constexpr, KB: tl.constexpr, NS_P2: tl.constexpr):  # fmt: skip
+                       sm_t, sy_t, sy_h, D: tl.constexpr, KB: tl.constexpr, NS_P2: tl.constexpr,
+                       PDL: tl.constexpr = False):  # fmt: skip
         """Program (h, split, t): query row t, head h, against the KB cache slots of its split that the row's
         mask allows (masked loads fetch nothing, so unused slots cost nothing); float32 partial softmax sums go to
         part_*. The last split of a (row, head) to finish combines them (a counter each, reset after use): one
         launch, and no program walks the whole cache in sequence (one program per head was latency-bound:
         14 µs per layer at 8B)."""
+        await_previous(PDL)
         h, sp, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         d = tl.arange(0, D)
         offs = sp * KB + tl.arange(0, KB)
@@ -222,7 +259,7 @@ if triton is not None:
     @triton.jit
     def _attend_rows_kernel(q, kc, vc, mask, y, part_m, part_l, part_acc, count, S, NS, T, H, rep, scale, sq_t,
                             sq_h, sm_t, sy_t, sy_h, D: tl.constexpr, KB: tl.constexpr, BR: tl.constexpr,
-                            NS_P2: tl.constexpr, CH: tl.constexpr):  # fmt: skip
+                            NS_P2: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
         """Program (kv group g, split, row block): BR rows (t, r) of the T x rep query heads sharing kv head g,
         against one KB-slot block, on tensor cores: each K/V block is loaded once for all of them (one program per
         row re-read K/V per row: 11.3 ms for a 64-token verify at 8B). Partials as _attend_kernel; the last split
@@ -230,6 +267,7 @@ if triton is not None:
         Why not one split after another: each of those loads waits on L2 before the next is issued, ~0.7 µs a
         split, so the combine, not the slots, set the time (8.8 µs a call for a 4-row draft level at ~7 splits,
         bench-roofline-20261205T050738.json; 64 splits at a 4k-slot cache)."""
+        await_previous(PDL)
         g, sp, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i = rb * BR + tl.arange(0, BR)
         ok_i = i < T * rep
@@ -278,9 +316,10 @@ if triton is not None:
             tl.store(counter, 0)
 
     @triton.jit
-    def _attention_limit_kernel(mask, limit, T, S, sm_t, BT: tl.constexpr, BS: tl.constexpr):
+    def _attention_limit_kernel(mask, limit, T, S, sm_t, BT: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr = False):
         """Program j: limit = max(limit, one past the highest slot among j*BS .. j*BS+BS-1 that any of the T rows of
         `mask` allows; 0 where none does). `limit` comes in zeroed."""
+        await_previous(PDL)
         cols = tl.program_id(0) * BS + tl.arange(0, BS)
         in_s = cols < S
         seen = tl.zeros((BS,), tl.int32)
@@ -294,7 +333,7 @@ if triton is not None:
     @triton.jit
     def _attend_flash_kernel(q, kc, vc, mask, y, limit, part_m, part_l, part_acc, count, S, T, H, rep, scale, sq_t,
                              sq_h, sm_t, sy_t, sy_h, D: tl.constexpr, KB: tl.constexpr, BR: tl.constexpr,
-                             SPLITS: tl.constexpr):  # fmt: skip
+                             SPLITS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
         """Program (kv group g, row block, split): BR rows (t, r) of the T x rep query heads sharing kv head g against
         the cache slots below `limit` (a device scalar: one past the highest slot any row allows), KB slots at a time
         with a running softmax (the maximum and the sum rescaled at each block). SPLITS = 1: one program walks every
@@ -303,6 +342,7 @@ if triton is not None:
         ... and writes its maximum, sum and float32 output; the last of a row block's splits to finish combines
         them in split order (a counter per row block, reset after): a few splits, where the walk, not the combine,
         is what a program waits on (NOTES version 23b)."""
+        await_previous(PDL)
         g, rb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i = rb * BR + tl.arange(0, BR)
         ok_i = i < T * rep
@@ -361,8 +401,9 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(x, nw, w, b, act, F, eps, K: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, KP2: tl.constexpr):  # fmt: skip
+                        BK: tl.constexpr, KP2: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
         """Rows j of gate and F + j of up (the fused [2F, K] weight) → act[j] = SiLU(gate) * up."""
+        await_previous(PDL)
         j0 = tl.program_id(0) * BN
         j = j0 + tl.arange(0, BN)
         rows = _paired_rows(j0, F + j0, BN)
@@ -395,8 +436,8 @@ def fused_linear(
     nw, eps = (norm.weight, norm.eps) if norm is not None else (weight, 0.0)
     _gemv_kernel[(triton.cdiv(N, bn),)](x, nw, weight, bias if bias is not None else weight, out, N, eps, K=K,
                                         NORM=norm is not None, HAS_BIAS=bias is not None, RESIDUAL=residual,
-                                        BN=bn, BK=bk, KP2=triton.next_power_of_2(K),
-                                        **launch_options(blocks))  # fmt: skip
+                                        BN=bn, BK=bk, KP2=triton.next_power_of_2(K), **launch_options(blocks),
+                                        **pdl_options(x))  # fmt: skip
     return out
 
 
@@ -429,7 +470,7 @@ def attention_limit(mask: torch.Tensor) -> torch.Tensor:
     limit = torch.zeros(1, device=mask.device, dtype=torch.int32)
     mask = mask.contiguous()
     _attention_limit_kernel[(triton.cdiv(S, LIMIT_COLS),)](mask, limit, T, S, mask.stride(0), BT=LIMIT_ROWS,
-                                                           BS=LIMIT_COLS)  # fmt: skip
+                                                           BS=LIMIT_COLS, **pdl_options(mask))  # fmt: skip
     return limit
 
 
@@ -471,19 +512,20 @@ def fused_attention(
         _attend_flash_kernel[(Hkv, triton.cdiv(T * rep, BR), splits)](
             q, k, v, mask, out, limit, *part, S, T, H, rep, D**-0.5, q.stride(0), q.stride(1), mask.stride(0),
             out.stride(0), out.stride(1), D=D, KB=KB, BR=BR, SPLITS=splits, num_warps=warps, num_stages=stages,
+            **pdl_options(q),
         )  # fmt: skip
         return out
     part_m, part_l, part_acc, count = scratch if scratch is not None else attention_scratch(T, H, D, S, q.device)
     if T == 1 or D < 16:  # one row: a program per head; tensor cores need 16 rows and 16-wide heads
         _attend_kernel[(H, NS, T)](q, k, v, mask, out, part_m, part_l, part_acc, count, S, NS, H, rep, D**-0.5,
                                    q.stride(0), q.stride(1), mask.stride(0), out.stride(0), out.stride(1), D=D,
-                                   KB=keys, NS_P2=triton.next_power_of_2(NS))  # fmt: skip
+                                   KB=keys, NS_P2=triton.next_power_of_2(NS), **pdl_options(q))  # fmt: skip
     else:
         BR = min(64, max(16, triton.next_power_of_2(T * rep)))
         _attend_rows_kernel[(Hkv, NS, triton.cdiv(T * rep, BR))](
             q, k, v, mask, out, part_m, part_l, part_acc, count, S, NS, T, H, rep, D**-0.5, q.stride(0), q.stride(1),
             mask.stride(0), out.stride(0), out.stride(1), D=D, KB=keys, BR=BR, NS_P2=triton.next_power_of_2(NS),
-            CH=max(1, min(64 // BR, triton.next_power_of_2(NS))),
+            CH=max(1, min(64 // BR, triton.next_power_of_2(NS))), **pdl_options(q),
         )  # fmt: skip
     return out
 
@@ -555,7 +597,7 @@ class FusedDecode:
             self.h, norm.weight, qkv.weight, qkv.bias if qkv.bias is not None else qkv.weight, cos, sin, self.q,
             self.cache.k[i], self.cache.v[i], slot, a.num_heads, a.num_kv_heads, self.cache.size, norm.eps,
             K=a.hidden_size, HAS_BIAS=qkv.bias is not None, D=D, BN=bn, BK=bk,
-            KP2=triton.next_power_of_2(a.hidden_size), **launch_options(self.blocks["qkv"]),
+            KP2=triton.next_power_of_2(a.hidden_size), **launch_options(self.blocks["qkv"]), **pdl_options(self.h),
         )  # fmt: skip
 
     def attend(self, i: int, mask: torch.Tensor) -> None:
@@ -575,6 +617,7 @@ class FusedDecode:
             self.h, norm.weight, gu.weight, gu.bias if gu.bias is not None else gu.weight, self.act, F, norm.eps,
             K=self.args.hidden_size, HAS_BIAS=gu.bias is not None, BN=bn, BK=bk,
             KP2=triton.next_power_of_2(self.args.hidden_size), **launch_options(self.blocks["gate_up"]),
+            **pdl_options(self.h),
         )  # fmt: skip
 
     def down(self, i: int) -> None:

@@ -30,7 +30,14 @@ from __future__ import annotations
 import torch
 
 from eaglescope.decode.tree import expand_level, top_k_rows
-from eaglescope.fast.fused_decode import attention_scratch, available, fused_attention, triton
+from eaglescope.fast.fused_decode import (
+    attention_scratch,
+    available,
+    await_previous,
+    fused_attention,
+    pdl_options,
+    triton,
+)
 from eaglescope.fast.fused_verify import (
     _mm,
     _rows_rmsnorm_kernel,
@@ -56,9 +63,10 @@ if triton is not None:
 
     @triton.jit
     def _draft_input_kernel(emb, hid, w_emb, w_hid, x, h, eps_emb, eps_hid, K: tl.constexpr, KP2: tl.constexpr,
-                            NORM_RESIDUAL: tl.constexpr):  # fmt: skip
+                            NORM_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
         """Program t: x[t] = [input_layernorm(emb[t]), hidden_norm(hid[t])] and h[t] = that hidden norm
         (NORM_RESIDUAL) or hid[t]."""
+        await_previous(PDL)
         t = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, KP2)
         ok = k < K
@@ -75,11 +83,12 @@ if triton is not None:
     @triton.jit
     def _log_softmax_top_k_kernel(x, vals, ids, part_max, part_sum, part_val, part_id, count, V, stride,
                                   K: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, SP2: tl.constexpr,
-                                  CAND: tl.constexpr):  # fmt: skip
+                                  CAND: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
         """Program (r, s): the maximum, the sum of exponentials under it and the K largest entries (ties to the lower
         column) of row r's columns s*CHUNK.. ; the last program of the row to finish (a counter per row) merges the
         SPLITS partials in order: the K largest of log_softmax(x[r]) in float32, best first. A chosen entry becomes
         NaN, which equals nothing (the padding past the row starts so)."""
+        await_previous(PDL)
         r = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
         cols = s * CHUNK + tl.arange(0, CHUNK)
@@ -122,10 +131,11 @@ if triton is not None:
     @triton.jit
     def _expand_level_kernel(tokens, parents, depths, scores, lineage, next_id, parent_nodes, child_lp, child_tok,
                              frontier, COLS: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOP: tl.constexpr,
-                             NP2: tl.constexpr, CP2: tl.constexpr):  # fmt: skip
+                             NP2: tl.constexpr, CP2: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
         """decode/tree.py expand_level with the children picked, in one program of one warp (the warp reads next_id
         before it moves it): candidate c = j*K + i is child i of parent_nodes[j]; the TOP best by cumulative
         log-prob, ties to the earlier candidate, are the next frontier."""
+        await_previous(PDL)
         c = tl.arange(0, NP2)
         ok = c < N
         base = tl.load(next_id)
@@ -166,7 +176,7 @@ def expand_level_fused(tokens, parents, depths, scores, lineage, next_id, parent
     _expand_level_kernel[(1,)](tokens, parents, depths, scores, lineage, next_id, parent_nodes.contiguous(),
                                child_lp.to(scores.dtype).contiguous(), child_tok.contiguous(), frontier, COLS=cols,
                                N=n, K=k, TOP=top, NP2=triton.next_power_of_2(n),
-                               CP2=triton.next_power_of_2(cols), num_warps=1)  # fmt: skip
+                               CP2=triton.next_power_of_2(cols), num_warps=1, **pdl_options(tokens))  # fmt: skip
     return frontier
 
 
@@ -213,7 +223,7 @@ def log_softmax_top_k(
                                            logits.stride(0), K=k, CHUNK=chunk, SPLITS=splits,
                                            SP2=triton.next_power_of_2(splits),
                                            CAND=triton.next_power_of_2(splits * k),
-                                           num_warps=top_k_warps(chunk))  # fmt: skip
+                                           num_warps=top_k_warps(chunk), **pdl_options(logits))  # fmt: skip
     return vals, ids
 
 
@@ -278,7 +288,8 @@ class FusedDraftStep:
         H = self.config.hidden_size
         parts = add.shape[0] if add.dim() == 3 else 1
         _rows_rmsnorm_kernel[(T,)](self.h, add, norm.weight, self.normed, norm.eps, add.stride(0) if parts > 1 else 0,
-                                   K=H, KP2=triton.next_power_of_2(H), ADD=True, PARTS=parts)  # fmt: skip
+                                   K=H, KP2=triton.next_power_of_2(H), ADD=True, PARTS=parts,
+                                   **pdl_options(add))  # fmt: skip
         return self.normed[:T]
 
     def _residual_product(self, name: str, x: torch.Tensor, proj) -> torch.Tensor:
@@ -299,20 +310,20 @@ class FusedDraftStep:
         emb_norm, hid_norm = layer.input_layernorm, layer.hidden_norm
         _draft_input_kernel[(T,)](emb, hid, emb_norm.weight, hid_norm.weight, self.x, self.h, emb_norm.eps,
                                   hid_norm.eps, K=H, KP2=triton.next_power_of_2(H),
-                                  NORM_RESIDUAL=layer.norm_before_residual)  # fmt: skip
+                                  NORM_RESIDUAL=layer.norm_before_residual, **pdl_options(hid))  # fmt: skip
         cos, sin = cos.contiguous(), sin.contiguous()
         qkv = _mm(self.x[:T], attn.qkv_proj.weight, attn.qkv_proj.bias, self.qkv_out[:T])
         kc, vc = self.cache.k[0], self.cache.v[0]
         _rows_rope_cache_kernel[(T, c.num_heads + 2 * c.num_kv_heads)](qkv, cos, sin, self.q, kc, vc, slots,
                                                                        c.num_heads, c.num_kv_heads, self.cache.size,
-                                                                       qkv, 0, D=D)  # fmt: skip
+                                                                       qkv, 0, D=D, **pdl_options(qkv))  # fmt: skip
         q, out = self.q[:T].view(T, c.num_heads, D), self.attn[:T].view(T, c.num_heads, D)
         fused_attention(q, kc[0], vc[0], mask, out, self.scratch)
         o = self._residual_product("o", self.attn[:T], attn.o_proj)
         x = self._norm(layer.post_attention_layernorm, T, o)
         gate_up = _mm(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, self.gate_up_out[:T])
         F = c.intermediate_size
-        _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](gate_up, self.act, F, BLOCK=1024)
+        _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](gate_up, self.act, F, BLOCK=1024, **pdl_options(gate_up))
         down = self._residual_product("down", self.act[:T], mlp.down_proj)
         normed = self._norm(self.draft.norm, T, down)  # self.h is now the step's pre-norm output
         return (normed if c.norm_output else self.h[:T]), normed

@@ -38,11 +38,13 @@ from eaglescope.fast.fused_decode import (
     FLASH_LAUNCH,
     attention_limit,
     attention_scratch,
+    await_previous,
     flash_scratch,
     flash_scratch_fits,
     fused_attention,
     fused_decode_supported,
     logits_dtype,
+    pdl_options,
     triton,
 )
 from eaglescope.models.targets.llama import LlamaModel, attend
@@ -88,11 +90,12 @@ if triton is not None:
 
     @triton.jit
     def _rows_rmsnorm_kernel(x, r, nw, y, eps, part_stride, K: tl.constexpr, KP2: tl.constexpr, ADD: tl.constexpr,
-                             PARTS: tl.constexpr = 1):  # fmt: skip
+                             PARTS: tl.constexpr = 1, PDL: tl.constexpr = False):  # fmt: skip
         """y[t] = RMSNorm(x[t]) with the module's two roundings; one program per row. With ADD, first x[t] += r[t]
         in place (the residual add, rounded as the module's `h + proj(...)`). PARTS > 1: r holds that many float32
         partials of the product over slices of K (split_k_mm), part_stride elements apart, summed in slice order
         and rounded once to x's dtype before the add, as the one product would be."""
+        await_previous(PDL)
         t = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, KP2)
         ok = k < K
@@ -113,11 +116,13 @@ if triton is not None:
 
     @triton.jit
     def _rows_rope_cache_kernel(qkv, cos, sin, q, kc, vc, slots, n_heads, n_kv, S, bias, part_stride,
-                                D: tl.constexpr, PARTS: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):  # fmt: skip
+                                D: tl.constexpr, PARTS: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False,
+                                PDL: tl.constexpr = False):  # fmt: skip
         """Program (row t, head) of a q/k/v product already in qkv [T, heads*D]: RoPE at the row's position (not
         for v), then q → q[t, head], k/v → the cache at slots[t]. PARTS > 1: qkv holds that many float32 partials
         of the product over slices of K (split_k_mm), part_stride elements apart, summed in slice order with the
         bias (HAS_BIAS) and rounded once to the cache's dtype, as the one product would be."""
+        await_previous(PDL)
         HALF: tl.constexpr = D // 2
         t, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
         n_all = n_heads + 2 * n_kv
@@ -147,8 +152,9 @@ if triton is not None:
         tl.store(dst + HALF, hi.to(q.dtype.element_ty))
 
     @triton.jit
-    def _rows_silu_mul_kernel(gate_up, act, F, BLOCK: tl.constexpr):
+    def _rows_silu_mul_kernel(gate_up, act, F, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """act[t, j] = SiLU(gate_up[t, j]) * gate_up[t, F + j], with the module's rounding of SiLU."""
+        await_previous(PDL)
         t = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = j < F
@@ -161,7 +167,8 @@ if triton is not None:
     def _rows_gemm_kernel(x, w, b, y, cos, sin, kc, vc, slots, part, count, T, N, n_heads, n_kv, S,
                           K: tl.constexpr, K_SLICE: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr,
                           PAIR: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, D: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr):  # fmt: skip
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
+                          PDL: tl.constexpr = False):  # fmt: skip
         """x[:T] @ W[cols].T on tensor cores, K cut into SPLITS slices whose float32 partials the last slice of a
         column tile to finish adds in slice order (a counter per tile), then the MODE's epilogue:
         "plain" y = . (+ b); "residual" y += .; "gate_up" (cols j and N + j, PAIR) y = SiLU(gate) * up;
@@ -169,6 +176,7 @@ if triton is not None:
         SWAP: each step's product as W[cols] @ x.T, the weight tile on the tensor-core instruction's M side (BN rows)
         and the few tokens on its N side, as cuBLAS's tiles for few rows are (64 weight rows by 24 tokens at 24 rows,
         bench/NOTES.md, version 23a); the accumulator is transposed once, after the K loop."""
+        await_previous(PDL)
         HALF: tl.constexpr = D // 2
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         t = tl.arange(0, BM)
@@ -444,7 +452,7 @@ class FusedVerify:
             rope.get("kc", x), rope.get("vc", x), rope.get("slots", x), self.part, self.count, T, N, a.num_heads,
             a.num_kv_heads, c.size, K=K, K_SLICE=k_slice, SPLITS=splits, MODE=mode, PAIR=mode in ("qkv", "gate_up"),
             HAS_BIAS=bias is not None, EVEN_K=K % bk == 0, D=D, BM=BM, BN=bn, BK=bk, SWAP=bool(swap and swap[0]),
-            num_warps=warps, num_stages=stages,
+            num_warps=warps, num_stages=stages, **pdl_options(x),
         )  # fmt: skip
 
     @staticmethod
@@ -458,7 +466,7 @@ class FusedVerify:
         parts = add.shape[0] if add is not None and add.dim() == 3 else 1  # split_k_mm's partials
         _rows_rmsnorm_kernel[(T,)](x, add if add is not None else x, norm.weight, self.normed, norm.eps,
                                    add.stride(0) if parts > 1 else 0, K=K, KP2=triton.next_power_of_2(K),
-                                   ADD=add is not None, PARTS=parts)  # fmt: skip
+                                   ADD=add is not None, PARTS=parts, **pdl_options(x))  # fmt: skip
         return self.normed
 
     def _residual(self, name: str, s: VerifySettings, x, layer_proj, h, T: int) -> torch.Tensor | None:
@@ -542,7 +550,7 @@ class FusedVerify:
                 _rows_rope_cache_kernel[(T, heads)](out, cos, sin, self.q, kc, vc, slots, a.num_heads,
                                                     a.num_kv_heads, self.cache.size, qkv.bias if with_bias else out,
                                                     out.stride(0) if split > 1 else 0, D=D, PARTS=split,
-                                                    HAS_BIAS=with_bias)  # fmt: skip
+                                                    HAS_BIAS=with_bias, **pdl_options(out))  # fmt: skip
             else:
                 self._product("qkv", s, x, qkv.weight, qkv.bias, self.q, T, nq + 2 * a.num_kv_heads * D, cos=cos,
                               sin=sin, kc=kc, vc=vc, slots=slots)  # fmt: skip
@@ -552,7 +560,7 @@ class FusedVerify:
             if "gate_up" in s.cublas:
                 with self._library("gate_up", s, x):
                     out = _mm(x[:T], gu.weight, gu.bias, self.gate_up_out[:T])
-                _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](out, self.act, F, BLOCK=1024)
+                _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](out, self.act, F, BLOCK=1024, **pdl_options(out))
             else:
                 self._product("gate_up", s, x, gu.weight, gu.bias, self.act, T, F)
             pending = self._residual("down", s, self.act, layer.mlp.down_proj, h, T)

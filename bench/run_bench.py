@@ -42,7 +42,7 @@ from eaglescope.corpus import COMPLETION_TEMPLATE, code_prefixes, stdlib_corpus,
 from eaglescope.data.prepare import prepare
 from eaglescope.decode.stats import SpecStats
 from eaglescope.decode.tree import top_k_rows
-from eaglescope.fast import FastEagle, FastTarget, FastVanilla
+from eaglescope.fast import FastEagle, FastTarget, FastVanilla, fused_decode
 from eaglescope.fast import invariant as inv_kernels
 from eaglescope.fast.engine import _graph, use_batch_invariant, use_matmul_attention
 from eaglescope.fast.fused_decode import available, fused_decode_supported
@@ -826,11 +826,16 @@ def verify_ms(ft: FastTarget, ctx: int, vocab: int, sizes=(1, 8, 16, 24, 32, 64,
 
 def prefill_ms(ft: FastTarget, prompt: list[int]) -> dict[str, float]:
     """ms of the prompt's prefill, eager launches included as a decode's start pays them: as FastTarget.prefill runs it
-    ("default": the modules, compiled where the target's layers are) and, where the fused verify takes that many rows,
-    on its kernels ("fused_verify"). With the replay's start (replay_start_ms) it splits the speculative start into the
-    target's prefill and the rest (the draft's catch-up over the prompt, host reads)."""
+    ("default": the fused verify's captured chunks where graph_prefill, else the modules), on the modules ("modules",
+    compiled where the target's layers are; where "default" is not them) and, where the fused verify takes that many
+    rows, on its kernels launched eagerly ("fused_verify"). With the replay's start (replay_start_ms) it splits the
+    speculative start into the target's prefill and the rest (the draft's catch-up over the prompt, host reads)."""
     ids = torch.tensor(prompt, device=ft.device)
     out = {"default": round(event_ms(lambda: ft.prefill(ids), reps=10), 3)}
+    if ft.graph_prefill:  # "default" is then the graphed chunks: the modules as well
+        ft.graph_prefill = False
+        out["modules"] = round(event_ms(lambda: ft.prefill(ids), reps=10), 3)
+        ft.graph_prefill = True
     if ft.fused_rows is not None and ft.fused_rows.supports_rows(len(prompt)):
         slots = torch.arange(len(prompt), device=ft.device)
         mask = torch.arange(ft.size, device=ft.device)[None, :] <= slots[:, None]
@@ -1216,16 +1221,18 @@ def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compile
     res["replay_eta"] = round(tps / vtps / tau, 4)
     which = " (modules draft)" if fused_draft is False else ""
     say(f"roofline replay{which}: τ {tau:.2f}, {tps:.1f} vs {vtps:.1f} tok/s, round {res['replay_round_ms']} ms")
+    # η above is end to end: each run's start (the target's prefill; for EAGLE-3 also the draft's catch-up over the
+    # prompt) is spread over ~74 rounds but over 256 vanilla tokens. The starts alone (a one-token generate is the
+    # start and nothing else; the median of five, before any profiler has run: its hooks stay on the launches), and η
+    # with them taken out of both: what the round itself costs against a step
+    start_e = statistics.median(fe.generate(prompt, 1, replay=pr).seconds for _ in range(5))
+    start_v = statistics.median(van.generate(prompt, 1).seconds for _ in range(5))
     if rf.device.type == "cuda" and rf.left() > 90:  # where the round's time goes: each operation alone
+        fe.generate(prompt, ctx_new, replay=pr)  # the pieces are timed at the state the whole run ends in
         try:
             res["replay_round_pieces"] = round_pieces(fe, profile=rf.left() > 150)
         except Exception as e:
             res["replay_round_pieces"] = f"profiler failed: {type(e).__name__}: {e}"
-    # after the pieces (a start moves the state they are timed at back to the prompt). η above is end to end: each
-    # run's start (the target's prefill; for EAGLE-3 also the draft's catch-up over the prompt) is spread over ~74
-    # rounds but over 256 vanilla tokens. The starts alone (a one-token generate is the start and nothing else), and
-    # η with them taken out of both: what the round itself costs against a step
-    start_e, start_v = fe.generate(prompt, 1, replay=pr).seconds, van.generate(prompt, 1).seconds
     res["replay_start_ms"] = round(start_e * 1e3, 3)
     res["replay_vanilla_start_ms"] = round(start_v * 1e3, 3)
     res["replay_round_ms_after_start"] = round((rr.seconds - start_e) / len(rr.accepted) * 1e3, 4)
@@ -1268,6 +1275,7 @@ def _config(args) -> dict:
     cfg["batch_invariant"] = not args.no_batch_invariant
     cfg["compile_rounds"] = args.compile  # the 197M rows as `eaglescope bench --compile` runs them
     cfg["float32_pass"] = args.float32_pass
+    cfg["pdl"] = not args.no_pdl  # the fused kernels' programmatic dependent launch (fast/fused_decode.py PDL)
     for k in ("t_target", "t_draft", "t_abl", "t_lm"):
         cfg[k] *= args.scale
     if args.n_seq:
@@ -1323,6 +1331,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf-timed", type=int, default=1, help="prompts the first worker times alone on the GPU")
     ap.add_argument("--hf-reserve-s", type=float, default=150.0, help="seconds the 8B section leaves to transformers")
     ap.add_argument("--no-vendor-rows", action="store_true", help="skip the cuBLAS + SDPA comparison rows")
+    ap.add_argument("--no-pdl", action="store_true", help="launch the fused kernels without PDL (an A/B of it)")
     ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prepare-worker", default=None, help=argparse.SUPPRESS)
     return ap
@@ -1342,6 +1351,7 @@ def main() -> int:
             return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = _config(args)
+    fused_decode.PDL = cfg["pdl"]
     out_dir, work = Path(args.out), Path(args.work)
     out_dir.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)

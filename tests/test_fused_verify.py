@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 from drafts import make_draft  # noqa: E402
 from models import WIDE_HEADS, make_checkpoint  # noqa: E402
-from tolerance import assert_step_matches_modules  # noqa: E402
+from tolerance import assert_close_float32, assert_step_matches_modules  # noqa: E402
 
 from eaglescope.decode.speculative import target_embedding  # noqa: E402
 from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
+from eaglescope.fast.engine import PREFILL_ROWS  # noqa: E402
 from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, MAX_ROWS, FusedVerify, _attend_products  # noqa: E402
 from eaglescope.models.targets import load_target  # noqa: E402
 from eaglescope.models.targets.llama import RMSNorm, fuse_projections  # noqa: E402
@@ -165,6 +166,55 @@ def test_speculative_decoding_through_fused_steps_and_verifies_is_vanilla_greedy
     fast = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 2).generate(prompt, n)
     assert fast.tokens == ref
     assert sum(fast.accepted) > 0
+
+
+def test_chunked_prefill_matches_the_modules_and_its_padding_is_never_read(tmp_path):
+    """graph_prefill: a prompt in PREFILL_ROWS-row chunks of the fused verify (uncaptured on a CPU, the same calls a
+    GPU replays) gives the modules' logits, taps and cache entries for each prompt row, padded chunks included; a
+    prompt whose padding would not fit the cache prefills on the modules; and greedy decoding after a padded chunk
+    (the pad rows' K/V left in the slots after the prompt) is vanilla greedy's, through one-token steps and through
+    speculative verifies alike."""
+    ckpt = make_checkpoint("llama", tmp_path, seed=7, num_hidden_layers=3, **WIDE_HEADS)
+    tgt = load_target(ckpt, device="cpu", dtype=torch.float32)
+    tgt.set_taps(TapContract((0, 1, 2), 3))  # the embedding, then what enters layers 1 and 2
+    size = 2 * PREFILL_ROWS + 16
+    kw = dict(taps=tgt.taps.layers, fuse=True, fused_decode=True, fused_verify=True)
+    chunked = FastTarget(copy.deepcopy(tgt.model), size, graph_prefill=True, **kw)
+    modules = FastTarget(copy.deepcopy(tgt.model), size, graph_prefill=False, **kw)
+    g = torch.Generator().manual_seed(0)
+    for n in (5, PREFILL_ROWS, PREFILL_ROWS + 6):
+        prompt = torch.randint(0, tgt.model.args.vocab_size, (n,), generator=g)
+        for ft in (chunked, modules):
+            ft.cache.k.zero_()
+            ft.cache.v.zero_()
+        got, want = chunked.prefill(prompt), modules.prefill(prompt)
+        assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
+        depth = len(tgt.model.model.layers) + 1
+        assert_close_float32(got[0], want[0], depth, key=f"logits of {n}")
+        assert_close_float32(got[1], want[1], depth, key=f"taps of {n}")
+        for name in ("k", "v"):
+            ours, theirs = getattr(chunked.cache, name), getattr(modules.cache, name)
+            assert_close_float32(ours[..., :n, :], theirs[..., :n, :], depth, key=f"cache.{name} of {n}")
+            end = -(-n // PREFILL_ROWS) * PREFILL_ROWS
+            assert not ours[..., end:, :].any()  # nothing past the last chunk
+    assert chunked._chunk is not None and modules._chunk is None
+    small = FastTarget(copy.deepcopy(tgt.model), PREFILL_ROWS + 8, graph_prefill=True, **kw)
+    prompt = torch.arange(3, 3 + PREFILL_ROWS + 2)  # its second chunk's padding would pass the cache's end
+    torch.testing.assert_close(small.prefill(prompt), small._run_eager(prompt, *_causal(small, prompt)), rtol=0, atol=0)
+    assert small._chunk is None
+
+    draft, _ = make_draft(ckpt, taps=tgt.taps, seed=14, scale=1.0)
+    draft.load_target_embedding(target_embedding(tgt))
+    prompt, new = torch.randint(0, tgt.model.args.vocab_size, (PREFILL_ROWS + 6,), generator=g).tolist(), 10
+    ref = generate_vanilla(tgt, prompt, new, stop_ids=[]).token_ids
+    assert FastVanilla(chunked, new).generate(prompt).tokens == ref
+    fast = FastEagle(chunked, draft, 3, 3, 8, max_len=len(prompt) + new + 2).generate(prompt, new)
+    assert fast.tokens == ref
+
+
+def _causal(ft, prompt):
+    slots = torch.arange(prompt.shape[0])
+    return slots, torch.arange(ft.size)[None, :] <= slots[:, None], slots
 
 
 def test_cublaslt_only_for_products_left_to_cublas(tiny_verify):

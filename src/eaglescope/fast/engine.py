@@ -41,7 +41,7 @@ from eaglescope.decode.tree import DraftTree
 from eaglescope.decode.verify import accept_greedy
 from eaglescope.fast.fused_decode import FusedDecode, attend_fused
 from eaglescope.fast.fused_draft import FusedDraftStep, fused_draft_supported
-from eaglescope.fast.fused_verify import FusedVerify
+from eaglescope.fast.fused_verify import MAX_ROWS, FusedVerify
 from eaglescope.fast.layers import Float32Logits, GemvLinear, allow_recompiles, argmax_rows, compile_layers
 from eaglescope.fast.tuning import BUILT_IN, tuning_for
 from eaglescope.models.draft import Eagle3Draft
@@ -100,13 +100,16 @@ class FastTarget:
         batch_invariant: bool = False,
         fused_decode: bool = False,
         fused_verify: bool = False,
+        graph_prefill: bool | None = None,
     ) -> None:
         """`fuse` merges q/k/v and gate/up weights in place (the model is then for inference only); `compile`
         compiles each decoder layer (see compile_layers); `float32_logits` swaps in a Float32Logits lm_head;
         `batch_invariant` runs the model on the batch-invariant kernels (use_batch_invariant), so a token's
         logits are bit-identical whether it is decoded alone or verified in a tree; `fused_decode` runs one-token
         steps through fast/fused_decode.py (five kernels per layer; needs `fuse`), longer ones on the modules;
-        `fused_verify` runs 2..64-token steps in the same layout on tensor cores (fast/fused_verify.py; untimed)."""
+        `fused_verify` runs 2..64-token steps in the same layout on tensor cores (fast/fused_verify.py; untimed);
+        `graph_prefill` (default: with `fused_verify` on a GPU) prefills prompts through it in PREFILL_ROWS-row
+        chunks, one captured graph replayed per chunk on a GPU (prefill)."""
         if batch_invariant and compile:
             raise ValueError("batch_invariant runs the target uncompiled (inductor would re-fuse its kernels)")
         if batch_invariant and (fused_decode or fused_verify):
@@ -135,6 +138,12 @@ class FastTarget:
         self.tuning = tuning_for(self.device) if fused_verify else BUILT_IN
         if fused_verify:  # with this GPU's tuned settings by row count, where a tuning file has them
             self.fused_rows = FusedVerify(model, self.cache, self.taps, by_rows=self.tuning.verify)
+        if graph_prefill is None:
+            graph_prefill = self.fused_rows is not None and self.device.type == "cuda"
+        if graph_prefill and self.fused_rows is None:
+            raise ValueError("graph_prefill runs the prompt through the fused verify: it needs fused_verify")
+        self.graph_prefill = graph_prefill
+        self._chunk: _PrefillChunk | None = None  # the captured chunk, at the first graphed prefill
 
     def _forward(self, tokens, positions, mask, slots, taps):
         if self.batch_invariant:
@@ -157,7 +166,21 @@ class FastTarget:
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor):
-        slots = torch.arange(prompt.shape[0], device=self.device)
+        """The prompt's logits [P, V] and tap features [P, nH] | None, its K/V in slots 0..P-1. With graph_prefill,
+        in chunks of PREFILL_ROWS rows, each one replay of a captured fused verify (_PrefillChunk); else one eager
+        forward of the modules (compiled where the layers are), as a prompt too long for the chunks' padding is."""
+        n = prompt.shape[0]
+        if self.graph_prefill and -(-n // PREFILL_ROWS) * PREFILL_ROWS <= self.size:
+            try:
+                if self._chunk is None:
+                    self._chunk = _PrefillChunk(self)
+                return self._chunk.prefill(prompt)
+            except Exception as e:  # a failed capture must not take the decoder down: the modules do the same
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                log.warning("the graphed prefill failed (%s); prompts prefill on the modules", e)
+                self.graph_prefill, self._chunk = False, None
+        slots = torch.arange(n, device=self.device)
         mask = torch.arange(self.size, device=self.device)[None, :] <= slots[:, None]
         return self._run_eager(prompt, slots, mask, slots)
 
@@ -173,6 +196,51 @@ class FastTarget:
         states = list(every.split(H, dim=-1))
         aux = torch.cat([states[i] for i in self.taps], dim=-1)
         return logits, aux, states, final, [layer.input_layernorm(h) for layer, h in zip(layers, states, strict=True)]
+
+
+# the graphed prefill's chunk: the fused verify's most rows, so a 64-token prompt is one replay
+PREFILL_ROWS = MAX_ROWS
+
+
+class _PrefillChunk:
+    """One fused verify of PREFILL_ROWS prompt rows at slots start..start+PREFILL_ROWS-1 (their positions), captured
+    as a CUDA graph whose inputs are a token buffer and the chunk's start. Why: eagerly the fused verify is ~300
+    Python-side kernel launches, so a 64-token prefill took 10.5 ms of host time on an H100 where its kernels take
+    6.4 (bench-roofline-20261205T185259.json); the modules' compiled prefill 10.9. A chunk shorter than
+    PREFILL_ROWS is padded: the pad rows' K/V land in the slots after the prompt, which no step reads before it
+    writes them itself (a verify's mask allows only the context and its own rows), and their outputs are dropped."""
+
+    def __init__(self, target: FastTarget) -> None:
+        dev = target.device
+        self.tokens = torch.zeros(PREFILL_ROWS, dtype=torch.long, device=dev)
+        self.start = torch.zeros(1, dtype=torch.long, device=dev)
+        self._rows = torch.arange(PREFILL_ROWS, device=dev)
+        self._slot_ids = torch.arange(target.size, device=dev)
+        self.verify = target.fused_rows
+        self.out: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # on a CPU (the tests, under Triton's interpreter) the same chunks run uncaptured
+        self.graph = _graph(self._chunk) if dev.type == "cuda" else None
+
+    def _chunk(self) -> None:
+        slots = self.start + self._rows
+        mask = self._slot_ids[None, :] <= slots[:, None]
+        self.out = self.verify(self.tokens, slots, mask, slots)
+
+    def prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits, aux = [], []
+        for c in range(0, prompt.shape[0], PREFILL_ROWS):
+            rows = min(PREFILL_ROWS, prompt.shape[0] - c)
+            self.tokens[:rows].copy_(prompt[c : c + rows])
+            self.tokens[rows:].zero_()
+            self.start.fill_(c)
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._chunk()
+            logits.append(self.out[0][:rows].clone())  # the graph's outputs are rewritten by the next replay
+            if self.out[1] is not None:
+                aux.append(self.out[1][:rows].clone())
+        return torch.cat(logits), torch.cat(aux) if aux else None
 
 
 def _graph(fn, warmup: int = 2) -> torch.cuda.CUDAGraph:

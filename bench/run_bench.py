@@ -1275,7 +1275,7 @@ def _config(args) -> dict:
     cfg["batch_invariant"] = not args.no_batch_invariant
     cfg["compile_rounds"] = args.compile  # the 197M rows as `eaglescope bench --compile` runs them
     cfg["float32_pass"] = args.float32_pass
-    cfg["pdl"] = not args.no_pdl  # the fused kernels' programmatic dependent launch (fast/fused_decode.py PDL)
+    cfg["pdl"] = args.pdl  # the fused kernels' programmatic dependent launch (fast/fused_decode.py PDL)
     for k in ("t_target", "t_draft", "t_abl", "t_lm"):
         cfg[k] *= args.scale
     if args.n_seq:
@@ -1331,7 +1331,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf-timed", type=int, default=1, help="prompts the first worker times alone on the GPU")
     ap.add_argument("--hf-reserve-s", type=float, default=150.0, help="seconds the 8B section leaves to transformers")
     ap.add_argument("--no-vendor-rows", action="store_true", help="skip the cuBLAS + SDPA comparison rows")
-    ap.add_argument("--no-pdl", action="store_true", help="launch the fused kernels without PDL (an A/B of it)")
+    ap.add_argument("--pdl", action="store_true", help="launch the fused kernels with PDL (an A/B of it)")
     ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prepare-worker", default=None, help=argparse.SUPPRESS)
     return ap

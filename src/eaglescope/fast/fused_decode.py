@@ -57,13 +57,14 @@ FLASH_LAUNCH = (16, 128, 8, 2)
 LIMIT_ROWS, LIMIT_COLS = 16, 256
 
 
-# Programmatic dependent launch (sm_90 on): every kernel of this package is launched so that it may start while the
-# kernel before it in the stream drains, and its first instruction (await_previous) waits until that kernel has
-# finished and its writes are visible; so only the launch's latency overlaps the previous kernel, never a read or
-# write. It then lets the next such kernel launch at once. A CUDA graph captures the edges as they are. Why: a 24-row
-# verify at 8B is ~300 kernels and each tree level ~25, and between two kernels of a graph the SMs sit idle for about
-# a microsecond (the round's pieces, bench/NOTES.md "Session of 2026-12-05 night"). False: plain launches.
-PDL = True
+# Programmatic dependent launch (sm_90 on), off: with it every kernel of this package is launched so that it may
+# start while the kernel before it in the stream drains, and its first instruction (await_previous) waits until that
+# kernel has finished and its writes are visible (only the launch's latency overlaps, never a read or write), then
+# lets the next such kernel launch at once. The idea: a 24-row verify at 8B is ~300 kernels, and between two kernels
+# of a graph the SMs idle for about a microsecond. Measured on an H100 at 8B, on against off in one run: the
+# one-token step 5.450 → 5.520 ms, the 24-row verify 6.202 → 6.258, the replayed round 8.409 → 8.394 (bench/NOTES.md
+# "Session of 2026-12-05 night"): slower where it is not noise, so plain launches stay the default.
+PDL = False
 
 
 @functools.cache

@@ -264,8 +264,8 @@ def test_expand_level_in_one_launch_at_the_benchmarks_trees(depth, top_k):
 
 
 def test_speculative_decoding_through_the_fused_target_and_draft_is_vanilla_greedy(wide, wide_draft):
-    """Target steps and verifies and the draft layer all on fused kernels, each round one CUDA graph: vanilla
-    greedy's tokens."""
+    """Target steps and verifies and the draft layer all on fused kernels, each round one CUDA graph, the prompt
+    prefilled as a captured chunk of the fused verify: vanilla greedy's tokens."""
     prompt, n = [5, 17, 300, 41, 2048, 9], 16
     ref = generate_vanilla(wide, prompt, n, stop_ids=[]).token_ids
     ft = FastTarget(copy.deepcopy(wide.model), S, taps=(0, 1), fuse=True, float32_logits=True, fused_decode=True,
@@ -273,6 +273,7 @@ def test_speculative_decoding_through_the_fused_target_and_draft_is_vanilla_gree
     fe = FastEagle(ft, wide_draft, 3, 3, 8, max_len=len(prompt) + n + 2, fused_draft=True)
     assert fe.use_graph and fe.proposer.fused_layer is not None
     assert fe.generate(prompt, n).tokens == ref
+    assert ft._chunk is not None and ft._chunk.graph is not None  # the prompt went through the captured prefill
 
 
 def test_speculative_decoding_under_a_tuning_file_is_vanilla_greedy(wide, wide_draft, tmp_path, monkeypatch):

@@ -33,6 +33,7 @@ from eaglescope.fast.fused_decode import (
 )
 from eaglescope.fast.fused_draft import FusedDraftStep, expand_level_fused, log_softmax_top_k
 from eaglescope.fast.fused_verify import CUBLASLT_PRODUCTS, FusedVerify
+from eaglescope.fast.run import fast_runner
 from eaglescope.models.targets import load_target
 from eaglescope.models.targets.llama import fuse_projections
 from eaglescope.taps import TapContract
@@ -274,6 +275,21 @@ def test_speculative_decoding_through_the_fused_target_and_draft_is_vanilla_gree
     assert fe.use_graph and fe.proposer.fused_layer is not None
     assert fe.generate(prompt, n).tokens == ref
     assert ft._chunk is not None and ft._chunk.graph is not None  # the prompt went through the captured prefill
+
+
+def test_the_cli_prefills_vanilla_as_it_prefills_eagle3(wide, wide_draft):
+    """`--no-batch-invariant` (fast/run.py fast_runner): vanilla's target runs the fused verify for its prompt as
+    EAGLE-3's does, so both methods of a paired bench replay the captured prefill (a 50-token prompt and 16 new
+    tokens: vanilla's cache of 67 slots holds the chunk's 64 rows); both outputs are vanilla greedy."""
+    prompt, n = [(i * 131) % 4000 + 5 for i in range(50)], 16
+    ref = generate_vanilla(wide, prompt, n, stop_ids=[]).token_ids
+    for draft, shape in ((None, None), (wide_draft, (3, 3, 8))):
+        target = copy.copy(wide)
+        target.model, target.taps = copy.deepcopy(wide.model), TapContract((0, 1), 2)
+        runner, info = fast_runner(target, draft, shape, len(prompt) + n, batch_invariant=False)
+        assert info["fused_decode"] and info["fused_verify"], info
+        assert runner.generate(prompt, n).tokens == ref
+        assert runner.t._chunk is not None and runner.t._chunk.graph is not None, draft is None
 
 
 def test_speculative_decoding_under_a_tuning_file_is_vanilla_greedy(wide, wide_draft, tmp_path, monkeypatch):

@@ -52,8 +52,12 @@ def fast_runner(
     if on_gpu:
         fuse_projections(target.model)
     fused = on_gpu and not exact and fused_decode_supported(target.model, target.device) is None
-    info = {"fast": True, "batch_invariant": exact, "fused_decode": fused}
-    common = dict(fuse=on_gpu, float32_logits=on_gpu, batch_invariant=exact, fused_decode=fused)
+    # vanilla's target runs the fused verify too, for its prompt alone: both methods of a paired bench prefill in
+    # the same captured chunks (FastTarget.graph_prefill), so their starts differ by the draft's work only
+    verify_rows = fused and fused_verify_supported(target.model, target.device) is None
+    info = {"fast": True, "batch_invariant": exact, "fused_decode": fused, "fused_verify": verify_rows}
+    common = dict(fuse=on_gpu, float32_logits=on_gpu, batch_invariant=exact, fused_decode=fused,
+                  fused_verify=verify_rows)  # fmt: skip
     if draft is None:
         return FastVanilla(FastTarget(target.model, max_len + 1, **common), max_len), info
     depth, top_k, total = shape
@@ -61,10 +65,7 @@ def fast_runner(
         raise EagleScopeError("the fast decoder runs Llama-attention drafts; MLA drafts decode on the reference one")
     if on_gpu:
         fuse_projections(draft)
-    verify_rows = fused and fused_verify_supported(target.model, target.device) is None
-    ft = FastTarget(
-        target.model, max_len + total + depth + 3, taps=target.taps.layers, fused_verify=verify_rows, **common
-    )
+    ft = FastTarget(target.model, max_len + total + depth + 3, taps=target.taps.layers, **common)
     fe = FastEagle(ft, draft, depth, top_k, total, max_len + 2, recorder=recorder, trace_layers=trace_layers,
                    compile=compile_round)  # fmt: skip
     info["tuning"] = ft.tuning.path  # a tuning file's launch settings (fast/tuning.py), or None: the built-ins

@@ -55,3 +55,30 @@ def save_random_draft(target_dir: Path, out: Path, draft_vocab_size: int | None 
     save_draft(draft.to(dtype), contract, partial)
     partial.rename(out)
     return out
+
+
+LEVEL_INPUTS = ("tokens", "positions", "embeddings", "features", "slots", "mask")
+
+
+def check_level_inputs(monkeypatch) -> list[int]:
+    """Make every one-launch tree level (FusedDraftStep.level_inputs, via Eagle3Proposer.fused_level_inputs) also run
+    the composed Eagle3Proposer.level_inputs on the same state and assert the two equal: the six tensors, exactly,
+    and the writes to slot_of. → the levels checked, appended as they run (rounds must run uncaptured: it syncs)."""
+    from eaglescope.decode.speculative import Eagle3Proposer
+
+    one_launch, checked = Eagle3Proposer.fused_level_inputs, []
+
+    def both(self, *args):
+        slot_of = args[3]
+        before = slot_of.clone()
+        got = [x.clone() for x in one_launch(self, *args)]
+        written, _ = slot_of.clone(), slot_of.copy_(before)
+        want = Eagle3Proposer.level_inputs(self, *args)
+        for name, a, b in zip(LEVEL_INPUTS, got, want, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+        assert torch.equal(written, slot_of) and not torch.equal(written, before)
+        checked.append(int(args[-1]))
+        return got
+
+    monkeypatch.setattr(Eagle3Proposer, "fused_level_inputs", both)
+    return checked

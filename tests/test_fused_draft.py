@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
-from drafts import make_draft  # noqa: E402
+from drafts import check_level_inputs, make_draft  # noqa: E402
 from models import WIDE_HEADS, make_checkpoint  # noqa: E402
 from tolerance import assert_close_float32, assert_draft_step_matches_modules  # noqa: E402
 
@@ -140,6 +140,31 @@ def test_speculative_decoding_through_the_fused_draft_is_vanilla_greedy(target_d
     assert sum(runs[1].accepted) > 0
 
 
+def test_a_tree_levels_inputs_in_one_launch_are_the_composed_ones(target_dir, monkeypatch):
+    """FusedDraftStep.level_inputs (one kernel) against Eagle3Proposer.level_inputs at every level of every round of
+    a real decode (a 48-token draft vocabulary, so draft ids map to the target's): the same tokens, positions,
+    embeddings, features, slots, mask rows and writes to slot_of, exactly; the decode through it is vanilla greedy.
+    With the kernel off, and for a proposer overriding one hook, the composed function runs."""
+    tgt = load_target(target_dir, device="cpu", dtype=torch.float32)
+    tgt.set_taps(TapContract.default(tgt.num_layers))
+    draft, _ = make_draft(target_dir, taps=tgt.taps, seed=14, draft_vocab_size=48)
+    draft.load_target_embedding(target_embedding(tgt))
+    fuse_projections(draft)
+    assert draft.d2t.any()
+    checked = check_level_inputs(monkeypatch)
+    prompt, n = [3, 17, 5, 40, 22, 9, 11], 14
+    ref = generate_vanilla(tgt, prompt, n, stop_ids=[]).token_ids
+    ft = FastTarget(copy.deepcopy(tgt.model), 64, taps=tgt.taps.layers)
+    fe = FastEagle(ft, draft, 4, 3, 10, max_len=len(prompt) + n + 2, fused_draft=True)
+    assert fe.generate(prompt, n).tokens == ref
+    assert checked and set(checked) == {1, 2, 3}  # levels 1..depth-1 of every round
+    fe.proposer.fused_layer.level_kernel = False
+    assert fe.proposer.piece("level_inputs") == fe.proposer.level_inputs
+    fault = FastEagle(ft, draft, 4, 3, 10, max_len=len(prompt) + n + 2, fused_draft=True,
+                      proposer_cls=_FeedbackPostnorm).proposer  # fmt: skip
+    assert fault.fused_layer.level_kernel and fault.piece("level_inputs") == fault.level_inputs
+
+
 def test_the_fused_draft_is_the_default_where_the_target_verifies_on_fused_kernels(tmp_path):
     """FastEagle's fused_draft=None: the fused draft layer where the target's verifies run the fused kernels and the
     draft is one it runs; the modules on a target without them, or for a draft it cannot run (unfused projections)."""
@@ -238,8 +263,9 @@ def test_unsupported_drafts_are_refused_with_the_reason(target_dir):
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler")
 def test_compiled_round_around_the_fused_draft_is_vanilla_greedy(target_dir):
-    """With `compile`, the pieces around the fused layer (the catch-up's and a level's inputs, the head's log-probs)
-    compile and the round still decodes vanilla greedy's tokens; the draft layer itself is never compiled."""
+    """With `compile`, the pieces around the fused layer (the catch-up's inputs, RoPE, the head's logits) compile and
+    the round still decodes vanilla greedy's tokens; the draft layer and a level's inputs (one launch) stay on their
+    kernels, and with the level kernel off the composed inputs are the compiled ones."""
     torch._dynamo.reset()
     tgt = load_target(target_dir, device="cpu", dtype=torch.float32)
     tgt.set_taps(TapContract.default(tgt.num_layers))
@@ -254,6 +280,9 @@ def test_compiled_round_around_the_fused_draft_is_vanilla_greedy(target_dir):
     assert fe.compiled and out.tokens == ref
     compiled = fe.proposer._compiled
     assert fe.proposer.piece("tree_level") == fe.proposer.fused_tree_level  # the layer stays on its kernels
+    assert fe.proposer.piece("level_inputs") == fe.proposer.fused_level_inputs
+    assert fe.proposer.piece("catch_up_inputs") is compiled["catch_up_inputs"]
+    fe.proposer.fused_layer.level_kernel = False
     assert fe.proposer.piece("level_inputs") is compiled["level_inputs"]
     torch._dynamo.reset()
 

@@ -1,7 +1,7 @@
 """The fused verify's product kernel compiled for an H100/H200 (sm_90) on this CPU, by Triton's own compiler, at every
 epilogue, with and without swapped tiles and split K, with a row tile unlike the weight tile; the few-row attention
 kernel at every row block and split count it launches with; the draft children's log-softmax + top-k at every chunk
-the roofline times.
+the roofline times; a tree level's inputs at the benchmarks' trees.
 
 Why: Triton's interpreter (which the other CPU tests run the kernels under) executes a kernel's Python line by line
 and never type-checks it, so a kernel can pass every CPU test and still fail to compile on the GPU: the swapped
@@ -79,6 +79,20 @@ for chunk, k in itertools.product((2048, 8192, 32768), (4, 10)):  # a 32k draft 
     check(f"chunk={chunk} k={k}", _log_softmax_top_k_kernel, signature, const, num_warps=top_k_warps(chunk))
 """
 
+LEVEL_INPUTS_SCRIPT = r"""
+from eaglescope.fast.fused_draft import _level_inputs_kernel
+
+i64 = lambda *names: {n: "*i64" for n in names}
+signature = {**i64("tokens", "parents", "lineage", "slot_of"), "ctx_mask": "*u8", **i64("frontier", "prev_front"),
+             "prev_out": "*bf16", "out_stride": "i32", **i64("root_position", "level", "d2t"), "embedding": "*bf16",
+             **i64("tok_out", "pos_out"), "emb_out": "*bf16", "hid_out": "*bf16", "slots_out": "*i64",
+             "mask_out": "*u8", "tree_base": "i32", "S": "i32"}
+for top_k, depth in ((4, 6), (10, 7)):  # the protocol's tuned tree and the official one
+    const = dict(M=top_k, MP2=triton.next_power_of_2(top_k), TOP_K=top_k, COLS=depth + 1,
+                 CP2=triton.next_power_of_2(depth + 1), H=4096, HP2=4096, BLOCK_S=1024)
+    check(f"top_k={top_k} depth={depth}", _level_inputs_kernel, signature, const, num_warps=4)
+"""
+
 # programmatic dependent launch (fast/fused_decode.py PDL): with PDL on, a kernel of each file, and of each kind of
 # launch the round makes (a product, a row kernel, the attention, the children), waits on the previous kernel first
 PDL_SCRIPT = r"""
@@ -133,6 +147,10 @@ def test_the_few_row_attention_kernel_compiles_for_sm90_at_every_row_block():
 
 def test_the_draft_childrens_kernel_compiles_for_sm90_at_every_chunk():
     assert _compile_failures(TOP_K_SCRIPT) == {}
+
+
+def test_a_tree_levels_inputs_kernel_compiles_for_sm90_at_the_benchmarks_trees():
+    assert _compile_failures(LEVEL_INPUTS_SCRIPT) == {}
 
 
 def test_the_kernels_wait_on_the_previous_one_when_launched_with_pdl():

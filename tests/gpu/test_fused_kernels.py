@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from drafts import make_draft
+from drafts import check_level_inputs, make_draft
 from models import LLAMA_8B, make_checkpoint
 from tolerance import assert_draft_step_matches_modules, assert_step_matches_modules
 
@@ -275,6 +275,20 @@ def test_speculative_decoding_through_the_fused_target_and_draft_is_vanilla_gree
     assert fe.use_graph and fe.proposer.fused_layer is not None
     assert fe.generate(prompt, n).tokens == ref
     assert ft._chunk is not None and ft._chunk.graph is not None  # the prompt went through the captured prefill
+
+
+def test_a_tree_levels_inputs_in_one_launch_are_the_composed_ones_at_8b_widths(wide, wide_draft, monkeypatch):
+    """The one-launch level inputs compiled for this GPU (FusedDraftStep.level_inputs) against the composed
+    Eagle3Proposer.level_inputs at every level of an uncaptured decode (4096-wide rows, a 2048-token draft vocabulary
+    mapped to the target's): equal tensors and slot_of writes; the decode is vanilla greedy."""
+    checked = check_level_inputs(monkeypatch)
+    prompt, n = [5, 17, 300, 41, 2048, 9], 16
+    ref = generate_vanilla(wide, prompt, n, stop_ids=[]).token_ids
+    ft = FastTarget(copy.deepcopy(wide.model), S, taps=(0, 1), fuse=True, float32_logits=True, fused_decode=True,
+                    fused_verify=True)  # fmt: skip
+    fe = FastEagle(ft, wide_draft, 4, 4, 12, max_len=len(prompt) + n + 2, fused_draft=True, use_graph=False)
+    assert fe.generate(prompt, n).tokens == ref
+    assert set(checked) == {1, 2, 3}
 
 
 def test_the_cli_prefills_vanilla_as_it_prefills_eagle3(wide, wide_draft):

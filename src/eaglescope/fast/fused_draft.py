@@ -159,6 +159,47 @@ if triton is not None:
             taken = taken | (c == at)
         tl.store(next_id, base + N)
 
+    @triton.jit
+    def _level_inputs_kernel(tokens, parents, lineage, slot_of, ctx_mask, frontier, prev_front, prev_out, out_stride,
+                             root_position, level, d2t, embedding, tok_out, pos_out, emb_out, hid_out, slots_out,
+                             mask_out, tree_base, S, M: tl.constexpr, MP2: tl.constexpr, TOP_K: tl.constexpr,
+                             COLS: tl.constexpr, CP2: tl.constexpr, H: tl.constexpr, HP2: tl.constexpr,
+                             BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+        """Program t: Eagle3Proposer.level_inputs for frontier row t. Its features are the output of the previous
+        level's row whose node is its parent; its token the builder's draft id mapped to the target's and embedded;
+        its slot tree_base + (level-1)*TOP_K + t; its mask row the context's slots and its ancestors' (its own for
+        itself); then slot_of[its node] = its slot. No program reads another's node in slot_of: a frontier is one
+        depth, and a lineage holds only shallower nodes and the node itself."""
+        await_previous(PDL)
+        t = tl.program_id(0)
+        f = tl.load(frontier + t)
+        par = tl.load(parents + f)
+        j = tl.arange(0, MP2)
+        front = tl.load(prev_front + j, mask=j < M, other=-1)
+        src = tl.min(tl.where(front == par, j, MP2), 0)
+        src = tl.where(src == MP2, 0, src).to(tl.int64)  # no parent among them: row 0, as an argmax of zeros
+        k = tl.arange(0, HP2)
+        ok = k < H
+        tl.store(hid_out + t * H + k, tl.load(prev_out + src * out_stride + k, mask=ok), mask=ok)
+        d = tl.load(tokens + f)
+        tok = d + tl.load(d2t + d)
+        tl.store(tok_out + t, tok)
+        tl.store(emb_out + t * H + k, tl.load(embedding + tok * H + k, mask=ok), mask=ok)
+        lv = tl.load(level)
+        tl.store(pos_out + t, tl.load(root_position) + lv - 1)
+        slot = tree_base + (lv - 1) * TOP_K + t
+        tl.store(slots_out + t, slot)
+        c = tl.arange(0, CP2)
+        lin = tl.load(lineage + f * COLS + c, mask=c < COLS, other=f)
+        own = tl.where(lin == f, slot, tl.load(slot_of + lin))
+        for s0 in range(0, S, BLOCK_S):
+            cols = s0 + tl.arange(0, BLOCK_S)
+            in_row = cols < S
+            hit = tl.load(ctx_mask + cols, mask=in_row, other=0) != 0
+            hit = hit | (tl.max((cols[:, None] == own[None, :]).to(tl.int32), 1) != 0)
+            tl.store(mask_out + t.to(tl.int64) * S + cols, hit.to(tl.int8), mask=in_row)
+        tl.store(slot_of + f, slot)
+
 
 def expand_level_fused(tokens, parents, depths, scores, lineage, next_id, parent_nodes, logprobs, k: int,
                        top_k: int) -> torch.Tensor:  # fmt: skip
@@ -185,6 +226,9 @@ def expand_level_fused(tokens, parents, depths, scores, lineage, next_id, parent
 # cuBLAS runs both as split-K + reduce (bench-roofline-20261205T050738.json's propose table); in halves they were
 # 0.9-1.6% faster a level on an H100 and an H200, which their tuning files say (fast/tuning.py)
 DRAFT_K_SPLITS = {"o": 1, "down": 1}
+# a tree level's inputs in one launch (FusedDraftStep.level_inputs) where the proposer's wiring is Eagle3Proposer's
+# own; False: the composed Eagle3Proposer.level_inputs (run_bench.py --no-level-kernel measures the difference)
+LEVEL_INPUTS_KERNEL = True
 # log_softmax_top_k's columns a program (16 a thread over 4 warps: top_k_warps), and the widest row it takes (its
 # merge holds every chunk's k candidates: 128 chunks at most)
 TOP_K_CHUNK = 2048
@@ -273,8 +317,35 @@ class FusedDraftStep:
         self.scratch = attention_scratch(R, c.num_heads, D, cache.size, dev)
         self.k_splits = {**DRAFT_K_SPLITS, **(k_splits or {})}  # o's and down's (fast/tuning.py's draft k_splits)
         self.topk_count = torch.zeros(R, device=dev, dtype=torch.int32)  # log_softmax_top_k's counters
+        # a tree level's inputs (level_inputs): token, position and slot of each row, its embedding and features, its
+        # mask row over the draft cache
+        self.level_tok, self.level_pos, self.level_slots = torch.zeros(3, R, device=dev, dtype=torch.long)
+        self.level_emb = torch.zeros(R, H, device=dev, dtype=draft.embed_tokens.weight.dtype)
+        self.level_hidden = z(R, H)
+        self.level_mask = torch.zeros(R, cache.size, device=dev, dtype=torch.bool)
+        self.level_kernel = LEVEL_INPUTS_KERNEL
 
     expand_level = staticmethod(expand_level_fused)
+
+    def level_inputs(self, tokens, parents, lineage, slot_of, ctx_mask, frontier, prev_front, prev_out,
+                     root_position, level, tree_base: int, top_k: int):  # fmt: skip
+        """Eagle3Proposer.level_inputs with that class's own wiring, in one launch where the composed function is
+        six compiled kernels (eleven eager): the same (tokens, positions, embeddings, features in, slots [m], mask
+        [m, S]), as views of buffers the next level overwrites, and the same writes to slot_of."""
+        m, H, S = frontier.shape[0], self.config.hidden_size, self.level_mask.shape[1]
+        if not 1 <= m <= self.rows or ctx_mask.shape[0] != S:
+            raise ValueError(f"level inputs for 1..{self.rows} rows over {S} slots, not {m} over {ctx_mask.shape[0]}")
+        cols = lineage.shape[1]
+        _level_inputs_kernel[(m,)](tokens, parents, lineage, slot_of, ctx_mask.view(torch.uint8), frontier,
+                                   prev_front, prev_out, prev_out.stride(0), root_position, level, self.draft.d2t,
+                                   self.draft.embed_tokens.weight, self.level_tok, self.level_pos, self.level_emb,
+                                   self.level_hidden, self.level_slots, self.level_mask.view(torch.uint8), tree_base,
+                                   S, M=prev_front.shape[0], MP2=triton.next_power_of_2(prev_front.shape[0]),
+                                   TOP_K=top_k, COLS=cols, CP2=triton.next_power_of_2(cols), H=H,
+                                   HP2=triton.next_power_of_2(H), BLOCK_S=1024, num_warps=4,
+                                   **pdl_options(prev_out))  # fmt: skip
+        return (self.level_tok[:m], self.level_pos[:m], self.level_emb[:m], self.level_hidden[:m],
+                self.level_slots[:m], self.level_mask[:m])  # fmt: skip
 
     def children(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A level's top-k children from the head's logits [m, V]: (log-probs, draft ids) [m, min(k, V)] each."""

@@ -262,7 +262,7 @@ def test_unsupported_drafts_are_refused_with_the_reason(target_dir):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler")
-def test_compiled_round_around_the_fused_draft_is_vanilla_greedy(target_dir):
+def test_compiled_round_around_the_fused_draft_is_vanilla_greedy(target_dir, monkeypatch):
     """With `compile`, the pieces around the fused layer (the catch-up's inputs, RoPE, the head's logits) compile and
     the round still decodes vanilla greedy's tokens; the draft layer and a level's inputs (one launch) stay on their
     kernels, and with the level kernel off the composed inputs are the compiled ones."""
@@ -284,6 +284,9 @@ def test_compiled_round_around_the_fused_draft_is_vanilla_greedy(target_dir):
     assert fe.proposer.piece("catch_up_inputs") is compiled["catch_up_inputs"]
     fe.proposer.fused_layer.level_kernel = False
     assert fe.proposer.piece("level_inputs") is compiled["level_inputs"]
+    one_launch = []
+    monkeypatch.setattr(FusedDraftStep, "level_inputs", lambda *a, **k: one_launch.append(1))
+    assert fe.generate(prompt, n).tokens == ref and not one_launch  # the compiled piece is the composed function
     torch._dynamo.reset()
 
 

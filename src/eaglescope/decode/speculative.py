@@ -311,7 +311,7 @@ class Eagle3Proposer(Proposer):
         final rerank): one compilation each per tree budget, whatever the depth. The hooks run inside them, so a
         subclass's wiring is what gets compiled. Each tree budget and each proposer is another graph of the same code:
         the static backend raises dynamo's recompile limit (fast/layers.py allow_recompiles)."""
-        self._compiled = {name: torch.compile(self.piece(name), dynamic=False, backend=backend) for name in PIECES}
+        self._compiled = {name: torch.compile(self._plain(name), dynamic=False, backend=backend) for name in PIECES}
 
     def uncompile(self) -> None:
         self._compiled = None
@@ -330,6 +330,11 @@ class Eagle3Proposer(Proposer):
             return self.fused_layer.expand_level  # the children come picked: the level's writes in one launch
         if self._compiled is not None:
             return self._compiled[name]
+        return self._plain(name)
+
+    def _plain(self, name: str):
+        """One of PIECES as this class composes it (what `compile` compiles: never a fused stand-in, which piece
+        picks at each call, so switching the level kernel off runs the composed inputs compiled)."""
         return expand_level if name == "expand_level" else getattr(self, name)
 
     def handed_on(self, aux: torch.Tensor, path: torch.Tensor, emitted: torch.Tensor):

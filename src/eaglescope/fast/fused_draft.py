@@ -227,7 +227,8 @@ def expand_level_fused(tokens, parents, depths, scores, lineage, next_id, parent
 # 0.9-1.6% faster a level on an H100 and an H200, which their tuning files say (fast/tuning.py)
 DRAFT_K_SPLITS = {"o": 1, "down": 1}
 # a tree level's inputs in one launch (FusedDraftStep.level_inputs) where the proposer's wiring is Eagle3Proposer's
-# own; False: the composed Eagle3Proposer.level_inputs (run_bench.py --no-level-kernel measures the difference)
+# own; False: the composed Eagle3Proposer.level_inputs (run_bench.py's roofline replays both: the instance's
+# `level_kernel`)
 LEVEL_INPUTS_KERNEL = True
 # log_softmax_top_k's columns a program (16 a thread over 4 warps: top_k_warps), and the widest row it takes (its
 # merge holds every chunk's k candidates: 128 chunks at most)

@@ -938,7 +938,7 @@ def roofline(
         # one launch), then the draft layer on its modules (FastEagle(fused_draft=...))
         fused = fused_draft_supported(draft) is None and ft.fused_rows is not None
         res["replay_draft_layer"] = "fused" if fused else "modules"
-        for key, option in (("replay_composed_level_inputs", {"level_kernel": False}),
+        for key, option in (("replay_composed_pieces", {"one_launch": False}),
                             ("replay_modules_draft", {"fused_draft": False})):  # fmt: skip
             if fused and rf.left() > 120:
                 _replayed_acceptance(rf, ft, van, draft, shape, pr, compiled, **option)
@@ -1187,16 +1187,17 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
 
 
 def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compiled: bool,
-                         fused_draft: bool | None = None, level_kernel: bool = True) -> None:  # fmt: skip
+                         fused_draft: bool | None = None, one_launch: bool = True) -> None:  # fmt: skip
     """The fast round at 8B with the acceptance lengths `pr` measured on the trained target: τ, tok/s, η (in
     res["replay_*"]; with fused_draft=False, the draft layer on its modules whatever FastEagle's default, in
-    res["replay_modules_draft"]; with level_kernel=False, the fused layer's tree levels taking their inputs from the
-    composed Eagle3Proposer.level_inputs, not FusedDraftStep.level_inputs, in res["replay_composed_level_inputs"])."""
+    res["replay_modules_draft"]; with one_launch=False, the fused layer's rounds taking a level's inputs and the
+    tree's start from the composed Eagle3Proposer pieces, not FusedDraftStep's kernels, in
+    res["replay_composed_pieces"])."""
     res, prompt, ctx_new = rf.res, rf.prompt, rf.ctx_new
     if fused_draft is False:
         res = rf.res["replay_modules_draft"] = {}
-    elif not level_kernel:
-        res = rf.res["replay_composed_level_inputs"] = {}
+    elif not one_launch:
+        res = rf.res["replay_composed_pieces"] = {}
     t_c = time.perf_counter()
     rf.checkpoint()
     # compiling the 8B round as one graph took 36 s (bench-all-20261129T150034.json); piece by piece (a tree level
@@ -1207,7 +1208,7 @@ def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compile
     fe = FastEagle(ft, draft, *shape, max_len=rf.prompt_len + ctx_new + 2, replay=True, compile=compile_round,
                    fused_draft=fused_draft)  # fmt: skip
     if fe.proposer.fused_layer is not None:
-        fe.proposer.fused_layer.level_kernel = level_kernel
+        fe.proposer.fused_layer.one_launch = one_launch
     fe.generate(prompt, 32, replay=pr)
     res["replay_compile_and_capture_seconds"] = round(time.perf_counter() - t_c, 1)
     res["replay_round_compiled"] = fe.compiled
@@ -1227,7 +1228,7 @@ def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compile
     res["replay_vanilla_tokens_per_second"] = round(vtps, 2)
     res["replay_speedup"] = round(tps / vtps, 4)
     res["replay_eta"] = round(tps / vtps / tau, 4)
-    which = " (modules draft)" if fused_draft is False else "" if level_kernel else " (composed level inputs)"
+    which = " (modules draft)" if fused_draft is False else "" if one_launch else " (composed pieces)"
     say(f"roofline replay{which}: τ {tau:.2f}, {tps:.1f} vs {vtps:.1f} tok/s, round {res['replay_round_ms']} ms")
     # η above is end to end: each run's start (the target's prefill; for EAGLE-3 also the draft's catch-up over the
     # prompt) is spread over ~74 rounds but over 256 vanilla tokens. The starts alone (a one-token generate is the

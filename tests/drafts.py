@@ -82,3 +82,23 @@ def check_level_inputs(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(Eagle3Proposer, "fused_level_inputs", both)
     return checked
+
+
+def check_tree_start(proposer, capacity: int, seed: int = 0) -> None:
+    """FusedDraftStep.tree_start (via the proposer's fused_tree_start) against the composed Eagle3Proposer.tree_start
+    on two starts: every tensor equal, exactly; the second over buffers filled with other values, as a round leaves
+    them (every entry is rewritten)."""
+    from eaglescope.decode.speculative import Eagle3Proposer
+
+    dev = proposer.device
+    g = torch.Generator(dev).manual_seed(seed)
+    for root, context in ((17, 9), (3, 21)):
+        h_root = torch.randn(1, proposer.draft.config.hidden_size, generator=g, device=dev).to(proposer.dtype)
+        args = (torch.tensor([root], device=dev), h_root, torch.tensor([context], device=dev), capacity)
+        got, want = proposer.fused_tree_start(*args), Eagle3Proposer.tree_start(proposer, *args)
+        got, want = [*got[0], *got[1:]], [*want[0], *want[1:]]
+        assert len(got) == len(want) == 10
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), i
+        for t in got:  # what a round leaves behind
+            t.copy_(torch.randint(-5, 90, t.shape, generator=g, device=dev).to(t.dtype))

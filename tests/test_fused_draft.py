@@ -14,13 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
-from drafts import check_level_inputs, make_draft  # noqa: E402
+from drafts import check_level_inputs, check_tree_start, make_draft  # noqa: E402
 from models import WIDE_HEADS, make_checkpoint  # noqa: E402
 from tolerance import assert_close_float32, assert_draft_step_matches_modules  # noqa: E402
 
 from eaglescope import trace as T  # noqa: E402
 from eaglescope.decode.speculative import Eagle3Proposer, draft_slot_cache, target_embedding  # noqa: E402
-from eaglescope.decode.tree import TreeBuilder, expand_level, top_k_rows  # noqa: E402
+from eaglescope.decode.tree import TreeBuilder, expand_level, top_k_rows, tree_capacity  # noqa: E402
 from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
 from eaglescope.detective.diagnose import diagnose_trace  # noqa: E402
 from eaglescope.fast import FastEagle, FastTarget  # noqa: E402
@@ -158,11 +158,26 @@ def test_a_tree_levels_inputs_in_one_launch_are_the_composed_ones(target_dir, mo
     fe = FastEagle(ft, draft, 4, 3, 10, max_len=len(prompt) + n + 2, fused_draft=True)
     assert fe.generate(prompt, n).tokens == ref
     assert checked and set(checked) == {1, 2, 3}  # levels 1..depth-1 of every round
-    fe.proposer.fused_layer.level_kernel = False
+    fe.proposer.fused_layer.one_launch = False
     assert fe.proposer.piece("level_inputs") == fe.proposer.level_inputs
     fault = FastEagle(ft, draft, 4, 3, 10, max_len=len(prompt) + n + 2, fused_draft=True,
                       proposer_cls=_FeedbackPostnorm).proposer  # fmt: skip
-    assert fault.fused_layer.level_kernel and fault.piece("level_inputs") == fault.level_inputs
+    assert fault.fused_layer.one_launch and fault.piece("level_inputs") == fault.level_inputs
+
+
+@pytest.mark.parametrize("depth,top_k", [(4, 3), (3, 10)])
+def test_a_trees_start_in_one_launch_is_the_composed_one(target_dir, depth, top_k):
+    """FusedDraftStep.tree_start (one kernel) against Eagle3Proposer.tree_start: the builder's buffers of the root
+    alone, the context's mask, slot_of and level 1's parents and features, exactly; again over buffers a round has
+    filled with other values (every entry is rewritten)."""
+    tgt = load_target(target_dir, device="cpu", dtype=torch.float32)
+    tgt.set_taps(TapContract.default(tgt.num_layers))
+    draft, _ = make_draft(target_dir, taps=tgt.taps, seed=14, draft_vocab_size=48)
+    fuse_projections(draft)
+    ft = FastTarget(copy.deepcopy(tgt.model), 64, taps=tgt.taps.layers)
+    p = FastEagle(ft, draft, depth, top_k, 10, max_len=30, fused_draft=True).proposer
+    assert p.piece("tree_start") == p.fused_tree_start
+    check_tree_start(p, tree_capacity(top_k, depth, 48), seed=top_k)
 
 
 def test_the_fused_draft_is_the_default_where_the_target_verifies_on_fused_kernels(tmp_path):
@@ -282,8 +297,9 @@ def test_compiled_round_around_the_fused_draft_is_vanilla_greedy(target_dir, mon
     assert fe.proposer.piece("tree_level") == fe.proposer.fused_tree_level  # the layer stays on its kernels
     assert fe.proposer.piece("level_inputs") == fe.proposer.fused_level_inputs
     assert fe.proposer.piece("catch_up_inputs") is compiled["catch_up_inputs"]
-    fe.proposer.fused_layer.level_kernel = False
+    fe.proposer.fused_layer.one_launch = False
     assert fe.proposer.piece("level_inputs") is compiled["level_inputs"]
+    assert fe.proposer.piece("tree_start") is compiled["tree_start"]
     one_launch = []
     monkeypatch.setattr(FusedDraftStep, "level_inputs", lambda *a, **k: one_launch.append(1))
     assert fe.generate(prompt, n).tokens == ref and not one_launch  # the compiled piece is the composed function

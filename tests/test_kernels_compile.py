@@ -1,7 +1,7 @@
 """The fused verify's product kernel compiled for an H100/H200 (sm_90) on this CPU, by Triton's own compiler, at every
 epilogue, with and without swapped tiles and split K, with a row tile unlike the weight tile; the few-row attention
 kernel at every row block and split count it launches with; the draft children's log-softmax + top-k at every chunk
-the roofline times; a tree level's inputs at the benchmarks' trees.
+the roofline times; a tree level's inputs and the tree's start at the benchmarks' trees.
 
 Why: Triton's interpreter (which the other CPU tests run the kernels under) executes a kernel's Python line by line
 and never type-checks it, so a kernel can pass every CPU test and still fail to compile on the GPU: the swapped
@@ -91,6 +91,15 @@ for top_k, depth in ((4, 6), (10, 7)):  # the protocol's tuned tree and the offi
     const = dict(M=top_k, MP2=triton.next_power_of_2(top_k), TOP_K=top_k, COLS=depth + 1,
                  CP2=triton.next_power_of_2(depth + 1), H=4096, HP2=4096, BLOCK_S=1024)
     check(f"top_k={top_k} depth={depth}", _level_inputs_kernel, signature, const, num_warps=4)
+
+from eaglescope.fast.fused_draft import _tree_start_kernel
+
+signature = {**i64("root"), "h_root": "*bf16", **i64("context", "tokens", "parents", "depths"), "scores": "*fp32",
+             **i64("lineage", "next_id", "slot_of"), "ctx_mask": "*u8", "prev_front": "*i64", "prev_out": "*bf16",
+             **{n: "i32" for n in ("CAP", "CELLS", "S", "NO_SLOT")}}
+for top_k in (4, 10):
+    check(f"tree start top_k={top_k}", _tree_start_kernel, signature, dict(M=top_k, H=4096, HP2=4096, BLOCK=1024),
+          num_warps=4)
 """
 
 # programmatic dependent launch (fast/fused_decode.py PDL): with PDL on, a kernel of each file, and of each kind of
@@ -149,7 +158,7 @@ def test_the_draft_childrens_kernel_compiles_for_sm90_at_every_chunk():
     assert _compile_failures(TOP_K_SCRIPT) == {}
 
 
-def test_a_tree_levels_inputs_kernel_compiles_for_sm90_at_the_benchmarks_trees():
+def test_a_tree_levels_inputs_and_the_trees_start_compile_for_sm90_at_the_benchmarks_trees():
     assert _compile_failures(LEVEL_INPUTS_SCRIPT) == {}
 
 

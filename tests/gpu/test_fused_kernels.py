@@ -15,12 +15,12 @@ import json
 
 import pytest
 import torch
-from drafts import check_level_inputs, make_draft
+from drafts import check_level_inputs, check_tree_start, make_draft
 from models import LLAMA_8B, make_checkpoint
 from tolerance import assert_draft_step_matches_modules, assert_step_matches_modules
 
 from eaglescope.decode.speculative import draft_slot_cache, target_embedding
-from eaglescope.decode.tree import TreeBuilder, expand_level
+from eaglescope.decode.tree import TreeBuilder, expand_level, tree_capacity
 from eaglescope.decode.vanilla import generate_vanilla
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla, tuning
 from eaglescope.fast.fused_decode import (
@@ -289,6 +289,17 @@ def test_a_tree_levels_inputs_in_one_launch_are_the_composed_ones_at_8b_widths(w
     fe = FastEagle(ft, wide_draft, 4, 4, 12, max_len=len(prompt) + n + 2, fused_draft=True, use_graph=False)
     assert fe.generate(prompt, n).tokens == ref
     assert set(checked) == {1, 2, 3}
+
+
+@pytest.mark.parametrize("depth,top_k", [(6, 4), (7, 10)])
+def test_a_trees_start_in_one_launch_is_the_composed_one_at_8b_widths(wide, wide_draft, depth, top_k):
+    """The one-launch tree start compiled for this GPU (FusedDraftStep.tree_start) at the benchmarks' trees: the
+    composed Eagle3Proposer.tree_start's tensors, exactly, also over buffers a round has filled."""
+    ft = FastTarget(copy.deepcopy(wide.model), S, taps=(0, 1), fuse=True, float32_logits=True, fused_decode=True,
+                    fused_verify=True)  # fmt: skip
+    p = FastEagle(ft, wide_draft, depth, top_k, 24, max_len=30, fused_draft=True).proposer
+    assert p.piece("tree_start") == p.fused_tree_start
+    check_tree_start(p, tree_capacity(top_k, depth, wide_draft.config.draft_vocab_size), seed=depth)
 
 
 def test_the_cli_prefills_vanilla_as_it_prefills_eagle3(wide, wide_draft):

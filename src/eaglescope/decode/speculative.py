@@ -72,8 +72,10 @@ class NoProposer(Proposer):
 PIECES = ("catch_up", "_logprobs", "tree_level", "expand_level", "finalize", "catch_up_inputs", "level_inputs",
           "rotary", "logits", "tree_start")  # fmt: skip
 
-# the hooks level_inputs calls, and itself
-_LEVEL_HOOKS = ("level_inputs", "child_hidden", "embed", "to_target_ids", "tree_position")
+# the pieces a fused draft layer may run in one launch (FusedDraftStep.level_inputs, .tree_start), each with the
+# methods its kernel hard-codes: the piece itself and the hooks it calls
+_ONE_LAUNCH = {"level_inputs": ("level_inputs", "child_hidden", "embed", "to_target_ids", "tree_position"),
+               "tree_start": ("tree_start",)}  # fmt: skip
 
 
 class Eagle3Proposer(Proposer):
@@ -268,11 +270,16 @@ class Eagle3Proposer(Proposer):
         """level_inputs in one launch (FusedDraftStep.level_inputs), for this class's own wiring."""
         return self.fused_layer.level_inputs(*args, tree_base=self.tree_base, top_k=self.top_k)
 
-    def _level_inputs_in_one_launch(self) -> bool:
-        """Whether the fused layer's level kernel may stand in for level_inputs: it hard-codes Eagle3Proposer's
-        hooks, so a subclass overriding any of them (doctor's hypotheses, the tests' faults) runs its own wiring."""
-        own = all(getattr(type(self), n) is getattr(Eagle3Proposer, n) for n in _LEVEL_HOOKS)
-        return own and self.fused_layer is not None and self.fused_layer.level_kernel
+    def fused_tree_start(self, root, h_root: torch.Tensor, context, capacity: int):
+        """tree_start in one launch (FusedDraftStep.tree_start)."""
+        m = min(self.top_k, self.draft.config.draft_vocab_size)
+        return self.fused_layer.tree_start(root, h_root, context, capacity, self.depth + 1, m)
+
+    def _in_one_launch(self, name: str) -> bool:
+        """Whether the fused layer's kernel may stand in for piece `name`: it hard-codes Eagle3Proposer's methods,
+        so a subclass overriding any of them (doctor's hypotheses, the tests' faults) runs its own wiring."""
+        own = all(getattr(type(self), n) is getattr(Eagle3Proposer, n) for n in _ONE_LAUNCH.get(name, ("?",)))
+        return own and self.fused_layer is not None and self.fused_layer.one_launch
 
     def fused_tree_level(self, *args):
         """tree_level with the draft layer on `fused_layer`. Its `out` is a view the next level's layer overwrites:
@@ -324,8 +331,8 @@ class Eagle3Proposer(Proposer):
         """One of PIECES: compiled after `compile`, else the plain function."""
         if self.fused_layer is not None and name in ("catch_up", "tree_level"):
             return getattr(self, "fused_" + name)  # their inputs' pieces around the fused layer
-        if name == "level_inputs" and self._level_inputs_in_one_launch():
-            return self.fused_level_inputs
+        if name in _ONE_LAUNCH and self._in_one_launch(name):
+            return getattr(self, "fused_" + name)
         if self.fused_layer is not None and name == "expand_level":
             return self.fused_layer.expand_level  # the children come picked: the level's writes in one launch
         if self._compiled is not None:

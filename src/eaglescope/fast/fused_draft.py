@@ -200,6 +200,40 @@ if triton is not None:
             tl.store(mask_out + t.to(tl.int64) * S + cols, hit.to(tl.int8), mask=in_row)
         tl.store(slot_of + f, slot)
 
+    @triton.jit
+    def _tree_start_kernel(root, h_root, context, tokens, parents, depths, scores, lineage, next_id, slot_of, ctx_mask,
+                           prev_front, prev_out, CAP, CELLS, S, NO_SLOT, M: tl.constexpr, H: tl.constexpr,
+                           HP2: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+        """Eagle3Proposer.tree_start's writes: programs 0..M-1 level 1's parents (the root's id 0 and its features
+        h_root, one row each); program M the builder of the root alone (decode/tree.py tree_buffers: the root's
+        token at id 0, parents -1, depths, scores and lineage 0, next_id 1), slot_of NO_SLOT (the cache's size: no
+        node has a slot yet) and the committed context's mask (slots below `context`)."""
+        await_previous(PDL)
+        p = tl.program_id(0)
+        if p < M:
+            k = tl.arange(0, HP2)
+            tl.store(prev_out + p * H + k, tl.load(h_root + k, mask=k < H), mask=k < H)
+            tl.store(prev_front + p, p.to(tl.int64) * 0)  # the root's builder id
+        else:
+            r = tl.load(root)
+            none = tl.zeros([BLOCK], tl.int64)
+            for s0 in range(0, CAP, BLOCK):
+                i = s0 + tl.arange(0, BLOCK)
+                ok = i < CAP
+                tl.store(tokens + i, tl.where(i == 0, r, none), mask=ok)
+                tl.store(parents + i, none - 1, mask=ok)
+                tl.store(depths + i, none, mask=ok)
+                tl.store(scores + i, tl.zeros([BLOCK], tl.float32), mask=ok)
+                tl.store(slot_of + i, none + NO_SLOT, mask=ok)
+            for s0 in range(0, CELLS, BLOCK):
+                i = s0 + tl.arange(0, BLOCK)
+                tl.store(lineage + i, none, mask=i < CELLS)
+            ctx = tl.load(context)
+            for s0 in range(0, S, BLOCK):
+                i = s0 + tl.arange(0, BLOCK)
+                tl.store(ctx_mask + i, (i < ctx).to(tl.int8), mask=i < S)
+            tl.store(next_id, r * 0 + 1)
+
 
 def expand_level_fused(tokens, parents, depths, scores, lineage, next_id, parent_nodes, logprobs, k: int,
                        top_k: int) -> torch.Tensor:  # fmt: skip
@@ -226,10 +260,10 @@ def expand_level_fused(tokens, parents, depths, scores, lineage, next_id, parent
 # cuBLAS runs both as split-K + reduce (bench-roofline-20261205T050738.json's propose table); in halves they were
 # 0.9-1.6% faster a level on an H100 and an H200, which their tuning files say (fast/tuning.py)
 DRAFT_K_SPLITS = {"o": 1, "down": 1}
-# a tree level's inputs in one launch (FusedDraftStep.level_inputs) where the proposer's wiring is Eagle3Proposer's
-# own; False: the composed Eagle3Proposer.level_inputs (run_bench.py's roofline replays both: the instance's
-# `level_kernel`)
-LEVEL_INPUTS_KERNEL = True
+# a tree level's inputs and the tree's start in one launch each (FusedDraftStep.level_inputs, .tree_start) where the
+# proposer's wiring is Eagle3Proposer's own; False: the composed Eagle3Proposer pieces (run_bench.py's roofline
+# replays both: the instance's `one_launch`)
+ONE_LAUNCH_PIECES = True
 # log_softmax_top_k's columns a program (16 a thread over 4 warps: top_k_warps), and the widest row it takes (its
 # merge holds every chunk's k candidates: 128 chunks at most)
 TOP_K_CHUNK = 2048
@@ -324,7 +358,8 @@ class FusedDraftStep:
         self.level_emb = torch.zeros(R, H, device=dev, dtype=draft.embed_tokens.weight.dtype)
         self.level_hidden = z(R, H)
         self.level_mask = torch.zeros(R, cache.size, device=dev, dtype=torch.bool)
-        self.level_kernel = LEVEL_INPUTS_KERNEL
+        self.one_launch = ONE_LAUNCH_PIECES
+        self._tree: tuple[torch.Tensor, ...] | None = None  # tree_start's buffers, made at its first call
 
     expand_level = staticmethod(expand_level_fused)
 
@@ -347,6 +382,24 @@ class FusedDraftStep:
                                    **pdl_options(prev_out))  # fmt: skip
         return (self.level_tok[:m], self.level_pos[:m], self.level_emb[:m], self.level_hidden[:m],
                 self.level_slots[:m], self.level_mask[:m])  # fmt: skip
+
+    def tree_start(self, root, h_root: torch.Tensor, context, capacity: int, columns: int, m: int):
+        """Eagle3Proposer.tree_start in one launch where compiled it is ten kernels: the same tensors (the builder's
+        buffers of the root alone [capacity] and its lineage [capacity, columns], the context's mask [S], slot_of
+        [capacity], level 1's parents [m] and their features [m, H]), as buffers the next round's start overwrites."""
+        H, S, dev = self.config.hidden_size, self.cache.size, h_root.device
+        if not 1 <= m <= self.rows:
+            raise ValueError(f"a tree start for 1..{self.rows} parents, not {m}")
+        if self._tree is None or self._tree[0].shape[0] != capacity or self._tree[4].shape[1] != columns:
+            z = lambda *shape, dt=torch.long: torch.empty(*shape, device=dev, dtype=dt)  # noqa: E731
+            builder = (z(capacity), z(capacity), z(capacity), z(capacity, dt=torch.float32), z(capacity, columns), z(1))
+            self._tree = (*builder, z(capacity), z(S, dt=torch.bool), z(self.rows), z(self.rows, H, dt=h_root.dtype))
+        tokens, parents, depths, scores, lineage, next_id, slot_of, ctx_mask, prev_front, prev_out = self._tree
+        _tree_start_kernel[(m + 1,)](root, h_root.contiguous(), context, tokens, parents, depths, scores, lineage,
+                                     next_id, slot_of, ctx_mask.view(torch.uint8), prev_front, prev_out, capacity,
+                                     capacity * columns, S, S, M=m, H=H, HP2=triton.next_power_of_2(H), BLOCK=1024,
+                                     num_warps=4, **pdl_options(h_root))  # fmt: skip
+        return (tokens, parents, depths, scores, lineage, next_id), ctx_mask, slot_of, prev_front[:m], prev_out[:m]
 
     def children(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A level's top-k children from the head's logits [m, V]: (log-probs, draft ids) [m, min(k, V)] each."""

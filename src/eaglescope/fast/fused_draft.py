@@ -20,6 +20,9 @@ T rows (a catch-up's pending positions or a tree level's frontier) is twelve lau
             torch takes a copy to float32, a log-softmax, two top-k passes and a sort (~40 µs of a 254 µs level at 8B,
             bench-roofline-20261205T032356.json's draft_step_fused_profile).
 
+Around the layer, a tree level's inputs and the tree's start are one launch each (`level_inputs`, `tree_start`:
+six and ten compiled kernels otherwise) where the proposer's wiring is Eagle3Proposer's own.
+
 The products are the modules' (cuBLAS, as compiled modules call it), so this changes which small kernels run, not
 how the weights are read. Roundings follow the modules' except RoPE and the norm's reciprocal square root, which
 round once in float32 (1-ulp differences in bf16, as the fused verify's). Not for MLA drafts.

@@ -278,7 +278,7 @@ class Eagle3Proposer(Proposer):
     def _in_one_launch(self, name: str) -> bool:
         """Whether the fused layer's kernel may stand in for piece `name`: it hard-codes Eagle3Proposer's methods,
         so a subclass overriding any of them (doctor's hypotheses, the tests' faults) runs its own wiring."""
-        own = all(getattr(type(self), n) is getattr(Eagle3Proposer, n) for n in _ONE_LAUNCH.get(name, ("?",)))
+        own = all(getattr(type(self), n) is getattr(Eagle3Proposer, n) for n in _ONE_LAUNCH[name])
         return own and self.fused_layer is not None and self.fused_layer.one_launch
 
     def fused_tree_level(self, *args):

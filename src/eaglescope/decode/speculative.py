@@ -231,7 +231,7 @@ class Eagle3Proposer(Proposer):
         slots [S] (seen by every tree query), each builder node's draft-cache slot [capacity] (the cache's size: none
         yet), level 1's parents: the root's id and features [m], [m, H], as wide as a frontier (dense, as every later
         level's are: a compiled level is specialised to its inputs' strides))."""
-        m = min(self.top_k, self.draft.config.draft_vocab_size)
+        m = self._frontier_width
         buffers = tree_buffers(root, capacity, self.depth + 1, self.device)
         slot_of = torch.full((capacity,), self.cache.size, dtype=torch.long, device=self.device)
         return buffers, self.slots < context, slot_of, self._levels[:1].repeat(m), h_root.repeat(m, 1)
@@ -272,8 +272,12 @@ class Eagle3Proposer(Proposer):
 
     def fused_tree_start(self, root, h_root: torch.Tensor, context, capacity: int):
         """tree_start in one launch (FusedDraftStep.tree_start)."""
-        m = min(self.top_k, self.draft.config.draft_vocab_size)
-        return self.fused_layer.tree_start(root, h_root, context, capacity, self.depth + 1, m)
+        return self.fused_layer.tree_start(root, h_root, context, capacity, self.depth + 1, self._frontier_width)
+
+    @property
+    def _frontier_width(self) -> int:
+        """Rows of every tree level's frontier: top_k, or the whole draft vocabulary where it is smaller."""
+        return min(self.top_k, self.draft.config.draft_vocab_size)
 
     def _in_one_launch(self, name: str) -> bool:
         """Whether the fused layer's kernel may stand in for piece `name`: it hard-codes Eagle3Proposer's methods,

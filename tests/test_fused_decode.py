@@ -20,6 +20,7 @@ from eaglescope.fast import FastTarget, FastVanilla  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
 from eaglescope.fast.fused_decode import (  # noqa: E402
     FusedDecode,
+    RopeRows,
     attend_fused,
     attention_limit,
     attention_scratch,
@@ -182,6 +183,29 @@ def test_greedy_decoding_through_the_kernels_is_vanilla_greedy(target):
     ft = FastTarget(copy.deepcopy(target.model), size=32, fuse=True, fused_decode=True)
     assert ft.fused is not None
     assert FastVanilla(ft, n).generate(prompt).tokens == ref
+
+
+@pytest.mark.parametrize("rope_type", ["default", "llama3", "dynamic"])
+def test_rope_rows_are_what_rope_for_gives_each_position(tmp_path, rope_type):
+    """The fused steps' table gather against the model's own rope_for, in bf16 as the GPU runs it: every position
+    below the cache's size, in any order and repeated, bit for bit. "dynamic" rescales past max_position_embeddings
+    (32 here), so it must keep rope_for: a table of the first 32 positions would be wrong beyond them."""
+    scaling = {"llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 16},
+               "dynamic": {"rope_type": "dynamic", "factor": 2.0}}  # fmt: skip
+    extra = {"rope_scaling": scaling[rope_type]} if rope_type in scaling else {}
+    ckpt = make_checkpoint("llama", tmp_path / rope_type, num_hidden_layers=1, max_position_embeddings=32, **extra)
+    model = load_target(ckpt, device="cpu", dtype=torch.bfloat16).model
+    assert model.args.rope.rope_type == rope_type
+    rows = RopeRows(model, size=90, rows=7)
+    assert (rows.table is None) == (rope_type == "dynamic")
+    for positions in ([0, 1, 2, 3, 4, 5, 6], [89, 3, 3, 60, 31, 32, 0], [88]):
+        p = torch.tensor(positions)
+        want = model.rope_for(p[None])
+        got = rows(p)
+        for g, w in zip(got, want):
+            assert g.dtype == torch.bfloat16
+            assert torch.equal(g, w.reshape(len(positions), -1))
 
 
 def test_unsupported_targets_are_refused_with_the_reason(tmp_path):

@@ -563,6 +563,35 @@ def attention_scratch(T: int, H: int, D: int, S: int, device) -> tuple[torch.Ten
     return torch.empty(T * H * NS, **f32), torch.empty(T * H * NS, **f32), torch.empty(T * H * NS * D, **f32), count
 
 
+class RopeRows:
+    """cos, sin [T, D] of positions [T] for the fused steps, gathered from tables of every slot's position.
+
+    Why tables: the model's rope_for (positions to float, the product with inv_freq, a cat, cos, sin, two casts) is
+    seven small kernels a step, inside every round's captured verify; two row gathers do the same. The tables are
+    rope_for over positions 0..S-1, and rope_for is elementwise in the position, so a gathered row is the value
+    rope_for gives that position. Positions stay below the cache's S: a row at position p sits at slot >= p (a tree's
+    rows at t_len + i carry t_len + depth). "dynamic" RoPE rescales with the longest position, so it keeps rope_for."""
+
+    def __init__(self, model: LlamaModel, size: int, rows: int) -> None:
+        self.model, self.D = model, model.args.head_dim
+        self.table = None
+        if model.args.rope.rope_type != "dynamic":
+            every = torch.arange(size, device=model.lm_head.weight.device)
+            cos, sin = model.rope_for(every[None])
+            self.table = (cos.reshape(size, self.D).contiguous(), sin.reshape(size, self.D).contiguous())
+            self.rows = (torch.empty_like(self.table[0][:rows]), torch.empty_like(self.table[1][:rows]))
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T = positions.shape[0]
+        if self.table is None:
+            cos, sin = self.model.rope_for(positions[None])
+            return cos.reshape(T, self.D).contiguous(), sin.reshape(T, self.D).contiguous()
+        cos, sin = self.rows[0][:T], self.rows[1][:T]
+        torch.index_select(self.table[0], 0, positions, out=cos)
+        torch.index_select(self.table[1], 0, positions, out=sin)
+        return cos, sin
+
+
 class FusedDecode:
     """One-token steps of `model` on `cache` (a fast.SlotCache) through the kernels above.
 
@@ -587,6 +616,7 @@ class FusedDecode:
         self.attn_splits = attention_splits(cache.size)[1]
         self.scratch = attention_scratch(1, a.num_heads, a.head_dim, cache.size, dev)
         self.logits_dtype = logits_dtype(model)
+        self.rope = RopeRows(model, cache.size, 1)
 
     # one launch each, so bench/fused_decode_check.py can time every product over all layers on its own
     def qkv(self, i: int, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor) -> None:
@@ -633,8 +663,7 @@ class FusedDecode:
     def __call__(self, token, position, mask, slot) -> tuple[torch.Tensor, torch.Tensor | None]:
         m = self.model
         torch.index_select(m.model.embed_tokens.weight, 0, token, out=self.h)
-        cos, sin = m.rope_for(position[None])
-        cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
+        cos, sin = self.rope(position)
         mask = mask.reshape(1, -1)
         captured = []
         for i in range(len(m.model.layers)):

@@ -36,6 +36,7 @@ import torch
 
 from eaglescope.fast.fused_decode import (
     FLASH_LAUNCH,
+    RopeRows,
     attention_limit,
     attention_scratch,
     await_previous,
@@ -348,6 +349,7 @@ class FusedVerify:
         self.defer_residual = defer_residual
         self.residual_out = torch.zeros(R, H, device=dev, dtype=dt)  # o's or down's product, added by the next norm
         self.scratch = attention_scratch(R, a.num_heads, a.head_dim, cache.size, dev)
+        self.rope = RopeRows(model, cache.size, R)
         self.part = torch.zeros(1, device=dev, dtype=torch.float32)  # split-K partials
         self.count = torch.zeros(1, device=dev, dtype=torch.int32)  # a finish counter per column tile
         self.logits_dtype = logits_dtype(model)
@@ -527,8 +529,7 @@ class FusedVerify:
             raise ValueError(f"FusedVerify runs 2..{MAX_ROWS} tokens, not {T}")
         h = self.h[:T]
         torch.index_select(m.model.embed_tokens.weight, 0, tokens, out=h)
-        cos, sin = m.rope_for(positions[None])
-        cos, sin = cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
+        cos, sin = self.rope(positions)
         if (AUTO_ATTENTION if self.attention == "auto" else self.attention) == "flash":
             self._limit = attention_limit(mask)  # every layer's flash attention visits the slots below it
         F, nq = a.intermediate_size, a.num_heads * D

@@ -20,6 +20,7 @@ from eaglescope.decode.vanilla import generate_vanilla  # noqa: E402
 from eaglescope.fast import FastEagle, FastTarget, FastVanilla  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
 from eaglescope.fast.engine import PREFILL_ROWS  # noqa: E402
+from eaglescope.fast.fused_decode import attention_limit  # noqa: E402
 from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, MAX_ROWS, FusedVerify, _attend_products  # noqa: E402
 from eaglescope.models.targets import load_target  # noqa: E402
 from eaglescope.models.targets.llama import RMSNorm, fuse_projections  # noqa: E402
@@ -151,9 +152,10 @@ def test_verify_step_matches_the_modules(family, attention, cublas, defer, k_spl
     assert not FusedVerify.supports_rows(1) and not FusedVerify.supports_rows(MAX_ROWS + 1)
 
 
-def test_speculative_decoding_through_fused_steps_and_verifies_is_vanilla_greedy(tmp_path):
+def test_speculative_decoding_through_fused_steps_and_verifies_is_vanilla_greedy(tmp_path, monkeypatch):
     """One target serving both decoders: one-token steps on the fused decode kernels, verifies on the fused verify
-    kernels; both give vanilla greedy's tokens."""
+    kernels; both give vanilla greedy's tokens. Every round's verify is handed its attention limit (t_len + N): the
+    one attention_limit finds in its mask."""
     ckpt = make_checkpoint("llama", tmp_path, seed=7, num_hidden_layers=7, **WIDE_HEADS)
     tgt = load_target(ckpt, device="cpu", dtype=torch.float32)
     tgt.set_taps(TapContract.default(tgt.num_layers))
@@ -163,9 +165,19 @@ def test_speculative_decoding_through_fused_steps_and_verifies_is_vanilla_greedy
     prompt, n = [3, 17, 5, 40, 22, 9, 11], 12
     ref = generate_vanilla(tgt, prompt, n, stop_ids=[]).token_ids
     assert FastVanilla(ft, n).generate(prompt).tokens == ref
+    limits = []
+    verify = FusedVerify.__call__
+
+    def handed_limit(self, tokens, positions, mask, slots, limit=None):
+        if limit is not None:
+            limits.append((int(limit), int(attention_limit(mask))))
+        return verify(self, tokens, positions, mask, slots, limit)
+
+    monkeypatch.setattr(FusedVerify, "__call__", handed_limit)
     fast = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 2).generate(prompt, n)
     assert fast.tokens == ref
     assert sum(fast.accepted) > 0
+    assert len(limits) == len(fast.accepted) and all(given == found for given, found in limits)
 
 
 def test_chunked_prefill_matches_the_modules_and_its_padding_is_never_read(tmp_path):

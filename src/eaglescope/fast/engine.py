@@ -156,12 +156,13 @@ class FastTarget:
     def _run_eager(self, tokens, positions, mask, slots):
         return self._forward(tokens, positions, mask, slots, self.taps)[:2]
 
-    def run(self, tokens, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens/positions/slots [T], mask [T, size] bool → logits [T, V], aux [T, nH] | None."""
+    def run(self, tokens, positions, mask, slots, limit=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens/positions/slots [T], mask [T, size] bool → logits [T, V], aux [T, nH] | None. `limit` [1] int32,
+        where the caller knows it: one past the highest slot `mask` allows (FusedVerify's flash attention)."""
         if self.fused is not None and tokens.shape[0] == 1:
             return self.fused(tokens, positions, mask[0], slots)
         if self.fused_rows is not None and self.fused_rows.supports_rows(tokens.shape[0]):
-            return self.fused_rows(tokens, positions, mask, slots)
+            return self.fused_rows(tokens, positions, mask, slots, limit)
         return self._run(tokens, positions, mask, slots)
 
     @torch.inference_mode()
@@ -487,19 +488,22 @@ class FastEagle(Runner):
     def verify(self, state: RoundState) -> None:
         """Target verify over the tree at slots t_len..t_len+N-1 → logits, aux."""
         tree = state.tree
-        mask, positions, slots = self._verify_inputs_fn(tree.mask, tree.depths)
-        state.logits, state.aux = self.t.run(tree.tokens, positions, mask, slots)
+        mask, positions, slots, limit = self._verify_inputs_fn(tree.mask, tree.depths)
+        state.logits, state.aux = self.t.run(tree.tokens, positions, mask, slots, limit)
         if self.stages is not None:
             record_target(self.stages, state.aux, self.t.taps)
 
     def _verify_inputs(self, tree_mask: torch.Tensor, depths: torch.Tensor):
         """The verify's attention mask over the target cache [N, size] (the context, then the tree's own ancestor
-        mask at slots t_len..t_len+N-1), its RoPE positions and its slots [N]."""
+        mask at slots t_len..t_len+N-1), its RoPE positions, its slots [N] and one past the highest slot the mask
+        allows [1] int32. That is t_len + N because an ancestor mask includes each node itself; known here, the
+        fused verify need not find it from the mask (a memset and a kernel a round, bench/NOTES.md version 30b)."""
         N = tree_mask.shape[0]
         rel = self.t_slots - self.t_len
         inwin = (rel >= 0) & (rel < N)
         mask = (tree_mask[:, rel.clamp(0, N - 1)] & inwin[None, :]) | (rel < 0)[None, :]
-        return mask, self.t_len + depths, self.t_len + torch.arange(N, device=self.device)
+        limit = (self.t_len + N).to(torch.int32).reshape(1)
+        return mask, self.t_len + depths, self.t_len + torch.arange(N, device=self.device), limit
 
     def accept(self, state: RoundState) -> None:
         t = state.tree

@@ -522,7 +522,9 @@ class FusedVerify:
             out.copy_(_attend_products(q, k, v, mask))
 
     @torch.inference_mode()
-    def __call__(self, tokens, positions, mask, slots) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, tokens, positions, mask, slots, limit=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`limit` [1] int32: one past the highest slot any row of `mask` allows, where the caller knows it (a
+        tree's verify: its own last row's slot + 1); else computed from the mask (attention_limit)."""
         m, a = self.model, self.args
         T, D = tokens.shape[0], a.head_dim
         if not self.supports_rows(T):
@@ -531,7 +533,8 @@ class FusedVerify:
         torch.index_select(m.model.embed_tokens.weight, 0, tokens, out=h)
         cos, sin = self.rope(positions)
         if (AUTO_ATTENTION if self.attention == "auto" else self.attention) == "flash":
-            self._limit = attention_limit(mask)  # every layer's flash attention visits the slots below it
+            # every layer's flash attention visits the slots below it
+            self._limit = attention_limit(mask) if limit is None else limit
         F, nq = a.intermediate_size, a.num_heads * D
         s = self.settings(T)
         captured = []

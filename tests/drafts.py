@@ -102,3 +102,39 @@ def check_tree_start(proposer, capacity: int, seed: int = 0) -> None:
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), i
         for t in got:  # what a round leaves behind
             t.copy_(torch.randint(-5, 90, t.shape, generator=g, device=dev).to(t.dtype))
+
+
+def check_finalize(proposer, top_k: int, levels: int, vocab: int, seed: int, scores: str, total: int) -> bool:
+    """FusedDraftStep.finalize (via the proposer's fused layer) against the composed Eagle3Proposer.finalize over a
+    builder grown by decode/tree.py (`scores`: "distinct" log-probs, coarse ones where many candidates "ties", or one
+    draft row all "nan" half way down): every tensor equal, exactly, NaN ranked as -inf; the tree connected.
+    → False where the tree is wider than the kernel takes (nothing checked)."""
+    from eaglescope.decode.speculative import Eagle3Proposer
+    from eaglescope.decode.tree import DraftTree, TreeBuilder
+    from eaglescope.fast.fused_draft import FusedDraftStep
+
+    dev = proposer.device
+    g = torch.Generator(dev).manual_seed(seed)
+    b = TreeBuilder(7, top_k, dev, levels=levels, vocab=vocab)
+    frontier = torch.tensor([0], device=dev)
+    for level in range(levels):
+        lp = torch.log_softmax(torch.randn(frontier.shape[0], vocab, generator=g, device=dev) * 3, -1)
+        if scores == "ties":
+            lp = (lp * 2).round() / 2
+        if scores == "nan" and level == levels // 2:
+            lp[-1] = float("nan")
+        frontier = b.expand(frontier, lp)
+    if not FusedDraftStep.takes_finalize(b.num_nodes):
+        return False
+    args = (b.tokens, b.parents, b.depths, b.scores, b.lineage, b.num_nodes, total)
+    got = [t.clone() for t in proposer.fused_layer.finalize(*args)]
+    as_inf = lambda x: torch.where(x.isnan(), float("-inf"), x)  # noqa: E731
+    if scores == "nan":
+        assert b.scores[: b.num_nodes].isnan().any()
+    # the kernel ranks NaN as -inf (FusedDraftStep.finalize): the composed function over scores that say so
+    want = Eagle3Proposer.finalize(proposer, *args[:3], as_inf(b.scores), *args[4:])
+    for name, x, y in zip(("tokens", "parents", "depths", "scores", "source", "mask"), got, want, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(as_inf(x) if x.dtype.is_floating_point else x, y), name
+    DraftTree(*got[:4], source=got[4], mask=got[5]).validate()  # connected, whatever the scores
+    return True

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
-from drafts import check_level_inputs, check_tree_start, make_draft  # noqa: E402
+from drafts import check_finalize, check_level_inputs, check_tree_start, make_draft  # noqa: E402
 from models import WIDE_HEADS, make_checkpoint  # noqa: E402
 from tolerance import assert_close_float32, assert_draft_step_matches_modules  # noqa: E402
 
@@ -269,6 +269,49 @@ def test_expand_level_in_one_launch_is_the_builders(top_k, levels, vocab, seed, 
         frontiers = nxt
 
 
+@pytest.fixture(scope="module")
+def small_vocab_proposer(target_dir):
+    """An Eagle3Proposer on the fused draft layer with a 48-token draft vocabulary (so ids map to the target's)."""
+    tgt = load_target(target_dir, device="cpu", dtype=torch.float32)
+    tgt.set_taps(TapContract.default(tgt.num_layers))
+    draft, _ = make_draft(target_dir, taps=tgt.taps, seed=14, draft_vocab_size=48)
+    fuse_projections(draft)
+    assert draft.d2t.any()
+    ft = FastTarget(copy.deepcopy(tgt.model), 64, taps=tgt.taps.layers)
+    return FastEagle(ft, draft, 4, 3, 10, max_len=30, fused_draft=True).proposer
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 5), st.integers(2, 48), st.integers(0, 2**31 - 1),
+       st.sampled_from(["distinct", "ties", "nan"]), st.integers(1, 140))  # fmt: skip
+def test_a_trees_finalize_in_one_launch_is_the_composed_one(small_vocab_proposer, top_k, levels, vocab, seed, scores,
+                                                           total):  # fmt: skip
+    """FusedDraftStep.finalize (one kernel) against Eagle3Proposer.finalize over a builder grown by decode/tree.py:
+    the same tokens (draft ids mapped to the target's), parents, depths, scores, source ids and ancestor mask,
+    exactly, whatever the total kept. With coarse log-probs many candidates tie (the rank then goes to the shallower,
+    then the earlier node); with one draft row all NaN its subtree ranks first, as torch.sort puts NaN."""
+    check_finalize(small_vocab_proposer, top_k, levels, vocab, seed, scores, total)
+
+
+def test_finalize_runs_in_one_launch_only_for_the_proposers_own_wiring_and_small_trees(target_dir):
+    """The one-launch finalize stands in for Eagle3Proposer's own finalize on trees its kernel holds (the (4, 3) tree's
+    40 nodes); a proposer overriding the draft-to-target map it hard-codes, the switch off, and a (7, 10) tree's 611
+    nodes run the composed finalize."""
+    tgt = load_target(target_dir, device="cpu", dtype=torch.float32)
+    tgt.set_taps(TapContract.default(tgt.num_layers))
+    draft, _ = make_draft(target_dir, taps=tgt.taps, seed=14)
+    fuse_projections(draft)
+    ft = FastTarget(copy.deepcopy(tgt.model), 128, taps=tgt.taps.layers)
+    small = FastEagle(ft, draft, 4, 3, 10, max_len=30, fused_draft=True).proposer
+    assert small.piece("finalize") == small.fused_finalize
+    small.fused_layer.one_launch = False
+    assert small.piece("finalize") == small.finalize
+    wide = FastEagle(ft, draft, 7, 10, 60, max_len=30, fused_draft=True).proposer
+    assert tree_capacity(10, 7, draft.config.draft_vocab_size) == 611 and wide.piece("finalize") == wide.finalize
+    own_map = FastEagle(ft, draft, 4, 3, 10, max_len=30, fused_draft=True, proposer_cls=_ShiftedIds).proposer
+    assert own_map.fused_layer.one_launch and own_map.piece("finalize") == own_map.finalize
+
+
 def test_unsupported_drafts_are_refused_with_the_reason(target_dir):
     draft, _ = make_draft(target_dir, draft_vocab_size=48)
     assert "fuse_projections" in fused_draft_supported(draft)
@@ -296,14 +339,24 @@ def test_compiled_round_around_the_fused_draft_is_vanilla_greedy(target_dir, mon
     compiled = fe.proposer._compiled
     assert fe.proposer.piece("tree_level") == fe.proposer.fused_tree_level  # the layer stays on its kernels
     assert fe.proposer.piece("level_inputs") == fe.proposer.fused_level_inputs
+    assert fe.proposer.piece("finalize") == fe.proposer.fused_finalize
     assert fe.proposer.piece("catch_up_inputs") is compiled["catch_up_inputs"]
     fe.proposer.fused_layer.one_launch = False
     assert fe.proposer.piece("level_inputs") is compiled["level_inputs"]
     assert fe.proposer.piece("tree_start") is compiled["tree_start"]
+    assert fe.proposer.piece("finalize") is compiled["finalize"]
     one_launch = []
-    monkeypatch.setattr(FusedDraftStep, "level_inputs", lambda *a, **k: one_launch.append(1))
+    for name in ("level_inputs", "tree_start", "finalize"):
+        monkeypatch.setattr(FusedDraftStep, name, lambda *a, **k: one_launch.append(1))
     assert fe.generate(prompt, n).tokens == ref and not one_launch  # the compiled piece is the composed function
     torch._dynamo.reset()
+
+
+class _ShiftedIds(Eagle3Proposer):
+    """Draft ids mapped one past the target's (a lost vocabulary map, as an engine might get it wrong)."""
+
+    def to_target_ids(self, draft_ids):
+        return self.draft.to_target_ids(draft_ids) + 1
 
 
 class _FeedbackPostnorm(Eagle3Proposer):

@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from drafts import check_level_inputs, check_tree_start, make_draft
+from drafts import check_finalize, check_level_inputs, check_tree_start, make_draft
 from models import LLAMA_8B, make_checkpoint
 from tolerance import assert_draft_step_matches_modules, assert_step_matches_modules
 
@@ -300,6 +300,20 @@ def test_a_trees_start_in_one_launch_is_the_composed_one_at_8b_widths(wide, wide
     p = FastEagle(ft, wide_draft, depth, top_k, 24, max_len=30, fused_draft=True).proposer
     assert p.piece("tree_start") == p.fused_tree_start
     check_tree_start(p, tree_capacity(top_k, depth, wide_draft.config.draft_vocab_size), seed=depth)
+
+
+@pytest.mark.parametrize("levels,top_k,scores", [(6, 4, "distinct"), (6, 4, "ties"), (6, 4, "nan"), (4, 6, "ties")])
+def test_a_trees_finalize_in_one_launch_is_the_composed_one_at_8b_widths(wide, wide_draft, levels, top_k, scores):
+    """The one-launch finalize compiled for this GPU (FusedDraftStep.finalize) over builders grown at the draft's
+    vocabulary: the composed Eagle3Proposer.finalize's tensors, exactly, for the protocol's tree (85 nodes, 24 kept)
+    and a 115-node one keeping every node."""
+    ft = FastTarget(copy.deepcopy(wide.model), S, taps=(0, 1), fuse=True, float32_logits=True, fused_decode=True,
+                    fused_verify=True)  # fmt: skip
+    p = FastEagle(ft, wide_draft, 6, 4, 24, max_len=30, fused_draft=True).proposer
+    assert p.piece("finalize") == p.fused_finalize
+    vocab = wide_draft.config.draft_vocab_size
+    for total in (24, 200):
+        assert check_finalize(p, top_k, levels, vocab, seed=levels + total, scores=scores, total=total)
 
 
 def test_the_cli_prefills_vanilla_as_it_prefills_eagle3(wide, wide_draft):

@@ -72,10 +72,10 @@ class NoProposer(Proposer):
 PIECES = ("catch_up", "_logprobs", "tree_level", "expand_level", "finalize", "catch_up_inputs", "level_inputs",
           "rotary", "logits", "tree_start")  # fmt: skip
 
-# the pieces a fused draft layer may run in one launch (FusedDraftStep.level_inputs, .tree_start), each with the
-# methods its kernel hard-codes: the piece itself and the hooks it calls
+# the pieces a fused draft layer may run in one launch (FusedDraftStep.level_inputs, .tree_start, .finalize), each
+# with the methods its kernel hard-codes: the piece itself and the hooks it calls
 _ONE_LAUNCH = {"level_inputs": ("level_inputs", "child_hidden", "embed", "to_target_ids", "tree_position"),
-               "tree_start": ("tree_start",)}  # fmt: skip
+               "tree_start": ("tree_start",), "finalize": ("finalize", "to_target_ids")}  # fmt: skip
 
 
 class Eagle3Proposer(Proposer):
@@ -274,6 +274,10 @@ class Eagle3Proposer(Proposer):
         """tree_start in one launch (FusedDraftStep.tree_start)."""
         return self.fused_layer.tree_start(root, h_root, context, capacity, self.depth + 1, self._frontier_width)
 
+    def fused_finalize(self, *args):
+        """finalize in one launch (FusedDraftStep.finalize)."""
+        return self.fused_layer.finalize(*args)
+
     @property
     def _frontier_width(self) -> int:
         """Rows of every tree level's frontier: top_k, or the whole draft vocabulary where it is smaller."""
@@ -283,7 +287,10 @@ class Eagle3Proposer(Proposer):
         """Whether the fused layer's kernel may stand in for piece `name`: it hard-codes Eagle3Proposer's methods,
         so a subclass overriding any of them (doctor's hypotheses, the tests' faults) runs its own wiring."""
         own = all(getattr(type(self), n) is getattr(Eagle3Proposer, n) for n in _ONE_LAUNCH[name])
-        return own and self.fused_layer is not None and self.fused_layer.one_launch
+        if not (own and self.fused_layer is not None and self.fused_layer.one_launch):
+            return False
+        vocab = self.draft.config.draft_vocab_size
+        return name != "finalize" or self.fused_layer.takes_finalize(tree_capacity(self.top_k, self.depth, vocab))
 
     def fused_tree_level(self, *args):
         """tree_level with the draft layer on `fused_layer`. Its `out` is a view the next level's layer overwrites:

@@ -237,6 +237,56 @@ if triton is not None:
                 tl.store(ctx_mask + i, (i < ctx).to(tl.int8), mask=i < S)
             tl.store(next_id, r * 0 + 1)
 
+    @triton.jit
+    def _finalize_kernel(tokens, parents, depths, scores, lineage, d2t, tok_out, par_out, dep_out, score_out,
+                         src_out, mask_out, N, KEEP, COLS: tl.constexpr, NP2: tl.constexpr,
+                         PDL: tl.constexpr = False):  # fmt: skip
+        """decode/tree.py finalize_tree, then Eagle3Proposer.finalize's draft-to-target ids, in one program over
+        the builder's N nodes as [NP2, NP2] pairs (a row node a, a column node b). Candidates 1..N-1 rank by score
+        descending, then depth, then id: the order of finalize_tree's two stable sorts. The root and the KEEP best
+        are kept, placed by (depth, rank); the mask row of a kept node holds the kept nodes its lineage names (its
+        ancestor at each depth, itself). A NaN score ranks as -inf: a draft row of NaN log-probs gives its children
+        NaN under a parent with a number, and torch.sort's NaN-first order would keep them without it (the composed
+        finalize then fails on an index); last, they come after their parent as any child does."""
+        await_previous(PDL)
+        a = tl.arange(0, NP2)[:, None]
+        b = tl.arange(0, NP2)[None, :]
+        node = tl.arange(0, NP2)
+        ok = node < N
+        d = tl.load(depths + node, mask=ok, other=0)
+        score = tl.load(scores + node, mask=ok, other=0.0)
+        s = tl.where(score != score, float("-inf"), score)  # NaN as -inf: see the docstring
+        d_a, d_b, s_a, s_b = d[:, None], d[None, :], s[:, None], s[None, :]
+        higher, same = s_a > s_b, s_a == s_b
+        cand_a, cand_b = (a >= 1) & (a < N), (b >= 1) & (b < N)
+        # a_first[a, b]: candidate a ranks before candidate b (a strict total order over the candidates)
+        a_first = cand_a & cand_b & (higher | (same & ((d_a < d_b) | ((d_a == d_b) & (a < b)))))
+        rank_b = tl.sum(a_first.to(tl.int32), 0)  # how many rank before b, b along the columns
+        rank_a = (N - 2) - tl.sum(a_first.to(tl.int32), 1)  # the same for a: the others minus those a precedes
+        cand = (node >= 1) & ok
+        kept_a = tl.where(cand, rank_a < KEEP, node == 0)[:, None]
+        kept_b = tl.where(cand, rank_b < KEEP, node == 0)[None, :]
+        r_a = tl.where(node == 0, -1, rank_a)[:, None]  # the root first: depth 0, before every rank
+        r_b = tl.where(node == 0, -1, rank_b)[None, :]
+        # a kept node's place: how many kept nodes come before it by (depth, rank)
+        pos_a = tl.sum((kept_b & ((d_b < d_a) | ((d_b == d_a) & (r_b < r_a)))).to(tl.int32), 1)[:, None]
+        pos_b = tl.sum((kept_a & ((d_a < d_b) | ((d_a == d_b) & (r_a < r_b)))).to(tl.int32), 0)[None, :]
+        par = tl.load(parents + node, mask=ok, other=-1)[:, None]
+        par_pos = tl.sum(tl.where(b == par, pos_b, 0), 1)[:, None]
+        n = KEEP + 1
+        row = kept_a & (a < N)
+        tok = tl.load(tokens + a, mask=row, other=0)
+        tok = tl.where(a == 0, tok, tok + tl.load(d2t + tok, mask=row & (a > 0), other=0))
+        tl.store(tok_out + pos_a, tok, mask=row)
+        tl.store(par_out + pos_a, tl.where(a == 0, -1, par_pos).to(tl.int64), mask=row)
+        tl.store(dep_out + pos_a, d_a, mask=row)
+        tl.store(score_out + pos_a, score[:, None], mask=row)
+        tl.store(src_out + pos_a, a.to(tl.int64), mask=row)
+        pair = row & kept_b & (b < N)
+        col = tl.minimum(d_b, COLS - 1)
+        ancestor = tl.load(lineage + a.to(tl.int64) * COLS + col, mask=pair, other=-1) == b
+        tl.store(mask_out + pos_a.to(tl.int64) * n + pos_b, ancestor.to(tl.int8), mask=pair)
+
 
 def expand_level_fused(tokens, parents, depths, scores, lineage, next_id, parent_nodes, logprobs, k: int,
                        top_k: int) -> torch.Tensor:  # fmt: skip
@@ -267,6 +317,9 @@ DRAFT_K_SPLITS = {"o": 1, "down": 1}
 # proposer's wiring is Eagle3Proposer's own; False: the composed Eagle3Proposer pieces (run_bench.py's roofline
 # replays both: the instance's `one_launch`)
 ONE_LAUNCH_PIECES = True
+# the largest builder finalize's kernel takes (every pair of nodes in one program's registers): the (6, 4) tree's 85
+# nodes fit; the (7, 10) tree's 611 run the composed finalize
+FINALIZE_MAX_NODES = 128
 # log_softmax_top_k's columns a program (16 a thread over 4 warps: top_k_warps), and the widest row it takes (its
 # merge holds every chunk's k candidates: 128 chunks at most)
 TOP_K_CHUNK = 2048
@@ -363,6 +416,7 @@ class FusedDraftStep:
         self.level_mask = torch.zeros(R, cache.size, device=dev, dtype=torch.bool)
         self.one_launch = ONE_LAUNCH_PIECES
         self._tree: tuple[torch.Tensor, ...] | None = None  # tree_start's buffers, made at its first call
+        self._final: tuple[torch.Tensor, ...] | None = None  # finalize's outputs, made at its first call
 
     expand_level = staticmethod(expand_level_fused)
 
@@ -403,6 +457,28 @@ class FusedDraftStep:
                                      capacity * columns, S, S, M=m, H=H, HP2=triton.next_power_of_2(H), BLOCK=1024,
                                      num_warps=4, **pdl_options(h_root))  # fmt: skip
         return (tokens, parents, depths, scores, lineage, next_id), ctx_mask, slot_of, prev_front[:m], prev_out[:m]
+
+    @staticmethod
+    def takes_finalize(capacity: int) -> bool:
+        """Whether `finalize` runs a builder of `capacity` nodes: its kernel holds every pair of nodes at once."""
+        return capacity <= FINALIZE_MAX_NODES
+
+    def finalize(self, tokens, parents, depths, scores, lineage, num_nodes: int, total: int):
+        """Eagle3Proposer.finalize with that class's own wiring (finalize_tree, then draft ids to the target's), in
+        one launch where compiled it is about a dozen kernels (its sorts, the remap, the mask's scatter): the same
+        (tokens, parents, depths, scores, source ids [n], ancestor mask [n, n]) for n = min(total, num_nodes), as
+        buffers the next round's finalize overwrites."""
+        if not self.takes_finalize(num_nodes):
+            raise ValueError(f"a one-launch finalize holds up to {FINALIZE_MAX_NODES} nodes, not {num_nodes}")
+        n, dev = min(total, num_nodes), tokens.device
+        if self._final is None or self._final[0].shape[0] != n:
+            z = lambda *shape, dt=torch.long: torch.empty(*shape, device=dev, dtype=dt)  # noqa: E731
+            self._final = (z(n), z(n), z(n), z(n, dt=torch.float32), z(n), z(n, n, dt=torch.bool))
+        tok, par, dep, score, src, mask = self._final
+        _finalize_kernel[(1,)](tokens, parents, depths, scores, lineage, self.draft.d2t, tok, par, dep, score, src,
+                               mask.view(torch.uint8), num_nodes, n - 1, COLS=lineage.shape[1],
+                               NP2=triton.next_power_of_2(num_nodes), num_warps=8, **pdl_options(scores))  # fmt: skip
+        return self._final
 
     def children(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A level's top-k children from the head's logits [m, V]: (log-probs, draft ids) [m, min(k, V)] each."""

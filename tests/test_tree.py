@@ -175,6 +175,23 @@ def test_finalize_stays_connected_on_score_ties():
         assert tree.num_nodes == total
 
 
+def test_finalize_stays_connected_under_a_nan_draft_row():
+    """A draft row of NaN log-probs (a broken draft) gives its children NaN scores under a parent with a number:
+    ranked as -inf they are kept last, after their parent, so every total still finalizes to a connected tree."""
+    b = TreeBuilder(0, 2, "cpu", levels=3, vocab=4)
+    f = b.expand(torch.tensor([0]), torch.tensor([[-0.1, -3.0, -2.0, -4.0]]))
+    f = b.expand(f, torch.tensor([[float("nan")] * 4, [-0.5, -1.0, -2.0, -3.0]]))
+    b.expand(f, torch.log_softmax(torch.arange(8.0).reshape(2, 4), -1))
+    nan_nodes = b.scores[: b.num_nodes].isnan()
+    assert nan_nodes.any() and not nan_nodes[b.parents[: b.num_nodes][nan_nodes]].all()  # a parent with a number
+    for total in range(1, b.num_nodes + 1):
+        tree = b.finalize(total, check=True)  # would raise if a kept node lost its parent
+        assert tree.num_nodes == total
+        kept_nan = tree.scores.isnan()
+        if kept_nan.any():  # only once every node with a number is in
+            assert int((~kept_nan).sum()) == int((~nan_nodes).sum())
+
+
 def test_eagle_default_tree_shape():
     depth, top_k, total = EAGLE_DEFAULT_TREE
     assert (depth, top_k, total) == (7, 10, 60)

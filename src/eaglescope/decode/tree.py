@@ -318,9 +318,12 @@ def finalize_tree(tokens, parents, depths, scores, lineage, num_nodes: int, tota
     dev = tokens.device
     n_keep = min(total_tokens - 1, num_nodes - 1)
     cand = torch.arange(1, num_nodes, device=dev)
-    # rank by score desc, ties to the shallower node: stable sort by depth, then stable by score
+    # rank by score desc, ties to the shallower node: stable sort by depth, then stable by score. NaN ranks as -inf:
+    # a draft row of NaN log-probs gives its children NaN under a parent with a number, and sort's NaN-first order
+    # would keep them without it
     by_depth = cand[torch.sort(depths[cand], stable=True).indices]
-    ranked = by_depth[torch.sort(scores[by_depth], descending=True, stable=True).indices]
+    rank_by = torch.where(scores.isnan(), float("-inf"), scores)
+    ranked = by_depth[torch.sort(rank_by[by_depth], descending=True, stable=True).indices]
     # final order: by depth, then score desc (parents precede children; siblings best first): `ranked` is by score
     # desc already, so one stable sort by depth
     kept = ranked[:n_keep]

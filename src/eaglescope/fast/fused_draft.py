@@ -245,9 +245,7 @@ if triton is not None:
         the builder's N nodes as [NP2, NP2] pairs (a row node a, a column node b). Candidates 1..N-1 rank by score
         descending, then depth, then id: the order of finalize_tree's two stable sorts. The root and the KEEP best
         are kept, placed by (depth, rank); the mask row of a kept node holds the kept nodes its lineage names (its
-        ancestor at each depth, itself). A NaN score ranks as -inf: a draft row of NaN log-probs gives its children
-        NaN under a parent with a number, and torch.sort's NaN-first order would keep them without it (the composed
-        finalize then fails on an index); last, they come after their parent as any child does."""
+        ancestor at each depth, itself). A NaN score ranks as -inf, as finalize_tree ranks it."""
         await_previous(PDL)
         a = tl.arange(0, NP2)[:, None]
         b = tl.arange(0, NP2)[None, :]
@@ -255,7 +253,7 @@ if triton is not None:
         ok = node < N
         d = tl.load(depths + node, mask=ok, other=0)
         score = tl.load(scores + node, mask=ok, other=0.0)
-        s = tl.where(score != score, float("-inf"), score)  # NaN as -inf: see the docstring
+        s = tl.where(score != score, float("-inf"), score)
         d_a, d_b, s_a, s_b = d[:, None], d[None, :], s[:, None], s[None, :]
         higher, same = s_a > s_b, s_a == s_b
         cand_a, cand_b = (a >= 1) & (a < N), (b >= 1) & (b < N)

@@ -490,7 +490,7 @@ class FusedDraftStep:
         H = self.config.hidden_size
         parts = add.shape[0] if add.dim() == 3 else 1
         _rows_rmsnorm_kernel[(T,)](self.h, add, norm.weight, self.normed, norm.eps, add.stride(0) if parts > 1 else 0,
-                                   K=H, KP2=triton.next_power_of_2(H), ADD=True, PARTS=parts,
+                                   self.h, 0, K=H, KP2=triton.next_power_of_2(H), ADD=True, PARTS=parts,
                                    **pdl_options(add))  # fmt: skip
         return self.normed[:T]
 

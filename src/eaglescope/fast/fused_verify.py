@@ -90,12 +90,14 @@ EPILOGUE = {"qkv": "qkv", "o": "residual", "gate_up": "gate_up", "down": "residu
 if triton is not None:
 
     @triton.jit
-    def _rows_rmsnorm_kernel(x, r, nw, y, eps, part_stride, K: tl.constexpr, KP2: tl.constexpr, ADD: tl.constexpr,
-                             PARTS: tl.constexpr = 1, PDL: tl.constexpr = False):  # fmt: skip
+    def _rows_rmsnorm_kernel(x, r, nw, y, eps, part_stride, keep, keep_stride, K: tl.constexpr, KP2: tl.constexpr,
+                             ADD: tl.constexpr, PARTS: tl.constexpr = 1, KEEP: tl.constexpr = False,
+                             PDL: tl.constexpr = False):  # fmt: skip
         """y[t] = RMSNorm(x[t]) with the module's two roundings; one program per row. With ADD, first x[t] += r[t]
         in place (the residual add, rounded as the module's `h + proj(...)`). PARTS > 1: r holds that many float32
         partials of the product over slices of K (split_k_mm), part_stride elements apart, summed in slice order
-        and rounded once to x's dtype before the add, as the one product would be."""
+        and rounded once to x's dtype before the add, as the one product would be. KEEP: x[t] (after the add) is
+        also written to keep[t] (rows keep_stride apart): a tap's copy of the state, without a kernel of its own."""
         await_previous(PDL)
         t = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, KP2)
@@ -109,6 +111,8 @@ if triton is not None:
                 add = add.to(xs.dtype).to(tl.float32)
             xs = (xs.to(tl.float32) + add).to(xs.dtype)
             tl.store(x + t * K + k, xs, mask=ok)
+        if KEEP:
+            tl.store(keep + t * keep_stride + k, xs, mask=ok)
         xs = xs.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, 0) / K + eps)
         normed = (xs * rstd).to(y.dtype.element_ty).to(tl.float32)
@@ -350,6 +354,10 @@ class FusedVerify:
         self.residual_out = torch.zeros(R, H, device=dev, dtype=dt)  # o's or down's product, added by the next norm
         self.scratch = attention_scratch(R, a.num_heads, a.head_dim, cache.size, dev)
         self.rope = RopeRows(model, cache.size, R)
+        # the tap features [R, n_taps*H], in layer order, written by the norms entering the tapped layers: the aux a
+        # call returns is a view of it, rewritten by the next call (as a captured graph's outputs are)
+        self.tapped = sorted({i for i in self.taps if i < a.num_layers})
+        self.aux = torch.zeros(R, len(self.tapped) * H, device=dev, dtype=dt) if self.tapped else None
         self.part = torch.zeros(1, device=dev, dtype=torch.float32)  # split-K partials
         self.count = torch.zeros(1, device=dev, dtype=torch.int32)  # a finish counter per column tile
         self.logits_dtype = logits_dtype(model)
@@ -461,14 +469,16 @@ class FusedVerify:
     def _library(name: str, s: VerifySettings, x: torch.Tensor) -> contextlib.AbstractContextManager:
         return blas_library("cublaslt" if name in s.cublaslt and x.is_cuda else None)
 
-    def _norm(self, norm, x, T: int, add: torch.Tensor | None = None) -> torch.Tensor:
+    def _norm(self, norm, x, T: int, add: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm of x's T rows into self.normed; with `add` ([T, K], or split_k_mm's partials [parts, T, K]),
-        x += add first (in place)."""
+        x += add first (in place); with `keep` [T, K] (rows of unit stride), x's rows after the add are copied there."""
         K = x.shape[1]
         parts = add.shape[0] if add is not None and add.dim() == 3 else 1  # split_k_mm's partials
         _rows_rmsnorm_kernel[(T,)](x, add if add is not None else x, norm.weight, self.normed, norm.eps,
-                                   add.stride(0) if parts > 1 else 0, K=K, KP2=triton.next_power_of_2(K),
-                                   ADD=add is not None, PARTS=parts, **pdl_options(x))  # fmt: skip
+                                   add.stride(0) if parts > 1 else 0, keep if keep is not None else x,
+                                   keep.stride(0) if keep is not None else 0, K=K, KP2=triton.next_power_of_2(K),
+                                   ADD=add is not None, PARTS=parts, KEEP=keep is not None,
+                                   **pdl_options(x))  # fmt: skip
         return self.normed
 
     def _residual(self, name: str, s: VerifySettings, x, layer_proj, h, T: int) -> torch.Tensor | None:
@@ -537,12 +547,11 @@ class FusedVerify:
             self._limit = attention_limit(mask) if limit is None else limit
         F, nq = a.intermediate_size, a.num_heads * D
         s = self.settings(T)
-        captured = []
         pending = None  # a residual product the next norm adds into h (defer_residual)
         for i, layer in enumerate(m.model.layers):
-            qkv, x = layer.self_attn.qkv_proj, self._norm(layer.input_layernorm, h, T, add=pending)
-            if i in self.taps:  # after the norm: it completes h with the previous layer's down
-                captured.append(h.clone())
+            # a tapped layer's state: the norm completes h with the previous layer's down, and keeps a copy
+            keep = self._tap_view(i, T)
+            qkv, x = layer.self_attn.qkv_proj, self._norm(layer.input_layernorm, h, T, add=pending, keep=keep)
             kc, vc = self.cache.k[i], self.cache.v[i]
             if "qkv" in s.cublas:
                 heads, split = a.num_heads + 2 * a.num_kv_heads, s.k_splits["qkv"]
@@ -571,8 +580,14 @@ class FusedVerify:
         logits = torch.empty(T, a.vocab_size, device=h.device, dtype=self.logits_dtype)
         self._product("lm_head", s, self._norm(m.model.norm, h, T, add=pending), m.lm_head.weight, None, logits, T,
                       a.vocab_size)  # fmt: skip
-        aux = torch.cat(captured, dim=-1) if captured else None
-        return logits, aux
+        return logits, (self.aux[:T] if self.aux is not None else None)
+
+    def _tap_view(self, layer: int, T: int) -> torch.Tensor | None:
+        """Where the state entering `layer` goes in the verify's aux (its T rows), if the layer is tapped."""
+        if layer not in self.tapped:
+            return None
+        H, j = self.args.hidden_size, self.tapped.index(layer)
+        return self.aux[:T, j * H : (j + 1) * H]
 
 
 @contextlib.contextmanager

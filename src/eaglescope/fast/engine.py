@@ -156,7 +156,9 @@ class FastTarget:
     def _run_eager(self, tokens, positions, mask, slots):
         return self._forward(tokens, positions, mask, slots, self.taps)[:2]
 
-    def run(self, tokens, positions, mask, slots, limit=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(
+        self, tokens, positions, mask, slots, limit: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens/positions/slots [T], mask [T, size] bool → logits [T, V], aux [T, nH] | None. `limit` [1] int32,
         where the caller knows it: one past the highest slot `mask` allows (FusedVerify's flash attention)."""
         if self.fused is not None and tokens.shape[0] == 1:

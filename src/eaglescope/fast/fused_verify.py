@@ -532,7 +532,9 @@ class FusedVerify:
             out.copy_(_attend_products(q, k, v, mask))
 
     @torch.inference_mode()
-    def __call__(self, tokens, positions, mask, slots, limit=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self, tokens, positions, mask, slots, limit: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`limit` [1] int32: one past the highest slot any row of `mask` allows, where the caller knows it (a
         tree's verify: its own last row's slot + 1); else computed from the mask (attention_limit)."""
         m, a = self.model, self.args

@@ -934,8 +934,8 @@ def roofline(
     if replay and replay.get("per_round"):
         pr = replay["per_round"][: (400 if not smoke else 40)]
         _replayed_acceptance(rf, ft, van, draft, shape, pr, compiled)
-        # the same rounds on the default's alternatives, where time is left: a tree level's inputs composed (not in
-        # one launch), then the draft layer on its modules (FastEagle(fused_draft=...))
+        # the same rounds on the default's alternatives, where time is left: the composed tree pieces (a level's
+        # inputs, the tree's start and finalize not in one launch), then the draft layer on its modules
         fused = fused_draft_supported(draft) is None and ft.fused_rows is not None
         res["replay_draft_layer"] = "fused" if fused else "modules"
         for key, option in (("replay_composed_pieces", {"one_launch": False}),
@@ -1190,8 +1190,8 @@ def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compile
                          fused_draft: bool | None = None, one_launch: bool = True) -> None:  # fmt: skip
     """The fast round at 8B with the acceptance lengths `pr` measured on the trained target: τ, tok/s, η (in
     res["replay_*"]; with fused_draft=False, the draft layer on its modules whatever FastEagle's default, in
-    res["replay_modules_draft"]; with one_launch=False, the fused layer's rounds taking a level's inputs and the
-    tree's start from the composed Eagle3Proposer pieces, not FusedDraftStep's kernels, in
+    res["replay_modules_draft"]; with one_launch=False, the fused layer's rounds taking a level's inputs, the
+    tree's start and its finalize from the composed Eagle3Proposer pieces, not FusedDraftStep's kernels, in
     res["replay_composed_pieces"])."""
     res, prompt, ctx_new = rf.res, rf.prompt, rf.ctx_new
     if fused_draft is False:

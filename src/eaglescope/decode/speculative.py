@@ -352,7 +352,7 @@ class Eagle3Proposer(Proposer):
 
     def _plain(self, name: str):
         """One of PIECES as this class composes it (what `compile` compiles: never a fused stand-in, which piece
-        picks at each call, so switching the level kernel off runs the composed inputs compiled)."""
+        picks at each call, so switching the one-launch kernels off runs the composed pieces compiled)."""
         return expand_level if name == "expand_level" else getattr(self, name)
 
     def handed_on(self, aux: torch.Tensor, path: torch.Tensor, emitted: torch.Tensor):

@@ -311,9 +311,9 @@ def expand_level_fused(tokens, parents, depths, scores, lineage, next_id, parent
 # cuBLAS runs both as split-K + reduce (bench-roofline-20261205T050738.json's propose table); in halves they were
 # 0.9-1.6% faster a level on an H100 and an H200, which their tuning files say (fast/tuning.py)
 DRAFT_K_SPLITS = {"o": 1, "down": 1}
-# a tree level's inputs and the tree's start in one launch each (FusedDraftStep.level_inputs, .tree_start) where the
-# proposer's wiring is Eagle3Proposer's own; False: the composed Eagle3Proposer pieces (run_bench.py's roofline
-# replays both: the instance's `one_launch`)
+# a tree level's inputs, the tree's start and its finalize in one launch each (FusedDraftStep.level_inputs,
+# .tree_start, .finalize) where the proposer's wiring is Eagle3Proposer's own; False: the composed Eagle3Proposer
+# pieces (run_bench.py's roofline replays both: the instance's `one_launch`)
 ONE_LAUNCH_PIECES = True
 # the largest builder finalize's kernel takes (every pair of nodes in one program's registers): the (6, 4) tree's 85
 # nodes fit; the (7, 10) tree's 611 run the composed finalize

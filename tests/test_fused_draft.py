@@ -289,7 +289,8 @@ def test_a_trees_finalize_in_one_launch_is_the_composed_one(small_vocab_proposer
     """FusedDraftStep.finalize (one kernel) against Eagle3Proposer.finalize over a builder grown by decode/tree.py:
     the same tokens (draft ids mapped to the target's), parents, depths, scores, source ids and ancestor mask,
     exactly, whatever the total kept. With coarse log-probs many candidates tie (the rank then goes to the shallower,
-    then the earlier node); with one draft row all NaN its subtree ranks first, as torch.sort puts NaN."""
+    then the earlier node); with one draft row all NaN its subtree ranks last (NaN as -inf, in both), so no node is kept
+    without its parent."""
     check_finalize(small_vocab_proposer, top_k, levels, vocab, seed, scores, total)
 
 

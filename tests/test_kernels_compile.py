@@ -101,13 +101,13 @@ for top_k in (4, 10):
     check(f"tree start top_k={top_k}", _tree_start_kernel, signature, dict(M=top_k, H=4096, HP2=4096, BLOCK=1024),
           num_warps=4)
 
-from eaglescope.fast.fused_draft import FINALIZE_MAX_NODES, _finalize_kernel
+from eaglescope.fast.fused_draft import FINALIZE_MAX_NODES, FINALIZE_WARPS, _finalize_kernel
 
 signature = {**i64("tokens", "parents", "depths"), "scores": "*fp32", **i64("lineage", "d2t", "tok_out", "par_out",
              "dep_out"), "score_out": "*fp32", "src_out": "*i64", "mask_out": "*u8", "N": "i32", "KEEP": "i32"}
 for nodes, cols in ((85, 7), (FINALIZE_MAX_NODES, 8)):  # the protocol's tuned tree (6, 4), the kernel's widest
     check(f"finalize {nodes} nodes", _finalize_kernel, signature,
-          dict(COLS=cols, NP2=triton.next_power_of_2(nodes)), num_warps=8)
+          dict(COLS=cols, NP2=triton.next_power_of_2(nodes)), num_warps=FINALIZE_WARPS)
 """
 
 # programmatic dependent launch (fast/fused_decode.py PDL): with PDL on, a kernel of each file, and of each kind of

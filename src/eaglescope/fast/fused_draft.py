@@ -318,6 +318,10 @@ ONE_LAUNCH_PIECES = True
 # the largest builder finalize's kernel takes (every pair of nodes in one program's registers): the (6, 4) tree's 85
 # nodes fit; the (7, 10) tree's 611 run the composed finalize
 FINALIZE_MAX_NODES = 128
+# its warps: compiled for sm_90 (tests/test_kernels_compile.py) at 128 pairs a side, 8 warps hold 64 pairs a thread
+# in 255 registers and spill 408 bytes a thread, 8,792 instructions a warp; 32 warps hold 16 in 64 registers, spill 40
+# bytes, 1,960 instructions a warp: about the same work, four times the warps to hide each step's latency
+FINALIZE_WARPS = 32
 # log_softmax_top_k's columns a program (16 a thread over 4 warps: top_k_warps), and the widest row it takes (its
 # merge holds every chunk's k candidates: 128 chunks at most)
 TOP_K_CHUNK = 2048
@@ -475,7 +479,8 @@ class FusedDraftStep:
         tok, par, dep, score, src, mask = self._final
         _finalize_kernel[(1,)](tokens, parents, depths, scores, lineage, self.draft.d2t, tok, par, dep, score, src,
                                mask.view(torch.uint8), num_nodes, n - 1, COLS=lineage.shape[1],
-                               NP2=triton.next_power_of_2(num_nodes), num_warps=8, **pdl_options(scores))  # fmt: skip
+                               NP2=triton.next_power_of_2(num_nodes), num_warps=FINALIZE_WARPS,
+                               **pdl_options(scores))  # fmt: skip
         return self._final
 
     def children(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,28 +42,14 @@ MARKER="$VENV/.eaglescope-sglang-complete" # SGLang and eaglescope installed: "<
 INSTALLED="$VENV/.eaglescope-sglang-installed" # SGLang alone installed and imports: "<SGLang key>"
 FAILED="$VENV/.eaglescope-sglang-error" # the last failure's line, which tests/sglang repeats in its skip reason
 
-say() { echo "sglang_env: $*" >&2; }
-fail() {
-    echo "sglang_env: error: $*" >&2
-    if [ -d "$VENV" ]; then echo "$*" >"$FAILED"; fi
-    exit 1
-}
+NAME=sglang_env
+# shellcheck source=scripts/env_common.sh
+. scripts/env_common.sh
 
-pin=()
-key="$SGLANG_PIN $TORCH_PIN constraints=none"
-if [ "$CONSTRAINTS" != none ]; then
-    [ -f "$CONSTRAINTS" ] || fail "constraints file $CONSTRAINTS does not exist"
-    pin=(-c "$CONSTRAINTS")
-    key="$SGLANG_PIN $TORCH_PIN constraints=$(sha256sum "$CONSTRAINTS" | cut -d' ' -f1)"
-fi
+pinned_key "$SGLANG_PIN $TORCH_PIN"
 sglang_key="$key"
 key="$sglang_key eaglescope=$(sha256sum pyproject.toml | cut -d' ' -f1)"
-
-if [ -x "$VENV/bin/python" ] && [ -f "$MARKER" ] && [ "$(cat "$MARKER")" = "$key" ]; then
-    say "reusing $VENV ($SGLANG_PIN)"
-    echo "$(cd "$VENV" && pwd)/bin/python"
-    exit 0
-fi
+reuse_if_complete "$key" "$SGLANG_PIN"
 
 sglang_ready=no
 if [ -x "$VENV/bin/python" ] && [ -f "$INSTALLED" ] && [ "$(cat "$INSTALLED")" = "$sglang_key" ]; then
@@ -123,20 +109,8 @@ print(sglang.__version__)' 2>&1)"; then
     say "sglang $(echo "$out" | tail -n 1) installed in $VENV"
 fi
 
-# eaglescope, editable and with no dependencies: SGLang's pinned packages must stay exactly as they are.
-say "installing eaglescope (editable, --no-deps) into $VENV for its SGLang plugin"
-freeze() { "$VENV/bin/python" -m pip freeze --all 2>>"$LOG" | grep -iv '^-e \|^eaglescope\|^# editable' || true; }
-before="$(freeze)"
-if ! "$VENV/bin/python" -m pip install --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
-    why="$(grep -E '^ERROR' "$LOG" | tail -n 1 || true)"
-    fail "could not install eaglescope into $VENV: ${why:-pip failed} (full log: $LOG)"
-fi
-after="$(freeze)"
-if [ "$before" != "$after" ]; then
-    moved="$(diff <(echo "$before") <(echo "$after") | grep '^[<>]' | head -n 3 | tr '\n' ' ')"
-    fail "installing eaglescope changed SGLang's packages ($moved); see $LOG"
-fi
+install_eaglescope_beside SGLang "$LOG"
 rm -f "$FAILED"
 echo "$key" >"$MARKER"
 say "ready: $SGLANG_PIN and eaglescope in $VENV"
-echo "$(cd "$VENV" && pwd)/bin/python"
+venv_python

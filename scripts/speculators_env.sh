@@ -22,26 +22,12 @@ CONSTRAINTS="${EAGLESCOPE_SPECULATORS_CONSTRAINTS:-scripts/speculators-constrain
 MARKER="$VENV/.eaglescope-speculators-complete"
 FAILED="$VENV/.eaglescope-speculators-error"
 
-say() { echo "speculators_env: $*" >&2; }
-fail() {
-    echo "speculators_env: error: $*" >&2
-    if [ -d "$VENV" ]; then echo "$*" >"$FAILED"; fi
-    exit 1
-}
+NAME=speculators_env
+# shellcheck source=scripts/env_common.sh
+. scripts/env_common.sh
 
-pin=()
-key="${PINS[*]} constraints=none"
-if [ "$CONSTRAINTS" != none ]; then
-    [ -f "$CONSTRAINTS" ] || fail "constraints file $CONSTRAINTS does not exist"
-    pin=(-c "$CONSTRAINTS")
-    key="${PINS[*]} constraints=$(sha256sum "$CONSTRAINTS" | cut -d' ' -f1)"
-fi
-
-if [ -x "$VENV/bin/python" ] && [ -f "$MARKER" ] && [ "$(cat "$MARKER")" = "$key" ]; then
-    say "reusing $VENV (${PINS[0]})"
-    echo "$(cd "$VENV" && pwd)/bin/python"
-    exit 0
-fi
+pinned_key "${PINS[*]}"
+reuse_if_complete "$key" "${PINS[0]}"
 
 if [ ! -x "$VENV/bin/python" ]; then
     say "creating $VENV"
@@ -76,4 +62,4 @@ fi
 rm -f "$FAILED"
 echo "$key" >"$MARKER"
 say "ready: speculators $(echo "$out" | tail -n 1) in $VENV"
-echo "$(cd "$VENV" && pwd)/bin/python"
+venv_python

@@ -23,29 +23,14 @@ MARKER="$VENV/.eaglescope-vllm-complete" # vLLM and eaglescope installed: "<vLLM
 INSTALLED="$VENV/.eaglescope-vllm-installed" # vLLM alone installed and imports: "<vLLM key>"
 FAILED="$VENV/.eaglescope-vllm-error" # the last failure's line, which tests/vllm repeats in its skip reason
 
-say() { echo "vllm_env: $*" >&2; }
-fail() {
-    echo "vllm_env: error: $*" >&2
-    if [ -d "$VENV" ]; then echo "$*" >"$FAILED"; fi
-    exit 1
-}
+NAME=vllm_env
+# shellcheck source=scripts/env_common.sh
+. scripts/env_common.sh
 
-pin=()
-key="$VLLM_PIN constraints=none"
-if [ "$CONSTRAINTS" != none ]; then
-    [ -f "$CONSTRAINTS" ] || fail "constraints file $CONSTRAINTS does not exist"
-    pin=(-c "$CONSTRAINTS")
-    key="$VLLM_PIN constraints=$(sha256sum "$CONSTRAINTS" | cut -d' ' -f1)"
-fi
-
+pinned_key "$VLLM_PIN"
 vllm_key="$key"
 key="$vllm_key eaglescope=$(sha256sum pyproject.toml | cut -d' ' -f1)"
-
-if [ -x "$VENV/bin/python" ] && [ -f "$MARKER" ] && [ "$(cat "$MARKER")" = "$key" ]; then
-    say "reusing $VENV ($VLLM_PIN)"
-    echo "$(cd "$VENV" && pwd)/bin/python"
-    exit 0
-fi
+reuse_if_complete "$key" "$VLLM_PIN"
 
 vllm_ready=no
 if [ -x "$VENV/bin/python" ]; then
@@ -89,19 +74,7 @@ else
     say "vllm $(echo "$out" | tail -n 1) installed in $VENV"
 fi
 
-# eaglescope, editable and with no dependencies: vLLM's pinned packages must stay exactly as they are.
-say "installing eaglescope (editable, --no-deps) into $VENV for its vLLM plugin"
-freeze() { "$VENV/bin/python" -m pip freeze --all 2>>"$LOG" | grep -iv '^-e \|^eaglescope\|^# editable' || true; }
-before="$(freeze)"
-if ! "$VENV/bin/python" -m pip install --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
-    why="$(grep -E '^ERROR' "$LOG" | tail -n 1 || true)"
-    fail "could not install eaglescope into $VENV: ${why:-pip failed} (full log: $LOG)"
-fi
-after="$(freeze)"
-if [ "$before" != "$after" ]; then
-    moved="$(diff <(echo "$before") <(echo "$after") | grep '^[<>]' | head -n 3 | tr '\n' ' ')"
-    fail "installing eaglescope changed vLLM's packages ($moved); see $LOG"
-fi
+install_eaglescope_beside vLLM "$LOG"
 if ! out="$("$VENV/bin/python" -c 'from importlib.metadata import entry_points
 names = [e.name for e in entry_points(group="vllm.general_plugins")]
 assert "eaglescope_capture" in names, names
@@ -111,4 +84,4 @@ fi
 rm -f "$FAILED"
 echo "$key" >"$MARKER"
 say "ready: $VLLM_PIN and eaglescope's vLLM plugin in $VENV"
-echo "$(cd "$VENV" && pwd)/bin/python"
+venv_python

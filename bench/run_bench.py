@@ -927,10 +927,13 @@ def roofline(
     checkpoint()
     say(f"roofline verify: {res['verify_cost_ratio']}")
     if ft.fused_rows is not None and not ft.fused_rows.rope_in_attention:  # the candidate beside the default
-        with verify_option(ft, rope_in_attention=True):
-            times = verify_ms(ft, rf.base_ctx, a.vocab_size, sizes=(24, 64))
-        res["verify_ms_rope_in_attention"] = {str(k): round(v, 4) for k, v in times.items()}
-        say(f"roofline verify (rope in attention): {res['verify_ms_rope_in_attention']} ms")
+        try:  # a candidate that fails must not cost the measurements after it
+            with verify_option(ft, rope_in_attention=True):
+                times = verify_ms(ft, rf.base_ctx, a.vocab_size, sizes=(24, 64))
+            res["verify_ms_rope_in_attention"] = {str(k): round(v, 4) for k, v in times.items()}
+        except Exception as e:
+            res["verify_ms_rope_in_attention"] = f"failed: {type(e).__name__}: {str(e)[:500]}"
+        say(f"roofline verify (rope in attention): {res['verify_ms_rope_in_attention']}")
 
     draft = _draft_8b(rf, compiled, mm_attn)
     shape = tuple(replay["shape"]) if replay else (7, 10, 60)
@@ -950,7 +953,10 @@ def roofline(
             if key == "replay_rope_in_attention" and (not fused or ft.fused_rows.rope_in_attention):
                 res[key] = "the default ran it" if fused else "the default ran the modules"
             elif fused and rf.left() > 120:
-                _replayed_acceptance(rf, ft, van, draft, shape, pr, compiled, **option)
+                try:
+                    _replayed_acceptance(rf, ft, van, draft, shape, pr, compiled, **option)
+                except Exception as e:
+                    res[key] = f"failed: {type(e).__name__}: {str(e)[:500]}"
             else:
                 res[key] = "the default ran the modules" if not fused else f"skipped: {rf.left():.0f} s"
     if device.type == "cuda" and rf.left() > 60:

@@ -19,7 +19,6 @@ the table comes from this run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import math
@@ -926,14 +925,6 @@ def roofline(
     res["verify_cost_ratio"] = {str(T): round(ms_T / times[1], 4) for T, ms_T in times.items()}
     checkpoint()
     say(f"roofline verify: {res['verify_cost_ratio']}")
-    if ft.fused_rows is not None and not ft.fused_rows.rope_in_attention:  # the candidate beside the default
-        try:  # a candidate that fails must not cost the measurements after it
-            with verify_option(ft, rope_in_attention=True):
-                times = verify_ms(ft, rf.base_ctx, a.vocab_size, sizes=(24, 64))
-            res["verify_ms_rope_in_attention"] = {str(k): round(v, 4) for k, v in times.items()}
-        except Exception as e:
-            res["verify_ms_rope_in_attention"] = f"failed: {type(e).__name__}: {str(e)[:500]}"
-        say(f"roofline verify (rope in attention): {res['verify_ms_rope_in_attention']}")
 
     draft = _draft_8b(rf, compiled, mm_attn)
     shape = tuple(replay["shape"]) if replay else (7, 10, 60)
@@ -947,13 +938,10 @@ def roofline(
         # inputs, the tree's start and finalize not in one launch), then the draft layer on its modules
         fused = fused_draft_supported(draft) is None and ft.fused_rows is not None
         res["replay_draft_layer"] = "fused" if fused else "modules"
-        variants = (("replay_rope_in_attention", {"rope_in_attention": True}), ("replay_composed_pieces",
-                    {"one_launch": False}), ("replay_modules_draft", {"fused_draft": False}))  # fmt: skip
-        for key, option in variants:
-            if key == "replay_rope_in_attention" and (not fused or ft.fused_rows.rope_in_attention):
-                res[key] = "the default ran it" if fused else "the default ran the modules"
-            elif fused and rf.left() > 120:
-                try:
+        for key, option in (("replay_composed_pieces", {"one_launch": False}),
+                            ("replay_modules_draft", {"fused_draft": False})):  # fmt: skip
+            if fused and rf.left() > 120:
+                try:  # an alternative that fails must not cost the measurements after it
                     _replayed_acceptance(rf, ft, van, draft, shape, pr, compiled, **option)
                 except Exception as e:
                     res[key] = f"failed: {type(e).__name__}: {str(e)[:500]}"
@@ -1202,47 +1190,17 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
 
 
 def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compiled: bool,
-                         fused_draft: bool | None = None, one_launch: bool = True,
-                         rope_in_attention: bool | None = None) -> None:  # fmt: skip
+                         fused_draft: bool | None = None, one_launch: bool = True) -> None:  # fmt: skip
     """The fast round at 8B with the acceptance lengths `pr` measured on the trained target: τ, tok/s, η (in
     res["replay_*"]; with fused_draft=False, the draft layer on its modules whatever FastEagle's default, in
     res["replay_modules_draft"]; with one_launch=False, the fused layer's rounds taking a level's inputs, the
     tree's start and its finalize from the composed Eagle3Proposer pieces, not FusedDraftStep's kernels, in
-    res["replay_composed_pieces"]; with rope_in_attention set, the target's verify with FusedVerify's
-    rope_in_attention so, in res["replay_rope_in_attention"])."""
-    if rope_in_attention is not None:
-        with verify_option(ft, rope_in_attention=rope_in_attention):
-            rf.res["replay_rope_in_attention"] = {}
-            _replay_into(
-                rf, rf.res["replay_rope_in_attention"], " (rope in attention)", ft, van, draft, shape, pr, compiled
-            )
-        return
-    res, which = rf.res, ""
+    res["replay_composed_pieces"])."""
+    res, prompt, ctx_new = rf.res, rf.prompt, rf.ctx_new
     if fused_draft is False:
-        res, which = rf.res.setdefault("replay_modules_draft", {}), " (modules draft)"
+        res = rf.res["replay_modules_draft"] = {}
     elif not one_launch:
-        res, which = rf.res.setdefault("replay_composed_pieces", {}), " (composed pieces)"
-    _replay_into(rf, res, which, ft, van, draft, shape, pr, compiled, fused_draft, one_launch)
-
-
-@contextlib.contextmanager
-def verify_option(ft, **options):
-    """ft's fused verify with `options` (its attributes) set for the graphs captured inside, put back after."""
-    fv = ft.fused_rows
-    was = {name: getattr(fv, name) for name in options} if fv is not None else {}
-    for name in was:
-        setattr(fv, name, options[name])
-    try:
-        yield
-    finally:
-        for name, value in was.items():
-            setattr(fv, name, value)
-
-
-def _replay_into(rf: _Roofline, res: dict, which: str, ft, van, draft, shape, pr: list, compiled: bool,
-                 fused_draft: bool | None = None, one_launch: bool = True) -> None:  # fmt: skip
-    """_replayed_acceptance's run, its results into `res`, its log line naming the variant (`which`)."""
-    prompt, ctx_new = rf.prompt, rf.ctx_new
+        res = rf.res["replay_composed_pieces"] = {}
     t_c = time.perf_counter()
     rf.checkpoint()
     # compiling the 8B round as one graph took 36 s (bench-all-20261129T150034.json); piece by piece (a tree level
@@ -1273,6 +1231,7 @@ def _replay_into(rf: _Roofline, res: dict, which: str, ft, van, draft, shape, pr
     res["replay_vanilla_tokens_per_second"] = round(vtps, 2)
     res["replay_speedup"] = round(tps / vtps, 4)
     res["replay_eta"] = round(tps / vtps / tau, 4)
+    which = " (modules draft)" if fused_draft is False else "" if one_launch else " (composed pieces)"
     say(f"roofline replay{which}: τ {tau:.2f}, {tps:.1f} vs {vtps:.1f} tok/s, round {res['replay_round_ms']} ms")
     # η above is end to end: each run's start (the target's prefill; for EAGLE-3 also the draft's catch-up over the
     # prompt) is spread over ~74 rounds but over 256 vanilla tokens. The starts alone (a one-token generate is the

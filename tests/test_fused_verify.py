@@ -152,47 +152,6 @@ def test_verify_step_matches_the_modules(family, attention, cublas, defer, k_spl
     assert not FusedVerify.supports_rows(1) and not FusedVerify.supports_rows(MAX_ROWS + 1)
 
 
-@pytest.mark.parametrize("family,flash_splits", [("llama", 1), ("qwen2", 1), ("llama", 3)])
-def test_rope_in_flash_attention_is_the_rope_kernels_work(family, flash_splits, tmp_path):
-    """rope_in_attention: the flash kernel rotates q and k from the q/k/v product's rows and writes k/v to the cache
-    itself (no RoPE kernel). Five tree rows at scattered slots, two of them in one 32-slot block with older slots,
-    their cache slots holding stale values from an earlier round (so a walk that read them there, or a row left
-    unrotated, or a write missed, is seen): the logits, taps and cache are the RoPE kernel's path's and the modules'
-    within float32's bound (the call's rows join the running softmax last, so the sums are ordered differently);
-    qwen2's q/k/v bias is added by cuBLAS's product before the rotation; with 3 flash splits the rows join once."""
-    ckpt = make_checkpoint(family, tmp_path, seed=5, num_hidden_layers=3, **WIDE_HEADS)
-    model = fuse_projections(copy.deepcopy(load_target(ckpt, device="cpu", dtype=torch.float32).model))
-    ft = FastTarget(model, size=150, taps=(0, 2), float32_logits=True)
-    ft.prefill(torch.arange(3, 9))
-    ft.cache.k[:, :, :, 6:140].normal_(generator=torch.Generator().manual_seed(1))
-    ft.cache.v[:, :, :, 6:140].normal_(generator=torch.Generator().manual_seed(2))
-    P, T = 6, 5
-    slots, pos = torch.tensor([P, P + 1, 70, 71, 131]), torch.tensor([P, P + 1, P + 1, P + 2, P + 3])
-    mask = torch.zeros(T, 150, dtype=torch.bool)
-    mask[:, :P] = True
-    mask[torch.arange(T), slots] = True
-    mask[1, P] = mask[3, 70] = True
-    mask[4, [P, P + 1, 40]] = True  # an older slot in the block of its own slot
-    toks = torch.tensor([11, 60, 2, 33, 8])
-    runs = {}
-    for on in (False, True):
-        fv = FusedVerify(model, ft.cache, taps=(0, 2), attention="flash")
-        fv.rope_in_attention = on
-        fv.flash_launch = (16, 32, 1, 2, flash_splits)
-        before = ft.cache.k.clone(), ft.cache.v.clone()
-        logits, aux = fv(toks, pos, mask, slots)
-        runs[on] = logits.clone(), aux.clone(), ft.cache.k.clone(), ft.cache.v.clone()
-        if on:
-            ft.cache.k.copy_(before[0])
-            ft.cache.v.copy_(before[1])
-            assert_step_matches_modules(ft, fv, toks, pos, mask, slots, len(model.model.layers) + 1)
-        ft.cache.k.copy_(before[0])
-        ft.cache.v.copy_(before[1])
-    for name, off, on in zip(("logits", "aux", "cache.k", "cache.v"), runs[False], runs[True], strict=True):
-        assert_close_float32(on, off, len(model.model.layers) + 1, key=name)
-    assert not torch.equal(runs[True][2][:, :, :, slots], before[0][:, :, :, slots])  # the rows were cached
-
-
 def test_speculative_decoding_through_fused_steps_and_verifies_is_vanilla_greedy(tmp_path, monkeypatch):
     """One target serving both decoders: one-token steps on the fused decode kernels, verifies on the fused verify
     kernels; both give vanilla greedy's tokens. Every round's verify is handed its attention limit (t_len + N): the

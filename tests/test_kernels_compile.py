@@ -117,17 +117,14 @@ from eaglescope.fast.fused_decode import _attend_flash_kernel, _gemv_kernel
 from eaglescope.fast.fused_verify import _rows_rmsnorm_kernel, _rows_rope_cache_kernel, _rows_silu_mul_kernel
 
 i32 = lambda *names: {n: "i32" for n in names}
-FLASH_SIGNATURE = {**{n: "*bf16" for n in ("q", "kc", "vc")}, "mask": "*i1", "y": "*bf16", "limit": "*i32",
-                   "part_m": "*fp32", "part_l": "*fp32", "part_acc": "*fp32", "count": "*i32", "cos": "*bf16",
-                   "sin": "*bf16", "slots": "*i64", **i32("S", "T", "H", "rep"), "scale": "fp32",
-                   **i32("sq_t", "sq_h", "sm_t", "sy_t", "sy_h")}
 kernels = {
     "gemv": (_gemv_kernel, {**{n: "*bf16" for n in ("x", "nw", "w", "b", "y")}, **i32("N"), "eps": "fp32"},
              dict(K=4096, NORM=True, HAS_BIAS=False, RESIDUAL=False, BN=4, BK=512, KP2=4096)),
-    "flash": (_attend_flash_kernel, FLASH_SIGNATURE, dict(D=128, KB=128, BR=16, SPLITS=1, FRESH=False, TP2=1)),
-    # the verify's rows rotated and cached by the attention kernel (FusedVerify.rope_in_attention), at 24 rows
-    "flash with fresh rows": (_attend_flash_kernel, FLASH_SIGNATURE,
-                              dict(D=128, KB=128, BR=16, SPLITS=2, FRESH=True, TP2=32)),
+    "flash": (_attend_flash_kernel, {**{n: "*bf16" for n in ("q", "kc", "vc")}, "mask": "*i1", "y": "*bf16",
+                                     "limit": "*i32", "part_m": "*fp32", "part_l": "*fp32", "part_acc": "*fp32",
+                                     "count": "*i32", **i32("S", "T", "H", "rep"), "scale": "fp32",
+                                     **i32("sq_t", "sq_h", "sm_t", "sy_t", "sy_h")},
+              dict(D=128, KB=128, BR=16, SPLITS=1)),
     "rmsnorm": (_rows_rmsnorm_kernel, {**{n: "*bf16" for n in ("x", "r", "nw", "y")}, "eps": "fp32",
                                        **i32("part_stride"), "keep": "*bf16", **i32("keep_stride")},
                 dict(K=4096, KP2=4096, ADD=True, PARTS=2, KEEP=True)),

@@ -17,12 +17,12 @@ import pytest
 import torch
 from drafts import check_finalize, check_level_inputs, check_tree_start, make_draft
 from models import LLAMA_8B, make_checkpoint
-from tolerance import assert_close_float32, assert_draft_step_matches_modules, assert_step_matches_modules
+from tolerance import assert_draft_step_matches_modules, assert_step_matches_modules
 
 from eaglescope.decode.speculative import draft_slot_cache, target_embedding
 from eaglescope.decode.tree import TreeBuilder, expand_level, tree_capacity
 from eaglescope.decode.vanilla import generate_vanilla
-from eaglescope.fast import FastEagle, FastTarget, FastVanilla, fused_verify, tuning
+from eaglescope.fast import FastEagle, FastTarget, FastVanilla, tuning
 from eaglescope.fast.fused_decode import (
     DEFAULT_BLOCKS,
     FLASH_LAUNCH,
@@ -149,56 +149,6 @@ def test_verify_rows_on_split_flash_attention_match_the_modules(wide, T, splits)
         ft.cache.v.copy_(empty[1])
         _against_modules(ft, fv, toks, slots, mask, slots, len(model.model.layers))
     assert not fv._flash_part[3].any()
-
-
-@pytest.mark.parametrize("T", [24, 64])
-@pytest.mark.parametrize("splits", [1, 2])
-def test_verify_rows_rotated_and_cached_by_flash_attention_match_the_modules(wide, T, splits):
-    """FusedVerify.rope_in_attention: no RoPE kernel, the flash kernel rotates q and k from cuBLAS's q/k/v rows and
-    writes k/v to the cache, at the 8B widths and FLASH_LAUNCH's rows and warps. T rows at scattered slots (every
-    third after the prompt), the slots between them and after holding stale values a walk must not read, attending
-    the prompt and every earlier row; in 1 or 2 splits (on 32-slot blocks), twice over the same counters. The
-    modules' logits, taps and cache writes, and the RoPE kernel's path's."""
-    model, ft = _fresh(wide)
-    fv = FusedVerify(model, ft.cache, taps=(0, 1))
-    fv.flash_launch = (FLASH_LAUNCH[0], 32 if splits > 1 else FLASH_LAUNCH[1]) + FLASH_LAUNCH[2:4] + (splits,)
-    slots = 37 + 2 * torch.arange(T, device=DEVICE)
-    positions = 37 + torch.arange(T, device=DEVICE)
-    mask = torch.zeros(T, S, dtype=torch.bool, device=DEVICE)
-    mask[:, :37] = True
-    mask[:, slots] = torch.ones(T, T, dtype=torch.bool, device=DEVICE).tril()
-    g = torch.Generator(DEVICE).manual_seed(T)
-    ft.cache.k[:, :, :, 37:].normal_(generator=g)
-    ft.cache.v[:, :, :, 37:].normal_(generator=g)
-    toks = torch.randint(0, 4096, (T,), device=DEVICE, generator=g)
-    stale = ft.cache.k.clone(), ft.cache.v.clone()
-    fv.rope_in_attention = False
-    off = [x.clone() for x in fv(toks, positions, mask, slots)] + [ft.cache.k.clone(), ft.cache.v.clone()]
-    fv.rope_in_attention = True
-    for _ in range(2):
-        ft.cache.k.copy_(stale[0])
-        ft.cache.v.copy_(stale[1])
-        _against_modules(ft, fv, toks, positions, mask, slots, len(model.model.layers))
-    ft.cache.k.copy_(stale[0])
-    ft.cache.v.copy_(stale[1])
-    on = [x.clone() for x in fv(toks, positions, mask, slots)] + [ft.cache.k.clone(), ft.cache.v.clone()]
-    for name, a, b in zip(("logits", "aux", "cache.k", "cache.v"), on, off, strict=True):
-        assert_close_float32(a, b, 16 * (len(model.model.layers) + 1), key=name)
-    assert splits == 1 or not fv._flash_part[3].any()
-
-
-def test_speculative_decoding_with_rope_in_flash_attention_is_vanilla_greedy(wide, wide_draft, monkeypatch):
-    """The whole round as one CUDA graph with the verify's RoPE and cache writes in the flash kernel: vanilla
-    greedy's tokens (each round's root and accepted rows' k/v, written by the attention kernel, are what the later
-    rounds attend; this random draft's nodes are rarely accepted at these widths, the root's are every round)."""
-    monkeypatch.setattr(fused_verify, "ROPE_IN_ATTENTION", True)
-    prompt, n = [5, 17, 300, 41, 2048, 9], 16
-    ref = generate_vanilla(wide, prompt, n, stop_ids=[]).token_ids
-    ft = FastTarget(copy.deepcopy(wide.model), S, taps=(0, 1), fuse=True, float32_logits=True, fused_decode=True,
-                    fused_verify=True)  # fmt: skip
-    assert ft.fused_rows.rope_in_attention
-    fe = FastEagle(ft, wide_draft, 3, 3, 8, max_len=len(prompt) + n + 2, fused_draft=True)
-    assert fe.generate(prompt, n).tokens == ref
 
 
 @pytest.mark.parametrize("T,S_", [(1, 200), (24, 480), (64, 40000)])

@@ -332,47 +332,9 @@ if triton is not None:
         tl.atomic_max(limit, tl.max(seen, axis=0))
 
     @triton.jit
-    def _softmax_block(qt, kb, vb, allow, scale, top, total, acc):
-        """Keys kb and values vb [KB, D] into the running softmax of the rows qt [BR, D] where `allow` [BR, KB]:
-        the maximum `top`, the sum of exponentials `total` and the output `acc` rescaled to the new maximum."""
-        s = tl.where(allow, tl.dot(qt, tl.trans(kb), input_precision="ieee") * scale, float("-inf"))
-        new_top = tl.maximum(top, tl.max(s, axis=1))
-        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # a row with nothing allowed yet
-        p = tl.where(allow, tl.exp(s - shift[:, None]), 0.0)
-        keep = tl.exp(top - shift)  # 0 while top is -inf
-        total = total * keep + tl.sum(p, axis=1)
-        acc = acc * keep[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision="ieee")
-        return new_top, total, acc
-
-    @triton.jit
-    def _rope_rows(x, cos, sin, t, ok, D: tl.constexpr):
-        """Rows x[t] of D columns (x: a [R, 1] pointer block) at RoPE's rotation, in float32: x * cos + rotate_half(x)
-        * sin with cos/sin rows t, as the RoPE kernels compute it (the first half's partner is subtracted)."""
-        HALF: tl.constexpr = D // 2
-        d = tl.arange(0, D)
-        first = d < HALF
-        partner = tl.where(first, d + HALF, d - HALF)
-        xv = tl.load(x + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        other = tl.load(x + partner[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        c = tl.load(cos + t[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        s = tl.load(sin + t[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        return tl.where(first[None, :], xv * c - other * s, xv * c + other * s)
-
-    @triton.jit
-    def _fresh_kv(qkv, s_t, rows, ok, k_col, v_col, cos, sin, D: tl.constexpr):
-        """A call's own k (rotated, rounded to the product's dtype) and v rows `rows` of one kv head, from the
-        unrotated q/k/v product (row stride s_t, the head's k and v at columns k_col and v_col)."""
-        d = tl.arange(0, D)
-        src = qkv + rows[:, None].to(tl.int64) * s_t
-        k = _rope_rows(src + k_col, cos, sin, rows, ok, D).to(qkv.dtype.element_ty)
-        v = tl.load(src + v_col + d[None, :], mask=ok[:, None], other=0.0)
-        return k, v
-
-    @triton.jit
-    def _attend_flash_kernel(q, kc, vc, mask, y, limit, part_m, part_l, part_acc, count, cos, sin, slots, S, T, H,
-                             rep, scale, sq_t, sq_h, sm_t, sy_t, sy_h, D: tl.constexpr, KB: tl.constexpr,
-                             BR: tl.constexpr, SPLITS: tl.constexpr, FRESH: tl.constexpr = False,
-                             TP2: tl.constexpr = 1, PDL: tl.constexpr = False):  # fmt: skip
+    def _attend_flash_kernel(q, kc, vc, mask, y, limit, part_m, part_l, part_acc, count, S, T, H, rep, scale, sq_t,
+                             sq_h, sm_t, sy_t, sy_h, D: tl.constexpr, KB: tl.constexpr, BR: tl.constexpr,
+                             SPLITS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
         """Program (kv group g, row block, split): BR rows (t, r) of the T x rep query heads sharing kv head g against
         the cache slots below `limit` (a device scalar: one past the highest slot any row allows), KB slots at a time
         with a running softmax (the maximum and the sum rescaled at each block). SPLITS = 1: one program walks every
@@ -380,54 +342,34 @@ if triton is not None:
         than two products and a softmax at 64 rows: NOTES v11, v19). SPLITS > 1: split s walks blocks s, s + SPLITS,
         ... and writes its maximum, sum and float32 output; the last of a row block's splits to finish combines
         them in split order (a counter per row block, reset after): a few splits, where the walk, not the combine,
-        is what a program waits on (NOTES version 23b).
-
-        FRESH: the T rows' own q/k/v come unrotated from the q/k/v product (q is its first H heads; a row's k heads
-        follow its q heads, then its v heads) with their cos/sin rows and `slots` [T]: q and k are rotated here (the
-        RoPE kernel's arithmetic). The walk skips the call's slots (they may hold a stale round's values); the first
-        split of each row block then takes the call's rows from the product as one more block of keys, and the
-        group's first row block writes them to the cache at their slots for the calls after (no program of this
-        launch reads them there). One launch a layer where the RoPE kernel and this were two."""
+        is what a program waits on (NOTES version 23b)."""
         await_previous(PDL)
         g, rb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i = rb * BR + tl.arange(0, BR)
         ok_i = i < T * rep
         t, h = i // rep, g * rep + i % rep
         d = tl.arange(0, D)
-        if FRESH:
-            n_kv = tl.num_programs(0)
-            k_col, v_col = (H + g) * D, (H + n_kv + g) * D
-            qt = _rope_rows(q + t[:, None] * sq_t + h[:, None] * sq_h, cos, sin, t, ok_i, D).to(q.dtype.element_ty)
-            rows = tl.arange(0, TP2)
-            ok_r = rows < T
-            fresh_slot = tl.load(slots + rows, mask=ok_r, other=-1).to(tl.int32)
-        else:
-            qt = tl.load(q + t[:, None] * sq_t + h[:, None] * sq_h + d[None, :], mask=ok_i[:, None], other=0.0)
+        qt = tl.load(q + t[:, None] * sq_t + h[:, None] * sq_h + d[None, :], mask=ok_i[:, None], other=0.0)
         top = tl.full((BR,), float("-inf"), tl.float32)
         total = tl.zeros((BR,), tl.float32)
         acc = tl.zeros((BR, D), tl.float32)
         end = tl.load(limit)
         for s0 in range(sp * KB, end, SPLITS * KB):
             offs = s0 + tl.arange(0, KB)
-            old = offs < end
-            if FRESH:  # the call's own rows come after the walk, from the product: their slots may hold stale values
-                old = old & (tl.max(tl.where(offs[:, None] == fresh_slot[None, :], 1, 0), axis=1) == 0)
-            both = ok_i[:, None] & old[None, :]
+            in_s = offs < end
+            both = ok_i[:, None] & in_s[None, :]
             allow = (tl.load(mask + t[:, None] * sm_t + offs[None, :], mask=both, other=0) != 0) & both
             kv_off = (g * S + offs[:, None]).to(tl.int64) * D + d[None, :]
-            kb = tl.load(kc + kv_off, mask=old[:, None], other=0.0)
-            vb = tl.load(vc + kv_off, mask=old[:, None], other=0.0)
-            top, total, acc = _softmax_block(qt, kb, vb, allow, scale, top, total, acc)
-        if FRESH:
-            if sp == 0:  # the call's own rows, once a row block; its first row block caches them for the calls after
-                kf, vf = _fresh_kv(q, sq_t, rows, ok_r, k_col, v_col, cos, sin, D)
-                both = ok_i[:, None] & ok_r[None, :]
-                allow = (tl.load(mask + t[:, None] * sm_t + fresh_slot[None, :], mask=both, other=0) != 0) & both
-                top, total, acc = _softmax_block(qt, kf, vf, allow, scale, top, total, acc)
-                if rb == 0:
-                    at = (g * S + fresh_slot[:, None]).to(tl.int64) * D + d[None, :]
-                    tl.store(kc + at, kf.to(kc.dtype.element_ty), mask=ok_r[:, None])
-                    tl.store(vc + at, vf.to(vc.dtype.element_ty), mask=ok_r[:, None])
+            kb = tl.load(kc + kv_off, mask=in_s[:, None], other=0.0)
+            vb = tl.load(vc + kv_off, mask=in_s[:, None], other=0.0)
+            s = tl.where(allow, tl.dot(qt, tl.trans(kb), input_precision="ieee") * scale, float("-inf"))
+            new_top = tl.maximum(top, tl.max(s, axis=1))
+            shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # a row with nothing allowed yet
+            p = tl.where(allow, tl.exp(s - shift[:, None]), 0.0)
+            keep = tl.exp(top - shift)  # 0 while top is -inf
+            total = total * keep + tl.sum(p, axis=1)
+            acc = acc * keep[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision="ieee")
+            top = new_top
         if SPLITS > 1:
             r = tl.arange(0, BR)
             block = g * tl.num_programs(1) + rb
@@ -536,30 +478,22 @@ def attention_limit(mask: torch.Tensor) -> torch.Tensor:
 def fused_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | None = None,
     scratch: tuple[torch.Tensor, ...] | None = None, flash: bool = False, limit: torch.Tensor | None = None,
-    launch: tuple[int, ...] = FLASH_LAUNCH, fresh: tuple[torch.Tensor, ...] | None = None,
+    launch: tuple[int, ...] = FLASH_LAUNCH,
 ) -> torch.Tensor:  # fmt: skip
     """q [T, H, D] (any strides with unit last), k/v [Hkv, S, D] (one layer of a slot cache), mask [T, S] bool
     (True = attend; every row must allow at least one slot) → out [T, H, D]. `scratch` = (part_m, part_l,
     part_acc, count) from attention_scratch, reusable across calls (the counters come back zeroed). `flash`: one
     program per (kv group, block of rows) walking the slots below `limit` (attention_limit(mask) when None) with a
     running softmax; it needs 16-wide heads (tensor cores); `launch` as FLASH_LAUNCH, and with more than one split
-    `scratch` from flash_scratch (allocated here when None or too small, which a graph capture does not allow).
-
-    `fresh` = (cos, sin [T, D], slots [T]), flash only: q is the first H heads of the rows of a q/k/v product before
-    RoPE ([T, (H + 2 Hkv) D], k's heads then v's after q's in each row), which RoPE here and whose k/v rows go to
-    the cache at `slots` in the same launch (the flash kernel's FRESH)."""
+    `scratch` from flash_scratch (allocated here when None or too small, which a graph capture does not allow)."""
     T, H, D = q.shape
     Hkv, S, _ = k.shape
     keys, NS = attention_splits(S)
     if out is None:
         out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
-    if fresh is not None and (not flash or q.stride(1) != D or q.stride(0) < (H + 2 * Hkv) * D):
-        raise ValueError("fused_attention's fresh rows: flash attention over a q/k/v product's rows, q its first heads")
     # a bool mask goes in as it is: Triton loads torch.bool as bytes (a uint8 view is not traceable by inductor)
     # one layer of the cache is contiguous already; q is a few KB: canonical strides keep the compiled call simple
-    # (fresh rows: q is read where the product left it, its k/v beside it)
-    q = q if fresh is not None else q.contiguous()
-    k, v, mask = k.contiguous(), v.contiguous(), mask.contiguous()
+    q, k, v, mask = q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous()
     if out.stride(-1) != 1:
         raise ValueError("fused_attention writes rows of unit stride: pass a contiguous `out`")
     rep = H // Hkv
@@ -576,11 +510,9 @@ def fused_attention(
                 if q.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise RuntimeError("flash attention's split scratch is missing inside a graph capture")
                 part = flash_scratch(T, H, D, launch, q.device)
-        cos, sin, slots = fresh if fresh is not None else (q, q, q)
         _attend_flash_kernel[(Hkv, triton.cdiv(T * rep, BR), splits)](
-            q, k, v, mask, out, limit, *part, cos, sin, slots, S, T, H, rep, D**-0.5, q.stride(0), q.stride(1),
-            mask.stride(0), out.stride(0), out.stride(1), D=D, KB=KB, BR=BR, SPLITS=splits, FRESH=fresh is not None,
-            TP2=max(16, triton.next_power_of_2(T)) if fresh is not None else 1, num_warps=warps, num_stages=stages,
+            q, k, v, mask, out, limit, *part, S, T, H, rep, D**-0.5, q.stride(0), q.stride(1), mask.stride(0),
+            out.stride(0), out.stride(1), D=D, KB=KB, BR=BR, SPLITS=splits, num_warps=warps, num_stages=stages,
             **pdl_options(q),
         )  # fmt: skip
         return out

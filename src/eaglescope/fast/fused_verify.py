@@ -81,10 +81,6 @@ AUTO_ATTENTION = "flash"
 # o's and down's products left for the next norm kernel to add (module docstring): as fast as beta = 1 at 24-64 rows
 # (4.85 against 4.82 ms at 64, fused-decode-check-20261204T205136.json), and it rounds as the modules do
 DEFER_RESIDUAL = True
-# q/k/v on cuBLAS in one call, then flash attention: the attention kernel rotates q and k from the product's rows
-# and writes k/v to the cache (its FRESH), one launch a layer fewer than a RoPE kernel before it; off until a GPU
-# has timed it (bench/NOTES.md, version 33a)
-ROPE_IN_ATTENTION = False
 # each product on cuBLAS in one call (1), or cut over K into this many (split_k_mm; fused_decode_check.py
 # --sweep-k-split times 2-8)
 K_SPLITS = {"qkv": 1, "o": 1, "down": 1}
@@ -367,8 +363,6 @@ class FusedVerify:
         self.logits_dtype = logits_dtype(model)
         self.attention = attention
         self.flash_launch = FLASH_LAUNCH  # flash attention's (rows, slots, warps, stages[, splits]) per program
-        # q/k/v on cuBLAS in one product: its RoPE and cache writes by the flash attention kernel (ROPE_IN_ATTENTION)
-        self.rope_in_attention = ROPE_IN_ATTENTION
         self._flash_part: tuple[torch.Tensor, ...] | None = None
         # q/k/v, o and down on cuBLAS as this many products over K's slices (split_k_mm; o and down when their
         # residual adds are deferred and they have no bias)
@@ -515,21 +509,14 @@ class FusedVerify:
             self._flash_part = flash_scratch(MAX_ROWS, a.num_heads, a.head_dim, launch, self.h.device, *more)
         return self._flash_part
 
-    def _attention_kind(self) -> str:
-        return AUTO_ATTENTION if self.attention == "auto" else self.attention
-
-    def _attention(self, i: int, s: VerifySettings, mask, T: int, fresh: tuple | None = None) -> None:
-        """Layer i's attention of T rows into self.attn; `fresh` (flash only) = (the q/k/v product's rows before
-        RoPE, cos, sin, slots): q read from the product, q and k rotated and k/v cached by the attention kernel."""
+    def _attention(self, i: int, s: VerifySettings, mask, T: int) -> None:
         a, D = self.args, self.args.head_dim
         q, out = self.q[:T].view(T, a.num_heads, D), self.attn[:T].view(T, a.num_heads, D)
-        kind = self._attention_kind()
-        if fresh is not None:
-            q, fresh = fresh[0][:, : a.num_heads * D].view(T, a.num_heads, D), fresh[1:]
+        kind = AUTO_ATTENTION if self.attention == "auto" else self.attention
         if kind in ("flash", "fused"):
             scratch = self.scratch if kind == "fused" else self._flash_scratch(s.flash_launch)
             fused_attention(q, self.cache.k[i, 0], self.cache.v[i, 0], mask, out, scratch, flash=kind == "flash",
-                            limit=self._limit, launch=s.flash_launch, fresh=fresh)  # fmt: skip
+                            limit=self._limit, launch=s.flash_launch)  # fmt: skip
             return
         k, v = self.cache.k[i, 0], self.cache.v[i, 0]
         if self._attend is None:  # compiled, the mask and softmax become one kernel between the two products
@@ -557,7 +544,7 @@ class FusedVerify:
         h = self.h[:T]
         torch.index_select(m.model.embed_tokens.weight, 0, tokens, out=h)
         cos, sin = self.rope(positions)
-        if self._attention_kind() == "flash":
+        if (AUTO_ATTENTION if self.attention == "auto" else self.attention) == "flash":
             # every layer's flash attention visits the slots below it
             self._limit = attention_limit(mask) if limit is None else limit
         F, nq = a.intermediate_size, a.num_heads * D
@@ -568,7 +555,6 @@ class FusedVerify:
             keep = self._tap_view(i, T)
             qkv, x = layer.self_attn.qkv_proj, self._norm(layer.input_layernorm, h, T, add=pending, keep=keep)
             kc, vc = self.cache.k[i], self.cache.v[i]
-            fresh = None  # the q/k/v product's rows, when flash attention rotates them and writes the cache
             if "qkv" in s.cublas:
                 heads, split = a.num_heads + 2 * a.num_kv_heads, s.k_splits["qkv"]
                 with_bias = split > 1 and qkv.bias is not None  # else the product added it
@@ -576,18 +562,14 @@ class FusedVerify:
                     out = split_k_mm(x[:T], qkv.weight, split)
                 else:
                     out = _mm(x[:T], qkv.weight, qkv.bias, self.qkv_out[:T])
-                if split == 1 and self.rope_in_attention and self._attention_kind() == "flash":
-                    fresh = out
-                else:
-                    _rows_rope_cache_kernel[(T, heads)](out, cos, sin, self.q, kc, vc, slots, a.num_heads,
-                                                        a.num_kv_heads, self.cache.size,
-                                                        qkv.bias if with_bias else out,
-                                                        out.stride(0) if split > 1 else 0, D=D, PARTS=split,
-                                                        HAS_BIAS=with_bias, **pdl_options(out))  # fmt: skip
+                _rows_rope_cache_kernel[(T, heads)](out, cos, sin, self.q, kc, vc, slots, a.num_heads,
+                                                    a.num_kv_heads, self.cache.size, qkv.bias if with_bias else out,
+                                                    out.stride(0) if split > 1 else 0, D=D, PARTS=split,
+                                                    HAS_BIAS=with_bias, **pdl_options(out))  # fmt: skip
             else:
                 self._product("qkv", s, x, qkv.weight, qkv.bias, self.q, T, nq + 2 * a.num_kv_heads * D, cos=cos,
                               sin=sin, kc=kc, vc=vc, slots=slots)  # fmt: skip
-            self._attention(i, s, mask, T, fresh=None if fresh is None else (fresh, cos, sin, slots))
+            self._attention(i, s, mask, T)
             pending = self._residual("o", s, self.attn, layer.self_attn.o_proj, h, T)
             gu, x = layer.mlp.gate_up_proj, self._norm(layer.post_attention_layernorm, h, T, add=pending)
             if "gate_up" in s.cublas:

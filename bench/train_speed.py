@@ -20,9 +20,9 @@ tokens_per_second, fraction_of_peak, peak_memory_gb, model_flops_per_token, rc, 
 that fails (out of memory) is a result too: its exit code and last stderr lines.
 
 --profile adds one more run of the first batch size, in this process through `eaglescope.train.loop.train`, under
-torch.profiler for two steps after a warm-up step: where the step's time goes, op by op (OUT/...-profile.txt, and the
-top rows under `profile` in the JSON); --profile-only makes that run alone. With --work, a target already built there
-by an earlier invocation is reused.
+torch.profiler for two steps after a warm-up step: where the step's time goes, op by op (OUT/...-profile.txt, its
+first 40 rows; every op, costliest first, under `profile.ops` in the JSON); --profile-only makes that run alone.
+With --work, a target already built there by an earlier invocation is reused.
 """
 
 from __future__ import annotations
@@ -155,9 +155,9 @@ def profile_run(target: Path, data: Path, out: Path, batch: int, length: int, ev
         train(cfg, progress=False, on_step=lambda step, logs: prof.step())
     shutil.rmtree(out, ignore_errors=True)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:30]
-    top = [{"op": e.key, "calls_per_step": e.count / 2, "self_ms_per_step": getattr(e, key) / 2e3} for e in events]
-    return {"batch_size": batch, "compiled": compiled, "profiled_steps": 2, "sorted_by": key, "top": top,
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    ops = [{"op": e.key, "calls_per_step": e.count / 2, "self_ms_per_step": getattr(e, key) / 2e3} for e in events]
+    return {"batch_size": batch, "compiled": compiled, "profiled_steps": 2, "sorted_by": key, "ops": ops,
             "table": prof.key_averages().table(sort_by=key, row_limit=40)}  # fmt: skip
 
 

@@ -382,3 +382,41 @@ def test_an_error_exit_skips_the_teardown_only_where_a_process_group_is_up(tmp_p
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     assert res.returncode == 2 and lines[0].startswith("eaglescope: error: "), res.stderr
     assert lines[1:] == ([] if group else ["teardown ran"]), res.stderr
+
+
+_RANK_TEARDOWN_SCRIPT = """
+import atexit, os, sys, torch.distributed as dist
+from eaglescope.cli import main
+from eaglescope.train import loop
+
+def threads() -> list[str]:
+    return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+
+end_group = loop.dist.destroy_process_group
+def ended(*args, **kwargs):
+    end_group(*args, **kwargs)
+    print(f"rank {os.environ['RANK']} threads after ending the group: {threads()}", file=sys.stderr, flush=True)
+loop.dist.destroy_process_group = ended
+atexit.register(lambda: print(f"rank {os.environ['RANK']} teardown ran", file=sys.stderr, flush=True))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names come from Linux's /proc")
+def test_a_finished_torchrun_rank_skips_the_teardown_its_gloo_threads_outlive(tmp_path_factory, tmp_path):
+    # Why the CLI skips the interpreter's teardown after a success too: the group's gloo threads still run after
+    # train() ended the group (DDP's reducer holds it), and the teardown is where they abort a rank (one CI run).
+    # Should torch free the group one day, the first assertion fails and the workaround can be reconsidered.
+    env = shared_env(tmp_path_factory)
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_TEARDOWN_SCRIPT)
+    out = tmp_path / "draft"
+    args = ["train", "--target", str(env["target"]), "--data", str(env["prep_hidden"]), "--max-steps", "2"]
+    args += ["--device", "cpu", "--dtype", "float32", "--max-length", "96", "--batch-size", "4", "--out", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    res = subprocess.run(cmd + [str(script), *args], env=environment(2), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lingering = [x for x in res.stderr.splitlines() if "threads after ending the group" in x]
+    assert len(lingering) == 2 and all("pt_gloo_runloop" in x for x in lingering), res.stderr[-3000:]
+    assert "teardown ran" not in res.stderr, res.stderr[-3000:]
+    assert (out / "model.safetensors").is_file() and (out / "training_metrics.json").is_file()  # all written first

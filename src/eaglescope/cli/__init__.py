@@ -120,17 +120,21 @@ def main(argv: list[str] | None = None) -> int:
         if text not in seen and _ours(w):
             seen.add(text)
             print(f"eaglescope: warning: {text}", file=sys.stderr)
-    return rc
+    return _stopped(rc)
 
 
 def _stopped(rc: int) -> int:
-    """`rc`, or where this process's torch.distributed group is still up (a torchrun rank that stopped on an error)
-    the process's end with `rc`, skipping the interpreter's teardown. Why: the group's gloo worker threads are still
-    running then, and one of them taking the GIL while the interpreter finalizes aborts the process after its one
-    line ("terminate called without an active exception", SIGABRT: ~1 run in 20 of a two-rank job on CPU, torch
-    2.13). Every `finally` and the command's own cleanup have run by now; only stdio is left to flush."""
+    """`rc`, or, in a process whose gloo threads may still run, the process's end with `rc` without the
+    interpreter's teardown. Those threads abort a finalizing interpreter ("terminate called without an active
+    exception", SIGABRT or SIGSEGV, though the command finished): after an error ~1 run in 20 of a two-rank CPU job,
+    after a success ~1 in 60 under load (torch 2.13). Which processes: one whose group is still up (a rank that
+    stopped on an error), and any rank of a multi-process torchrun job, since ending the group does not end its
+    threads where DDP wrapped a model (DDP's C++ reducer keeps the group alive; docs/distributed.md). Every
+    `finally` and the command's own cleanup have run by now; only stdio is left to flush."""
     dist = sys.modules.get("torch.distributed")  # never imported: no group
-    if dist is None or not (dist.is_available() and dist.is_initialized()):
+    if dist is None or not dist.is_available():
+        return rc
+    if not (dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1):
         return rc
     sys.stdout.flush()
     sys.stderr.flush()

@@ -877,9 +877,10 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
         run.bar.close()
         run.close_writer()
     if run.d.owns_group:
-        # A process that exits with its gloo group alive can abort in the interpreter's teardown ("terminate called
-        # without an active exception", SIGABRT, after a complete run: pytorch/pytorch#190489). Only after success:
-        # on an error the other ranks may be gone, and ending an NCCL group then may wait for them.
+        # Frees the group's registry entries. It does not end gloo's threads where DDP wrapped the model (DDP's C++
+        # reducer keeps the group alive), so the CLI also ends a torchrun rank without the interpreter's teardown,
+        # where those threads can abort it (cli._stopped). Only after success: on an error the other ranks may be
+        # gone, and ending an NCCL group then may wait for them.
         dist.destroy_process_group()
     return TrainResult(run.out, run.step, run.metrics, run.history)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,12 +31,6 @@ from eaglescope.data.shards import PreparedData
 from eaglescope.demo import DemoConfig, build_data, build_target, open_workdir
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train_argv(nproc: int, target: Path, data: Path, out: Path, batch: int, steps: int, device: str) -> list[str]:
     args = ["train", "--target", str(target), "--data", str(data), "--out", str(out), "--max-steps", str(steps)]
     args += ["--batch-size", str(batch), "--lr", "3e-3", "--warmup-steps", "20", "--seed", "0"]
@@ -45,8 +38,9 @@ def train_argv(nproc: int, target: Path, data: Path, out: Path, batch: int, step
     args += ["--device", device, "--dtype", dtype, "--overwrite"]
     if nproc == 1:
         return [sys.executable, "-m", "eaglescope.cli", *args]
-    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    return [*run, "--master-port", str(free_port()), "-m", "eaglescope.cli", *args]
+    # --standalone: the launcher binds its own free port (a port chosen here could be taken before it binds)
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return [*run, "-m", "eaglescope.cli", *args]
 
 
 def losses(tb: Path) -> dict[int, float]:

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,20 +27,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 RANK_SCRIPT = Path(__file__).with_name("ddp_rank.py")  # `{rank}` in the arguments, and a record of writes
 
 
 def command(args: list[str], nproc: int, per_rank: bool = False, logs: Path | None = None) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "eaglescope.cli", "train", *args]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    cmd += ["--master-port", str(free_port())]
+    # --standalone: the launcher binds its own free port (a port chosen here could be taken before it binds)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     if logs is not None:  # each rank's stdout and stderr in a file of its own
         cmd += ["--log-dir", str(logs), "--redirects", "3"]
     return cmd + ([str(RANK_SCRIPT)] if per_rank else ["-m", "eaglescope.cli"]) + ["train", *args]
@@ -413,8 +406,8 @@ def test_a_finished_torchrun_rank_skips_the_teardown_its_gloo_threads_outlive(tm
     out = tmp_path / "draft"
     args = ["train", "--target", str(env["target"]), "--data", str(env["prep_hidden"]), "--max-steps", "2"]
     args += ["--device", "cpu", "--dtype", "float32", "--max-length", "96", "--batch-size", "4", "--out", str(out)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
-    res = subprocess.run(cmd + [str(script), *args], env=environment(2), capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *args]
+    res = subprocess.run(cmd, env=environment(2), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lingering = [x for x in res.stderr.splitlines() if "threads after ending the group" in x]
     assert len(lingering) == 2 and all("pt_gloo_runloop" in x for x in lingering), res.stderr[-3000:]

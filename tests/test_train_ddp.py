@@ -377,7 +377,7 @@ def test_an_error_exit_skips_the_teardown_only_where_a_process_group_is_up(tmp_p
     assert lines[1:] == ([] if group else ["teardown ran"]), res.stderr
 
 
-_RANK_TEARDOWN_SCRIPT = """
+_RANK_TEARDOWN_SCRIPT = r"""
 import atexit, os, sys, torch.distributed as dist
 from eaglescope.cli import main
 from eaglescope.train import loop
@@ -388,9 +388,10 @@ def threads() -> list[str]:
 end_group = loop.dist.destroy_process_group
 def ended(*args, **kwargs):
     end_group(*args, **kwargs)
-    print(f"rank {os.environ['RANK']} threads after ending the group: {threads()}", file=sys.stderr, flush=True)
+    # one write each: the ranks share torchrun's stderr pipe, and print's separate newline can land between ranks
+    os.write(2, f"rank {os.environ['RANK']} threads after ending the group: {threads()}\n".encode())
 loop.dist.destroy_process_group = ended
-atexit.register(lambda: print(f"rank {os.environ['RANK']} teardown ran", file=sys.stderr, flush=True))
+atexit.register(lambda: os.write(2, f"rank {os.environ['RANK']} teardown ran\n".encode()))
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -399,7 +400,7 @@ sys.exit(main(sys.argv[1:]))
 def test_a_finished_torchrun_rank_skips_the_teardown_its_gloo_threads_outlive(tmp_path_factory, tmp_path):
     # Why the CLI skips the interpreter's teardown after a success too: the group's gloo threads still run after
     # train() ended the group (DDP's reducer holds it), and the teardown is where they abort a rank (one CI run).
-    # Should torch free the group one day, the first assertion fails and the workaround can be reconsidered.
+    # Should torch free the group one day, the pt_gloo_runloop assertion fails and the workaround can be reconsidered.
     env = shared_env(tmp_path_factory)
     script = tmp_path / "rank.py"
     script.write_text(_RANK_TEARDOWN_SCRIPT)
@@ -409,7 +410,8 @@ def test_a_finished_torchrun_rank_skips_the_teardown_its_gloo_threads_outlive(tm
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *args]
     res = subprocess.run(cmd, env=environment(2), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    lingering = [x for x in res.stderr.splitlines() if "threads after ending the group" in x]
-    assert len(lingering) == 2 and all("pt_gloo_runloop" in x for x in lingering), res.stderr[-3000:]
+    lingering = dict(re.findall(r"rank (\d) threads after ending the group: (\[[^\]]*\])", res.stderr))
+    assert lingering.keys() == {"0", "1"}, res.stderr[-3000:]
+    assert all("pt_gloo_runloop" in names for names in lingering.values()), lingering
     assert "teardown ran" not in res.stderr, res.stderr[-3000:]
     assert (out / "model.safetensors").is_file() and (out / "training_metrics.json").is_file()  # all written first

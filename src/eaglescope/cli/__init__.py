@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             rc = int(_command(args.func)(args) or 0)
         except EagleScopeError as e:
             print(f"eaglescope: error: {_one_line(e)}", file=sys.stderr)
-            return _stopped(2)
+            return _exit_with(2)
         except KeyboardInterrupt:
             print("eaglescope: interrupted", file=sys.stderr)
             return 130
@@ -113,17 +113,17 @@ def main(argv: list[str] | None = None) -> int:
                 "traceback)",
                 file=sys.stderr,
             )
-            return _stopped(3)  # distinct from doctor's 1 (findings) and bad input's 2
+            return _exit_with(3)  # distinct from doctor's 1 (findings) and bad input's 2
     seen = set()
     for w in caught:
         text = _one_line(w.message)
         if text not in seen and _ours(w):
             seen.add(text)
             print(f"eaglescope: warning: {text}", file=sys.stderr)
-    return _stopped(rc)
+    return _exit_with(rc)
 
 
-def _stopped(rc: int) -> int:
+def _exit_with(rc: int) -> int:
     """`rc`, or, in a process whose gloo threads may still run, the process's end with `rc` without the
     interpreter's teardown. Those threads abort a finalizing interpreter ("terminate called without an active
     exception", SIGABRT or SIGSEGV, though the command finished): after an error ~1 run in 20 of a two-rank CPU job,

@@ -879,7 +879,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[int, dict]
     if run.d.owns_group:
         # Frees the group's registry entries. It does not end gloo's threads where DDP wrapped the model (DDP's C++
         # reducer keeps the group alive), so the CLI also ends a torchrun rank without the interpreter's teardown,
-        # where those threads can abort it (cli._stopped). Only after success: on an error the other ranks may be
+        # where those threads can abort it (cli._exit_with). Only after success: on an error the other ranks may be
         # gone, and ending an NCCL group then may wait for them.
         dist.destroy_process_group()
     return TrainResult(run.out, run.step, run.metrics, run.history)

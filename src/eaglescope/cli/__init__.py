@@ -127,7 +127,7 @@ def _exit_with(rc: int) -> int:
     """`rc`, or, in a process whose gloo threads may still run, the process's end with `rc` without the
     interpreter's teardown. Those threads abort a finalizing interpreter ("terminate called without an active
     exception", SIGABRT or SIGSEGV, though the command finished): after an error ~1 run in 20 of a two-rank CPU job,
-    after a success ~1 in 60 under load (torch 2.13). Which processes: one whose group is still up (a rank that
+    after a success ~1 in 100 under load (torch 2.13). Which processes: one whose group is still up (a rank that
     stopped on an error), and any rank of a multi-process torchrun job, since ending the group does not end its
     threads where DDP wrapped a model (DDP's C++ reducer keeps the group alive; docs/distributed.md). Every
     `finally` and the command's own cleanup have run by now; only stdio is left to flush."""

@@ -378,7 +378,7 @@ def test_an_error_exit_skips_the_teardown_only_where_a_process_group_is_up(tmp_p
 
 
 _RANK_TEARDOWN_SCRIPT = r"""
-import atexit, os, sys, torch.distributed as dist
+import atexit, os, sys
 from eaglescope.cli import main
 from eaglescope.train import loop
 

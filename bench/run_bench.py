@@ -60,8 +60,8 @@ from eaglescope.train.loop import train
 T0 = time.perf_counter()
 
 
-def say(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+def say(msg: str) -> None:  # progress on stderr: stdout is the run's table (and the 8B section's kernel tables)
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def sync() -> None:
@@ -898,6 +898,9 @@ def roofline(
     one then serves every later measurement; all three are reported. A matmul-only stack of the same fused
     weights (no norms, attention, RoPE) gives the ceiling the kernels around the products are held to."""
     t_start = time.perf_counter()
+    # the same random weights and prompt whatever ran before (the 197M part, or nothing with --part roofline), so
+    # two runs replaying one acceptance build the same trees
+    torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     dims = SMOKE_DIMS if smoke else LLAMA_8B_DIMS
     model = random_target(dims, device, dtype)
@@ -1231,6 +1234,10 @@ def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compile
     res["replay_vanilla_tokens_per_second"] = round(vtps, 2)
     res["replay_speedup"] = round(tps / vtps, 4)
     res["replay_eta"] = round(tps / vtps / tau, 4)
+    # each round accepts the forced depth where its tree has a node that deep, else its deepest (accept_greedy):
+    # the rounds where the random draft's tree fell short, which make the replayed τ lower than its source's
+    res["replay_accepted"] = list(rr.accepted)
+    res["replay_rounds_short"] = sum(a < pr[i % len(pr)] for i, a in enumerate(rr.accepted))
     which = " (modules draft)" if fused_draft is False else "" if one_launch else " (composed pieces)"
     say(f"roofline replay{which}: τ {tau:.2f}, {tps:.1f} vs {vtps:.1f} tok/s, round {res['replay_round_ms']} ms")
     # η above is end to end: each run's start (the target's prefill; for EAGLE-3 also the draft's catch-up over the

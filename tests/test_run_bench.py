@@ -1,0 +1,109 @@
+"""bench/run_bench.py --smoke: the protocol that every committed GPU figure comes from, run on the CPU through the
+same code (corpus, target, `eaglescope prepare`/`train`, every decoding row, the transformers rows, the roofline).
+
+A GPU call is scarce; a protocol that broke in a refactor would cost one. Here the whole run, then its roofline
+again replaying the first run's acceptance, is checked for what the README's table claims: each eaglescope row's
+outputs equal vanilla greedy's, η is speedup over τ, and the replayed rounds are the ones the acceptance forces."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+# run_bench replays at most this many rounds of the acceptance in a smoke run, and decodes this many new tokens
+SMOKE_REPLAYED_ROUNDS, REPLAY_NEW_TOKENS = 40, 256
+
+
+def _run_bench(*args: str, out: Path, work: Path) -> tuple[dict, str, str]:
+    # without Triton's interpreter (tests/conftest.py turns it on for this process): the 8B section's fused kernels
+    # interpreted take minutes a step shape, and their own CPU tests run them so; here the protocol runs its rows on
+    # cuBLAS and SDPA and its roofline on the modules, in ~40 s
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, str(ROOT / "bench" / "run_bench.py"), "--smoke", "--out", str(out), "--work", str(work)]
+    proc = subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = out.glob("bench-smoke-*.json")
+    return json.loads(path.read_text()), proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def protocol(tmp_path_factory) -> tuple[dict, str, str, Path]:
+    tmp = tmp_path_factory.mktemp("run_bench")
+    res, out, err = _run_bench("--part", "all", out=tmp / "all", work=tmp / "work")
+    return res, out, err, tmp
+
+
+def _check_replay(roof: dict, per_round: list[int]) -> None:
+    """The replay ran `per_round` (accepted drafts a round, cycled): each round accepted the forced depth, or less
+    where the random draft's tree had no node that deep (counted as short), never more; and its rounds are the
+    ones those acceptances need for the new tokens (the prefill gives the first, a round its accepted and a bonus)."""
+    accepted = roof["replay_accepted"]
+    forced = [per_round[i % len(per_round)] for i in range(len(accepted))]
+    assert len(accepted) == roof["replay_rounds"]
+    assert all(0 <= a <= f for a, f in zip(accepted, forced, strict=True)), (accepted, forced)
+    assert roof["replay_rounds_short"] == sum(a < f for a, f in zip(accepted, forced, strict=True))
+    # forced, not the random draft's own acceptance (~0 against a random target): most rounds reach their depth
+    assert sum(a == f for a, f in zip(accepted, forced, strict=True) if f > 0) > sum(f > 0 for f in forced) / 2
+    tokens = [a + 1 for a in accepted]
+    assert 1 + sum(tokens[:-1]) < REPLAY_NEW_TOKENS <= 1 + sum(tokens)
+    assert roof["replay_tau"] == pytest.approx(REPLAY_NEW_TOKENS / len(accepted), abs=1e-4)
+    assert roof["replay_eta"] == pytest.approx(roof["replay_speedup"] / roof["replay_tau"], abs=1e-3)
+
+
+def test_every_eaglescope_row_decodes_as_vanilla_greedy_and_eta_is_speedup_over_tau(protocol):
+    res, _, _, _ = protocol
+    rows = {r["method"]: r for r in res["rows"]}
+    ours = [m for m in rows if m.startswith(("eaglescope vanilla", "eagle3 ", "ablation "))]
+    # the vanilla row, the chain, the official and the tuned tree, and the TTT-1 ablation's chain and tree
+    assert len(ours) == 6, list(rows)
+    for m in ours:
+        r = rows[m]
+        assert r["prompts"] == res["config"]["prompts"] and r["match_vanilla_fraction"] == 1.0, r
+        if r["accept_length"] is not None:  # τ counts the bonus token: at least one token a round
+            assert r["accept_length"] >= 1.0
+            assert r["eta"] == pytest.approx(r["speedup_vs_vanilla"] / r["accept_length"], abs=1e-3), r
+    # the transformers rows judge from outside: its greedy generate equals eaglescope vanilla on these prompts
+    hf = rows["transformers vanilla generate"]
+    assert hf["match_vanilla_fraction"] == 1.0 and hf["timed_prompts"] >= 1
+    # the training stages ran the product's train: a held-out acc_k for every TTT step of the EAGLE-3 draft
+    e3 = res["stages"]["eagle3"]
+    assert len(e3["heldout_acc"]) == e3["ttt_length"] and all(0.0 <= a <= 1.0 for a in e3["heldout_acc"])
+
+
+def test_stdout_is_the_table_and_the_progress_goes_to_stderr(protocol):
+    res, out, err, _ = protocol
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| method | τ |")
+    methods = [line.split(" | ")[0][2:] for line in table[1:]]
+    assert methods == [r["method"] for r in res["rows"]]
+    assert not re.search(r"^\[\s*\d+\.\ds\]", out, re.M), "progress lines on stdout"
+    assert re.search(r"^\[\s*\d+\.\ds\] roofline replay: τ", err, re.M)
+
+
+def test_the_roofline_replays_the_tuned_trees_acceptance_round_for_round(protocol):
+    """The 8B section decodes with the tuned tree's acceptance forced: its rounds are the ones that acceptance needs
+    for the new tokens, and a second run replaying the first's JSON (--replay-from, as the H100/H200 pairings do)
+    runs exactly the same rounds."""
+    res, _, _, tmp = protocol
+    replay, roof = res["replay"], res["roofline"]
+    tuned = next(r["method"] for r in res["rows"] if r["method"].startswith("eagle3 tree tuned"))
+    shape = [int(x) for x in re.search(r"\(([\d, ]+)\)", tuned).group(1).split(",")]  # "... tuned (3, 3, 8)"
+    assert list(replay["shape"]) == shape and roof["replay_shape"] == shape
+    forced = replay["per_round"][:SMOKE_REPLAYED_ROUNDS]
+    assert max(forced) <= shape[0], "a round accepts at most the tree's depth"
+    _check_replay(roof, forced)
+
+    (first,) = (tmp / "all").glob("bench-smoke-all-*.json")
+    again, _, _ = _run_bench("--part", "roofline", "--replay-from", str(first), out=tmp / "roof", work=tmp / "work2")
+    r2 = again["roofline"]
+    assert again["rows"] == [] and "error" not in r2 and r2["replay_shape"] == shape
+    _check_replay(r2, forced)
+    # the roofline seeds its random models and prompt: the same trees, so the same rounds accepted the same depths
+    assert r2["replay_accepted"] == roof["replay_accepted"]

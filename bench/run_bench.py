@@ -1098,9 +1098,18 @@ def random_draft(target: LlamaModel, dtype: torch.dtype) -> Eagle3Draft:
     return fuse_projections(to_infer(draft, dtype))
 
 
+REPLAY_LOGIT_STD = 20.0  # the roofline draft's logit spread (see _draft_8b)
+
+
 def _draft_8b(rf: _Roofline, compiled: bool, mm_attn: bool) -> Eagle3Draft:
     """An 8B-sized EAGLE-3 draft with random weights, fused and (with --compile) its layer compiled."""
     draft = random_draft(rf.model, rf.dtype)
+    # A random head spreads its logits thinly (std ~1.3 at 8B), so every child scores about -6 and the tree's best
+    # nodes by cumulative score stop at depth 3: a replayed acceptance of 4-6 was cut to 3 (41 of 70 rounds on an
+    # H100, bench/README.md). A trained draft is confident. Logits ~20 wide give the top child ~0.98, so the trees
+    # reach the shape's depth. The products and kernels are the same; only the values change.
+    with torch.no_grad():
+        draft.lm_head.weight.normal_(0, REPLAY_LOGIT_STD / math.sqrt(draft.config.hidden_size))
     # autotuning every kernel of the draft layer and the tree builder costs minutes; it paid only for the products
     torch._inductor.config.coordinate_descent_tuning = False
     if mm_attn:

@@ -41,16 +41,13 @@ def protocol(tmp_path_factory) -> tuple[dict, str, str, Path]:
 
 
 def _check_replay(roof: dict, per_round: list[int]) -> None:
-    """The replay ran `per_round` (accepted drafts a round, cycled): each round accepted the forced depth, or less
-    where the random draft's tree had no node that deep (counted as short), never more; and its rounds are the
-    ones those acceptances need for the new tokens (the prefill gives the first, a round its accepted and a bonus)."""
+    """The replay ran `per_round` (accepted drafts a round, cycled) as it was: every round accepted its forced
+    depth (the roofline's draft is confident enough that its trees reach it; none fell short), and the rounds are
+    the ones those acceptances need for the new tokens (the prefill gives the first, a round its accepted and a
+    bonus), so τ is the source's and η is speedup over it."""
     accepted = roof["replay_accepted"]
-    forced = [per_round[i % len(per_round)] for i in range(len(accepted))]
-    assert len(accepted) == roof["replay_rounds"]
-    assert all(0 <= a <= f for a, f in zip(accepted, forced, strict=True)), (accepted, forced)
-    assert roof["replay_rounds_short"] == sum(a < f for a, f in zip(accepted, forced, strict=True))
-    # forced, not the random draft's own acceptance (~0 against a random target): most rounds reach their depth
-    assert sum(a == f for a, f in zip(accepted, forced, strict=True) if f > 0) > sum(f > 0 for f in forced) / 2
+    assert accepted == [per_round[i % len(per_round)] for i in range(len(accepted))]
+    assert roof["replay_rounds_short"] == 0 and roof["replay_rounds"] == len(accepted)
     tokens = [a + 1 for a in accepted]
     assert 1 + sum(tokens[:-1]) < REPLAY_NEW_TOKENS <= 1 + sum(tokens)
     assert roof["replay_tau"] == pytest.approx(REPLAY_NEW_TOKENS / len(accepted), abs=1e-4)
@@ -88,9 +85,8 @@ def test_stdout_is_the_table_and_the_progress_goes_to_stderr(protocol):
 
 
 def test_the_roofline_replays_the_tuned_trees_acceptance_round_for_round(protocol):
-    """The 8B section decodes with the tuned tree's acceptance forced: its rounds are the ones that acceptance needs
-    for the new tokens, and a second run replaying the first's JSON (--replay-from, as the H100/H200 pairings do)
-    runs exactly the same rounds."""
+    """The 8B section decodes with the tuned tree's acceptance forced, round for round, and so does a second run
+    replaying the first's JSON (--replay-from, as the H100 and H200 pairings do)."""
     res, _, _, tmp = protocol
     replay, roof = res["replay"], res["roofline"]
     tuned = next(r["method"] for r in res["rows"] if r["method"].startswith("eagle3 tree tuned"))
@@ -105,5 +101,3 @@ def test_the_roofline_replays_the_tuned_trees_acceptance_round_for_round(protoco
     r2 = again["roofline"]
     assert again["rows"] == [] and "error" not in r2 and r2["replay_shape"] == shape
     _check_replay(r2, forced)
-    # the roofline seeds its random models and prompt: the same trees, so the same rounds accepted the same depths
-    assert r2["replay_accepted"] == roof["replay_accepted"]

@@ -935,7 +935,7 @@ def roofline(
     _draft_step(rf, draft, K=shape[1])
     # end-to-end replay of the acceptance lengths measured on the trained target
     if replay and replay.get("per_round"):
-        pr = replay["per_round"][: (400 if not smoke else 40)]
+        pr = replay["per_round"][: REPLAYED_ROUNDS_SMOKE if smoke else REPLAYED_ROUNDS]
         _replayed_acceptance(rf, ft, van, draft, shape, pr, compiled)
         # the same rounds on the default's alternatives, where time is left: the composed tree pieces (a level's
         # inputs, the tree's start and finalize not in one launch), then the draft layer on its modules
@@ -1099,6 +1099,7 @@ def random_draft(target: LlamaModel, dtype: torch.dtype) -> Eagle3Draft:
 
 
 REPLAY_LOGIT_STD = 20.0  # the roofline draft's logit spread (see _draft_8b)
+REPLAYED_ROUNDS, REPLAYED_ROUNDS_SMOKE = 400, 40  # the source's first rounds the replay cycles through
 
 
 def _draft_8b(rf: _Roofline, compiled: bool, mm_attn: bool) -> Eagle3Draft:

@@ -17,8 +17,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-# run_bench replays at most this many rounds of the acceptance in a smoke run, and decodes this many new tokens
-SMOKE_REPLAYED_ROUNDS, REPLAY_NEW_TOKENS = 40, 256
+sys.path.insert(0, str(ROOT / "bench"))
+import run_bench  # noqa: E402
+
+# the smoke's replay cycles through this many of its source's rounds, for this many new tokens
+SMOKE_REPLAYED_ROUNDS, REPLAY_NEW_TOKENS = run_bench.REPLAYED_ROUNDS_SMOKE, run_bench._Roofline.ctx_new
 
 
 def _run_bench(*args: str, out: Path, work: Path) -> tuple[dict, str, str]:

@@ -1110,7 +1110,8 @@ REPLAYED_ROUNDS, REPLAYED_ROUNDS_SMOKE = 400, 40  # the source's first rounds th
 # the roofline's L2 prefetch candidates ({product: fraction of each row's K slices}, fast/l2_prefetch.py), each timed
 # beside "off" in the 24- and 64-row verify and in a fused draft level; the fastest at 24 rows and in the level replay
 # the round (res["replay_l2_prefetch"]). What fits the idle time before each product at 8B on an H200 (~4 TB/s): o
-# whole (33.5 MB) in RoPE's and attention's ~13 µs; 12-25 MB in a norm's or SiLU's ~4 µs
+# whole (33.5 MB) in RoPE's and attention's ~13 µs; 12-25 MB in a norm's or SiLU's ~4 µs (the draft level takes each
+# candidate without the lm_head: draft_share)
 L2_PREFETCH_CANDIDATES = {
     "off": {},
     "o": {"o": 1.0},
@@ -1158,6 +1159,11 @@ def fused_draft_level(draft: Eagle3Draft, dcache, K: int, ctx: int, k_splits: di
         fused.children(draft.head(normed), K)
 
     return fused, level
+
+
+def draft_share(fractions: dict[str, float]) -> dict[str, float]:
+    """A candidate's fractions for a fused draft level: its lm_head runs after the level's prefetches are joined."""
+    return {name: f for name, f in fractions.items() if name != "lm_head"}
 
 
 def _verify_l2_prefetch(rf: _Roofline, ft: FastTarget) -> None:
@@ -1242,7 +1248,7 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
         if l2_prefetch_supported(device):  # the level with each L2 prefetch candidate, "off" among them (paired)
             times = {}
             for name, fractions in L2_PREFETCH_CANDIDATES.items():
-                fused.l2_prefetch = dict(fractions)
+                fused.l2_prefetch = draft_share(fractions)
                 try:
                     times[name] = round(graphed_ms(fstep, device, reps=50), 4)
                 except Exception as e:
@@ -1296,7 +1302,8 @@ def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compile
 
 
 def _replay_rounds(rf: _Roofline, res: dict, ft, van, draft, shape, pr: list, compiled: bool,
-                   fused_draft: bool | None, one_launch: bool, draft_prefetch: dict[str, float] | None) -> None:  # fmt: skip
+                   fused_draft: bool | None, one_launch: bool,
+                   draft_prefetch: dict[str, float] | None) -> None:  # fmt: skip
     """_replayed_acceptance's measurement, into `res`; draft_prefetch: the fused draft level's L2 prefetch."""
     prompt, ctx_new = rf.prompt, rf.ctx_new
     t_c = time.perf_counter()
@@ -1311,7 +1318,7 @@ def _replay_rounds(rf: _Roofline, res: dict, ft, van, draft, shape, pr: list, co
     if fe.proposer.fused_layer is not None:
         fe.proposer.fused_layer.one_launch = one_launch
         if draft_prefetch is not None:
-            fe.proposer.fused_layer.l2_prefetch = dict(draft_prefetch)
+            fe.proposer.fused_layer.l2_prefetch = draft_share(draft_prefetch)
     fe.generate(prompt, 32, replay=pr)
     res["replay_compile_and_capture_seconds"] = round(time.perf_counter() - t_c, 1)
     res["replay_round_compiled"] = fe.compiled

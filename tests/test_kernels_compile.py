@@ -117,8 +117,6 @@ from eaglescope.fast.fused_decode import _attend_flash_kernel, _gemv_kernel
 from eaglescope.fast.fused_verify import _rows_rmsnorm_kernel, _rows_rope_cache_kernel, _rows_silu_mul_kernel
 
 i32 = lambda *names: {n: "i32" for n in names}
-pf = {"pf": "*bf16", **i32("pf_rows", "pf_stride", "pf_seg")}  # the L2 prefetch's (fast/l2_prefetch.py), off
-off = dict(PF_BYTES=0, PF_SEGS=1)
 kernels = {
     "gemv": (_gemv_kernel, {**{n: "*bf16" for n in ("x", "nw", "w", "b", "y")}, **i32("N"), "eps": "fp32"},
              dict(K=4096, NORM=True, HAS_BIAS=False, RESIDUAL=False, BN=4, BK=512, KP2=4096)),
@@ -128,12 +126,12 @@ kernels = {
                                      **i32("sq_t", "sq_h", "sm_t", "sy_t", "sy_h")},
               dict(D=128, KB=128, BR=16, SPLITS=1)),
     "rmsnorm": (_rows_rmsnorm_kernel, {**{n: "*bf16" for n in ("x", "r", "nw", "y")}, "eps": "fp32",
-                                       **i32("part_stride"), "keep": "*bf16", **i32("keep_stride"), **pf},
-                dict(K=4096, KP2=4096, ADD=True, PARTS=2, KEEP=True, **off)),
+                                       **i32("part_stride"), "keep": "*bf16", **i32("keep_stride")},
+                dict(K=4096, KP2=4096, ADD=True, PARTS=2, KEEP=True)),
     "rope": (_rows_rope_cache_kernel, {**{n: "*bf16" for n in ("qkv", "cos", "sin", "q", "kc", "vc")},
                                        "slots": "*i64", **i32("n_heads", "n_kv", "S"), "bias": "*bf16",
-                                       **i32("part_stride"), **pf}, dict(D=128, PARTS=2, HAS_BIAS=True, **off)),
-    "silu": (_rows_silu_mul_kernel, {"gate_up": "*bf16", "act": "*bf16", **i32("F"), **pf}, dict(BLOCK=1024, **off)),
+                                       **i32("part_stride")}, dict(D=128, PARTS=2, HAS_BIAS=True)),
+    "silu": (_rows_silu_mul_kernel, {"gate_up": "*bf16", "act": "*bf16", **i32("F")}, dict(BLOCK=1024)),
 }
 for name, (fn, signature, const) in kernels.items():
     src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in {**const, "PDL": 1}}},
@@ -146,40 +144,25 @@ for name, (fn, signature, const) in kernels.items():
         failed[name] = str(e).strip().splitlines()[-1][:300]
 """
 
-# the small kernels that prefetch the next product's weights into L2 (fast/l2_prefetch.py): with PF_BYTES > 0 their
-# PTX asks for exactly that many bytes a request; with 0 it asks for none
+# the side stream's L2 prefetch (fast/l2_prefetch.py): its PTX asks for exactly PF_BYTES a request
 PREFETCH_SCRIPT = r"""
 import re
-from eaglescope.fast.fused_draft import _draft_input_kernel
-from eaglescope.fast.fused_verify import _rows_rmsnorm_kernel, _rows_rope_cache_kernel, _rows_silu_mul_kernel
+from eaglescope.fast.l2_prefetch import LANES, _l2_prefetch_kernel
 
-i32 = lambda *names: {n: "i32" for n in names}
-pf = {"pf": "*bf16", **i32("pf_rows", "pf_stride", "pf_seg")}
-bf16 = lambda *names: {n: "*bf16" for n in names}
-kernels = {
-    "rmsnorm": (_rows_rmsnorm_kernel, {**bf16("x", "r", "nw", "y"), "eps": "fp32", **i32("part_stride"),
-                                       "keep": "*bf16", **i32("keep_stride"), **pf},
-                dict(K=4096, KP2=4096, ADD=True, PARTS=1, KEEP=False)),
-    "rope": (_rows_rope_cache_kernel, {**bf16("qkv", "cos", "sin", "q", "kc", "vc"), "slots": "*i64",
-                                       **i32("n_heads", "n_kv", "S"), "bias": "*bf16", **i32("part_stride"), **pf},
-             dict(D=128, PARTS=1, HAS_BIAS=False)),
-    "silu": (_rows_silu_mul_kernel, {**bf16("gate_up", "act"), **i32("F"), **pf}, dict(BLOCK=1024)),
-    "draft input": (_draft_input_kernel, {**bf16("emb", "hid", "w_emb", "w_hid", "x", "h"), "eps_emb": "fp32",
-                                          "eps_hid": "fp32", **pf}, dict(K=4096, KP2=4096, NORM_RESIDUAL=False)),
-}
-for name, (fn, signature, const) in kernels.items():
-    for nbytes, segs in ((0, 1), (2048, 1), (8192, 1), (1024, 2)):
-        const_pf = {**const, "PF_BYTES": nbytes, "PF_SEGS": segs, "PDL": False}
-        src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in const_pf}}, constexprs=const_pf)
-        case = f"{name} PF_BYTES={nbytes} PF_SEGS={segs}"
-        try:
-            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-        except Exception as e:
-            failed[case] = str(e).strip().splitlines()[-1][:300]
-            continue
-        sizes = set(re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (\d+);", ptx))
-        if sizes != ({str(nbytes)} if nbytes else set()):
-            failed[case] = f"its PTX prefetches {sorted(sizes)} bytes a request"
+signature = {"pf": "*bf16", "pf_rows": "i32", "pf_stride": "i32", "pf_seg": "i32"}
+for nbytes, segs in ((16, 1), (2048, 1), (65536, 1), (1024, 2)):
+    const = {"PF_BYTES": nbytes, "PF_SEGS": segs}
+    src = ASTSource(fn=_l2_prefetch_kernel, signature={**signature, **{k: "constexpr" for k in const}},
+                    constexprs=const)
+    case = f"PF_BYTES={nbytes} PF_SEGS={segs}"
+    try:
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": LANES // 32}).asm["ptx"]
+    except Exception as e:
+        failed[case] = str(e).strip().splitlines()[-1][:300]
+        continue
+    sizes = set(re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (\d+);", ptx))
+    if sizes != {str(nbytes)}:
+        failed[case] = f"its PTX prefetches {sorted(sizes)} bytes a request"
 """
 
 
@@ -213,5 +196,5 @@ def test_the_kernels_wait_on_the_previous_one_when_launched_with_pdl():
     assert _compile_failures(PDL_SCRIPT) == {}
 
 
-def test_the_small_kernels_prefetch_the_next_products_weights_only_when_asked():
+def test_the_l2_prefetch_asks_for_its_bytes_a_request():
     assert _compile_failures(PREFETCH_SCRIPT) == {}

@@ -1,5 +1,5 @@
-"""fast/l2_prefetch.py's requests: which bytes of a product's weight the small kernel before it asks into L2, and the
-inputs it refuses. The kernels' PTX (each request's size) is checked by tests/test_kernels_compile.py; that a verify
+"""fast/l2_prefetch.py's requests: which bytes of a product's weight the side stream's prefetch asks into L2, and the
+inputs it refuses. The kernel's PTX (each request's size) is checked by tests/test_kernels_compile.py; that a verify
 or a draft level with prefetching gives the same bits as without, and decodes as vanilla greedy, by tests/gpu."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import torch
 
 from eaglescope.fast.l2_prefetch import (
     ALIGN,
+    PIECE,
+    L2Prefetcher,
     check_fractions,
-    prefetch_args,
     prefetch_bytes,
     prefetch_plan,
 )
@@ -18,7 +19,7 @@ from eaglescope.fast.l2_prefetch import (
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("splits", [1, 2, 4])
-@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.0625, 1e-6])
+@pytest.mark.parametrize("fraction", [0.5, 0.0625, 1e-6])
 def test_a_plan_asks_for_the_start_of_every_rows_k_slices(dtype, splits, fraction):
     w = torch.zeros(48, 4096, dtype=dtype)
     plan = prefetch_plan(w, fraction, splits)
@@ -32,8 +33,17 @@ def test_a_plan_asks_for_the_start_of_every_rows_k_slices(dtype, splits, fractio
     # the requests' starts: every row, every slice, none twice
     starts = {r * plan["pf_stride"] + s * plan["pf_seg"] for r in range(48) for s in range(splits)}
     assert len(starts) == 48 * splits and max(starts) + plan["PF_BYTES"] <= w.numel() * size
-    if fraction == 1.0:  # the whole matrix, once
-        assert prefetch_bytes(plan) == w.numel() * size
+
+
+@pytest.mark.parametrize("rows,k", [(4096, 4096), (6144, 4096), (4096, 14336), (7, 4096), (33, 128)])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_a_whole_matrix_is_asked_once_in_pieces_of_whole_rows(rows, k, splits):
+    w = torch.zeros(rows, k, dtype=torch.bfloat16)
+    plan = prefetch_plan(w, 1.0, splits)
+    row = k * 2
+    assert plan["PF_SEGS"] == 1 and plan["pf_seg"] == 0 and plan["PF_BYTES"] == plan["pf_stride"]
+    assert plan["PF_BYTES"] % row == 0 and plan["PF_BYTES"] <= max(PIECE, row)
+    assert prefetch_bytes(plan) == w.numel() * 2  # every byte, none past the end
 
 
 def test_a_row_stride_wider_than_k_is_followed():
@@ -44,10 +54,9 @@ def test_a_row_stride_wider_than_k_is_followed():
 
 def test_bad_requests_are_refused():
     w = torch.zeros(64, 4096, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="fraction"):
-        prefetch_args(w, 1.5)
-    with pytest.raises(ValueError, match="fraction"):
-        prefetch_args(w, -0.1)
+    for bad in (1.5, 0.0, -0.1):
+        with pytest.raises(ValueError, match="fraction"):
+            prefetch_plan(w, bad)
     with pytest.raises(ValueError, match="does not divide"):
         prefetch_plan(w, 0.5, splits=3)
     with pytest.raises(ValueError, match="unit-stride"):
@@ -56,12 +65,23 @@ def test_bad_requests_are_refused():
         prefetch_plan(w.view(-1)[1 : 1 + 63 * 4096].view(63, 4096), 0.5)  # starts 2 bytes into an aligned buffer
 
 
-def test_where_the_instruction_is_missing_nothing_is_asked():
-    """The CPU (Triton's interpreter has no inline assembly) and fraction 0 launch the kernels with PF_BYTES = 0,
-    which compiles the request away."""
+def test_where_the_instruction_is_missing_nothing_is_launched():
+    """On the CPU (Triton's interpreter has no inline assembly) the prefetcher has no side stream and launches nothing;
+    a bad request is still refused."""
     w = torch.zeros(64, 4096, dtype=torch.bfloat16)
-    for args in (prefetch_args(w, 0.5), prefetch_args(w, 0.0)):
-        assert args["PF_BYTES"] == 0 and prefetch_bytes(args) == 0 and args["pf"] is w
+    pre = L2Prefetcher(w.device)
+    pre(w, 0.5)
+    assert pre.side is None and not pre.pending
+    pre.join()
+    with pytest.raises(ValueError, match="does not divide"):
+        L2Prefetcher.__call__(_WithSide(), w, 0.5, 3)
+
+
+class _WithSide(L2Prefetcher):
+    """A prefetcher that has a side stream (a stand-in object: the CPU has none), to reach the request's checks."""
+
+    def __init__(self) -> None:
+        self.side, self.pending = object(), False
 
 
 def test_fractions_name_known_products():

@@ -115,15 +115,17 @@ def test_verify_rows_on_cublas_and_cublaslt_match_the_modules(wide, T, cublaslt,
     assert torch.backends.cuda.preferred_blas_library() == was  # the library choice is put back
 
 
-# every product's weights asked into L2 by the small kernel before it (fast/l2_prefetch.py), whole and in part
+# every product's weights asked into L2 on a side stream beside the small kernels before it (fast/l2_prefetch.py),
+# whole and in part; a draft level's lm_head runs after the level, so the draft's share has none
 PREFETCH_ALL = {"qkv": 0.5, "o": 1.0, "gate_up": 0.125, "down": 0.25, "lm_head": 0.03}
+PREFETCH_DRAFT = {name: f for name, f in PREFETCH_ALL.items() if name != "lm_head"}
 
 
 @pytest.mark.parametrize("T", [24, 64])
 @pytest.mark.parametrize("k_splits", [{}, {"qkv": 2, "o": 2, "down": 2}])
 def test_verify_rows_with_l2_prefetch_are_the_verify_without_it(wide, T, k_splits):
-    """A prefetch only reads, into the cache: the verify's logits, taps and cache writes are bit for bit those
-    without it, and match the modules (with K slices: the prefetch asks for each slice's first bytes)."""
+    """A prefetch only reads, into the cache, on its own stream: the verify's logits, taps and cache writes are bit
+    for bit those without it, and match the modules (with K slices: it asks for each slice's first bytes)."""
     slots = 37 + torch.arange(T, device=DEVICE)
     mask = torch.arange(S, device=DEVICE)[None, :] <= slots[:, None]
     toks = torch.randint(0, 4096, (T,), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(T))
@@ -245,7 +247,7 @@ def test_draft_layer_on_the_fused_kernels_matches_the_modules(wide_draft, T, k_s
     # the same level with every product's weights asked into L2 first (fast/l2_prefetch.py): the same outputs
     cos, sin = (x[0, 0] for x in draft.midlayer.rotary(positions[None], embeds.dtype))
     plain = [t.clone() for t in (*fused(embeds, hidden, cos, sin, slots, mask), cache.k, cache.v)]
-    fused.l2_prefetch = dict(PREFETCH_ALL)
+    fused.l2_prefetch = dict(PREFETCH_DRAFT)
     with_prefetch = (*fused(embeds, hidden, cos, sin, slots, mask), cache.k, cache.v)
     for a, b in zip(plain, with_prefetch, strict=True):
         assert torch.equal(a, b)
@@ -319,7 +321,7 @@ def test_speculative_decoding_with_l2_prefetch_is_vanilla_greedy(wide, wide_draf
                     fused_verify=True)  # fmt: skip
     ft.fused_rows.l2_prefetch = dict(PREFETCH_ALL)
     fe = FastEagle(ft, wide_draft, 3, 3, 8, max_len=len(prompt) + n + 2, fused_draft=True)
-    fe.proposer.fused_layer.l2_prefetch = dict(PREFETCH_ALL)
+    fe.proposer.fused_layer.l2_prefetch = dict(PREFETCH_DRAFT)
     assert fe.use_graph
     assert fe.generate(prompt, n).tokens == ref
 

@@ -49,7 +49,7 @@ from eaglescope.fast.fused_verify import (
     _rows_silu_mul_kernel,
     split_k_mm,
 )
-from eaglescope.fast.l2_prefetch import check_fractions, l2_prefetch, prefetch_args
+from eaglescope.fast.l2_prefetch import L2Prefetcher, check_fractions
 from eaglescope.models.draft import Eagle3Draft
 from eaglescope.models.drafts.llama import DraftAttention
 
@@ -67,14 +67,11 @@ if triton is not None:
         return (w.to(tl.float32) * normed).to(raw.dtype)
 
     @triton.jit
-    def _draft_input_kernel(emb, hid, w_emb, w_hid, x, h, eps_emb, eps_hid, pf, pf_rows, pf_stride, pf_seg,
-                            K: tl.constexpr, KP2: tl.constexpr, NORM_RESIDUAL: tl.constexpr,
-                            PF_BYTES: tl.constexpr = 0, PF_SEGS: tl.constexpr = 1,
-                            PDL: tl.constexpr = False):  # fmt: skip
+    def _draft_input_kernel(emb, hid, w_emb, w_hid, x, h, eps_emb, eps_hid, K: tl.constexpr, KP2: tl.constexpr,
+                            NORM_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
         """Program t: x[t] = [input_layernorm(emb[t]), hidden_norm(hid[t])] and h[t] = that hidden norm
-        (NORM_RESIDUAL) or hid[t]. pf...: the q/k/v product's weights to prefetch into L2 (fast/l2_prefetch.py)."""
+        (NORM_RESIDUAL) or hid[t]."""
         await_previous(PDL)
-        l2_prefetch(pf, pf_rows, pf_stride, pf_seg, PF_BYTES, PF_SEGS)
         t = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, KP2)
         ok = k < K
@@ -414,9 +411,10 @@ class FusedDraftStep:
         self.gate_up_out, self.act = z(R, 2 * c.intermediate_size), z(R, c.intermediate_size)
         self.scratch = attention_scratch(R, c.num_heads, D, cache.size, dev)
         self.k_splits = {**DRAFT_K_SPLITS, **(k_splits or {})}  # o's and down's (fast/tuning.py's draft k_splits)
-        # each product's share prefetched into L2 by the small kernel before it (fast/l2_prefetch.py; lm_head: the
-        # head's, by the final norm)
+        # each product's share prefetched into L2 beside the small kernels before it (fast/l2_prefetch.py); the head's
+        # lm_head runs after the call, which joins its prefetches first, so it is not among them
         self.l2_prefetch = dict(L2_PREFETCH)
+        self._prefetcher = L2Prefetcher(dev)
         self.topk_count = torch.zeros(R, device=dev, dtype=torch.int32)  # log_softmax_top_k's counters
         # a tree level's inputs (level_inputs): token, position and slot of each row, its embedding and features, its
         # mask row over the draft cache
@@ -497,19 +495,13 @@ class FusedDraftStep:
             self.topk_count = torch.zeros(logits.shape[0], device=logits.device, dtype=torch.int32)
         return log_softmax_top_k(logits, min(k, logits.shape[-1]), self.topk_count)
 
-    def _prefetch(self, name: str, weight: torch.Tensor) -> dict:
-        """The launch keywords that prefetch `name`'s share (l2_prefetch) of its weight into L2, of each K slice
-        where it runs as split_k_mm's partials."""
-        fraction = check_fractions(self.l2_prefetch, "FusedDraftStep").get(name, 0.0)
-        return prefetch_args(weight, fraction, self.k_splits.get(name, 1))
-
-    def _norm(self, norm, T: int, add: torch.Tensor, prefetch: dict) -> torch.Tensor:
+    def _norm(self, norm, T: int, add: torch.Tensor) -> torch.Tensor:
         """self.h += add ([T, H], or split_k_mm's float32 partials [parts, T, H], summed first), then its RMSNorm into
-        self.normed (one kernel); `prefetch`: the next product's L2 prefetch (_prefetch)."""
+        self.normed (one kernel)."""
         H = self.config.hidden_size
         parts = add.shape[0] if add.dim() == 3 else 1
         _rows_rmsnorm_kernel[(T,)](self.h, add, norm.weight, self.normed, norm.eps, add.stride(0) if parts > 1 else 0,
-                                   self.h, 0, **prefetch, K=H, KP2=triton.next_power_of_2(H), ADD=True, PARTS=parts,
+                                   self.h, 0, K=H, KP2=triton.next_power_of_2(H), ADD=True, PARTS=parts,
                                    **pdl_options(add))  # fmt: skip
         return self.normed[:T]
 
@@ -528,29 +520,35 @@ class FusedDraftStep:
         if not 1 <= T <= self.rows:
             raise ValueError(f"this fused draft step runs 1..{self.rows} rows, not {T}")
         emb, hid = embeds.to(self.h.dtype).contiguous(), hidden.contiguous()
+        share = check_fractions(self.l2_prefetch, "FusedDraftStep")
+        if share.get("lm_head"):
+            raise ValueError("FusedDraftStep: the head's lm_head runs after the level returns; it is not prefetched")
+
+        def prefetch(name: str, weight: torch.Tensor) -> None:  # from when the product queued before it ends
+            self._prefetcher(weight, share.get(name, 0.0), self.k_splits.get(name, 1))
+
+        prefetch("qkv", attn.qkv_proj.weight)  # beside the input norms
         emb_norm, hid_norm = layer.input_layernorm, layer.hidden_norm
         _draft_input_kernel[(T,)](emb, hid, emb_norm.weight, hid_norm.weight, self.x, self.h, emb_norm.eps,
-                                  hid_norm.eps, **self._prefetch("qkv", attn.qkv_proj.weight), K=H,
-                                  KP2=triton.next_power_of_2(H),
+                                  hid_norm.eps, K=H, KP2=triton.next_power_of_2(H),
                                   NORM_RESIDUAL=layer.norm_before_residual, **pdl_options(hid))  # fmt: skip
         cos, sin = cos.contiguous(), sin.contiguous()
         qkv = _mm(self.x[:T], attn.qkv_proj.weight, attn.qkv_proj.bias, self.qkv_out[:T])
+        prefetch("o", attn.o_proj.weight)  # beside RoPE and attention
         kc, vc = self.cache.k[0], self.cache.v[0]
         _rows_rope_cache_kernel[(T, c.num_heads + 2 * c.num_kv_heads)](qkv, cos, sin, self.q, kc, vc, slots,
                                                                        c.num_heads, c.num_kv_heads, self.cache.size,
-                                                                       qkv, 0,
-                                                                       **self._prefetch("o", attn.o_proj.weight), D=D,
-                                                                       **pdl_options(qkv))  # fmt: skip
+                                                                       qkv, 0, D=D, **pdl_options(qkv))  # fmt: skip
         q, out = self.q[:T].view(T, c.num_heads, D), self.attn[:T].view(T, c.num_heads, D)
         fused_attention(q, kc[0], vc[0], mask, out, self.scratch)
         o = self._residual_product("o", self.attn[:T], attn.o_proj)
-        x = self._norm(layer.post_attention_layernorm, T, o, self._prefetch("gate_up", mlp.gate_up_proj.weight))
+        prefetch("gate_up", mlp.gate_up_proj.weight)  # beside the norm
+        x = self._norm(layer.post_attention_layernorm, T, o)
         gate_up = _mm(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, self.gate_up_out[:T])
+        prefetch("down", mlp.down_proj.weight)  # beside SiLU·up
         F = c.intermediate_size
-        _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](gate_up, self.act, F,
-                                                         **self._prefetch("down", mlp.down_proj.weight), BLOCK=1024,
-                                                         **pdl_options(gate_up))  # fmt: skip
+        _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](gate_up, self.act, F, BLOCK=1024, **pdl_options(gate_up))
         down = self._residual_product("down", self.act[:T], mlp.down_proj)
-        # self.h is now the step's pre-norm output
-        normed = self._norm(self.draft.norm, T, down, self._prefetch("lm_head", self.draft.lm_head.weight))
+        normed = self._norm(self.draft.norm, T, down)  # self.h is now the step's pre-norm output
+        self._prefetcher.join()
         return (normed if c.norm_output else self.h[:T]), normed

@@ -48,7 +48,7 @@ from eaglescope.fast.fused_decode import (
     pdl_options,
     triton,
 )
-from eaglescope.fast.l2_prefetch import check_fractions, l2_prefetch, prefetch_args
+from eaglescope.fast.l2_prefetch import L2Prefetcher, check_fractions
 from eaglescope.models.targets.llama import LlamaModel, attend
 
 log = logging.getLogger(__name__)
@@ -85,8 +85,8 @@ DEFER_RESIDUAL = True
 # each product on cuBLAS in one call (1), or cut over K into this many (split_k_mm; fused_decode_check.py
 # --sweep-k-split times 2-8)
 K_SPLITS = {"qkv": 1, "o": 1, "down": 1}
-# {product: fraction of each row (of each K slice) its weights that the small kernel before it prefetches into L2}
-# (fast/l2_prefetch.py): none until a GPU has timed it
+# {product: fraction of each row (of each K slice) of its weights prefetched into L2 on a side stream while the small
+# kernels before it run} (fast/l2_prefetch.py): none until a GPU has timed it
 L2_PREFETCH: dict[str, float] = {}
 # each product's epilogue (the kernel's MODE)
 EPILOGUE = {"qkv": "qkv", "o": "residual", "gate_up": "gate_up", "down": "residual", "lm_head": "plain"}
@@ -94,18 +94,15 @@ EPILOGUE = {"qkv": "qkv", "o": "residual", "gate_up": "gate_up", "down": "residu
 if triton is not None:
 
     @triton.jit
-    def _rows_rmsnorm_kernel(x, r, nw, y, eps, part_stride, keep, keep_stride, pf, pf_rows, pf_stride, pf_seg,
-                             K: tl.constexpr, KP2: tl.constexpr, ADD: tl.constexpr, PARTS: tl.constexpr = 1,
-                             KEEP: tl.constexpr = False, PF_BYTES: tl.constexpr = 0, PF_SEGS: tl.constexpr = 1,
+    def _rows_rmsnorm_kernel(x, r, nw, y, eps, part_stride, keep, keep_stride, K: tl.constexpr, KP2: tl.constexpr,
+                             ADD: tl.constexpr, PARTS: tl.constexpr = 1, KEEP: tl.constexpr = False,
                              PDL: tl.constexpr = False):  # fmt: skip
         """y[t] = RMSNorm(x[t]) with the module's two roundings; one program per row. With ADD, first x[t] += r[t]
         in place (the residual add, rounded as the module's `h + proj(...)`). PARTS > 1: r holds that many float32
         partials of the product over slices of K (split_k_mm), part_stride elements apart, summed in slice order
         and rounded once to x's dtype before the add, as the one product would be. KEEP: x[t] (after the add) is
-        also written to keep[t] (rows keep_stride apart): a tap's copy of the state, without a kernel of its own.
-        pf...: the next product's weights to prefetch into L2 (fast/l2_prefetch.py)."""
+        also written to keep[t] (rows keep_stride apart): a tap's copy of the state, without a kernel of its own."""
         await_previous(PDL)
-        l2_prefetch(pf, pf_rows, pf_stride, pf_seg, PF_BYTES, PF_SEGS)
         t = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, KP2)
         ok = k < K
@@ -127,17 +124,14 @@ if triton is not None:
         tl.store(y + t * K + k, (w * normed).to(y.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rows_rope_cache_kernel(qkv, cos, sin, q, kc, vc, slots, n_heads, n_kv, S, bias, part_stride, pf, pf_rows,
-                                pf_stride, pf_seg, D: tl.constexpr, PARTS: tl.constexpr = 1,
-                                HAS_BIAS: tl.constexpr = False, PF_BYTES: tl.constexpr = 0, PF_SEGS: tl.constexpr = 1,
+    def _rows_rope_cache_kernel(qkv, cos, sin, q, kc, vc, slots, n_heads, n_kv, S, bias, part_stride,
+                                D: tl.constexpr, PARTS: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False,
                                 PDL: tl.constexpr = False):  # fmt: skip
         """Program (row t, head) of a q/k/v product already in qkv [T, heads*D]: RoPE at the row's position (not
         for v), then q → q[t, head], k/v → the cache at slots[t]. PARTS > 1: qkv holds that many float32 partials
         of the product over slices of K (split_k_mm), part_stride elements apart, summed in slice order with the
-        bias (HAS_BIAS) and rounded once to the cache's dtype, as the one product would be. pf...: the o product's
-        weights to prefetch into L2 while attention runs (fast/l2_prefetch.py)."""
+        bias (HAS_BIAS) and rounded once to the cache's dtype, as the one product would be."""
         await_previous(PDL)
-        l2_prefetch(pf, pf_rows, pf_stride, pf_seg, PF_BYTES, PF_SEGS)
         HALF: tl.constexpr = D // 2
         t, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
         n_all = n_heads + 2 * n_kv
@@ -167,13 +161,9 @@ if triton is not None:
         tl.store(dst + HALF, hi.to(q.dtype.element_ty))
 
     @triton.jit
-    def _rows_silu_mul_kernel(gate_up, act, F, pf, pf_rows, pf_stride, pf_seg, BLOCK: tl.constexpr,
-                              PF_BYTES: tl.constexpr = 0, PF_SEGS: tl.constexpr = 1,
-                              PDL: tl.constexpr = False):  # fmt: skip
-        """act[t, j] = SiLU(gate_up[t, j]) * gate_up[t, F + j], with the module's rounding of SiLU. pf...: the down
-        product's weights to prefetch into L2 (fast/l2_prefetch.py)."""
+    def _rows_silu_mul_kernel(gate_up, act, F, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """act[t, j] = SiLU(gate_up[t, j]) * gate_up[t, F + j], with the module's rounding of SiLU."""
         await_previous(PDL)
-        l2_prefetch(pf, pf_rows, pf_stride, pf_seg, PF_BYTES, PF_SEGS)
         t = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = j < F
@@ -381,8 +371,9 @@ class FusedVerify:
         # q/k/v, o and down on cuBLAS as this many products over K's slices (split_k_mm; o and down when their
         # residual adds are deferred and they have no bias)
         self.k_splits = dict(K_SPLITS)
-        # each product's share prefetched into L2 by the small kernel before it (fast/l2_prefetch.py)
+        # each product's share prefetched into L2 beside the small kernels before it (fast/l2_prefetch.py)
         self.l2_prefetch = dict(L2_PREFETCH)
+        self._prefetcher = L2Prefetcher(dev)
         # (max_rows, settings) overriding the ones above for verifies of up to max_rows rows (fast/tuning.py)
         self.by_rows = sorted(((int(r), dict(o)) for r, o in by_rows), key=lambda e: e[0])
         for rows, _ in self.by_rows:
@@ -485,23 +476,14 @@ class FusedVerify:
     def _library(name: str, s: VerifySettings, x: torch.Tensor) -> contextlib.AbstractContextManager:
         return blas_library("cublaslt" if name in s.cublaslt and x.is_cuda else None)
 
-    def _prefetch(self, name: str, s: VerifySettings, weight: torch.Tensor) -> dict:
-        """The launch keywords that prefetch `name`'s share (l2_prefetch) of its weight into L2: of each K slice
-        where cuBLAS runs it as split_k_mm's partials."""
-        splits = s.k_splits.get(name, 1) if name in s.cublas else 1
-        return prefetch_args(weight, check_fractions(self.l2_prefetch, "FusedVerify").get(name, 0.0), splits)
-
-    def _norm(self, norm, x, T: int, add: torch.Tensor | None = None, keep: torch.Tensor | None = None,
-              prefetch: dict | None = None) -> torch.Tensor:  # fmt: skip
+    def _norm(self, norm, x, T: int, add: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm of x's T rows into self.normed; with `add` ([T, K], or split_k_mm's partials [parts, T, K]),
-        x += add first (in place); with `keep` [T, K] (rows of unit stride), x's rows after the add are copied there;
-        `prefetch`: the next product's L2 prefetch (_prefetch)."""
+        x += add first (in place); with `keep` [T, K] (rows of unit stride), x's rows after the add are copied there."""
         K = x.shape[1]
         parts = add.shape[0] if add is not None and add.dim() == 3 else 1  # split_k_mm's partials
         _rows_rmsnorm_kernel[(T,)](x, add if add is not None else x, norm.weight, self.normed, norm.eps,
                                    add.stride(0) if parts > 1 else 0, keep if keep is not None else x,
-                                   keep.stride(0) if keep is not None else 0,
-                                   **(prefetch or prefetch_args(norm.weight)), K=K, KP2=triton.next_power_of_2(K),
+                                   keep.stride(0) if keep is not None else 0, K=K, KP2=triton.next_power_of_2(K),
                                    ADD=add is not None, PARTS=parts, KEEP=keep is not None,
                                    **pdl_options(x))  # fmt: skip
         return self.normed
@@ -574,13 +556,18 @@ class FusedVerify:
             self._limit = attention_limit(mask) if limit is None else limit
         F, nq = a.intermediate_size, a.num_heads * D
         s = self.settings(T)
+        share = check_fractions(self.l2_prefetch, "FusedVerify")
+
+        def prefetch(name: str, weight: torch.Tensor) -> None:  # from when the product queued before it ends
+            splits = s.k_splits.get(name, 1) if name in s.cublas else 1
+            self._prefetcher(weight, share.get(name, 0.0), splits)
+
         pending = None  # a residual product the next norm adds into h (defer_residual)
         for i, layer in enumerate(m.model.layers):
+            prefetch("qkv", layer.self_attn.qkv_proj.weight)  # beside the norm
             # a tapped layer's state: the norm completes h with the previous layer's down, and keeps a copy
             keep = self._tap_view(i, T)
-            qkv = layer.self_attn.qkv_proj
-            x = self._norm(layer.input_layernorm, h, T, add=pending, keep=keep,
-                           prefetch=self._prefetch("qkv", s, qkv.weight))  # fmt: skip
+            qkv, x = layer.self_attn.qkv_proj, self._norm(layer.input_layernorm, h, T, add=pending, keep=keep)
             kc, vc = self.cache.k[i], self.cache.v[i]
             if "qkv" in s.cublas:
                 heads, split = a.num_heads + 2 * a.num_kv_heads, s.k_splits["qkv"]
@@ -589,31 +576,31 @@ class FusedVerify:
                     out = split_k_mm(x[:T], qkv.weight, split)
                 else:
                     out = _mm(x[:T], qkv.weight, qkv.bias, self.qkv_out[:T])
+                prefetch("o", layer.self_attn.o_proj.weight)  # beside RoPE and attention
                 _rows_rope_cache_kernel[(T, heads)](out, cos, sin, self.q, kc, vc, slots, a.num_heads,
                                                     a.num_kv_heads, self.cache.size, qkv.bias if with_bias else out,
-                                                    out.stride(0) if split > 1 else 0,
-                                                    **self._prefetch("o", s, layer.self_attn.o_proj.weight), D=D,
-                                                    PARTS=split, HAS_BIAS=with_bias, **pdl_options(out))  # fmt: skip
+                                                    out.stride(0) if split > 1 else 0, D=D, PARTS=split,
+                                                    HAS_BIAS=with_bias, **pdl_options(out))  # fmt: skip
             else:
                 self._product("qkv", s, x, qkv.weight, qkv.bias, self.q, T, nq + 2 * a.num_kv_heads * D, cos=cos,
                               sin=sin, kc=kc, vc=vc, slots=slots)  # fmt: skip
             self._attention(i, s, mask, T)
             pending = self._residual("o", s, self.attn, layer.self_attn.o_proj, h, T)
-            gu = layer.mlp.gate_up_proj
-            x = self._norm(layer.post_attention_layernorm, h, T, add=pending,
-                           prefetch=self._prefetch("gate_up", s, gu.weight))  # fmt: skip
+            prefetch("gate_up", layer.mlp.gate_up_proj.weight)  # beside the norm
+            gu, x = layer.mlp.gate_up_proj, self._norm(layer.post_attention_layernorm, h, T, add=pending)
             if "gate_up" in s.cublas:
                 with self._library("gate_up", s, x):
                     out = _mm(x[:T], gu.weight, gu.bias, self.gate_up_out[:T])
-                down = self._prefetch("down", s, layer.mlp.down_proj.weight)
-                _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](out, self.act, F, **down, BLOCK=1024,
-                                                                 **pdl_options(out))  # fmt: skip
+                prefetch("down", layer.mlp.down_proj.weight)  # beside SiLU·up
+                _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](out, self.act, F, BLOCK=1024, **pdl_options(out))
             else:
                 self._product("gate_up", s, x, gu.weight, gu.bias, self.act, T, F)
             pending = self._residual("down", s, self.act, layer.mlp.down_proj, h, T)
         logits = torch.empty(T, a.vocab_size, device=h.device, dtype=self.logits_dtype)
-        x = self._norm(m.model.norm, h, T, add=pending, prefetch=self._prefetch("lm_head", s, m.lm_head.weight))
-        self._product("lm_head", s, x, m.lm_head.weight, None, logits, T, a.vocab_size)
+        prefetch("lm_head", m.lm_head.weight)  # beside the final norm
+        self._product("lm_head", s, self._norm(m.model.norm, h, T, add=pending), m.lm_head.weight, None, logits, T,
+                      a.vocab_size)  # fmt: skip
+        self._prefetcher.join()
         return logits, (self.aux[:T] if self.aux is not None else None)
 
     def _tap_view(self, layer: int, T: int) -> torch.Tensor | None:

@@ -48,7 +48,6 @@ from eaglescope.fast.engine import _graph, use_batch_invariant, use_matmul_atten
 from eaglescope.fast.fused_decode import available, fused_decode_supported
 from eaglescope.fast.fused_draft import DRAFT_K_SPLITS, FusedDraftStep, fused_draft_supported, log_softmax_top_k
 from eaglescope.fast.fused_verify import blas_library
-from eaglescope.fast.l2_prefetch import supported as l2_prefetch_supported
 from eaglescope.fast.layers import compile_layers, use_gemv_reductions
 from eaglescope.fast.tuning import tuning_for
 from eaglescope.models.draft import DraftConfig, Eagle3Draft
@@ -929,8 +928,6 @@ def roofline(
     res["verify_cost_ratio"] = {str(T): round(ms_T / times[1], 4) for T, ms_T in times.items()}
     checkpoint()
     say(f"roofline verify: {res['verify_cost_ratio']}")
-    if device.type == "cuda" and ft.fused_rows is not None and l2_prefetch_supported(device):
-        _verify_l2_prefetch(rf, ft)
 
     draft = _draft_8b(rf, compiled, mm_attn)
     shape = tuple(replay["shape"]) if replay else (7, 10, 60)
@@ -940,16 +937,12 @@ def roofline(
     if replay and replay.get("per_round"):
         pr = replay["per_round"][: REPLAYED_ROUNDS_SMOKE if smoke else REPLAYED_ROUNDS]
         _replayed_acceptance(rf, ft, van, draft, shape, pr, compiled)
-        # the same rounds on the default's alternatives, where time is left: the small kernels prefetching the next
-        # product's weights into L2 (the fastest candidates above), the composed tree pieces (a level's inputs, the
-        # tree's start and finalize not in one launch), then the draft layer on its modules
+        # the same rounds on the default's alternatives, where time is left: the composed tree pieces (a level's
+        # inputs, the tree's start and finalize not in one launch), then the draft layer on its modules
         fused = fused_draft_supported(draft) is None and ft.fused_rows is not None
         res["replay_draft_layer"] = "fused" if fused else "modules"
-        prefetch = _best_l2_prefetch(res)
-        alternatives = [("replay_l2_prefetch", {"l2_prefetch": prefetch})] if prefetch else []
-        alternatives += [("replay_composed_pieces", {"one_launch": False}),
-                         ("replay_modules_draft", {"fused_draft": False})]  # fmt: skip
-        for key, option in alternatives:
+        for key, option in (("replay_composed_pieces", {"one_launch": False}),
+                            ("replay_modules_draft", {"fused_draft": False})):  # fmt: skip
             if fused and rf.left() > 120:
                 try:  # an alternative that fails must not cost the measurements after it
                     _replayed_acceptance(rf, ft, van, draft, shape, pr, compiled, **option)
@@ -1107,18 +1100,6 @@ def random_draft(target: LlamaModel, dtype: torch.dtype) -> Eagle3Draft:
 
 REPLAY_LOGIT_STD = 20.0  # the roofline draft's logit spread (see _draft_8b)
 REPLAYED_ROUNDS, REPLAYED_ROUNDS_SMOKE = 400, 40  # the source's first rounds the replay cycles through
-# the roofline's L2 prefetch candidates ({product: fraction of each row's K slices}, fast/l2_prefetch.py), each timed
-# beside "off" in the 24- and 64-row verify and in a fused draft level; the fastest at 24 rows and in the level replay
-# the round (res["replay_l2_prefetch"]). What fits the idle time before each product at 8B on an H200 (~4 TB/s): o
-# whole (33.5 MB) in RoPE's and attention's ~13 µs; 12-25 MB in a norm's or SiLU's ~4 µs (the draft level takes each
-# candidate without the lm_head: draft_share)
-L2_PREFETCH_CANDIDATES = {
-    "off": {},
-    "o": {"o": 1.0},
-    "starts": {"qkv": 0.25, "gate_up": 0.0625, "down": 0.125, "lm_head": 0.015},
-    "o+starts": {"o": 1.0, "qkv": 0.25, "gate_up": 0.0625, "down": 0.125, "lm_head": 0.015},
-    "o+starts x2": {"o": 1.0, "qkv": 0.5, "gate_up": 0.125, "down": 0.25, "lm_head": 0.03},
-}
 
 
 def _draft_8b(rf: _Roofline, compiled: bool, mm_attn: bool) -> Eagle3Draft:
@@ -1159,47 +1140,6 @@ def fused_draft_level(draft: Eagle3Draft, dcache, K: int, ctx: int, k_splits: di
         fused.children(draft.head(normed), K)
 
     return fused, level
-
-
-def draft_share(fractions: dict[str, float]) -> dict[str, float]:
-    """A candidate's fractions for a fused draft level: its lm_head runs after the level's prefetches are joined."""
-    return {name: f for name, f in fractions.items() if name != "lm_head"}
-
-
-def _verify_l2_prefetch(rf: _Roofline, ft: FastTarget) -> None:
-    """res["verify_ms_l2_prefetch"]: {candidate: {rows: ms}}, the 24- and 64-row verify with each L2 prefetch
-    candidate (L2_PREFETCH_CANDIDATES, "off" among them, so the comparison is paired); the verify is left as it was."""
-    fv, out = ft.fused_rows, {}
-    was = dict(fv.l2_prefetch)
-    try:
-        for name, fractions in L2_PREFETCH_CANDIDATES.items():
-            fv.l2_prefetch = dict(fractions)
-            try:
-                times = verify_ms(ft, rf.base_ctx, rf.model.args.vocab_size, sizes=(24, 64))
-                out[name] = {str(T): round(ms, 4) for T, ms in times.items()}
-            except Exception as e:  # a candidate that fails is recorded, not fatal
-                out[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
-    finally:
-        fv.l2_prefetch = was
-    rf.res["verify_ms_l2_prefetch"] = out
-    rf.checkpoint()
-    say(f"roofline verify with L2 prefetch (ms at 24, 64 rows): {out}")
-
-
-def _best_l2_prefetch(res: dict) -> dict[str, str] | None:
-    """{"verify": candidate, "draft": candidate}: the L2_PREFETCH_CANDIDATES fastest in the 24-row verify and in the
-    fused draft level, each "off" unless it beat "off" there; None where neither beat it or neither was timed."""
-
-    def best(times: dict, key) -> str:
-        timed = {n: key(t) for n, t in times.items() if not isinstance(t, str)}
-        if "off" not in timed:
-            return "off"
-        name = min(timed, key=timed.get)
-        return name if timed[name] < timed["off"] else "off"
-
-    pick = {"verify": best(res.get("verify_ms_l2_prefetch") or {}, lambda t: t["24"]),
-            "draft": best(res.get("draft_step_ms_fused_l2_prefetch") or {}, lambda t: t)}  # fmt: skip
-    return pick if set(pick.values()) != {"off"} else None
 
 
 def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
@@ -1245,17 +1185,6 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
         except Exception as e:  # bmm's out_dtype and kin: recorded, not fatal
             rf.res["draft_step_ms_fused_k_split_2"] = f"{type(e).__name__}: {str(e)[:200]}"
         fused.k_splits = {**DRAFT_K_SPLITS, **(tuning_for(device).draft_k_splits or {})}
-        if l2_prefetch_supported(device):  # the level with each L2 prefetch candidate, "off" among them (paired)
-            times = {}
-            for name, fractions in L2_PREFETCH_CANDIDATES.items():
-                fused.l2_prefetch = draft_share(fractions)
-                try:
-                    times[name] = round(graphed_ms(fstep, device, reps=50), 4)
-                except Exception as e:
-                    times[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
-            fused.l2_prefetch = {}
-            rf.res["draft_step_ms_fused_l2_prefetch"] = times
-            say(f"roofline draft level with L2 prefetch (ms): {times}")
         if device.type == "cuda" and rf.left() > 150:
             try:
                 rf.res["draft_step_fused_profile"] = _profile_step(fstep)
@@ -1274,38 +1203,17 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
 
 
 def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compiled: bool,
-                         fused_draft: bool | None = None, one_launch: bool = True,
-                         l2_prefetch: dict[str, str] | None = None) -> None:  # fmt: skip
+                         fused_draft: bool | None = None, one_launch: bool = True) -> None:  # fmt: skip
     """The fast round at 8B with the acceptance lengths `pr` measured on the trained target: τ, tok/s, η (in
     res["replay_*"]; with fused_draft=False, the draft layer on its modules whatever FastEagle's default, in
     res["replay_modules_draft"]; with one_launch=False, the fused layer's rounds taking a level's inputs, the
     tree's start and its finalize from the composed Eagle3Proposer pieces, not FusedDraftStep's kernels, in
-    res["replay_composed_pieces"]; with l2_prefetch {"verify": candidate, "draft": candidate}, the verify's and the
-    fused draft level's small kernels prefetching those L2_PREFETCH_CANDIDATES, in res["replay_l2_prefetch"])."""
-    res = rf.res
+    res["replay_composed_pieces"])."""
+    res, prompt, ctx_new = rf.res, rf.prompt, rf.ctx_new
     if fused_draft is False:
         res = rf.res["replay_modules_draft"] = {}
     elif not one_launch:
         res = rf.res["replay_composed_pieces"] = {}
-    elif l2_prefetch:
-        res = rf.res["replay_l2_prefetch"] = dict(l2_prefetch)
-    fv = ft.fused_rows
-    was = dict(fv.l2_prefetch) if fv is not None else None
-    if l2_prefetch:  # set before the round's capture, put back after the whole measurement
-        fv.l2_prefetch = dict(L2_PREFETCH_CANDIDATES[l2_prefetch["verify"]])
-    try:
-        draft_prefetch = L2_PREFETCH_CANDIDATES[l2_prefetch["draft"]] if l2_prefetch else None
-        _replay_rounds(rf, res, ft, van, draft, shape, pr, compiled, fused_draft, one_launch, draft_prefetch)
-    finally:
-        if fv is not None:
-            fv.l2_prefetch = was
-
-
-def _replay_rounds(rf: _Roofline, res: dict, ft, van, draft, shape, pr: list, compiled: bool,
-                   fused_draft: bool | None, one_launch: bool,
-                   draft_prefetch: dict[str, float] | None) -> None:  # fmt: skip
-    """_replayed_acceptance's measurement, into `res`; draft_prefetch: the fused draft level's L2 prefetch."""
-    prompt, ctx_new = rf.prompt, rf.ctx_new
     t_c = time.perf_counter()
     rf.checkpoint()
     # compiling the 8B round as one graph took 36 s (bench-all-20261129T150034.json); piece by piece (a tree level
@@ -1317,8 +1225,6 @@ def _replay_rounds(rf: _Roofline, res: dict, ft, van, draft, shape, pr: list, co
                    fused_draft=fused_draft)  # fmt: skip
     if fe.proposer.fused_layer is not None:
         fe.proposer.fused_layer.one_launch = one_launch
-        if draft_prefetch is not None:
-            fe.proposer.fused_layer.l2_prefetch = draft_share(draft_prefetch)
     fe.generate(prompt, 32, replay=pr)
     res["replay_compile_and_capture_seconds"] = round(time.perf_counter() - t_c, 1)
     res["replay_round_compiled"] = fe.compiled
@@ -1343,7 +1249,6 @@ def _replay_rounds(rf: _Roofline, res: dict, ft, van, draft, shape, pr: list, co
     res["replay_accepted"] = list(rr.accepted)
     res["replay_rounds_short"] = sum(a < pr[i % len(pr)] for i, a in enumerate(rr.accepted))
     which = " (modules draft)" if fused_draft is False else "" if one_launch else " (composed pieces)"
-    which += " (L2 prefetch)" if draft_prefetch is not None else ""
     say(f"roofline replay{which}: τ {tau:.2f}, {tps:.1f} vs {vtps:.1f} tok/s, round {res['replay_round_ms']} ms")
     # η above is end to end: each run's start (the target's prefill; for EAGLE-3 also the draft's catch-up over the
     # prompt) is spread over ~74 rounds but over 256 vanilla tokens. The starts alone (a one-token generate is the

@@ -144,27 +144,6 @@ for name, (fn, signature, const) in kernels.items():
         failed[name] = str(e).strip().splitlines()[-1][:300]
 """
 
-# the side stream's L2 prefetch (fast/l2_prefetch.py): its PTX asks for exactly PF_BYTES a request
-PREFETCH_SCRIPT = r"""
-import re
-from eaglescope.fast.l2_prefetch import LANES, _l2_prefetch_kernel
-
-signature = {"pf": "*bf16", "pf_rows": "i32", "pf_stride": "i32", "pf_seg": "i32"}
-for nbytes, segs in ((16, 1), (2048, 1), (65536, 1), (1024, 2)):
-    const = {"PF_BYTES": nbytes, "PF_SEGS": segs}
-    src = ASTSource(fn=_l2_prefetch_kernel, signature={**signature, **{k: "constexpr" for k in const}},
-                    constexprs=const)
-    case = f"PF_BYTES={nbytes} PF_SEGS={segs}"
-    try:
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": LANES // 32}).asm["ptx"]
-    except Exception as e:
-        failed[case] = str(e).strip().splitlines()[-1][:300]
-        continue
-    sizes = set(re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (\d+);", ptx))
-    if sizes != {str(nbytes)}:
-        failed[case] = f"its PTX prefetches {sorted(sizes)} bytes a request"
-"""
-
 
 def _compile_failures(script: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -194,7 +173,3 @@ def test_a_tree_levels_inputs_and_the_trees_start_compile_for_sm90_at_the_benchm
 
 def test_the_kernels_wait_on_the_previous_one_when_launched_with_pdl():
     assert _compile_failures(PDL_SCRIPT) == {}
-
-
-def test_the_l2_prefetch_asks_for_its_bytes_a_request():
-    assert _compile_failures(PREFETCH_SCRIPT) == {}

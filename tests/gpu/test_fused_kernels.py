@@ -115,34 +115,6 @@ def test_verify_rows_on_cublas_and_cublaslt_match_the_modules(wide, T, cublaslt,
     assert torch.backends.cuda.preferred_blas_library() == was  # the library choice is put back
 
 
-# every product's weights asked into L2 on a side stream beside the small kernels before it (fast/l2_prefetch.py),
-# whole and in part; a draft level's lm_head runs after the level, so the draft's share has none
-PREFETCH_ALL = {"qkv": 0.5, "o": 1.0, "gate_up": 0.125, "down": 0.25, "lm_head": 0.03}
-PREFETCH_DRAFT = {name: f for name, f in PREFETCH_ALL.items() if name != "lm_head"}
-
-
-@pytest.mark.parametrize("T", [24, 64])
-@pytest.mark.parametrize("k_splits", [{}, {"qkv": 2, "o": 2, "down": 2}])
-def test_verify_rows_with_l2_prefetch_are_the_verify_without_it(wide, T, k_splits):
-    """A prefetch only reads, into the cache, on its own stream: the verify's logits, taps and cache writes are bit
-    for bit those without it, and match the modules (with K slices: it asks for each slice's first bytes)."""
-    slots = 37 + torch.arange(T, device=DEVICE)
-    mask = torch.arange(S, device=DEVICE)[None, :] <= slots[:, None]
-    toks = torch.randint(0, 4096, (T,), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(T))
-    got = []
-    for prefetch in ({}, PREFETCH_ALL):
-        model, ft = _fresh(wide)
-        fv = FusedVerify(model, ft.cache, taps=(0, 1))
-        fv.k_splits.update(k_splits)
-        fv.l2_prefetch = dict(prefetch)
-        logits, aux = fv(toks, slots, mask, slots)
-        got.append((logits.clone(), aux.clone(), ft.cache.k.clone(), ft.cache.v.clone()))
-        if prefetch:
-            _against_modules(ft, fv, toks, slots, mask, slots, len(model.model.layers))
-    for a, b in zip(*got, strict=True):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.parametrize("T", [8, 24, 64])
 def test_verify_rows_on_swapped_triton_tiles_match_the_modules(wide, T):
     """Every product on _rows_gemm_kernel with SWAP (the weight tile as the tensor-core product's M side, the rows
@@ -244,13 +216,6 @@ def test_draft_layer_on_the_fused_kernels_matches_the_modules(wide_draft, T, k_s
     fused = FusedDraftStep(draft, cache, rows=T)
     fused.k_splits.update(k_splits)
     assert_draft_step_matches_modules(fused, draft, embeds, hidden, positions, slots, mask, unit=16)
-    # the same level with every product's weights asked into L2 first (fast/l2_prefetch.py): the same outputs
-    cos, sin = (x[0, 0] for x in draft.midlayer.rotary(positions[None], embeds.dtype))
-    plain = [t.clone() for t in (*fused(embeds, hidden, cos, sin, slots, mask), cache.k, cache.v)]
-    fused.l2_prefetch = dict(PREFETCH_DRAFT)
-    with_prefetch = (*fused(embeds, hidden, cos, sin, slots, mask), cache.k, cache.v)
-    for a, b in zip(plain, with_prefetch, strict=True):
-        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("m,V,k", [(1, 32000, 4), (4, 32000, 4), (10, 32000, 10), (4, 65536, 8), (4, 128256, 4)])
@@ -310,20 +275,6 @@ def test_speculative_decoding_through_the_fused_target_and_draft_is_vanilla_gree
     assert fe.use_graph and fe.proposer.fused_layer is not None
     assert fe.generate(prompt, n).tokens == ref
     assert ft._chunk is not None and ft._chunk.graph is not None  # the prompt went through the captured prefill
-
-
-def test_speculative_decoding_with_l2_prefetch_is_vanilla_greedy(wide, wide_draft):
-    """The verify's and the draft level's small kernels prefetching every product's weights into L2, inside the
-    round's CUDA graph (fast/l2_prefetch.py): vanilla greedy's tokens."""
-    prompt, n = [5, 17, 300, 41, 2048, 9], 16
-    ref = generate_vanilla(wide, prompt, n, stop_ids=[]).token_ids
-    ft = FastTarget(copy.deepcopy(wide.model), S, taps=(0, 1), fuse=True, float32_logits=True, fused_decode=True,
-                    fused_verify=True)  # fmt: skip
-    ft.fused_rows.l2_prefetch = dict(PREFETCH_ALL)
-    fe = FastEagle(ft, wide_draft, 3, 3, 8, max_len=len(prompt) + n + 2, fused_draft=True)
-    fe.proposer.fused_layer.l2_prefetch = dict(PREFETCH_DRAFT)
-    assert fe.use_graph
-    assert fe.generate(prompt, n).tokens == ref
 
 
 def test_a_tree_levels_inputs_in_one_launch_are_the_composed_ones_at_8b_widths(wide, wide_draft, monkeypatch):

@@ -42,14 +42,12 @@ from eaglescope.fast.fused_decode import (
     triton,
 )
 from eaglescope.fast.fused_verify import (
-    L2_PREFETCH,
     _mm,
     _rows_rmsnorm_kernel,
     _rows_rope_cache_kernel,
     _rows_silu_mul_kernel,
     split_k_mm,
 )
-from eaglescope.fast.l2_prefetch import L2Prefetcher, check_fractions
 from eaglescope.models.draft import Eagle3Draft
 from eaglescope.models.drafts.llama import DraftAttention
 
@@ -411,10 +409,6 @@ class FusedDraftStep:
         self.gate_up_out, self.act = z(R, 2 * c.intermediate_size), z(R, c.intermediate_size)
         self.scratch = attention_scratch(R, c.num_heads, D, cache.size, dev)
         self.k_splits = {**DRAFT_K_SPLITS, **(k_splits or {})}  # o's and down's (fast/tuning.py's draft k_splits)
-        # each product's share prefetched into L2 beside the small kernels before it (fast/l2_prefetch.py); the head's
-        # lm_head runs after the call, which joins its prefetches first, so it is not among them
-        self.l2_prefetch = dict(L2_PREFETCH)
-        self._prefetcher = L2Prefetcher(dev)
         self.topk_count = torch.zeros(R, device=dev, dtype=torch.int32)  # log_softmax_top_k's counters
         # a tree level's inputs (level_inputs): token, position and slot of each row, its embedding and features, its
         # mask row over the draft cache
@@ -520,21 +514,12 @@ class FusedDraftStep:
         if not 1 <= T <= self.rows:
             raise ValueError(f"this fused draft step runs 1..{self.rows} rows, not {T}")
         emb, hid = embeds.to(self.h.dtype).contiguous(), hidden.contiguous()
-        share = check_fractions(self.l2_prefetch, "FusedDraftStep")
-        if share.get("lm_head"):
-            raise ValueError("FusedDraftStep: the head's lm_head runs after the level returns; it is not prefetched")
-
-        def prefetch(name: str, weight: torch.Tensor) -> None:  # from when the product queued before it ends
-            self._prefetcher(weight, share.get(name, 0.0), self.k_splits.get(name, 1))
-
-        prefetch("qkv", attn.qkv_proj.weight)  # beside the input norms
         emb_norm, hid_norm = layer.input_layernorm, layer.hidden_norm
         _draft_input_kernel[(T,)](emb, hid, emb_norm.weight, hid_norm.weight, self.x, self.h, emb_norm.eps,
                                   hid_norm.eps, K=H, KP2=triton.next_power_of_2(H),
                                   NORM_RESIDUAL=layer.norm_before_residual, **pdl_options(hid))  # fmt: skip
         cos, sin = cos.contiguous(), sin.contiguous()
         qkv = _mm(self.x[:T], attn.qkv_proj.weight, attn.qkv_proj.bias, self.qkv_out[:T])
-        prefetch("o", attn.o_proj.weight)  # beside RoPE and attention
         kc, vc = self.cache.k[0], self.cache.v[0]
         _rows_rope_cache_kernel[(T, c.num_heads + 2 * c.num_kv_heads)](qkv, cos, sin, self.q, kc, vc, slots,
                                                                        c.num_heads, c.num_kv_heads, self.cache.size,
@@ -542,13 +527,10 @@ class FusedDraftStep:
         q, out = self.q[:T].view(T, c.num_heads, D), self.attn[:T].view(T, c.num_heads, D)
         fused_attention(q, kc[0], vc[0], mask, out, self.scratch)
         o = self._residual_product("o", self.attn[:T], attn.o_proj)
-        prefetch("gate_up", mlp.gate_up_proj.weight)  # beside the norm
         x = self._norm(layer.post_attention_layernorm, T, o)
         gate_up = _mm(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, self.gate_up_out[:T])
-        prefetch("down", mlp.down_proj.weight)  # beside SiLU·up
         F = c.intermediate_size
         _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](gate_up, self.act, F, BLOCK=1024, **pdl_options(gate_up))
         down = self._residual_product("down", self.act[:T], mlp.down_proj)
         normed = self._norm(self.draft.norm, T, down)  # self.h is now the step's pre-norm output
-        self._prefetcher.join()
         return (normed if c.norm_output else self.h[:T]), normed

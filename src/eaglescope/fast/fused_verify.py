@@ -48,7 +48,6 @@ from eaglescope.fast.fused_decode import (
     pdl_options,
     triton,
 )
-from eaglescope.fast.l2_prefetch import L2Prefetcher, check_fractions
 from eaglescope.models.targets.llama import LlamaModel, attend
 
 log = logging.getLogger(__name__)
@@ -85,9 +84,6 @@ DEFER_RESIDUAL = True
 # each product on cuBLAS in one call (1), or cut over K into this many (split_k_mm; fused_decode_check.py
 # --sweep-k-split times 2-8)
 K_SPLITS = {"qkv": 1, "o": 1, "down": 1}
-# {product: fraction of each row (of each K slice) of its weights prefetched into L2 on a side stream while the small
-# kernels before it run} (fast/l2_prefetch.py): none until a GPU has timed it
-L2_PREFETCH: dict[str, float] = {}
 # each product's epilogue (the kernel's MODE)
 EPILOGUE = {"qkv": "qkv", "o": "residual", "gate_up": "gate_up", "down": "residual", "lm_head": "plain"}
 
@@ -371,9 +367,6 @@ class FusedVerify:
         # q/k/v, o and down on cuBLAS as this many products over K's slices (split_k_mm; o and down when their
         # residual adds are deferred and they have no bias)
         self.k_splits = dict(K_SPLITS)
-        # each product's share prefetched into L2 beside the small kernels before it (fast/l2_prefetch.py)
-        self.l2_prefetch = dict(L2_PREFETCH)
-        self._prefetcher = L2Prefetcher(dev)
         # (max_rows, settings) overriding the ones above for verifies of up to max_rows rows (fast/tuning.py)
         self.by_rows = sorted(((int(r), dict(o)) for r, o in by_rows), key=lambda e: e[0])
         for rows, _ in self.by_rows:
@@ -556,15 +549,8 @@ class FusedVerify:
             self._limit = attention_limit(mask) if limit is None else limit
         F, nq = a.intermediate_size, a.num_heads * D
         s = self.settings(T)
-        share = check_fractions(self.l2_prefetch, "FusedVerify")
-
-        def prefetch(name: str, weight: torch.Tensor) -> None:  # from when the product queued before it ends
-            splits = s.k_splits.get(name, 1) if name in s.cublas else 1
-            self._prefetcher(weight, share.get(name, 0.0), splits)
-
         pending = None  # a residual product the next norm adds into h (defer_residual)
         for i, layer in enumerate(m.model.layers):
-            prefetch("qkv", layer.self_attn.qkv_proj.weight)  # beside the norm
             # a tapped layer's state: the norm completes h with the previous layer's down, and keeps a copy
             keep = self._tap_view(i, T)
             qkv, x = layer.self_attn.qkv_proj, self._norm(layer.input_layernorm, h, T, add=pending, keep=keep)
@@ -576,7 +562,6 @@ class FusedVerify:
                     out = split_k_mm(x[:T], qkv.weight, split)
                 else:
                     out = _mm(x[:T], qkv.weight, qkv.bias, self.qkv_out[:T])
-                prefetch("o", layer.self_attn.o_proj.weight)  # beside RoPE and attention
                 _rows_rope_cache_kernel[(T, heads)](out, cos, sin, self.q, kc, vc, slots, a.num_heads,
                                                     a.num_kv_heads, self.cache.size, qkv.bias if with_bias else out,
                                                     out.stride(0) if split > 1 else 0, D=D, PARTS=split,
@@ -586,21 +571,17 @@ class FusedVerify:
                               sin=sin, kc=kc, vc=vc, slots=slots)  # fmt: skip
             self._attention(i, s, mask, T)
             pending = self._residual("o", s, self.attn, layer.self_attn.o_proj, h, T)
-            prefetch("gate_up", layer.mlp.gate_up_proj.weight)  # beside the norm
             gu, x = layer.mlp.gate_up_proj, self._norm(layer.post_attention_layernorm, h, T, add=pending)
             if "gate_up" in s.cublas:
                 with self._library("gate_up", s, x):
                     out = _mm(x[:T], gu.weight, gu.bias, self.gate_up_out[:T])
-                prefetch("down", layer.mlp.down_proj.weight)  # beside SiLU·up
                 _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](out, self.act, F, BLOCK=1024, **pdl_options(out))
             else:
                 self._product("gate_up", s, x, gu.weight, gu.bias, self.act, T, F)
             pending = self._residual("down", s, self.act, layer.mlp.down_proj, h, T)
         logits = torch.empty(T, a.vocab_size, device=h.device, dtype=self.logits_dtype)
-        prefetch("lm_head", m.lm_head.weight)  # beside the final norm
         self._product("lm_head", s, self._norm(m.model.norm, h, T, add=pending), m.lm_head.weight, None, logits, T,
                       a.vocab_size)  # fmt: skip
-        self._prefetcher.join()
         return logits, (self.aux[:T] if self.aux is not None else None)
 
     def _tap_view(self, layer: int, T: int) -> torch.Tensor | None:

@@ -908,6 +908,7 @@ def roofline(
     # filled in place and checkpointed after each stage, so a crash or time-out keeps what was measured
     res = {} if res is None else res
     res.update({"shape": dims, "dtype": str(dtype), "fused_projections": True})
+    res["gpu_state_start"] = gpu_state(device)
     res["copy_bandwidth_gbs"] = copy_bandwidth_gbs((1 << 30) if not smoke else (1 << 20), device, dtype)
     rf = _Roofline(
         model, device, dtype, res, lambda: budget_s - (time.perf_counter() - t_start), checkpoint,
@@ -958,6 +959,7 @@ def roofline(
             res["decode_profile"] = _profile_step(van._step)
         except Exception as e:
             res["decode_profile"] = f"profiler failed: {type(e).__name__}: {e}"
+    res["gpu_state_end"] = gpu_state(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return res
@@ -1310,6 +1312,30 @@ def _config(args) -> dict:
     if args.n_seq:
         cfg["n_seq"] = args.n_seq
     return cfg
+
+
+# what nvidia-smi reports of the GPU's state (clocks in MHz, power in W, temperature in C): the same code's η has
+# differed by ~0.01 between machines (bench/README.md, "Results (2026-12-06 midday)"), and a clock or power cap is
+# the first thing to rule out; read only, the clocks are left as they are
+GPU_STATE_FIELDS = ("pstate", "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem", "power.draw",
+                    "power.limit", "temperature.gpu", "clocks_event_reasons.active")  # fmt: skip
+
+
+def gpu_state(device) -> dict:
+    """GPU_STATE_FIELDS of the device now, from nvidia-smi; {"unavailable": why} where it cannot say."""
+    if device.type != "cuda":
+        return {"unavailable": "not a GPU"}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fields = ",".join(GPU_STATE_FIELDS)
+    query = ["nvidia-smi", f"--id={index}", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+    try:
+        done = subprocess.run(query, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"unavailable": f"{type(e).__name__}: {e}"}
+    values = [v.strip() for v in done.stdout.strip().split(",")]
+    if done.returncode != 0 or len(values) != len(GPU_STATE_FIELDS):
+        return {"unavailable": (done.stderr or done.stdout).strip()[:200] or f"nvidia-smi exit {done.returncode}"}
+    return dict(zip(GPU_STATE_FIELDS, values, strict=True))
 
 
 def _run_meta(device, smoke: bool) -> dict:

@@ -98,9 +98,46 @@ def test_the_roofline_replays_the_tuned_trees_acceptance_round_for_round(protoco
     forced = replay["per_round"][:SMOKE_REPLAYED_ROUNDS]
     assert max(forced) <= shape[0], "a round accepts at most the tree's depth"
     _check_replay(roof, forced)
+    # the GPU's clocks and power at the 8B section's start and end (here: none to read)
+    assert roof["gpu_state_start"] == roof["gpu_state_end"] == {"unavailable": "not a GPU"}
 
     (first,) = (tmp / "all").glob("bench-smoke-all-*.json")
     again, _, _ = _run_bench("--part", "roofline", "--replay-from", str(first), out=tmp / "roof", work=tmp / "work2")
     r2 = again["roofline"]
     assert again["rows"] == [] and "error" not in r2 and r2["replay_shape"] == shape
     _check_replay(r2, forced)
+
+
+def _fake_nvidia_smi(tmp_path: Path, monkeypatch, body: str) -> None:
+    """An `nvidia-smi` first on PATH that runs `body` (a shell script's lines)."""
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text("#!/bin/sh\n" + body + "\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_the_gpus_state_is_read_field_by_field(tmp_path, monkeypatch):
+    import torch
+
+    values = ["P0", "1980", "2619", "1980", "2619", "351.20", "700.00", "44", "0x0000000000000000"]
+    _fake_nvidia_smi(tmp_path, monkeypatch, f'echo "$@" > {tmp_path}/args\necho "{", ".join(values)}"')
+    state = run_bench.gpu_state(torch.device("cuda", 0))
+    assert state == dict(zip(run_bench.GPU_STATE_FIELDS, values, strict=True))
+    args = (tmp_path / "args").read_text()
+    assert "--id=0" in args and ",".join(run_bench.GPU_STATE_FIELDS) in args and "nounits" in args
+    assert run_bench.gpu_state(torch.device("cpu")) == {"unavailable": "not a GPU"}
+
+
+@pytest.mark.parametrize(
+    "body,why",
+    [
+        ('echo "Field \\"clocks_event_reasons.active\\" is not a valid field to query." >&2; exit 2', "not a valid"),
+        ('echo "P0, 1980"', "P0, 1980"),  # fewer values than fields
+    ],
+)
+def test_a_gpu_state_nvidia_smi_cannot_give_says_why(tmp_path, monkeypatch, body, why):
+    import torch
+
+    _fake_nvidia_smi(tmp_path, monkeypatch, body)
+    state = run_bench.gpu_state(torch.device("cuda", 0))
+    assert list(state) == ["unavailable"] and why in state["unavailable"]

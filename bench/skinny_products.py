@@ -1,0 +1,211 @@
+"""Skinny products (a few rows against a layer's weight) at the 8B target's and its draft's shapes, per library.
+
+    PYTHONPATH=src python3 bench/skinny_products.py --out DIR [--rows-verify 24] [--rows-draft 4] [--budget 240]
+
+Why: a round at 8B is the 24-row verify and six 4-row draft levels, and both are weight streams. cuBLAS reads the
+big products (gate/up, the heads) near the copy bandwidth but the narrow ones (q/k/v: 96 column tiles of 64 for 132
+SMs; o; down) well under it (bench/NOTES.md, "Diagnosis: where a round's time is not the weights"). This times, for
+each product, every way the fast path can run it or might: cuBLAS, cuBLASLt, `split_k_mm` (float32 partials over K
+for the next kernel to sum) and a Hopper kernel whose weight tiles come by TMA (the tensor-memory accelerator: one
+thread asks for a whole tile, so the SM's warps do not spend their issue slots on addresses), swept over its tile,
+split and pipeline depth. Each candidate runs over a stack of distinct weight copies, far more bytes than L2 holds,
+captured as one CUDA graph, so its time is the stream's, as inside a layer loop. Outputs are checked against a
+float32 product of the same operands before any time counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run_bench import copy_bandwidth_gbs, graphed_ms  # noqa: E402
+
+from eaglescope.fast.fused_decode import triton  # noqa: E402
+from eaglescope.fast.fused_verify import blas_library, split_k_mm  # noqa: E402
+
+log = logging.getLogger("skinny_products")
+
+# (name, N, K) of one layer's products; the draft's q/k/v read its [embedding, feature] rows of 2H
+TARGET_PRODUCTS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
+DRAFT_PRODUCTS = (("qkv", 6144, 8192), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+                  ("lm_head", 32000, 4096))  # fmt: skip
+STACK_BYTES = 2 << 30  # per product: ~40x an H100's or H200's L2
+SMS = 132
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _tma_rows_kernel(w_desc, x_desc, y, T, N, K_SLICE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                         BK: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+        """Program (column tile, split): y[split, :T, tile] = x[:T, slice] @ w[tile, slice].T, the weight tile as the
+        tensor-core product's M side (T rows are too few for it); rows past T come from TMA as zeros. SPLITS = 1:
+        y [T, N] in its dtype; else float32 partials [SPLITS, T, N]."""
+        n0 = tl.program_id(0) * BN
+        sp = tl.program_id(1)
+        acc = tl.zeros((BN, BM), tl.float32)
+        for k in tl.range(sp * K_SLICE, (sp + 1) * K_SLICE, BK, num_stages=STAGES):
+            w = w_desc.load([n0, k])
+            x = x_desc.load([0, k])
+            acc = tl.dot(w, tl.trans(x), acc)
+        n = n0 + tl.arange(0, BN)
+        t = tl.arange(0, BM)
+        at = y + sp * T * N + t[None, :] * N + n[:, None]
+        tl.store(at, acc.to(y.dtype.element_ty), mask=(t[None, :] < T) & (n[:, None] < N))
+
+
+def tma_product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bn: int, bk: int, splits: int, stages: int,
+                warps: int) -> torch.Tensor:  # fmt: skip
+    """x [T, K] @ w.T into out: [T, N] (splits 1) or float32 [splits, T, N]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    T, K = x.shape
+    N = w.shape[0]
+    bm = max(16, triton.next_power_of_2(T))
+    w_desc = TensorDescriptor.from_tensor(w, [bn, bk])
+    x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
+    _tma_rows_kernel[(triton.cdiv(N, bn), splits)](w_desc, x_desc, out, T, N, K_SLICE=K // splits, BN=bn, BM=bm,
+                                                   BK=bk, SPLITS=splits, STAGES=stages, num_warps=warps,
+                                                   num_stages=stages)  # fmt: skip
+    return out
+
+
+def tma_configs(N: int, K: int) -> list[tuple[int, int, int, int, int]]:
+    """(BN, BK, splits, stages, warps) worth timing: at least one wave of programs, K slices whole tiles."""
+    out = []
+    for bn in (64, 128):
+        for bk in (64, 128, 256):
+            if bn * bk > 128 * 128:
+                continue
+            tiles = -(-N // bn)
+            for splits in (1, 2, 3, 4, 6, 7, 8, 12, 14, 16):
+                if K % (splits * bk) or tiles * splits < SMS or tiles * splits > 8 * SMS:
+                    continue
+                for stages in (3, 6):
+                    out.append((bn, bk, splits, stages, 4))
+    return out
+
+
+def _summed(y: torch.Tensor) -> torch.Tensor:
+    return y.float().sum(0) if y.dim() == 3 else y.float()
+
+
+def time_product(name: str, N: int, K: int, T: int, copy_gbs: float, deadline: float) -> dict:
+    dev, dt_ = torch.device("cuda"), torch.bfloat16
+    copies = max(4, STACK_BYTES // (N * K * 2))
+    ws = [torch.randn(N, K, device=dev, dtype=dt_) * K**-0.5 for _ in range(copies)]
+    x = torch.randn(T, K, device=dev, dtype=dt_)
+    ref = x.float() @ ws[0].float().t()
+    nbytes = N * K * 2
+
+    def timed(label: str, one, make_out) -> dict:
+        outs = [make_out() for _ in range(copies)]
+        got = _summed(one(ws[0], outs[0]))
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        if not err < 2e-2:
+            return {"label": label, "error": f"max relative error {err:.3g}"}
+
+        def stack():
+            for w, o in zip(ws, outs, strict=True):
+                one(w, o)
+
+        ms = graphed_ms(stack, dev, reps=20) / copies
+        return {"label": label, "us": round(ms * 1e3, 2), "of_copy": round(nbytes / ms / 1e6 / copy_gbs, 4)}
+
+    rows = []
+    for lib in ("cublas", "cublaslt"):
+
+        def one(w, o, lib=lib):
+            with blas_library(lib):
+                return torch.mm(x, w.t(), out=o)
+
+        rows.append(timed(lib, one, lambda: torch.empty(T, N, device=dev, dtype=dt_)))
+    for splits in (2, 4):
+        if K % splits == 0:
+            rows.append(timed(f"split_k_mm {splits}", lambda w, o, s=splits: split_k_mm(x, w, s), lambda: None))
+    for bn, bk, splits, stages, warps in tma_configs(N, K):
+        if time.monotonic() > deadline:
+            rows.append({"label": "tma", "error": "budget spent"})
+            break
+        shape = (splits, T, N) if splits > 1 else (T, N)
+        dtype = torch.float32 if splits > 1 else dt_
+
+        def one(w, o, cfg=(bn, bk, splits, stages, warps)):
+            return tma_product(x, w, o, *cfg)
+
+        try:
+            row = timed(f"tma {bn}x{bk} splits {splits} stages {stages}", one,
+                        lambda s=shape, d=dtype: torch.empty(s, device=dev, dtype=d))  # fmt: skip
+        except Exception as e:  # a config Triton cannot build on this device is a row, not the end of the sweep
+            row = {"label": f"tma {bn}x{bk} splits {splits} stages {stages}", "error": f"{type(e).__name__}: {e}"[:300]}
+        rows.append(row)
+    ws.clear()
+    torch.cuda.empty_cache()
+    timed_rows = [r for r in rows if "us" in r]
+    best = min(timed_rows, key=lambda r: r["us"]) if timed_rows else None
+    libs = [r for r in timed_rows if not r["label"].startswith("tma")]
+    tma = [r for r in timed_rows if r["label"].startswith("tma")]
+    return {
+        "product": name, "N": N, "K": K, "rows": T, "bytes": nbytes, "copies": copies,
+        "best": best, "best_library": min(libs, key=lambda r: r["us"]) if libs else None,
+        "best_tma": min(tma, key=lambda r: r["us"]) if tma else None, "candidates": rows,
+    }  # fmt: skip
+
+
+def _line(r: dict) -> str:
+    def cell(c: dict | None) -> str:
+        return f"{c['label']:34} {c['us']:8.2f} us {100 * c['of_copy']:5.1f}%" if c else f"{'-':34}"
+
+    return f"{r['side']:6} {r['product']:8} rows {r['rows']:3}  {cell(r['best_library'])}   {cell(r['best_tma'])}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--rows-verify", type=int, nargs="*", default=[24])
+    p.add_argument("--rows-draft", type=int, nargs="*", default=[4])
+    p.add_argument("--budget", type=float, default=240.0, help="seconds for the TMA sweeps, all products together")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", stream=sys.stderr)
+    if not torch.cuda.is_available() or triton is None:
+        print("skinny_products: needs a CUDA device and Triton", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    copy_gbs = copy_bandwidth_gbs(1 << 28, dev, torch.bfloat16)
+    jobs = [("target", T, *s) for T in args.rows_verify for s in TARGET_PRODUCTS]
+    jobs += [("draft", T, *s) for T in args.rows_draft for s in DRAFT_PRODUCTS]
+    start = time.monotonic()
+    results = []
+    for i, (side, T, name, N, K) in enumerate(jobs):
+        # each product gets an equal share of what is left of the budget
+        deadline = time.monotonic() + (args.budget - (time.monotonic() - start)) / (len(jobs) - i)
+        r = {"side": side, **time_product(name, N, K, T, copy_gbs, deadline)}
+        results.append(r)
+        log.info("%s", _line(r))
+    out = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "commit": os.environ.get("EAGLESCOPE_COMMIT", "unknown"),
+        "copy_bandwidth_gbs": copy_gbs, "products": results,
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"skinny-products-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}.json"
+    path.write_text(json.dumps(out, indent=1))
+    for r in results:
+        print(_line(r))
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

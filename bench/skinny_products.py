@@ -6,9 +6,10 @@ Why: a round at 8B is the 24-row verify and six 4-row draft levels, and both are
 big products (gate/up, the heads) near the copy bandwidth but the narrow ones (q/k/v: 96 column tiles of 64 for 132
 SMs; o; down) well under it (bench/NOTES.md, "Diagnosis: where a round's time is not the weights"). This times, for
 each product, every way the fast path can run it or might: cuBLAS, cuBLASLt, `split_k_mm` (float32 partials over K
-for the next kernel to sum) and a Hopper kernel whose weight tiles come by TMA (the tensor-memory accelerator: one
-thread asks for a whole tile, so the SM's warps do not spend their issue slots on addresses), swept over its tile,
-split and pipeline depth. Each candidate runs over a stack of distinct weight copies, far more bytes than L2 holds,
+for the next kernel to sum) and fast.stream_mm (weight tiles by TMA, the tensor-memory accelerator: one thread asks
+for a whole tile, so the SM's warps do not spend their issue slots on addresses), swept over its tile, split and
+pipeline depth; its defaults (STREAM_LAUNCH) are this sweep's winners.
+Each candidate runs over a stack of distinct weight copies, far more bytes than L2 holds,
 captured as one CUDA graph, so its time is the stream's, as inside a layer loop. Outputs are checked against a
 float32 product of the same operands before any time counts.
 """
@@ -31,6 +32,7 @@ from run_bench import copy_bandwidth_gbs, graphed_ms  # noqa: E402
 
 from eaglescope.fast.fused_decode import triton  # noqa: E402
 from eaglescope.fast.fused_verify import blas_library, split_k_mm  # noqa: E402
+from eaglescope.fast.stream_mm import stream_mm  # noqa: E402
 
 log = logging.getLogger("skinny_products")
 
@@ -41,46 +43,9 @@ DRAFT_PRODUCTS = (("qkv", 6144, 8192), ("o", 4096, 4096), ("gate_up", 28672, 409
 STACK_BYTES = 2 << 30  # per product: ~40x an H100's or H200's L2
 SMS = 132
 
-if triton is not None:
-    import triton.language as tl
 
-    @triton.jit
-    def _tma_rows_kernel(w_desc, x_desc, y, T, N, K_SLICE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                         BK: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-        """Program (column tile, split): y[split, :T, tile] = x[:T, slice] @ w[tile, slice].T, the weight tile as the
-        tensor-core product's M side (T rows are too few for it); rows past T come from TMA as zeros. SPLITS = 1:
-        y [T, N] in its dtype; else float32 partials [SPLITS, T, N]."""
-        n0 = tl.program_id(0) * BN
-        sp = tl.program_id(1)
-        acc = tl.zeros((BN, BM), tl.float32)
-        for k in tl.range(sp * K_SLICE, (sp + 1) * K_SLICE, BK, num_stages=STAGES):
-            w = w_desc.load([n0, k])
-            x = x_desc.load([0, k])
-            acc = tl.dot(w, tl.trans(x), acc)
-        n = n0 + tl.arange(0, BN)
-        t = tl.arange(0, BM)
-        at = y + sp * T * N + t[None, :] * N + n[:, None]
-        tl.store(at, acc.to(y.dtype.element_ty), mask=(t[None, :] < T) & (n[:, None] < N))
-
-
-def tma_product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bn: int, bk: int, splits: int, stages: int,
-                warps: int) -> torch.Tensor:  # fmt: skip
-    """x [T, K] @ w.T into out: [T, N] (splits 1) or float32 [splits, T, N]."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    T, K = x.shape
-    N = w.shape[0]
-    bm = max(16, triton.next_power_of_2(T))
-    w_desc = TensorDescriptor.from_tensor(w, [bn, bk])
-    x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
-    _tma_rows_kernel[(triton.cdiv(N, bn), splits)](w_desc, x_desc, out, T, N, K_SLICE=K // splits, BN=bn, BM=bm,
-                                                   BK=bk, SPLITS=splits, STAGES=stages, num_warps=warps,
-                                                   num_stages=stages)  # fmt: skip
-    return out
-
-
-def tma_configs(N: int, K: int) -> list[tuple[int, int, int, int, int]]:
-    """(BN, BK, splits, stages, warps) worth timing: at least one wave of programs, K slices whole tiles."""
+def tma_configs(N: int, K: int) -> list[tuple[int, int, int, int]]:
+    """stream_mm launches (BN, BK, splits, stages) worth timing: at least one wave of programs, K slices whole tiles."""
     out = []
     for bn in (64, 128):
         for bk in (64, 128, 256):
@@ -91,7 +56,7 @@ def tma_configs(N: int, K: int) -> list[tuple[int, int, int, int, int]]:
                 if K % (splits * bk) or tiles * splits < SMS or tiles * splits > 8 * SMS:
                     continue
                 for stages in (3, 6):
-                    out.append((bn, bk, splits, stages, 4))
+                    out.append((bn, bk, splits, stages))
     return out
 
 
@@ -132,19 +97,17 @@ def time_product(name: str, N: int, K: int, T: int, copy_gbs: float, deadline: f
     for splits in (2, 4):
         if K % splits == 0:
             rows.append(timed(f"split_k_mm {splits}", lambda w, o, s=splits: split_k_mm(x, w, s), lambda: None))
-    for bn, bk, splits, stages, warps in tma_configs(N, K):
+    for bn, bk, splits, stages in tma_configs(N, K):
         if time.monotonic() > deadline:
             rows.append({"label": "tma", "error": "budget spent"})
             break
-        shape = (splits, T, N) if splits > 1 else (T, N)
-        dtype = torch.float32 if splits > 1 else dt_
 
-        def one(w, o, cfg=(bn, bk, splits, stages, warps)):
-            return tma_product(x, w, o, *cfg)
+        def one(w, o, launch=(bn, bk, splits, stages)):
+            return stream_mm(x, w, launch, o if launch[2] == 1 else None)
 
         try:
             row = timed(f"tma {bn}x{bk} splits {splits} stages {stages}", one,
-                        lambda s=shape, d=dtype: torch.empty(s, device=dev, dtype=d))  # fmt: skip
+                        lambda s=splits: torch.empty(T, N, device=dev, dtype=dt_) if s == 1 else None)  # fmt: skip
         except Exception as e:  # a config Triton cannot build on this device is a row, not the end of the sweep
             row = {"label": f"tma {bn}x{bk} splits {splits} stages {stages}", "error": f"{type(e).__name__}: {e}"[:300]}
         rows.append(row)

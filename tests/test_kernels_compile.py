@@ -155,6 +155,38 @@ def _compile_failures(script: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])["failed"]
 
 
+STREAM_SCRIPT = r"""
+from triton.compiler import ASTSource
+from eaglescope.fast.stream_mm import STREAM_LAUNCH, WARPS, _stream_mm_kernel
+
+# every default launch at the rows it serves (the verify's 24 and up to 32, the draft's 1-7): TMA loads, wgmma
+# products, and shared memory an H100/H200 SM has (227 KB)
+for side, rows in (("verify", (24, 32)), ("draft", (4, 7))):
+    for (name, (bn, bk, splits, stages)), bm in itertools.product(STREAM_LAUNCH[side].items(), (16, 32)):
+        if bm < rows[0] and side == "verify":
+            continue
+        sig = {"w_desc": f"tensordesc<bf16[{bn},{bk}]>", "x_desc": f"tensordesc<bf16[{bm},{bk}]>",
+               "y": "*fp32" if splits > 1 else "*bf16", "T": "i32", "N": "i32"}
+        const = dict(K_SLICE=4096 // splits, BN=bn, BM=bm, BK=bk, STAGES=stages, UPCAST=False)
+        src = ASTSource(fn=_stream_mm_kernel, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)
+        where = f"{side} {name} BM={bm}"
+        try:
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=WARPS, num_stages=stages))
+        except Exception as e:
+            failed[where] = str(e).strip().splitlines()[-1][:300]
+            continue
+        ptx = k.asm["ptx"]
+        if "cp.async.bulk.tensor" not in ptx or "wgmma" not in ptx or k.metadata.shared > 232448:
+            failed[where] = f"tma {'cp.async.bulk.tensor' in ptx}, wgmma {'wgmma' in ptx}, shared {k.metadata.shared}"
+"""
+
+
+def test_the_stream_product_kernel_compiles_for_sm90_at_its_launches():
+    """stream_mm's default launches: weight tiles by TMA, products on wgmma, within an SM's shared memory."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    assert _compile_failures(STREAM_SCRIPT) == {}
+
+
 def test_the_product_kernel_compiles_for_sm90_in_every_configuration():
     assert _compile_failures(SCRIPT) == {}
 

@@ -75,7 +75,7 @@ def assert_draft_step_matches_modules(fused, draft, embeds, hidden, positions, s
     cos, sin = (x[0, 0] for x in draft.midlayer.rotary(positions[None], embeds.dtype))
     out, normed = fused(embeds, hidden, cos, sin, slots, mask)
     assert_close_float32(out, want, 2 * unit, key="out")
-    assert_close_float32(draft.head(normed), want_logits, 3 * unit, key="logits")
+    assert_close_float32(fused.head(normed), want_logits, 3 * unit, key="logits")
     assert_close_float32(cache.k, want_cache[0], unit, key="cache.k")
     assert_close_float32(cache.v, want_cache[1], unit, key="cache.v")
     assert not torch.equal(cache.k, before[0])

@@ -34,12 +34,15 @@ from eaglescope.fast.fused_decode import (
 from eaglescope.fast.fused_draft import FusedDraftStep, expand_level_fused, log_softmax_top_k
 from eaglescope.fast.fused_verify import CUBLASLT_PRODUCTS, FusedVerify
 from eaglescope.fast.run import fast_runner
+from eaglescope.fast.stream_mm import STREAM_LAUNCH, stream_mm
 from eaglescope.models.targets import load_target
 from eaglescope.models.targets.llama import fuse_projections
 from eaglescope.taps import TapContract
 
 DEVICE = torch.device("cuda")
 S = 200  # cache slots: four 64-slot attention splits
+# stream_mm launches for float32 tiles (twice bf16's shared memory a stage): every product of the 8B widths
+FLOAT32_STREAM = {"qkv": (64, 64, 2, 2), "o": (64, 64, 4, 2), "gate_up": (64, 64, 1, 2), "down": (64, 64, 4, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -194,11 +197,12 @@ def test_greedy_through_the_fused_kernels_is_vanilla_greedy(wide):
 
 
 @pytest.mark.parametrize("T", [4, 7])
-@pytest.mark.parametrize("k_splits", [{}, {"o": 2, "down": 2}])
-def test_draft_layer_on_the_fused_kernels_matches_the_modules(wide_draft, T, k_splits):
+@pytest.mark.parametrize("k_splits,stream", [({}, None), ({"o": 2, "down": 2}, None), ({}, "float32")])
+def test_draft_layer_on_the_fused_kernels_matches_the_modules(wide_draft, T, k_splits, stream):
     """A tree level's 4 rows and a catch-up's 7 at scattered slots (context, one earlier node, their own): the
     output, the head's logits over the final norm and the draft-cache writes against the modules' step; o and down
-    as one product each or as float32 partials over K's halves (bmm's out_dtype) that the next norm kernel sums."""
+    as one product each or as float32 partials over K's halves (bmm's out_dtype) that the next norm kernel sums, or
+    every product and the head on stream_mm (its float32 launches)."""
     draft = wide_draft
     cache = draft_slot_cache(draft, S)
     g = torch.Generator(DEVICE).manual_seed(T)
@@ -213,7 +217,9 @@ def test_draft_layer_on_the_fused_kernels_matches_the_modules(wide_draft, T, k_s
     H = draft.config.hidden_size
     embeds = torch.randn(T, H, device=DEVICE, generator=g)
     hidden = torch.randn(T, H, device=DEVICE, generator=g) * 3
-    fused = FusedDraftStep(draft, cache, rows=T)
+    launches = {**FLOAT32_STREAM, "lm_head": (64, 64, 1, 2)} if stream else None
+    fused = FusedDraftStep(draft, cache, rows=T, stream=launches)
+    assert fused.stream == (launches or {})  # float32: no default launches
     fused.k_splits.update(k_splits)
     assert_draft_step_matches_modules(fused, draft, embeds, hidden, positions, slots, mask, unit=16)
 
@@ -262,6 +268,91 @@ def test_expand_level_in_one_launch_at_the_benchmarks_trees(depth, top_k):
         if level.unique().shape[0] == level.shape[0]:  # no two candidates of the level tie
             assert torch.equal(got, ref)
         frontier = ref
+
+
+@pytest.mark.parametrize("side", ["verify", "draft"])
+def test_stream_products_at_the_8b_shapes_in_bf16(side):
+    """Each default launch (STREAM_LAUNCH) at the 8B product it was measured for, the verify's 24 rows or the draft
+    level's 4, in bf16 as the benchmarks run it: the partials summed (or the one split's output) within bf16's
+    rounding of a float64 product, and one split's output rounded once (the same bits as rounding the float32 sum)."""
+    rows = 24 if side == "verify" else 4
+    shapes = {"qkv": (6144, 8192 if side == "draft" else 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+              "down": (4096, 14336), "lm_head": (32000, 4096)}  # fmt: skip
+    g = torch.Generator(DEVICE).manual_seed(rows)
+    for name, launch in STREAM_LAUNCH[side].items():
+        N, K = shapes[name]
+        x = torch.randn(rows, K, device=DEVICE, generator=g).bfloat16()
+        w = (torch.randn(N, K, device=DEVICE, generator=g) * K**-0.5).bfloat16()
+        y = stream_mm(x, w, launch)
+        got = y.double().sum(0) if launch[2] > 1 else y.double()
+        want = x.double() @ w.double().T
+        bound = 2.0**-8 * want.abs() + K * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+        assert ((got - want).abs() <= bound + 1e-6).all(), name
+
+
+@pytest.mark.parametrize("T", [24, 64])
+def test_verify_rows_on_stream_products_match_the_modules(wide, T):
+    """q/k/v, o, gate/up and down on stream_mm (TMA-fed weight tiles; q/k/v as partials the RoPE kernel sums, o and
+    down as partials the next norm sums), in float32 at the 8B widths: the modules' logits, taps and cache writes."""
+    model, ft = _fresh(wide)
+    fv = FusedVerify(model, ft.cache, taps=(0, 1), stream=FLOAT32_STREAM)
+    assert fv.settings(T).stream == FLOAT32_STREAM
+    slots = 37 + torch.arange(T, device=DEVICE)
+    mask = torch.arange(S, device=DEVICE)[None, :] <= slots[:, None]
+    toks = torch.randint(0, 4096, (T,), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(T))
+    _against_modules(ft, fv, toks, slots, mask, slots, len(model.model.layers))
+
+
+def test_bf16_verifies_stream_by_default_up_to_32_rows(wide, monkeypatch):
+    """In bf16 on this GPU the fused verify runs its four layer products on stream_mm at 24 rows and none at 64 (the
+    launches were measured at 24), and the 24-row logits agree with the same verify on the libraries' products to
+    bf16's rounding."""
+    import eaglescope.fast.fused_verify as fvm
+
+    model = fuse_projections(copy.deepcopy(wide.model)).bfloat16()
+    ft = FastTarget(model, size=S, taps=(0, 1))
+    ft.prefill(torch.arange(3, 40, device=DEVICE))
+    calls = []
+    real = fvm.stream_mm
+    monkeypatch.setattr(fvm, "stream_mm", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    fv = FusedVerify(model, ft.cache, taps=(0, 1))
+    assert fv.stream == STREAM_LAUNCH["verify"]
+    out = {}
+    for T in (24, 64):
+        slots = 37 + torch.arange(T, device=DEVICE)
+        mask = torch.arange(S, device=DEVICE)[None, :] <= slots[:, None]
+        toks = torch.randint(0, 4096, (T,), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(T))
+        calls.clear()
+        out[T] = fv(toks, slots, mask, slots)[0].float().clone()
+        assert len(calls) == (4 * len(model.model.layers) if T == 24 else 0)
+    lib = FusedVerify(model, ft.cache, taps=(0, 1), stream={})
+    slots = 37 + torch.arange(24, device=DEVICE)
+    mask = torch.arange(S, device=DEVICE)[None, :] <= slots[:, None]
+    toks = torch.randint(0, 4096, (24,), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(24))
+    want = lib(toks, slots, mask, slots)[0].float()
+    assert (out[24] - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_speculative_decoding_on_stream_products_is_vanilla_greedy(wide, wide_draft, monkeypatch):
+    """Every verify and draft product on stream_mm (its launches for float32 tiles in place of the bf16 defaults),
+    each round one CUDA graph holding the TMA descriptors: vanilla greedy's tokens."""
+    import eaglescope.fast.fused_draft as fdm
+    import eaglescope.fast.fused_verify as fvm
+
+    launches = {"verify": FLOAT32_STREAM, "draft": {**FLOAT32_STREAM, "lm_head": (64, 64, 1, 2)}}
+    monkeypatch.setattr(fvm, "default_stream", lambda kind, w: dict(launches[kind]))
+    monkeypatch.setattr(fdm, "default_stream", lambda kind, w: dict(launches[kind]))
+    calls = []
+    real = fdm.stream_mm
+    monkeypatch.setattr(fdm, "stream_mm", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    prompt, n = [5, 17, 300, 41, 2048, 9], 16
+    ref = generate_vanilla(wide, prompt, n, stop_ids=[]).token_ids
+    ft = FastTarget(copy.deepcopy(wide.model), S, taps=(0, 1), fuse=True, float32_logits=True, fused_decode=True,
+                    fused_verify=True)  # fmt: skip
+    fe = FastEagle(ft, wide_draft, 3, 3, 8, max_len=len(prompt) + n + 2, fused_draft=True)
+    assert ft.fused_rows.stream == FLOAT32_STREAM and fe.proposer.fused_layer.stream == launches["draft"]
+    assert fe.generate(prompt, n).tokens == ref
+    assert (64, 64, 1, 2) in calls  # the draft's head ran on stream_mm
 
 
 def test_speculative_decoding_through_the_fused_target_and_draft_is_vanilla_greedy(wide, wide_draft):

@@ -297,7 +297,8 @@ class Eagle3Proposer(Proposer):
         the next level_inputs gathers from it first, and nothing else holds it."""
         tok, positions, embeds, hidden_in, slots, mask = self.piece("level_inputs")(*args)
         out, normed = self.fused_layer(embeds, hidden_in, *self.piece("rotary")(positions), slots, mask)
-        return tok, positions, embeds, hidden_in, out, self.fused_layer.children(self.draft.head(normed), self.top_k)
+        children = self.fused_layer.children(self.fused_layer.head(normed), self.top_k)
+        return tok, positions, embeds, hidden_in, out, children
 
     def _root_children(self, h_root: torch.Tensor):
         """The root's draft log-probs [1, V]; with the fused layer, its top-k children (log-probs, draft ids) [1, k]

@@ -15,7 +15,7 @@ T rows (a catch-up's pending positions or a tree level's frontier) is twelve lau
             module's `h + proj(...)`): o's by the post-attention norm, down's by the final norm, which also leaves
             the step's pre-norm output in the residual stream;
 - gate/up:  cuBLAS, then fused_verify's SiLU·up kernel;
-- lm_head:  the draft's own head over the final norm's rows;
+- lm_head:  the draft's own head over the final norm's rows (`head`);
 - top-k:    `log_softmax_top_k`, one launch for a tree level's children: each row's top k of its log-softmax, where
             torch takes a copy to float32, a log-softmax, two top-k passes and a sort (~40 µs of a 254 µs level at 8B,
             bench-roofline-20261205T032356.json's draft_step_fused_profile).
@@ -23,9 +23,11 @@ T rows (a catch-up's pending positions or a tree level's frontier) is twelve lau
 Around the layer, a tree level's inputs and the tree's start are one launch each (`level_inputs`, `tree_start`:
 six and ten compiled kernels otherwise) where the proposer's wiring is Eagle3Proposer's own.
 
-The products are the modules' (cuBLAS, as compiled modules call it), so this changes which small kernels run, not
-how the weights are read. Roundings follow the modules' except RoPE and the norm's reciprocal square root, which
-round once in float32 (1-ulp differences in bf16, as the fused verify's). Not for MLA drafts.
+The products are the modules' (cuBLAS, as compiled modules call it), or in half precision on a Hopper-or-later GPU
+fast.stream_mm's (TMA-fed weight tiles: q/k/v, o, gate/up, down and the head 1-10% faster at 4 rows than the
+libraries, bench/results/skinny-products-20261206T125137.json). Roundings follow the modules' except RoPE and the
+norm's reciprocal square root, which round once in float32 (1-ulp differences in bf16, as the fused verify's).
+Not for MLA drafts.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ from eaglescope.fast.fused_verify import (
     _rows_rmsnorm_kernel,
     _rows_rope_cache_kernel,
     _rows_silu_mul_kernel,
+    check_stream,
     split_k_mm,
 )
+from eaglescope.fast.stream_mm import default_stream, stream_launch, stream_mm
 from eaglescope.models.draft import Eagle3Draft
 from eaglescope.models.drafts.llama import DraftAttention
 
@@ -387,9 +391,11 @@ class FusedDraftStep:
     Call with embeds, hidden [T, H], the RoPE cos, sin [T, D] of the rows' positions (Eagle3Proposer.rotary),
     slots [T] and mask [T, S] bool → (what the next step receives, as `step` returns it: the pre-norm output, or the
     normed one with norm_output; the final norm's output, what `Eagle3Draft.head` reads), both [T, H]: views of
-    buffers the next call overwrites."""
+    buffers the next call overwrites. `stream`: {product: launch} of the products fast.stream_mm runs where it fits
+    (default: fast.stream_mm.default_stream's; "lm_head" through `head`)."""
 
-    def __init__(self, draft: Eagle3Draft, cache, rows: int, k_splits: dict[str, int] | None = None) -> None:
+    def __init__(self, draft: Eagle3Draft, cache, rows: int, k_splits: dict[str, int] | None = None,
+                 stream: dict[str, tuple[int, ...]] | None = None) -> None:  # fmt: skip
         why = fused_draft_supported(draft)
         if why:
             raise ValueError(why)
@@ -409,6 +415,11 @@ class FusedDraftStep:
         self.gate_up_out, self.act = z(R, 2 * c.intermediate_size), z(R, c.intermediate_size)
         self.scratch = attention_scratch(R, c.num_heads, D, cache.size, dev)
         self.k_splits = {**DRAFT_K_SPLITS, **(k_splits or {})}  # o's and down's (fast/tuning.py's draft k_splits)
+        if stream is None:
+            stream = default_stream("draft", draft.lm_head.weight)
+        self.stream = {name: tuple(launch) for name, launch in stream.items()}
+        check_stream(self.stream, ("qkv", "o", "gate_up", "down", "lm_head"), "FusedDraftStep")
+        self.logits_out = torch.zeros(R, c.draft_vocab_size, device=dev, dtype=draft.lm_head.weight.dtype)
         self.topk_count = torch.zeros(R, device=dev, dtype=torch.int32)  # log_softmax_top_k's counters
         # a tree level's inputs (level_inputs): token, position and slot of each row, its embedding and features, its
         # mask row over the draft cache
@@ -489,6 +500,17 @@ class FusedDraftStep:
             self.topk_count = torch.zeros(logits.shape[0], device=logits.device, dtype=torch.int32)
         return log_softmax_top_k(logits, min(k, logits.shape[-1]), self.topk_count)
 
+    def head(self, normed: torch.Tensor) -> torch.Tensor:
+        """Eagle3Draft.head of the final norm's rows [m, H]: its lm_head on stream_mm where that runs it (a view of a
+        buffer the next call overwrites), else the draft's own head. A draft whose head is not Eagle3Draft's (a fault
+        under test, a subclass) always runs its own."""
+        d = self.draft
+        stream = stream_launch(self.stream, "lm_head", normed, d.lm_head.weight, d.lm_head.bias)
+        if stream is None or type(d).head is not Eagle3Draft.head or type(d.lm_head) is not torch.nn.Linear:
+            return d.head(normed)
+        y = stream_mm(normed, d.lm_head.weight, stream, self.logits_out[: normed.shape[0]])
+        return y.mul_(d.config.logit_scale) if d.config.logit_scale != 1.0 else y
+
     def _norm(self, norm, T: int, add: torch.Tensor) -> torch.Tensor:
         """self.h += add ([T, H], or split_k_mm's float32 partials [parts, T, H], summed first), then its RMSNorm into
         self.normed (one kernel)."""
@@ -503,6 +525,9 @@ class FusedDraftStep:
         """o's or down's product for the next norm to add: one product into a buffer, or float32 partials over K's
         slices (k_splits; not with a bias, which the one product adds)."""
         T, splits = x.shape[0], self.k_splits[name]
+        stream = stream_launch(self.stream, name, x, proj.weight, proj.bias)
+        if stream is not None:
+            return stream_mm(x, proj.weight, stream, self.residual_out[:T])
         if splits > 1 and proj.bias is None:
             return split_k_mm(x, proj.weight, splits)
         return _mm(x, proj.weight, proj.bias, self.residual_out[:T])
@@ -519,16 +544,24 @@ class FusedDraftStep:
                                   hid_norm.eps, K=H, KP2=triton.next_power_of_2(H),
                                   NORM_RESIDUAL=layer.norm_before_residual, **pdl_options(hid))  # fmt: skip
         cos, sin = cos.contiguous(), sin.contiguous()
-        qkv = _mm(self.x[:T], attn.qkv_proj.weight, attn.qkv_proj.bias, self.qkv_out[:T])
+        wq, bq = attn.qkv_proj.weight, attn.qkv_proj.bias
+        stream = stream_launch(self.stream, "qkv", self.x[:T], wq, bq)
+        if stream is not None:  # one product, or float32 partials that the RoPE kernel sums
+            qkv, parts = stream_mm(self.x[:T], wq, stream, self.qkv_out[:T]), stream[2]
+        else:
+            qkv, parts = _mm(self.x[:T], wq, bq, self.qkv_out[:T]), 1
         kc, vc = self.cache.k[0], self.cache.v[0]
         _rows_rope_cache_kernel[(T, c.num_heads + 2 * c.num_kv_heads)](qkv, cos, sin, self.q, kc, vc, slots,
                                                                        c.num_heads, c.num_kv_heads, self.cache.size,
-                                                                       qkv, 0, D=D, **pdl_options(qkv))  # fmt: skip
+                                                                       qkv, qkv.stride(0) if parts > 1 else 0, D=D,
+                                                                       PARTS=parts, **pdl_options(qkv))  # fmt: skip
         q, out = self.q[:T].view(T, c.num_heads, D), self.attn[:T].view(T, c.num_heads, D)
         fused_attention(q, kc[0], vc[0], mask, out, self.scratch)
         o = self._residual_product("o", self.attn[:T], attn.o_proj)
         x = self._norm(layer.post_attention_layernorm, T, o)
-        gate_up = _mm(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, self.gate_up_out[:T])
+        wg, bg = mlp.gate_up_proj.weight, mlp.gate_up_proj.bias
+        stream = stream_launch(self.stream, "gate_up", x, wg, bg)
+        gate_up = stream_mm(x, wg, stream, self.gate_up_out[:T]) if stream else _mm(x, wg, bg, self.gate_up_out[:T])
         F = c.intermediate_size
         _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](gate_up, self.act, F, BLOCK=1024, **pdl_options(gate_up))
         down = self._residual_product("down", self.act[:T], mlp.down_proj)

@@ -48,6 +48,7 @@ from eaglescope.fast.fused_decode import (
     pdl_options,
     triton,
 )
+from eaglescope.fast.stream_mm import SUMMED, default_stream, stream_launch, stream_mm
 from eaglescope.models.targets.llama import LlamaModel, attend
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ DEFER_RESIDUAL = True
 # each product on cuBLAS in one call (1), or cut over K into this many (split_k_mm; fused_decode_check.py
 # --sweep-k-split times 2-8)
 K_SPLITS = {"qkv": 1, "o": 1, "down": 1}
+# the most rows a verify runs its cuBLAS products on fast.stream_mm by default (its launches were measured at 24)
+STREAM_MAX_ROWS = 32
 # each product's epilogue (the kernel's MODE)
 EPILOGUE = {"qkv": "qkv", "o": "residual", "gate_up": "gate_up", "down": "residual", "lm_head": "plain"}
 
@@ -302,13 +305,14 @@ def _splits(n_tiles: int, K: int, bk: int) -> int:
 class VerifySettings(NamedTuple):
     """What a verify of some row count runs (FusedVerify.settings): the products left to cuBLAS, those of them run
     through cuBLASLt, each product's _rows_gemm_kernel blocks, each cuBLAS product's K splits, flash attention's
-    launch."""
+    launch, and the launches of the cuBLAS products that stream_mm runs instead (fast/stream_mm.py)."""
 
     cublas: tuple[str, ...]
     cublaslt: tuple[str, ...]
     blocks: dict[str, tuple[int, ...]]
     k_splits: dict[str, int]
     flash_launch: tuple[int, ...]
+    stream: dict[str, tuple[int, ...]]
 
 
 class FusedVerify:
@@ -320,25 +324,34 @@ class FusedVerify:
     compiled on a GPU), "auto" (AUTO_ATTENTION). `cublas` names the layer products left to cuBLAS (the rest run on
     _rows_gemm_kernel), `cublaslt` those of them run through cuBLASLt on a GPU (default: CUBLASLT_PRODUCTS);
     `defer_residual`: o's and down's residual adds (on cuBLAS) done by the next norm kernel (default DEFER_RESIDUAL),
-    else by cuBLAS's beta = 1. `by_rows`: (max_rows, settings) for verifies of up to max_rows rows, each setting
-    (cublas, cublaslt, blocks, k_splits, flash_launch) in place of the one given here (fast/tuning.py's files)."""
+    else by cuBLAS's beta = 1. `stream`: {product: launch} of the products left to cuBLAS that fast.stream_mm runs
+    instead where it fits (default: fast.stream_mm.default_stream's). `by_rows`: (max_rows, settings) for verifies
+    of up to max_rows rows, each setting (cublas, cublaslt, blocks, k_splits, flash_launch) in place of the one given
+    here (fast/tuning.py's files)."""
 
     def __init__(self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None,
                  attention: str = "auto", cublas: tuple[str, ...] = CUBLAS_PRODUCTS,
                  cublaslt: tuple[str, ...] | None = None, defer_residual: bool = DEFER_RESIDUAL,
-                 by_rows: Sequence[tuple[int, dict]] = ()) -> None:  # fmt: skip
+                 by_rows: Sequence[tuple[int, dict]] = (),
+                 stream: dict[str, tuple[int, ...]] | None = None) -> None:  # fmt: skip
         why = fused_verify_supported(model, model.lm_head.weight.device)
         if why:
             raise ValueError(why)
         if cublaslt is None:  # the measured default, for those products cuBLAS runs
             cublaslt = tuple(p for p in CUBLASLT_PRODUCTS if p in cublas)
-        self._check(VerifySettings(tuple(cublas), tuple(cublaslt), {}, {}, ()), "FusedVerify")
+        w = model.lm_head.weight
+        # the default launches were measured at 24 rows: verifies of more rows (64-token chunks, prefills) keep the
+        # libraries' products, which cuBLAS's tiles for more rows suit
+        self.stream_max_rows = STREAM_MAX_ROWS if stream is None else MAX_ROWS
+        if stream is None:
+            stream = default_stream("verify", w)
+        self.stream = {name: tuple(launch) for name, launch in stream.items()}
+        self._check(VerifySettings(tuple(cublas), tuple(cublaslt), {}, {}, (), self.stream), "FusedVerify")
         if attention not in ("auto", "flash", "fused", "matmul"):
             raise ValueError(f"attention is 'auto', 'flash', 'fused' or 'matmul', not {attention!r}")
         a = model.args
         self.model, self.cache, self.taps, self.args = model, cache, tuple(taps), a
         self.blocks = self._fit({**ROW_BLOCKS, **(blocks or {})})
-        w = model.lm_head.weight
         dev, dt = w.device, model.model.embed_tokens.weight.dtype
         R, H, nq = MAX_ROWS, a.hidden_size, a.num_heads * a.head_dim
         self.h = torch.zeros(R, H, device=dev, dtype=dt)
@@ -381,14 +394,15 @@ class FusedVerify:
 
     def settings(self, T: int | None = None) -> VerifySettings:
         """What a T-row verify runs: the attributes above, with each key of the first by_rows entry whose max_rows
-        is at least T in place of theirs (cuBLASLt then keeps only products the entry leaves to cuBLAS); T None: the
-        attributes alone."""
+        is at least T in place of theirs (cuBLASLt then keeps only products the entry leaves to cuBLAS), and no
+        stream_mm past stream_max_rows rows; T None: the attributes alone."""
         over = next((o for rows, o in self.by_rows if T is not None and T <= rows), {})
         cublas = tuple(over.get("cublas", self.cublas))
         cublaslt = tuple(over["cublaslt"]) if "cublaslt" in over else tuple(p for p in self.cublaslt if p in cublas)
         return VerifySettings(cublas, cublaslt, self._fit({**self.blocks, **over.get("blocks", {})}),
                               {**self.k_splits, **over.get("k_splits", {})},
-                              tuple(over.get("flash_launch", self.flash_launch)))  # fmt: skip
+                              tuple(over.get("flash_launch", self.flash_launch)),
+                              self.stream if T is None or T <= self.stream_max_rows else {})  # fmt: skip
 
     def _fit(self, blocks: dict) -> dict[str, tuple[int, ...]]:
         """q/k/v's BLOCK_N counts row pairs within half a head: at most half of head_dim."""
@@ -404,6 +418,7 @@ class FusedVerify:
             raise ValueError(f"{where}: cuBLAS serves the products {CUBLAS_PRODUCTS}, not {s.cublas}")
         if set(s.cublaslt) - set(s.cublas):
             raise ValueError(f"{where}: cuBLASLt runs products left to cuBLAS ({s.cublas}), not {s.cublaslt}")
+        check_stream(s.stream, CUBLAS_PRODUCTS, where)
 
     def _geometry(self, name: str, N: int, K: int, blocks: tuple[int, ...]) -> tuple[int, int, int]:
         """(column tiles, K-slices, K per slice) of a product with N output columns (pairs for gate_up and qkv)."""
@@ -487,6 +502,9 @@ class FusedVerify:
         if name not in s.cublas:
             self._product(name, s, x, layer_proj.weight, layer_proj.bias, h, T, h.shape[1])
             return None
+        stream = stream_launch(s.stream, name, x[:T], layer_proj.weight, layer_proj.bias)
+        if self.defer_residual and stream is not None:
+            return stream_mm(x[:T], layer_proj.weight, stream, self.residual_out[:T])
         with self._library(name, s, h):
             if self.defer_residual:
                 if s.k_splits[name] > 1 and layer_proj.bias is None:  # partials, summed by the next norm kernel
@@ -557,8 +575,13 @@ class FusedVerify:
             kc, vc = self.cache.k[i], self.cache.v[i]
             if "qkv" in s.cublas:
                 heads, split = a.num_heads + 2 * a.num_kv_heads, s.k_splits["qkv"]
+                stream = stream_launch(s.stream, "qkv", x[:T], qkv.weight, qkv.bias)
+                if stream is not None:
+                    split = stream[2]
                 with_bias = split > 1 and qkv.bias is not None  # else the product added it
-                if split > 1:  # float32 partials over K's slices, summed (with the bias) by the RoPE kernel
+                if stream is not None:  # one split's product, or float32 partials as split_k_mm's
+                    out = stream_mm(x[:T], qkv.weight, stream, self.qkv_out[:T])
+                elif split > 1:  # float32 partials over K's slices, summed (with the bias) by the RoPE kernel
                     out = split_k_mm(x[:T], qkv.weight, split)
                 else:
                     out = _mm(x[:T], qkv.weight, qkv.bias, self.qkv_out[:T])
@@ -573,8 +596,12 @@ class FusedVerify:
             pending = self._residual("o", s, self.attn, layer.self_attn.o_proj, h, T)
             gu, x = layer.mlp.gate_up_proj, self._norm(layer.post_attention_layernorm, h, T, add=pending)
             if "gate_up" in s.cublas:
-                with self._library("gate_up", s, x):
-                    out = _mm(x[:T], gu.weight, gu.bias, self.gate_up_out[:T])
+                stream = stream_launch(s.stream, "gate_up", x[:T], gu.weight, gu.bias)
+                if stream is not None:
+                    out = stream_mm(x[:T], gu.weight, stream, self.gate_up_out[:T])
+                else:
+                    with self._library("gate_up", s, x):
+                        out = _mm(x[:T], gu.weight, gu.bias, self.gate_up_out[:T])
                 _rows_silu_mul_kernel[(T, triton.cdiv(F, 1024))](out, self.act, F, BLOCK=1024, **pdl_options(out))
             else:
                 self._product("gate_up", s, x, gu.weight, gu.bias, self.act, T, F)
@@ -622,6 +649,18 @@ def split_k_mm(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tens
     if x.is_cuda and x.dtype != torch.float32:
         return torch.bmm(xs, ws, out_dtype=torch.float32)
     return torch.bmm(xs, ws).float()
+
+
+def check_stream(stream: dict[str, tuple[int, ...]], products: tuple[str, ...], where: str) -> None:
+    """stream_mm's launches name products it may run, four numbers each, K splits only where the next kernel sums
+    the partials (SUMMED)."""
+    for name, launch in stream.items():
+        if name not in products:
+            raise ValueError(f"{where}: stream_mm runs the products {products}, not {name!r}")
+        if len(launch) != 4 or min(launch) < 1:
+            raise ValueError(f"{where}: {name}'s stream_mm launch is (BN, BK, splits, stages), not {launch}")
+        if launch[2] > 1 and name not in SUMMED:
+            raise ValueError(f"{where}: {name}'s product has no kernel after it to sum K splits ({launch})")
 
 
 def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:

@@ -938,13 +938,17 @@ def roofline(
     if replay and replay.get("per_round"):
         pr = replay["per_round"][: REPLAYED_ROUNDS_SMOKE if smoke else REPLAYED_ROUNDS]
         _replayed_acceptance(rf, ft, van, draft, shape, pr, compiled)
-        # the same rounds on the default's alternatives, where time is left: the composed tree pieces (a level's
-        # inputs, the tree's start and finalize not in one launch), then the draft layer on its modules
+        # the same rounds on the default's alternatives, where time is left: the products on the libraries where
+        # the default runs fast.stream_mm, the composed tree pieces (a level's inputs, the tree's start and finalize
+        # not in one launch), then the draft layer on its modules
         fused = fused_draft_supported(draft) is None and ft.fused_rows is not None
         res["replay_draft_layer"] = "fused" if fused else "modules"
-        for key, option in (("replay_composed_pieces", {"one_launch": False}),
+        for key, option in (("replay_library_products", {"stream": False}),
+                            ("replay_composed_pieces", {"one_launch": False}),
                             ("replay_modules_draft", {"fused_draft": False})):  # fmt: skip
-            if fused and rf.left() > 120:
+            if key == "replay_library_products" and fused and not ft.fused_rows.stream:
+                res[key] = "the default ran the libraries' products"
+            elif fused and rf.left() > 120:
                 try:  # an alternative that fails must not cost the measurements after it
                     _replayed_acceptance(rf, ft, van, draft, shape, pr, compiled, **option)
                 except Exception as e:
@@ -1205,17 +1209,32 @@ def _draft_step(rf: _Roofline, draft: Eagle3Draft, K: int) -> None:
 
 
 def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compiled: bool,
-                         fused_draft: bool | None = None, one_launch: bool = True) -> None:  # fmt: skip
+                         fused_draft: bool | None = None, one_launch: bool = True,
+                         stream: bool = True) -> None:  # fmt: skip
     """The fast round at 8B with the acceptance lengths `pr` measured on the trained target: τ, tok/s, η (in
     res["replay_*"]; with fused_draft=False, the draft layer on its modules whatever FastEagle's default, in
     res["replay_modules_draft"]; with one_launch=False, the fused layer's rounds taking a level's inputs, the
     tree's start and its finalize from the composed Eagle3Proposer pieces, not FusedDraftStep's kernels, in
-    res["replay_composed_pieces"])."""
-    res, prompt, ctx_new = rf.res, rf.prompt, rf.ctx_new
+    res["replay_composed_pieces"]; with stream=False, the verify's and draft level's products on the libraries where
+    the default runs fast.stream_mm, in res["replay_library_products"])."""
+    res = rf.res
     if fused_draft is False:
         res = rf.res["replay_modules_draft"] = {}
     elif not one_launch:
         res = rf.res["replay_composed_pieces"] = {}
+    elif not stream:
+        res = rf.res["replay_library_products"] = {}
+    verify_stream = ft.fused_rows.stream if ft.fused_rows is not None else {}
+    try:
+        _replay_round(rf, res, ft, van, draft, shape, pr, compiled, fused_draft, one_launch, stream)
+    finally:  # the target's verify is shared with the runs after this one
+        if ft.fused_rows is not None:
+            ft.fused_rows.stream = verify_stream
+
+
+def _replay_round(rf: _Roofline, res: dict, ft, van, draft, shape, pr: list, compiled: bool,
+                  fused_draft: bool | None, one_launch: bool, stream: bool) -> None:  # fmt: skip
+    prompt, ctx_new = rf.prompt, rf.ctx_new
     t_c = time.perf_counter()
     rf.checkpoint()
     # compiling the 8B round as one graph took 36 s (bench-all-20261129T150034.json); piece by piece (a tree level
@@ -1227,6 +1246,10 @@ def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compile
                    fused_draft=fused_draft)  # fmt: skip
     if fe.proposer.fused_layer is not None:
         fe.proposer.fused_layer.one_launch = one_launch
+        if not stream:
+            fe.proposer.fused_layer.stream = {}
+    if not stream and ft.fused_rows is not None:
+        ft.fused_rows.stream = {}
     fe.generate(prompt, 32, replay=pr)
     res["replay_compile_and_capture_seconds"] = round(time.perf_counter() - t_c, 1)
     res["replay_round_compiled"] = fe.compiled
@@ -1250,7 +1273,8 @@ def _replayed_acceptance(rf: _Roofline, ft, van, draft, shape, pr: list, compile
     # the rounds where the random draft's tree fell short, which make the replayed τ lower than its source's
     res["replay_accepted"] = list(rr.accepted)
     res["replay_rounds_short"] = sum(a < pr[i % len(pr)] for i, a in enumerate(rr.accepted))
-    which = " (modules draft)" if fused_draft is False else "" if one_launch else " (composed pieces)"
+    which = " (modules draft)" if fused_draft is False else " (composed pieces)" if not one_launch else ""
+    which = which or ("" if stream else " (library products)")
     say(f"roofline replay{which}: τ {tau:.2f}, {tps:.1f} vs {vtps:.1f} tok/s, round {res['replay_round_ms']} ms")
     # η above is end to end: each run's start (the target's prefill; for EAGLE-3 also the draft's catch-up over the
     # prompt) is spread over ~74 rounds but over 256 vanilla tokens. The starts alone (a one-token generate is the

@@ -175,7 +175,11 @@ def test_a_head_of_its_own_runs_its_own(target_dir):
         def head(self, normed):
             return 2 * super().head(normed)
 
-    draft.__class__ = Doubled
-    fused = FusedDraftStep(draft, draft_slot_cache(draft, 40), rows=4, stream=DRAFT_STREAM)
     normed = torch.randn(2, draft.config.hidden_size, generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(fused.head(normed), draft.head(normed))
+    fused = FusedDraftStep(draft, draft_slot_cache(draft, 40), rows=4, stream=DRAFT_STREAM)
+    plain = fused.head(normed).clone()
+    draft.__class__ = Doubled
+    torch.testing.assert_close(fused.head(normed), 2 * plain)
+    draft.__class__ = Eagle3Draft
+    draft.head = lambda x: -Eagle3Draft.head(draft, x)  # patched on the instance
+    torch.testing.assert_close(fused.head(normed), -plain)

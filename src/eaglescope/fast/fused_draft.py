@@ -506,7 +506,8 @@ class FusedDraftStep:
         under test, a subclass) always runs its own."""
         d = self.draft
         stream = stream_launch(self.stream, "lm_head", normed, d.lm_head.weight, d.lm_head.bias)
-        if stream is None or type(d).head is not Eagle3Draft.head or type(d.lm_head) is not torch.nn.Linear:
+        own_head = type(d).head is Eagle3Draft.head and "head" not in vars(d)  # not overridden, nor patched on
+        if stream is None or not own_head or type(d.lm_head) is not torch.nn.Linear:
             return d.head(normed)
         y = stream_mm(normed, d.lm_head.weight, stream, self.logits_out[: normed.shape[0]])
         return y.mul_(d.config.logit_scale) if d.config.logit_scale != 1.0 else y

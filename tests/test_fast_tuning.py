@@ -105,7 +105,8 @@ def test_decoding_under_a_tuning_file_is_vanilla_greedy_and_runs_what_it_says(tm
     draft.load_target_embedding(target_embedding(tgt))
     fuse_projections(draft)
     doc = {"verify": [{"max_rows": 64, "k_splits": {"qkv": 2, "down": 2}, "cublas": ["qkv", "o", "down"],
-                       "blocks": {"gate_up": SMALL + [1]}}], "draft": {"k_splits": {"o": 2}}}  # fmt: skip
+                       "blocks": {"gate_up": SMALL + [1]}}],
+           "draft": {"k_splits": {"o": 2}, "stream": {"gate_up": SMALL}}}  # fmt: skip
     monkeypatch.setenv(tuning.ENV, str(_write(tmp_path / "tuning.json", doc)))
     ft = FastTarget(copy.deepcopy(tgt.model), 64, taps=tgt.taps.layers, fuse=True, fused_decode=True, fused_verify=True)
     assert ft.tuning.path == str(tmp_path / "tuning.json") and len(ft.tuning.sha256) == 64
@@ -114,6 +115,8 @@ def test_decoding_under_a_tuning_file_is_vanilla_greedy_and_runs_what_it_says(tm
     prompt, n = [3, 17, 5, 40, 22, 9, 11], 12
     fe = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 2)
     assert fe.proposer.fused_layer.k_splits == {"o": 2, "down": 1}
+    assert fe.proposer.fused_layer.stream == {"gate_up": tuple(SMALL)}
+    draft_stream = _counting(monkeypatch, fused_draft, "stream_mm")
     fast = fe.generate(prompt, n)
     assert fast.tokens == generate_vanilla(tgt, prompt, n, stop_ids=[]).token_ids
     assert sum(fast.accepted) > 0
@@ -121,6 +124,29 @@ def test_decoding_under_a_tuning_file_is_vanilla_greedy_and_runs_what_it_says(tm
     # every verify: q/k/v and down in slices on every layer; every draft step: o in slices, down whole
     assert verify_splits and len(verify_splits) % (2 * layers) == 0
     assert draft_splits and all(r <= fe.proposer.fused_layer.rows for r in draft_splits)
+    assert draft_stream and len(draft_stream) == len(draft_splits)  # gate/up on stream_mm at every draft step
+
+
+def test_a_verify_entrys_stream_launches_run_at_its_row_counts(tmp_path, monkeypatch):
+    """An entry's `stream` (fast.stream_mm's launches) for up to 8 rows: those products on stream_mm there, held to
+    the modules; past 8 rows the built-in (none on this CPU)."""
+    ckpt = make_checkpoint("llama", tmp_path, seed=4, num_hidden_layers=2, **WIDE_HEADS)
+    model = fuse_projections(copy.deepcopy(load_target(ckpt, device="cpu", dtype=torch.float32).model))
+    doc = {"verify": [{"max_rows": 8, "stream": {"qkv": [16, 16, 2, 2], "down": [16, 16, 1, 2]}}]}
+    loaded = tuning.load_tuning(_write(tmp_path / "t.json", doc))
+    ft = FastTarget(model, size=96, taps=(0, 1), float32_logits=True)
+    fv = FusedVerify(model, ft.cache, taps=(0, 1), by_rows=loaded.verify)
+    assert fv.settings(5).stream == {"qkv": (16, 16, 2, 2), "down": (16, 16, 1, 2)} and fv.settings(20).stream == {}
+    calls = _counting(monkeypatch, fused_verify, "stream_mm")
+    ft.prefill(torch.arange(3, 9))
+    layers = len(model.model.layers)
+    for T, want in ((5, 2 * layers), (20, 0)):
+        slots = 6 + torch.arange(T)
+        mask = torch.arange(96)[None, :] <= slots[:, None]
+        toks = torch.randint(0, model.args.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
+        calls.clear()
+        assert_step_matches_modules(ft, fv, toks, slots, mask, slots, layers + 1)
+        assert len(calls) == want, T
 
 
 def test_a_device_file_is_found_by_the_gpus_name_and_the_environment_wins(tmp_path, monkeypatch, caplog):
@@ -144,16 +170,18 @@ def test_a_device_file_is_found_by_the_gpus_name_and_the_environment_wins(tmp_pa
 def test_a_tuning_reads_back_from_its_document(tmp_path):
     doc = {"device": "NVIDIA H200", "source": {"commit": "abc"},
            "verify": [{"max_rows": 24, "cublas": ["o"], "cublaslt": [], "blocks": {"qkv": [16, 128, 4, 3, 1]},
-                       "k_splits": {"o": 2}, "flash_launch": [16, 128, 8, 2, 3]}, {"max_rows": 64, "cublas": []}],
-           "draft": {"k_splits": {"o": 2, "down": 2}}}  # fmt: skip
+                       "k_splits": {"o": 2}, "flash_launch": [16, 128, 8, 2, 3], "stream": {"qkv": [64, 128, 2, 3]}},
+                      {"max_rows": 64, "cublas": []}],
+           "draft": {"k_splits": {"o": 2, "down": 2}, "stream": {"lm_head": [64, 256, 1, 3]}}}  # fmt: skip
     first = tuning.load_tuning(_write(tmp_path / "a.json", doc))
     assert first.document() == doc
     again = tuning.load_tuning(_write(tmp_path / "b.json", first.document()))
-    assert (again.verify, again.draft_k_splits, again.device, again.source) == (
+    assert (again.verify, again.draft_k_splits, again.device, again.source, again.draft_stream) == (
         first.verify,
         first.draft_k_splits,
         first.device,
         first.source,
+        {"lm_head": (64, 256, 1, 3)},
     )
 
 
@@ -175,6 +203,9 @@ def test_a_tuning_reads_back_from_its_document(tmp_path):
         ('{"verify": [{"max_rows": 8, "k_splits": {"o": 0}}]}', "o is cut into a positive number"),
         ('{"verify": [{"max_rows": 8, "flash_launch": [16, 128, 8, 2, 0]}]}', "flash_launch is 4 or 5 positive"),
         ('{"draft": {"k_splits": {"qkv": 2}}}', "unknown key(s) ['qkv']"),
+        ('{"verify": [{"max_rows": 8, "stream": {"o": [64, 128, 2]}}]}', "stream of o is 4 positive integers"),
+        ('{"verify": [{"max_rows": 8, "stream": {"lm_head": [64, 128, 1, 3]}}]}', "unknown key(s) ['lm_head']"),
+        ('{"draft": {"stream": {"gate_up": [64, 128, 2, 3]}}}', "no kernel after it to sum K splits"),
         ('{"verify": {"max_rows": 8}}', "'verify' is a list of entries"),
         ("[]", "the file is an object"),
     ],

@@ -411,8 +411,10 @@ class FastEagle(Runner):
         if fused_draft is None:
             fused_draft = target.fused_rows is not None and fused_draft_supported(draft) is None
         if fused_draft:
+            tuned = tuning_for(dev)
             self.proposer.fused_layer = FusedDraftStep(draft, self.proposer.cache, max(self.Pmax, top_k),
-                                                       k_splits=tuning_for(dev).draft_k_splits)  # fmt: skip
+                                                       k_splits=tuned.draft_k_splits,
+                                                       stream=tuned.draft_stream)  # fmt: skip
         c = draft.config
         nH = c.num_aux * c.target_hidden_size
         z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731

@@ -395,14 +395,20 @@ class FusedVerify:
     def settings(self, T: int | None = None) -> VerifySettings:
         """What a T-row verify runs: the attributes above, with each key of the first by_rows entry whose max_rows
         is at least T in place of theirs (cuBLASLt then keeps only products the entry leaves to cuBLAS), and no
-        stream_mm past stream_max_rows rows; T None: the attributes alone."""
+        stream_mm past stream_max_rows rows unless the entry names its launches; T None: the attributes alone."""
         over = next((o for rows, o in self.by_rows if T is not None and T <= rows), {})
         cublas = tuple(over.get("cublas", self.cublas))
         cublaslt = tuple(over["cublaslt"]) if "cublaslt" in over else tuple(p for p in self.cublaslt if p in cublas)
         return VerifySettings(cublas, cublaslt, self._fit({**self.blocks, **over.get("blocks", {})}),
                               {**self.k_splits, **over.get("k_splits", {})},
-                              tuple(over.get("flash_launch", self.flash_launch)),
-                              self.stream if T is None or T <= self.stream_max_rows else {})  # fmt: skip
+                              tuple(over.get("flash_launch", self.flash_launch)), self._stream(T, over))  # fmt: skip
+
+    def _stream(self, T: int | None, over: dict) -> dict[str, tuple[int, ...]]:
+        """stream_mm's launches for a T-row verify: the by_rows entry's where it names them, else the attribute's
+        up to stream_max_rows rows."""
+        if "stream" in over:
+            return dict(over["stream"])
+        return self.stream if T is None or T <= self.stream_max_rows else {}
 
     def _fit(self, blocks: dict) -> dict[str, tuple[int, ...]]:
         """q/k/v's BLOCK_N counts row pairs within half a head: at most half of head_dim."""

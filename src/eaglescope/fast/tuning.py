@@ -15,11 +15,13 @@ every key optional but an entry's "max_rows":
     {"device": "NVIDIA H200",            # what it was measured on (a warning where the GPU differs)
      "source": {...},                    # free-form: the command, commit and result file it came from
      "verify": [{"max_rows": 24, "cublas": ["o"], "cublaslt": [], "blocks": {"qkv": [16, 128, 4, 3, 1]},
-                 "k_splits": {"down": 2}, "flash_launch": [16, 128, 8, 2, 3]}, {"max_rows": 64, ...}],
-     "draft": {"k_splits": {"o": 2, "down": 2}}}
+                 "k_splits": {"down": 2}, "flash_launch": [16, 128, 8, 2, 3],
+                 "stream": {"qkv": [64, 128, 2, 3]}}, {"max_rows": 64, ...}],
+     "draft": {"k_splits": {"o": 2, "down": 2}, "stream": {"lm_head": [64, 256, 1, 3]}}}
 
 A T-row verify takes the entry with the smallest max_rows >= T, each key it names in place of the built-in (see
-FusedVerify.settings); rows past every entry take the built-ins.
+FusedVerify.settings); rows past every entry take the built-ins. "stream" names fast.stream_mm's launches (BN, BK,
+K splits, stages) for the products it runs, in place of its built-in STREAM_LAUNCH ({}: none on it).
 """
 
 from __future__ import annotations
@@ -36,19 +38,22 @@ import torch
 
 from eaglescope.errors import EagleScopeError
 from eaglescope.fast.fused_draft import DRAFT_K_SPLITS
-from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, K_SPLITS, MAX_ROWS, ROW_BLOCKS
+from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, K_SPLITS, MAX_ROWS, ROW_BLOCKS, check_stream
 
 log = logging.getLogger(__name__)
 
 ENV = "EAGLESCOPE_TUNING"
 TUNED_DIR = Path(__file__).parent / "tuned"
-VERIFY_KEYS = ("max_rows", "cublas", "cublaslt", "blocks", "k_splits", "flash_launch")
+VERIFY_KEYS = ("max_rows", "cublas", "cublaslt", "blocks", "k_splits", "flash_launch", "stream")
+# the products fast.stream_mm may run: the verify's layer products, the draft level's and its head
+DRAFT_STREAM_PRODUCTS = (*CUBLAS_PRODUCTS, "lm_head")
 
 
 @dataclass(frozen=True)
 class Tuning:
-    """A tuning file, checked: `verify` as (max_rows, settings) sorted by max_rows, `draft_k_splits` (None: the
-    built-in), and where it came from (`path`, `sha256` of its bytes; both None for the built-ins)."""
+    """A tuning file, checked: `verify` as (max_rows, settings) sorted by max_rows, `draft_k_splits` and
+    `draft_stream` (None: the built-ins), and where it came from (`path`, `sha256` of its bytes; both None for the
+    built-ins)."""
 
     verify: tuple[tuple[int, dict], ...] = ()
     draft_k_splits: dict[str, int] | None = None
@@ -56,6 +61,7 @@ class Tuning:
     sha256: str | None = None
     device: str | None = None
     source: dict = field(default_factory=dict)
+    draft_stream: dict[str, tuple[int, ...]] | None = None
 
     def describe(self) -> dict:
         """What a benchmark's result records of the settings it ran with."""
@@ -70,8 +76,13 @@ class Tuning:
             doc["source"] = self.source
         if self.verify:
             doc["verify"] = [{"max_rows": rows, **{k: _json(v) for k, v in o.items()}} for rows, o in self.verify]
+        draft = {}
         if self.draft_k_splits is not None:
-            doc["draft"] = {"k_splits": dict(self.draft_k_splits)}
+            draft["k_splits"] = dict(self.draft_k_splits)
+        if self.draft_stream is not None:
+            draft["stream"] = _json(self.draft_stream)
+        if draft:
+            doc["draft"] = draft
         return doc
 
 
@@ -130,9 +141,10 @@ def _parse(data, path: str, sha256: str) -> Tuning:
     if len(set(rows)) != len(rows):
         raise ValueError(f"two verify entries for the same max_rows ({rows})")
     draft = data.get("draft", {})
-    _keys(draft, ("k_splits",), "'draft'")
+    _keys(draft, ("k_splits", "stream"), "'draft'")
     k_splits = _splits(draft["k_splits"], DRAFT_K_SPLITS, "draft k_splits") if "k_splits" in draft else None
-    return Tuning(tuple(verify), k_splits, path, sha256, device, source)
+    stream = _stream(draft["stream"], DRAFT_STREAM_PRODUCTS, "draft stream") if "stream" in draft else None
+    return Tuning(tuple(verify), k_splits, path, sha256, device, source, stream)
 
 
 def _keys(obj, allowed: tuple[str, ...], where: str) -> None:
@@ -167,7 +179,17 @@ def _verify_entry(entry, i: int) -> tuple[int, dict]:
         out["k_splits"] = _splits(entry["k_splits"], K_SPLITS, f"{where}: k_splits")
     if "flash_launch" in entry:
         out["flash_launch"] = _ints(entry["flash_launch"], (4, 5), f"{where}: flash_launch")
+    if "stream" in entry:
+        out["stream"] = _stream(entry["stream"], CUBLAS_PRODUCTS, f"{where}: stream")
     return rows, out
+
+
+def _stream(obj, products: tuple[str, ...], where: str) -> dict[str, tuple[int, ...]]:
+    """fast.stream_mm's launches by product, (BN, BK, K splits, stages) each; an empty object: none on it."""
+    _keys(obj, products, where)
+    launches = {name: _ints(launch, (4,), f"{where} of {name}") for name, launch in obj.items()}
+    check_stream(launches, products, where)
+    return launches
 
 
 def _splits(obj, names: dict, where: str) -> dict[str, int]:

@@ -315,6 +315,8 @@ def expand_level_fused(tokens, parents, depths, scores, lineage, next_id, parent
 # cuBLAS runs both as split-K + reduce (bench-roofline-20261205T050738.json's propose table); in halves they were
 # 0.9-1.6% faster a level on an H100 and an H200, which their tuning files say (fast/tuning.py)
 DRAFT_K_SPLITS = {"o": 1, "down": 1}
+# the products fast.stream_mm may run in a draft level: the layer's four and the head (`head`)
+DRAFT_STREAM_PRODUCTS = ("qkv", "o", "gate_up", "down", "lm_head")
 # a tree level's inputs, the tree's start and its finalize in one launch each (FusedDraftStep.level_inputs,
 # .tree_start, .finalize) where the proposer's wiring is Eagle3Proposer's own; False: the composed Eagle3Proposer
 # pieces (run_bench.py's roofline replays both: the instance's `one_launch`)
@@ -418,7 +420,7 @@ class FusedDraftStep:
         if stream is None:
             stream = default_stream("draft", draft.lm_head.weight)
         self.stream = {name: tuple(launch) for name, launch in stream.items()}
-        check_stream(self.stream, ("qkv", "o", "gate_up", "down", "lm_head"), "FusedDraftStep")
+        check_stream(self.stream, DRAFT_STREAM_PRODUCTS, "FusedDraftStep")
         self.logits_out = torch.zeros(R, c.draft_vocab_size, device=dev, dtype=draft.lm_head.weight.dtype)
         self.topk_count = torch.zeros(R, device=dev, dtype=torch.int32)  # log_softmax_top_k's counters
         # a tree level's inputs (level_inputs): token, position and slot of each row, its embedding and features, its

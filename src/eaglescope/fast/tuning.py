@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from eaglescope.errors import EagleScopeError
-from eaglescope.fast.fused_draft import DRAFT_K_SPLITS
+from eaglescope.fast.fused_draft import DRAFT_K_SPLITS, DRAFT_STREAM_PRODUCTS
 from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, K_SPLITS, MAX_ROWS, ROW_BLOCKS, check_stream
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,6 @@ log = logging.getLogger(__name__)
 ENV = "EAGLESCOPE_TUNING"
 TUNED_DIR = Path(__file__).parent / "tuned"
 VERIFY_KEYS = ("max_rows", "cublas", "cublaslt", "blocks", "k_splits", "flash_launch", "stream")
-# the products fast.stream_mm may run: the verify's layer products, the draft level's and its head
-DRAFT_STREAM_PRODUCTS = (*CUBLAS_PRODUCTS, "lm_head")
 
 
 @dataclass(frozen=True)

@@ -28,36 +28,57 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run_bench import copy_bandwidth_gbs, graphed_ms  # noqa: E402
+from run_bench import LLAMA_8B_DIMS, copy_bandwidth_gbs, graphed_ms, random_target  # noqa: E402
 
+from eaglescope.fast.engine import FastTarget  # noqa: E402
 from eaglescope.fast.fused_decode import triton  # noqa: E402
-from eaglescope.fast.fused_verify import blas_library, split_k_mm  # noqa: E402
-from eaglescope.fast.stream_mm import stream_mm  # noqa: E402
+from eaglescope.fast.fused_verify import FusedVerify, blas_library, split_k_mm  # noqa: E402
+from eaglescope.fast.stream_mm import SUMMED, stream_mm  # noqa: E402
+from eaglescope.fast.tuning import tuning_for  # noqa: E402
 
 log = logging.getLogger("skinny_products")
 
 # (name, N, K) of one layer's products; the draft's q/k/v read its [embedding, feature] rows of 2H
-TARGET_PRODUCTS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
+TARGET_PRODUCTS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+                   ("lm_head", 128256, 4096))  # fmt: skip
 DRAFT_PRODUCTS = (("qkv", 6144, 8192), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
                   ("lm_head", 32000, 4096))  # fmt: skip
 STACK_BYTES = 2 << 30  # per product: ~40x an H100's or H200's L2
 SMS = 132
 
 
-def tma_configs(N: int, K: int) -> list[tuple[int, int, int, int]]:
-    """stream_mm launches (BN, BK, splits, stages) worth timing: at least one wave of programs, K slices whole tiles."""
+def tma_configs(name: str, N: int, K: int) -> list[tuple[int, int, int, int]]:
+    """stream_mm launches (BN, BK, splits, stages) worth timing: at least one wave of programs, K slices whole tiles;
+    one slice for a product no kernel after it sums (SUMMED), whatever its count of column tiles."""
     out = []
     for bn in (64, 128):
         for bk in (64, 128, 256):
             if bn * bk > 128 * 128:
                 continue
             tiles = -(-N // bn)
-            for splits in (1, 2, 3, 4, 6, 7, 8, 12, 14, 16):
-                if K % (splits * bk) or tiles * splits < SMS or tiles * splits > 8 * SMS:
+            for splits in (1, 2, 3, 4, 6, 7, 8, 12, 14, 16) if name in SUMMED else (1,):
+                if K % (splits * bk) or tiles * splits < SMS or (name in SUMMED and tiles * splits > 8 * SMS):
                     continue
                 for stages in (3, 6):
                     out.append((bn, bk, splits, stages))
     return out
+
+
+def _verify_head(x: torch.Tensor):
+    """The fused verify's lm_head product of x's rows with no stream_mm, as this GPU's tuning file sets it (its
+    _rows_gemm_kernel blocks), on a one-layer target of the 8B widths: w, out → out."""
+    T = x.shape[0]
+    model = random_target(dict(LLAMA_8B_DIMS, layers=1), torch.device("cuda"), torch.bfloat16)
+    fv = FusedVerify(model, FastTarget(model, 64).cache, by_rows=tuning_for(torch.device("cuda")).verify, stream={})
+    s = fv.settings(T)
+    assert "lm_head" not in s.stream
+
+    def one(w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        fv._product("lm_head", s, fv.normed, w, None, out, T, w.shape[0])
+        return out
+
+    fv.normed[:T].copy_(x)
+    return one
 
 
 def _summed(y: torch.Tensor) -> torch.Tensor:
@@ -97,7 +118,11 @@ def time_product(name: str, N: int, K: int, T: int, copy_gbs: float, deadline: f
     for splits in (2, 4):
         if K % splits == 0:
             rows.append(timed(f"split_k_mm {splits}", lambda w, o, s=splits: split_k_mm(x, w, s), lambda: None))
-    for bn, bk, splits, stages in tma_configs(N, K):
+    if name == "lm_head" and N == LLAMA_8B_DIMS["vocab"]:  # the verify's head: what the fused verify runs today
+        rows.append(
+            timed("rows_gemm (fused verify)", _verify_head(x), lambda: torch.empty(T, N, device=dev, dtype=dt_))
+        )
+    for bn, bk, splits, stages in tma_configs(name, N, K):
         if time.monotonic() > deadline:
             rows.append({"label": "tma", "error": "budget spent"})
             break

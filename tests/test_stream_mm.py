@@ -20,7 +20,7 @@ from eaglescope.decode.speculative import draft_slot_cache  # noqa: E402
 from eaglescope.fast import FastTarget  # noqa: E402
 from eaglescope.fast import invariant as inv  # noqa: E402
 from eaglescope.fast.fused_draft import FusedDraftStep  # noqa: E402
-from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, FusedVerify  # noqa: E402
+from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, STREAM_PRODUCTS, FusedVerify  # noqa: E402
 from eaglescope.fast.stream_mm import STREAM_LAUNCH, stream_available, stream_fits, stream_mm  # noqa: E402
 from eaglescope.models.draft import Eagle3Draft  # noqa: E402
 from eaglescope.models.targets import load_target  # noqa: E402
@@ -30,8 +30,9 @@ pytestmark = pytest.mark.skipif(not inv.available("cpu"), reason="needs TRITON_I
 pytest.importorskip("triton.tools.tensor_descriptor")
 
 # every product of the tiny models on stream_mm, the summed ones cut over K
-VERIFY_STREAM = {"qkv": (16, 16, 2, 2), "o": (16, 16, 4, 2), "gate_up": (16, 32, 1, 2), "down": (32, 16, 2, 3)}
-DRAFT_STREAM = {**VERIFY_STREAM, "lm_head": (16, 16, 1, 2)}
+LAYER_STREAM = {"qkv": (16, 16, 2, 2), "o": (16, 16, 4, 2), "gate_up": (16, 32, 1, 2), "down": (32, 16, 2, 3)}
+VERIFY_STREAM = {**LAYER_STREAM, "lm_head": (16, 16, 1, 2)}
+DRAFT_STREAM = VERIFY_STREAM
 
 
 @settings(max_examples=25, deadline=None)
@@ -78,6 +79,19 @@ def test_half_precision_rounds_once():
     assert (y.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2.0**-8
 
 
+def test_half_precision_into_float32_is_not_rounded_to_half():
+    """bf16 operands into a float32 output (a Float32Logits head's logits): the float32 accumulation kept, not
+    rounded to bf16 on the way (its error is float32's, 2^-8 would be bf16's)."""
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(5, 64, generator=g).bfloat16(), torch.randn(48, 64, generator=g).bfloat16()
+    y = stream_mm(x, w, (16, 32, 1, 2), torch.empty(5, 48))
+    assert y.dtype == torch.float32
+    want = x.double() @ w.double().T
+    bound = 64 * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
+    assert ((y.double() - want).abs() <= bound).all()
+    assert ((y.double() - want.bfloat16().double()).abs() > 0).any()  # it is not bf16's rounding of the product
+
+
 def test_what_it_refuses():
     x, w = torch.randn(4, 64), torch.randn(32, 64)
     assert not stream_fits(x, w, (16, 48, 1, 2))  # 64 is no whole number of 48-wide steps
@@ -92,9 +106,9 @@ def test_what_it_refuses():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_verify_step_on_stream_products_matches_the_modules(family, tmp_path):
-    """The fused verify with q/k/v, o, gate/up and down on stream_mm (q/k/v, o and down as partials that the RoPE
-    and norm kernels sum): the modules' logits, taps and cache writes. qwen2's q/k/v has a bias, so it stays on the
-    library product (the case is there to show that the fallback still matches)."""
+    """The fused verify with q/k/v, o, gate/up, down and the lm_head on stream_mm (q/k/v, o and down as partials
+    that the RoPE and norm kernels sum): the modules' logits, taps and cache writes. qwen2's q/k/v has a bias, so
+    it stays on the library product (the case is there to show that the fallback still matches)."""
     ckpt = make_checkpoint(family, tmp_path, seed=3, num_hidden_layers=3, **WIDE_HEADS)
     model = fuse_projections(copy.deepcopy(load_target(ckpt, device="cpu", dtype=torch.float32).model))
     ft = FastTarget(model, size=150, taps=(0, 2), float32_logits=True)
@@ -117,7 +131,8 @@ def test_verify_step_on_stream_products_matches_the_modules(family, tmp_path):
     finally:
         fvm.stream_mm = real
     per_layer = 3 if family == "qwen2" else 4  # qwen2's q/k/v (bias) on the library
-    assert len(calls) == per_layer * len(model.model.layers)
+    assert len(calls) == per_layer * len(model.model.layers) + 1  # and the lm_head
+    assert calls[-1] == VERIFY_STREAM["lm_head"]
 
 
 def test_stream_launches_are_checked(tmp_path):
@@ -126,12 +141,14 @@ def test_stream_launches_are_checked(tmp_path):
     cache = FastTarget(model, size=16).cache
     with pytest.raises(ValueError, match="no kernel after it to sum"):
         FusedVerify(model, cache, stream={"gate_up": (16, 16, 2, 2)})
+    with pytest.raises(ValueError, match="no kernel after it to sum"):
+        FusedVerify(model, cache, stream={"lm_head": (16, 16, 2, 2)})  # logits are the verify's last product
     with pytest.raises(ValueError, match="runs the products"):
-        FusedVerify(model, cache, stream={"lm_head": (16, 16, 1, 2)})
+        FusedVerify(model, cache, stream={"embed": (16, 16, 1, 2)})
     with pytest.raises(ValueError, match=r"\(BN, BK, splits, stages\)"):
         FusedVerify(model, cache, stream={"o": (16, 16, 2)})
     assert FusedVerify(model, cache).stream == {}  # the CPU: no default
-    assert set(STREAM_LAUNCH["verify"]) <= set(CUBLAS_PRODUCTS)
+    assert set(STREAM_LAUNCH["verify"]) <= set(STREAM_PRODUCTS)
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,8 @@ from eaglescope.taps import TapContract
 DEVICE = torch.device("cuda")
 S = 200  # cache slots: four 64-slot attention splits
 # stream_mm launches for float32 tiles (twice bf16's shared memory a stage): every product of the 8B widths
-FLOAT32_STREAM = {"qkv": (64, 64, 2, 2), "o": (64, 64, 4, 2), "gate_up": (64, 64, 1, 2), "down": (64, 64, 4, 2)}
+FLOAT32_STREAM = {"qkv": (64, 64, 2, 2), "o": (64, 64, 4, 2), "gate_up": (64, 64, 1, 2), "down": (64, 64, 4, 2),
+                  "lm_head": (64, 64, 1, 2)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +218,7 @@ def test_draft_layer_on_the_fused_kernels_matches_the_modules(wide_draft, T, k_s
     H = draft.config.hidden_size
     embeds = torch.randn(T, H, device=DEVICE, generator=g)
     hidden = torch.randn(T, H, device=DEVICE, generator=g) * 3
-    launches = {**FLOAT32_STREAM, "lm_head": (64, 64, 1, 2)} if stream else None
+    launches = FLOAT32_STREAM if stream else None
     fused = FusedDraftStep(draft, cache, rows=T, stream=launches)
     assert fused.stream == (launches or {})  # float32: no default launches
     fused.k_splits.update(k_splits)
@@ -277,7 +278,7 @@ def test_stream_products_at_the_8b_shapes_in_bf16(side):
     rounding of a float64 product, and one split's output rounded once (the same bits as rounding the float32 sum)."""
     rows = 24 if side == "verify" else 4
     shapes = {"qkv": (6144, 8192 if side == "draft" else 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-              "down": (4096, 14336), "lm_head": (32000, 4096)}  # fmt: skip
+              "down": (4096, 14336), "lm_head": (32000 if side == "draft" else 128256, 4096)}  # fmt: skip
     g = torch.Generator(DEVICE).manual_seed(rows)
     for name, launch in STREAM_LAUNCH[side].items():
         N, K = shapes[name]
@@ -292,8 +293,9 @@ def test_stream_products_at_the_8b_shapes_in_bf16(side):
 
 @pytest.mark.parametrize("T", [24, 64])
 def test_verify_rows_on_stream_products_match_the_modules(wide, T):
-    """q/k/v, o, gate/up and down on stream_mm (TMA-fed weight tiles; q/k/v as partials the RoPE kernel sums, o and
-    down as partials the next norm sums), in float32 at the 8B widths: the modules' logits, taps and cache writes."""
+    """q/k/v, o, gate/up, down and the lm_head on stream_mm (TMA-fed weight tiles; q/k/v as partials the RoPE kernel
+    sums, o and down as partials the next norm sums), in float32 at the 8B widths: the modules' logits, taps and cache
+    writes."""
     model, ft = _fresh(wide)
     fv = FusedVerify(model, ft.cache, taps=(0, 1), stream=FLOAT32_STREAM)
     assert fv.settings(T).stream == FLOAT32_STREAM
@@ -304,9 +306,9 @@ def test_verify_rows_on_stream_products_match_the_modules(wide, T):
 
 
 def test_bf16_verifies_stream_by_default_up_to_32_rows(wide, monkeypatch):
-    """In bf16 on this GPU the fused verify runs its four layer products on stream_mm at 24 rows and none at 64 (the
-    launches were measured at 24), and the 24-row logits agree with the same verify on the libraries' products to
-    bf16's rounding."""
+    """In bf16 on this GPU the fused verify runs its four layer products and its lm_head on stream_mm at 24 rows and
+    none at 64 (the launches were measured at 24), and the 24-row logits agree with the same verify on the libraries'
+    products to bf16's rounding."""
     import eaglescope.fast.fused_verify as fvm
 
     model = fuse_projections(copy.deepcopy(wide.model)).bfloat16()
@@ -324,7 +326,7 @@ def test_bf16_verifies_stream_by_default_up_to_32_rows(wide, monkeypatch):
         toks = torch.randint(0, 4096, (T,), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(T))
         calls.clear()
         out[T] = fv(toks, slots, mask, slots)[0].float().clone()
-        assert len(calls) == (4 * len(model.model.layers) if T == 24 else 0)
+        assert len(calls) == (4 * len(model.model.layers) + 1 if T == 24 else 0)
     lib = FusedVerify(model, ft.cache, taps=(0, 1), stream={})
     slots = 37 + torch.arange(24, device=DEVICE)
     mask = torch.arange(S, device=DEVICE)[None, :] <= slots[:, None]
@@ -339,7 +341,7 @@ def test_speculative_decoding_on_stream_products_is_vanilla_greedy(wide, wide_dr
     import eaglescope.fast.fused_draft as fdm
     import eaglescope.fast.fused_verify as fvm
 
-    launches = {"verify": FLOAT32_STREAM, "draft": {**FLOAT32_STREAM, "lm_head": (64, 64, 1, 2)}}
+    launches = {"verify": FLOAT32_STREAM, "draft": FLOAT32_STREAM}
     monkeypatch.setattr(fvm, "default_stream", lambda kind, w: dict(launches[kind]))
     monkeypatch.setattr(fdm, "default_stream", lambda kind, w: dict(launches[kind]))
     calls = []

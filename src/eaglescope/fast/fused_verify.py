@@ -23,6 +23,11 @@ kernel can run every layer product too (cublas=(); its residual epilogue rounds 
 rows it streams the weights at 56-80% of copy against cuBLAS's 75-92%, but the lm_head at 92% against 85%.
 8B: 4.84 ms at 64 tokens and 4.85 at 24 (1.21x the one-token step; with the split-slot or product attention 5.0-5.1
 ms: bench/results/bench-roofline-20261204T192829.json, fused-decode-check-20261204T192953.json).
+
+On a Hopper-or-later GPU in bf16/fp16, verifies of up to STREAM_MAX_ROWS rows run those four products and the lm_head
+on fast.stream_mm instead (weight tiles fetched by TMA; q/k/v's, o's and down's K slices summed by the RoPE and norm
+kernels that follow): the few-row products are weight streams, which the libraries' tiles read under the copy
+bandwidth at 24 rows (fast/stream_mm.py).
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ SPLIT_PROGRAMS = 264
 # alone at 64 rows it streams the layer weights at 75-94% of copy against 56-80% for _rows_gemm_kernel, which
 # wins only on the lm_head (bench/results/fused-decode-check-20261129T144905.json)
 CUBLAS_PRODUCTS = ("qkv", "o", "gate_up", "down")
+# the products stream_mm may run instead: those four where cuBLAS would, and the lm_head in _rows_gemm_kernel's place
+STREAM_PRODUCTS = CUBLAS_PRODUCTS + ("lm_head",)
 # of those, the ones run through cuBLASLt rather than cublasGemmEx (torch picks each library's kernels by its own
 # heuristics): at 64 rows at 8B, Lt streams down's weights at 88% of copy against 77%, gate/up's at 94% against
 # 90%; o (88% against 94%) and q/k/v (75% both) stay (bench/results/fused-decode-check-20261204T185702.json)
@@ -324,10 +331,10 @@ class FusedVerify:
     compiled on a GPU), "auto" (AUTO_ATTENTION). `cublas` names the layer products left to cuBLAS (the rest run on
     _rows_gemm_kernel), `cublaslt` those of them run through cuBLASLt on a GPU (default: CUBLASLT_PRODUCTS);
     `defer_residual`: o's and down's residual adds (on cuBLAS) done by the next norm kernel (default DEFER_RESIDUAL),
-    else by cuBLAS's beta = 1. `stream`: {product: launch} of the products left to cuBLAS that fast.stream_mm runs
-    instead where it fits (default: fast.stream_mm.default_stream's). `by_rows`: (max_rows, settings) for verifies
-    of up to max_rows rows, each setting (cublas, cublaslt, blocks, k_splits, flash_launch) in place of the one given
-    here (fast/tuning.py's files)."""
+    else by cuBLAS's beta = 1. `stream`: {product: launch} of the products fast.stream_mm runs where it fits, instead
+    of cuBLAS (the layer products left to it) or _rows_gemm_kernel (lm_head); default: fast.stream_mm.default_stream's.
+    `by_rows`: (max_rows, settings) for verifies of up to max_rows rows, each setting (cublas, cublaslt, blocks,
+    k_splits, flash_launch, stream) in place of the one given here (fast/tuning.py's files)."""
 
     def __init__(self, model: LlamaModel, cache, taps: tuple[int, ...] = (), blocks: dict | None = None,
                  attention: str = "auto", cublas: tuple[str, ...] = CUBLAS_PRODUCTS,
@@ -424,7 +431,7 @@ class FusedVerify:
             raise ValueError(f"{where}: cuBLAS serves the products {CUBLAS_PRODUCTS}, not {s.cublas}")
         if set(s.cublaslt) - set(s.cublas):
             raise ValueError(f"{where}: cuBLASLt runs products left to cuBLAS ({s.cublas}), not {s.cublaslt}")
-        check_stream(s.stream, CUBLAS_PRODUCTS, where)
+        check_stream(s.stream, STREAM_PRODUCTS, where)
 
     def _geometry(self, name: str, N: int, K: int, blocks: tuple[int, ...]) -> tuple[int, int, int]:
         """(column tiles, K-slices, K per slice) of a product with N output columns (pairs for gate_up and qkv)."""
@@ -613,8 +620,14 @@ class FusedVerify:
                 self._product("gate_up", s, x, gu.weight, gu.bias, self.act, T, F)
             pending = self._residual("down", s, self.act, layer.mlp.down_proj, h, T)
         logits = torch.empty(T, a.vocab_size, device=h.device, dtype=self.logits_dtype)
-        self._product("lm_head", s, self._norm(m.model.norm, h, T, add=pending), m.lm_head.weight, None, logits, T,
-                      a.vocab_size)  # fmt: skip
+        x = self._norm(m.model.norm, h, T, add=pending)
+        # one K slice, accumulated in float32 and rounded once to the logits' dtype, as _rows_gemm_kernel's plain
+        # epilogue does (float32 logits for a Float32Logits head)
+        stream = stream_launch(s.stream, "lm_head", x[:T], m.lm_head.weight, None)
+        if stream is not None:
+            stream_mm(x[:T], m.lm_head.weight, stream, logits)
+        else:
+            self._product("lm_head", s, x, m.lm_head.weight, None, logits, T, a.vocab_size)
         return logits, (self.aux[:T] if self.aux is not None else None)
 
     def _tap_view(self, layer: int, T: int) -> torch.Tensor | None:

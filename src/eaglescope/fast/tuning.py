@@ -38,7 +38,14 @@ import torch
 
 from eaglescope.errors import EagleScopeError
 from eaglescope.fast.fused_draft import DRAFT_K_SPLITS, DRAFT_STREAM_PRODUCTS
-from eaglescope.fast.fused_verify import CUBLAS_PRODUCTS, K_SPLITS, MAX_ROWS, ROW_BLOCKS, check_stream
+from eaglescope.fast.fused_verify import (
+    CUBLAS_PRODUCTS,
+    K_SPLITS,
+    MAX_ROWS,
+    ROW_BLOCKS,
+    STREAM_PRODUCTS,
+    check_stream,
+)
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +185,7 @@ def _verify_entry(entry, i: int) -> tuple[int, dict]:
     if "flash_launch" in entry:
         out["flash_launch"] = _ints(entry["flash_launch"], (4, 5), f"{where}: flash_launch")
     if "stream" in entry:
-        out["stream"] = _stream(entry["stream"], CUBLAS_PRODUCTS, f"{where}: stream")
+        out["stream"] = _stream(entry["stream"], STREAM_PRODUCTS, f"{where}: stream")
     return rows, out
 
 

@@ -116,7 +116,7 @@ def time_product(name: str, N: int, K: int, T: int, copy_gbs: float, deadline: f
 
         rows.append(timed(lib, one, lambda: torch.empty(T, N, device=dev, dtype=dt_)))
     for splits in (2, 4):
-        if K % splits == 0:
+        if K % splits == 0 and name in SUMMED:  # partials only where a kernel after the product sums them
             rows.append(timed(f"split_k_mm {splits}", lambda w, o, s=splits: split_k_mm(x, w, s), lambda: None))
     if name == "lm_head" and N == LLAMA_8B_DIMS["vocab"]:  # the verify's head: what the fused verify runs today
         rows.append(

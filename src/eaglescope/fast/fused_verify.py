@@ -24,10 +24,11 @@ rows it streams the weights at 56-80% of copy against cuBLAS's 75-92%, but the l
 8B: 4.84 ms at 64 tokens and 4.85 at 24 (1.21x the one-token step; with the split-slot or product attention 5.0-5.1
 ms: bench/results/bench-roofline-20261204T192829.json, fused-decode-check-20261204T192953.json).
 
-On a Hopper-or-later GPU in bf16/fp16, verifies of up to STREAM_MAX_ROWS rows run those four products and the lm_head
-on fast.stream_mm instead (weight tiles fetched by TMA; q/k/v's, o's and down's K slices summed by the RoPE and norm
+On a Hopper-or-later GPU in bf16/fp16, verifies of up to STREAM_MAX_ROWS rows run those four products on
+fast.stream_mm instead (weight tiles fetched by TMA; q/k/v's, o's and down's K slices summed by the RoPE and norm
 kernels that follow): the few-row products are weight streams, which the libraries' tiles read under the copy
-bandwidth at 24 rows (fast/stream_mm.py).
+bandwidth at 24 rows (fast/stream_mm.py). The lm_head runs there too where a launch for it is named (`stream`, or a
+tuning file's "stream" key).
 """
 
 from __future__ import annotations

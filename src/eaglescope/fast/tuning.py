@@ -21,7 +21,8 @@ every key optional but an entry's "max_rows":
 
 A T-row verify takes the entry with the smallest max_rows >= T, each key it names in place of the built-in (see
 FusedVerify.settings); rows past every entry take the built-ins. "stream" names fast.stream_mm's launches (BN, BK,
-K splits, stages) for the products it runs, in place of its built-in STREAM_LAUNCH ({}: none on it).
+K splits, stages) for the products it runs, in place of its built-in STREAM_LAUNCH ({}: none on it); a verify
+entry's may also name the lm_head (one K slice), which has no built-in launch.
 """
 
 from __future__ import annotations

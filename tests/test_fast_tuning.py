@@ -132,15 +132,20 @@ def test_a_verify_entrys_stream_launches_run_at_its_row_counts(tmp_path, monkeyp
     the modules; past 8 rows the built-in (none on this CPU)."""
     ckpt = make_checkpoint("llama", tmp_path, seed=4, num_hidden_layers=2, **WIDE_HEADS)
     model = fuse_projections(copy.deepcopy(load_target(ckpt, device="cpu", dtype=torch.float32).model))
-    doc = {"verify": [{"max_rows": 8, "stream": {"qkv": [16, 16, 2, 2], "down": [16, 16, 1, 2]}}]}
+    doc = {
+        "verify": [
+            {"max_rows": 8, "stream": {"qkv": [16, 16, 2, 2], "down": [16, 16, 1, 2], "lm_head": [16, 16, 1, 2]}}
+        ]
+    }
     loaded = tuning.load_tuning(_write(tmp_path / "t.json", doc))
     ft = FastTarget(model, size=96, taps=(0, 1), float32_logits=True)
     fv = FusedVerify(model, ft.cache, taps=(0, 1), by_rows=loaded.verify)
-    assert fv.settings(5).stream == {"qkv": (16, 16, 2, 2), "down": (16, 16, 1, 2)} and fv.settings(20).stream == {}
+    named = {"qkv": (16, 16, 2, 2), "down": (16, 16, 1, 2), "lm_head": (16, 16, 1, 2)}
+    assert fv.settings(5).stream == named and fv.settings(20).stream == {}
     calls = _counting(monkeypatch, fused_verify, "stream_mm")
     ft.prefill(torch.arange(3, 9))
     layers = len(model.model.layers)
-    for T, want in ((5, 2 * layers), (20, 0)):
+    for T, want in ((5, 2 * layers + 1), (20, 0)):
         slots = 6 + torch.arange(T)
         mask = torch.arange(96)[None, :] <= slots[:, None]
         toks = torch.randint(0, model.args.vocab_size, (T,), generator=torch.Generator().manual_seed(T))

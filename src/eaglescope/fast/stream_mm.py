@@ -33,8 +33,9 @@ else:
 
 # (BN weight rows a program, BK, K splits, pipeline stages) per product: the fastest of bench/skinny_products.py's
 # sweep on an H100 (skinny-products-20261206T125137.json) at the 8B verify's 24 rows and the draft level's 4. The
-# verify's lm_head can run on it too (a tuning file's "stream" key names it), but has no default launch: none has
-# been measured against its _rows_gemm_kernel on a GPU yet (bench/NOTES.md, session of 2026-12-06, eighth)
+# verify's lm_head can run on it too (a tuning file's "stream" key names it), but has no default launch: at 24 rows
+# its _rows_gemm_kernel already reads the 128k head as fast (343.0 against 342.2 µs on an H100,
+# skinny-products-20261206T155709.json)
 STREAM_LAUNCH: dict[str, dict[str, tuple[int, int, int, int]]] = {
     "verify": {"qkv": (64, 128, 2, 3), "o": (64, 128, 4, 3), "gate_up": (128, 128, 1, 3), "down": (64, 128, 4, 3)},
     "draft": {"qkv": (64, 128, 4, 3), "o": (64, 128, 4, 3), "gate_up": (64, 128, 1, 6), "down": (64, 128, 4, 3),

@@ -6,7 +6,8 @@ Why: a round at 8B is the 24-row verify and six 4-row draft levels, and both are
 big products (gate/up, the heads) near the copy bandwidth but the narrow ones (q/k/v: 96 column tiles of 64 for 132
 SMs; o; down) well under it (bench/NOTES.md, "Diagnosis: where a round's time is not the weights"). This times, for
 each product, every way the fast path can run it or might: cuBLAS, cuBLASLt, `split_k_mm` (float32 partials over K
-for the next kernel to sum) and fast.stream_mm (weight tiles by TMA, the tensor-memory accelerator: one thread asks
+for the next kernel to sum, where one does), the target's 128k head also on the fused verify's own
+`_rows_gemm_kernel`, and fast.stream_mm (weight tiles by TMA, the tensor-memory accelerator: one thread asks
 for a whole tile, so the SM's warps do not spend their issue slots on addresses), swept over its tile, split and
 pipeline depth; its defaults (STREAM_LAUNCH) are this sweep's winners.
 Each candidate runs over a stack of distinct weight copies, far more bytes than L2 holds,

@@ -38,25 +38,20 @@ from eaglescope.decode.tree import expand_level, top_k_rows
 from eaglescope.fast.fused_decode import (
     attention_scratch,
     available,
-    await_previous,
     fused_attention,
     pdl_options,
     triton,
 )
-from eaglescope.fast.fused_verify import (
-    _mm,
-    _rows_rmsnorm_kernel,
-    _rows_rope_cache_kernel,
-    _rows_silu_mul_kernel,
-    check_stream,
-    split_k_mm,
-)
+from eaglescope.fast.fused_verify import _mm, check_stream, split_k_mm
 from eaglescope.fast.stream_mm import default_stream, stream_launch, stream_mm
 from eaglescope.models.draft import Eagle3Draft
 from eaglescope.models.drafts.llama import DraftAttention
 
-if triton is not None:
+if triton is not None:  # without it the kernels are not defined, and `available` keeps every caller off them
     import triton.language as tl
+
+    from eaglescope.fast.fused_decode import await_previous
+    from eaglescope.fast.fused_verify import _rows_rmsnorm_kernel, _rows_rope_cache_kernel, _rows_silu_mul_kernel
 
 if triton is not None:
 

@@ -45,7 +45,6 @@ from eaglescope.fast.fused_decode import (
     RopeRows,
     attention_limit,
     attention_scratch,
-    await_previous,
     flash_scratch,
     flash_scratch_fits,
     fused_attention,
@@ -59,8 +58,10 @@ from eaglescope.models.targets.llama import LlamaModel, attend
 
 log = logging.getLogger(__name__)
 
-if triton is not None:
+if triton is not None:  # without it the kernels are not defined, and `available` keeps every caller off them
     import triton.language as tl
+
+    from eaglescope.fast.fused_decode import await_previous
 
 MAX_ROWS = 64
 # (BLOCK_N, BLOCK_K, num_warps, num_stages[, swap]), from the 64-token sweep at 8B (fused-decode-check-20261129T144905

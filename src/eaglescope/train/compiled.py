@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from eaglescope.fast.layers import compile_layers
 from eaglescope.models.draft import Eagle3Draft
 from eaglescope.models.drafts.llama import DraftAttention
 from eaglescope.models.targets.llama import NativeTarget
@@ -33,6 +32,9 @@ from eaglescope.models.targets.llama import NativeTarget
 def compile_training(target, draft: Eagle3Draft) -> list[str]:
     """Compile `target`'s layers (a native target) and the draft's regions in place → what was compiled, by name.
     The modules keep their parameters and names (state dicts, checkpoints and DDP see the same modules)."""
+    # fast/ is the decoding fast path; imported here, where --compile asks for it, so the trainer never loads it
+    from eaglescope.fast.layers import compile_layers
+
     done = []
     if isinstance(target, NativeTarget):
         compile_layers(target.model.model.layers)

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from eaglescope.fast.invariant import triton
-
-if triton is not None:
+try:  # an optional accelerator: the trainer imports and runs without it, on the torch form of the loss
+    import triton
     import triton.language as tl
+except ImportError:
+    triton = None
 
 BLOCK = 4096  # columns per load: a 32,000-token row in 8 loads of 8 KB (bf16) per tensor
 WARPS = 8

@@ -3,15 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh
-# tests/vllm serve drafts in a real vLLM from its own cached environment (.venv-vllm: ~1.5 min and 3.4 GB the first
-# time, instant after). If it cannot be installed, its one error line is printed and those tests skip with it.
-bash scripts/vllm_env.sh >/dev/null || true
-# tests/sglang serve, capture and diagnose drafts in a real SGLang 0.5.23 (CPU torch, this project's stand-ins for its
-# CPU kernels) from its own cached environment (.venv-sglang: ~3 min and 3.4 GB the first time). The same rule.
-bash scripts/sglang_env.sh >/dev/null || true
-# tests/test_speculators.py converts drafts with vLLM's speculators library, in its own cached environment (it pins
-# another transformers): ~1.2 min and 1.5 GB the first time. The same rule: its one error line, then a skip.
-bash scripts/speculators_env.sh >/dev/null || true
+# The real engines are the suite's judges, each in its own cached environment: tests/vllm serve, capture and diagnose
+# drafts in vLLM's CPU build (.venv-vllm: ~1.5 min and 3.4 GB the first time, instant after), tests/sglang in SGLang
+# 0.5.23 (.venv-sglang: ~3 min and 3.4 GB), tests/test_speculators.py in vLLM's speculators library (~1.2 min,
+# 1.5 GB). A judge that cannot run fails the run: an environment that cannot be built stops here with its script's
+# one error line, and a suite that skips fails pytest's run (tests/suite_rules.py).
+bash scripts/vllm_env.sh >/dev/null
+bash scripts/sglang_env.sh >/dev/null
+bash scripts/speculators_env.sh >/dev/null
 ruff check src tests bench
 ruff format --check src tests bench
 set +e

@@ -18,6 +18,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # tests import their shared builders (models.py, …) as plain modules
 sys.path.insert(0, str(Path(__file__).parent))
 
+# A judge that cannot run fails the run: the only skips allowed, and the engine suites' counts (suite_rules.py)
+pytest_plugins = ["suite_rules"]
+
 # Triton kernels (the batch-invariant ones) run under Triton's interpreter on a machine without a GPU;
 # this must be set before any kernel is defined.
 if not torch.cuda.is_available():

@@ -1,5 +1,6 @@
 """The separate environments of the real engines the suite drives (scripts/vllm_env.sh, scripts/sglang_env.sh):
-finding one as its script left it, and turning "it is not there" into one skip reason for an engine's tests."""
+finding one as its script left it, and turning "it is not there" into one skip reason for an engine's tests. That
+reason is not one of suite_rules.ALLOWED_SKIPS, so a run in which an engine's suite skips fails, with that line."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 @dataclass(frozen=True)
 class EngineEnv:
     engine: str  # "vLLM", "SGLang": as the messages name it
-    key: str  # "VLLM", "SGLANG": EAGLESCOPE_<key>_PYTHON / _VENV / REQUIRE_<key>
+    key: str  # "VLLM", "SGLANG": EAGLESCOPE_<key>_PYTHON / _VENV
     venv: str  # the script's default directory, relative to the repository
     marker: str  # written by the script once the engine imported there
     failed: str  # the script's one-line error when it could not install the engine
@@ -40,7 +41,7 @@ class EngineEnv:
             return None, f"the {self.engine} environment at {venv} is incomplete: {why} (run `bash {self.script}`)"
         return str(venv / "bin" / "python"), ""
 
-    def probe(self, python: str, code: str, env: dict[str, str], timeout_s: float = 180) -> str:
+    def probe(self, python: str, code: str, env: dict[str, str], timeout_s: float = 900) -> str:
         """ "" when `python -c code` succeeds in `env`, else one line saying why (the output's last line)."""
         try:
             p = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, timeout=timeout_s)
@@ -51,30 +52,26 @@ class EngineEnv:
         lines = [ln.strip() for ln in (p.stderr or p.stdout).splitlines() if ln.strip()]
         return f"{self.engine} does not import in {python}: {lines[-1] if lines else f'exit code {p.returncode}'}"
 
-    def required(self) -> bool:
-        return os.environ.get(f"EAGLESCOPE_REQUIRE_{self.key}") == "1"
-
     def mark_unavailable(self, config: pytest.Config, items: list[pytest.Item], here: Path,
                          probe: Callable[[str], str]) -> tuple[str | None, str] | None:  # fmt: skip
-        """For the selected tests under `here`: (python, why not usable) after probing once; each of those tests
-        skipped with that reason unless EAGLESCOPE_REQUIRE_<KEY>=1. None when none of them was selected."""
+        """For the selected tests under `here`: (python, why not usable) after probing once; where it is not usable,
+        each of those tests skipped with that reason (which fails the run: suite_rules.py). None when none of them
+        was selected."""
         ours = [item for item in items if here in Path(item.path).resolve().parents]
         if not ours or config.option.collectonly:
             return None
         python, why = self.find_python()
         if python is not None:
             why = probe(python)
-        if why and not self.required():
+        if why:
             marker = pytest.mark.skip(reason=f"{self.engine} unavailable: {why}")
             for item in ours:
                 item.add_marker(marker)
         return python, why
 
     def python_or_fail(self, state: tuple[str | None, str]) -> str:
-        """The python `mark_unavailable` found; a failure where the tests were not skipped for lacking it
-        (EAGLESCOPE_REQUIRE_<KEY>=1)."""
+        """The python `mark_unavailable` found; a failure where there is none (a test that was not skipped for it)."""
         python, why = state
         if why or python is None:
-            pytest.fail(f"{self.engine} required (EAGLESCOPE_REQUIRE_{self.key}=1) but unavailable: {why}",
-                        pytrace=False)  # fmt: skip
+            pytest.fail(f"{self.engine} unavailable: {why}", pytrace=False)
         return python

@@ -6,7 +6,7 @@ options) for a Llama target, and an MLA draft (`train --draft-arch mla`) for a D
 
 vLLM lives in its own environment (scripts/vllm_env.sh). This module runs in eaglescope's and drives vLLM through
 tests/vllm/vllm_runner.py in one subprocess that serves every draft in turn. Without a usable vLLM every test here
-is skipped with one reason (conftest.py); EAGLESCOPE_REQUIRE_VLLM=1 makes that a failure instead.
+is skipped with one reason (conftest.py), which fails the run (tests/suite_rules.py).
 
 The target is a tiny Llama pretrained here on an order-2 Markov chain (x[t+2] is a permutation, chosen by x[t+1],
 of x[t]) and its drafts are trained briefly on the target's own continuations, so that they accept often but not

@@ -9,7 +9,13 @@ mode; then `eaglescope doctor --target --draft --trace --json` runs in a process
 included, the interpreter's start too) is what is reported, with the time each of its progress lines arrived.
 `--profile` also runs doctor in this process under cProfile and writes the table of each mode beside the JSON.
 Writes doctor-speed.json under DIR; prints one table last. --work keeps the checkpoints (the GPU tests read the same
-pair when EAGLESCOPE_GPU_WORK names that directory)."""
+pair when EAGLESCOPE_GPU_WORK names that directory).
+
+`--faults` also times doctor on traces of the same pair with one wiring mistake each, at that scale: every tap one
+layer late (the target's capture), fc skipped (the draft reads the first tap's columns), steps k>0 fed the target's
+features instead of the draft's own, and every verified row handed to the next round (stale rows); recorded by the
+reference decoder with tests/faults.py's plants, full mode, and the top finding doctor names for each is reported
+beside its time (a measurement: whether doctor names them is the CPU suite's claim, on engines it did not write)."""
 
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 PROMPT = ",".join(str((i * 7919) % 120000 + 100) for i in range(64))
 NEW = 48
+DEVICE = "cuda"
 
 
 def cli(argv: list[str], log: Path) -> dict:
@@ -92,6 +99,7 @@ def main() -> int:
     ap.add_argument("--profile-only", action="store_true", help="the in-process profiles only, no timed CLI doctor")
     ap.add_argument("--layers", type=int, default=32, help="fewer layers than 8B's 32 (a quicker look only)")
     ap.add_argument("--reuse-traces", action="store_true", help="traces already under --work are used as they are")
+    ap.add_argument("--faults", action="store_true", help="also time doctor on traces with named faults (see above)")
     args = ap.parse_args()
     from drafts import save_random_draft
     from models import LLAMA_8B, make_llama8b
@@ -143,13 +151,57 @@ def main() -> int:
         if args.profile or args.profile_only:
             r["in_process_profiled_s"] = profile_doctor(target, draft, trace, out / f"doctor-profile-{mode}.txt")
         save()
-    print(f"\n{'8B-shaped target, 64-token prompt, 48 new tokens':<52}{'rc':>4}{'wall s':>9}  healthy")
+    if args.faults:
+        res["faults"] = {}
+        for name, trace in fault_traces(target, draft, work).items():
+            argv = ["doctor", "--target", str(target), "--draft", str(draft), "--trace", str(trace), "--json"]
+            r = res["faults"][name] = cli(argv, work / f"doctor-{name}.log")
+            try:
+                top = (json.loads((work / f"doctor-{name}.log").read_text())["findings"] or [None])[0]
+                r["top"] = None if top is None else f"{top['code']}@{top['stage']} r{top['round']}"
+            except (json.JSONDecodeError, KeyError):
+                r["top"] = None
+            print(f"doctor {name}: rc {r['rc']}, {r['wall_s']} s, top {r['top']}", flush=True)
+            save()
+    print(f"\n{'8B-shaped target, 64-token prompt, 48 new tokens':<52}{'rc':>4}{'wall s':>9}  healthy / top finding")
     for mode, r in res["doctor"].items():
         if "wall_s" in r:
             print(f"{'eaglescope doctor --trace (' + mode + ')':<52}{r['rc']:>4}{r['wall_s']:>9.1f}  {r['healthy']}")
         if "in_process_profiled_s" in r:
             print(f"{'  in this process, under cProfile':<52}{'':>4}{r['in_process_profiled_s']:>9.1f}")
+    for name, r in res.get("faults", {}).items():
+        print(f"{'  fault: ' + name:<52}{r['rc']:>4}{r['wall_s']:>9.1f}  {r['top']}")
     return 0
+
+
+def fault_traces(target_dir: Path, draft_dir: Path, work: Path) -> dict[str, Path]:
+    """Full traces of the pair with one planted mistake each (tests/faults.py), recorded by the reference decoder."""
+    from faults import Setup, TapFault, aux_of_round, edit_trace, fault, record
+
+    from eaglescope.models.targets import load_target
+    from eaglescope.taps import TapContract
+
+    target = load_target(target_dir, device=DEVICE, dtype=torch.bfloat16)
+    setup = Setup(target, draft_dir, work, [int(x) for x in PROMPT.split(",")], target_dir)
+    H = target.hidden_size
+    late = TapFault(target, {j: ("hs", i + 1) for j, i in enumerate(TapContract.default(target.num_layers).layers)})
+    plants = {
+        "taps one layer late": dict(target=late),
+        "fc skipped": dict(proposer_cls=fault("features", lambda p, aux: aux[:, :H], 2)),
+        "steps k>0 fed target features": dict(
+            proposer_cls=fault("child_hidden", lambda p, h: p.features(p.pending_aux)[-1:].expand(h.shape[0], -1), 2)
+        ),
+    }
+    out = {}
+    for name, plant in plants.items():
+        trace = work / ("trace-" + name.replace(" ", "-").replace(">", "gt"))
+        out[name], _ = record(setup, trace, shape=(4, 4, 16), max_new_tokens=NEW, dtype=torch.bfloat16, **plant)
+    clean, _ = record(setup, work / "trace-reference-clean", shape=(4, 4, 16), max_new_tokens=NEW,
+                      dtype=torch.bfloat16)  # fmt: skip
+    out["every verified row handed on (stale)"] = edit_trace(clean, work / "trace-stale", aux_of_round(2))
+    del target, late
+    torch.cuda.empty_cache()
+    return out
 
 
 if __name__ == "__main__":

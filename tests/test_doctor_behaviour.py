@@ -115,7 +115,7 @@ def test_no_ttt_from_teacher_forced_acc_decay_and_contract():
     served = acc("eaglescope decoder", [0.6, 0.12, 0.05, 0.0, 0.0])
     predicted = acc("teacher-forced on data", [0.62, 0.2, 0.1, 0.05, 0.0], acc_k=[0.62, 0.15, 0.08, 0.05, 0.04])
     f = diagnose_behaviour(served, predicted, None, ttt_length=1).findings
-    assert codes(f) == ["NO_TTT"] and f[0].confidence >= 0.85
+    assert codes(f) == ["NO_TTT"] and f[0].weight >= 0.85 and f[0].support == "measured"
     assert f[0].evidence["collapse_predicted"]["ratio"] < ACC_COLLAPSE_RATIO
     assert "α_k" in f[0].verdict and "TTT length 1" in f[0].verdict
 
@@ -125,7 +125,7 @@ def test_no_ttt_is_less_certain_when_the_draft_was_trained_with_ttt():
     with_ttt = diagnose_behaviour(None, predicted, None, ttt_length=7).findings
     without = diagnose_behaviour(None, predicted, None, ttt_length=1).findings
     assert codes(with_ttt) == codes(without) == ["NO_TTT"]
-    assert with_ttt[0].confidence < without[0].confidence
+    assert with_ttt[0].weight < without[0].weight
 
 
 def test_engine_log_alone_with_ttt_length_1():
@@ -133,7 +133,7 @@ def test_engine_log_alone_with_ttt_length_1():
     assert codes(diagnose_behaviour(served, None, None, ttt_length=1).findings) == ["NO_TTT"]
     # trained with TTT, nothing to compare with: only a weak UNDERTRAINED that asks for --data
     f = diagnose_behaviour(served, None, None, ttt_length=7).findings
-    assert codes(f) == ["UNDERTRAINED"] and f[0].confidence < 0.5 and "--data" in f[0].fix
+    assert codes(f) == ["UNDERTRAINED"] and f[0].support == "suggested" and "--data" in f[0].fix
 
 
 def test_only_later_positions_falling_short_points_at_feedback():

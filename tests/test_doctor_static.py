@@ -150,7 +150,7 @@ def test_missing_vocab_map_on_reduced_vocab(target, tmp_path):
     model, contract = draft_for(target)
     d = rewrite(save_draft(model, contract, tmp_path / "d"), edit_sd=lambda sd: (sd.pop("d2t"), sd.pop("t2d")))
     findings, ctx = static_checks(target, d)
-    assert codes(findings) == ["VOCAB_MAP"] and findings[0].confidence == 1.0
+    assert codes(findings) == ["VOCAB_MAP"] and findings[0].support == "declared"
     assert ctx["vocab_map"]["has_d2t"] is False
 
 

@@ -94,7 +94,8 @@ def test_json_has_the_documented_keys_and_no_nan():
     d = json.loads(report_json(full_report()))  # allow_nan=False inside: NaN would raise
     assert d["healthy"] is False and [f["code"] for f in d["findings"]] == ["TAP_OFF_BY_ONE", "NO_TTT"]
     for f in d["findings"]:
-        assert {"code", "stage", "verdict", "evidence", "fix", "confidence", "round"} <= set(f)
+        assert {"code", "stage", "verdict", "evidence", "fix", "support", "round"} <= set(f)
+        assert "confidence" not in f and "weight" not in f  # evidence, never a probability
     assert d["codes"] == CODES and d["context"]["acceptance"]["served"]["alpha"][2] is None
 
 

@@ -452,7 +452,7 @@ def run_doctor_stage(cfg: DemoConfig, work: Path, target_dir: Path, draft_dir: P
     if report.healthy:
         _say("      healthy: no findings")
     for f in report.findings[:3]:
-        _say(f"      {f.code} ({f.confidence:.2f}): {f.verdict}")
+        _say(f"      {f.code} ({f.support}): {f.verdict}")
     for line in format_report(report).splitlines():  # the numbers behind the verdict, and what could not be judged
         if line.startswith(("served ", "expected ", "predicted ", "training ", "note: ")):
             _say(f"      {line}")

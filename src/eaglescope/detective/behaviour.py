@@ -55,7 +55,7 @@ from eaglescope.detective.findings import Finding
 SERVING_RATIO = 0.8
 # Against training's numbers alone (no --data) the reference counts every position as a round start and comes from
 # the training data: optimistic by up to ~2× on a correct server (the demo: 0.5-0.6×). Only a gap beyond that is
-# named, at low confidence.
+# named, as a suggestion.
 TRAINING_SERVING_RATIO = 0.45
 # Teacher-forced τ on --data below this fraction of training's held-out τ (same depth, same units, separated
 # intervals): the held-out split and new data of the same traffic differ by chance, which the intervals cover,
@@ -148,20 +148,20 @@ def diagnose_behaviour(
 def _no_ttt(ev: _Evidence) -> list[Finding]:
     """NO_TTT: the collapse shows in the teacher-forced numbers (so it is the draft, not the server)."""
     served, ttt_length = ev.served, ev.ttt_length
-    confidence = None
+    weight = None
     if ev.c_teacher is not None:
-        confidence = 0.6 + (0.1 if ev.c_served else 0.0) + (0.1 if ev.c_pred and ev.c_train else 0.0)
+        weight = 0.6 + (0.1 if ev.c_served else 0.0) + (0.1 if ev.c_pred and ev.c_train else 0.0)
     elif not informative(ev.predicted) and not informative(ev.training) and ttt_length == 1 and served is not None:
         # Nothing teacher-forced to look at: the contract's word and a low or collapsing served acceptance.
         tau = served.accept_length
         if ev.c_served is not None or (tau is not None and tau < LOW_TAU):
-            confidence = 0.4
-    if confidence is None:
+            weight = 0.4
+    if weight is None:
         return []
     if ttt_length == 1:
-        confidence += 0.2  # the contract says so: the strongest single piece of evidence
+        weight += 0.2  # the contract says so: the strongest single piece of evidence
     elif ttt_length is not None and ttt_length > 1:
-        confidence -= 0.25  # trained with TTT: the collapse needs another explanation too
+        weight -= 0.25  # trained with TTT: the collapse needs another explanation too
     src = ev.c_teacher or ev.c_served
     parts = []
     if src is not None:
@@ -185,7 +185,8 @@ def _no_ttt(ev: _Evidence) -> list[Finding]:
             "; ".join(parts) + ": the draft cannot read its own features after step 1",
             ev.shown | collapses,
             "retrain with training-time test (eaglescope train --ttt-length 7)",
-            confidence,
+            weight,
+            support="measured" if ev.c_teacher is not None else "suggested",
         )
     ]
 
@@ -245,7 +246,7 @@ def _undertrained(ev: _Evidence) -> list[Finding]:
             else "served acceptance is low and there is nothing to compare it with"
         )
         fix = "pass --data to tell an undertrained draft from a serving problem"
-        return [Finding("UNDERTRAINED", "behaviour", verdict, ev.shown, fix, 0.3)]
+        return [Finding("UNDERTRAINED", "behaviour", verdict, ev.shown, fix, 0.3, support="suggested")]
     return []
 
 
@@ -319,7 +320,10 @@ def _serving(
     extra = {"served_tau": t_s, "predicted_tau": t_r, "depth": depth, "comparison": cmp, "traffic": traffic_check,
              "agreement": agreement}  # fmt: skip
     fix = "record a trace of the serving engine and run eaglescope doctor --trace to find the stage"
-    return [Finding("SERVING_MISMATCH", where, f"{shown}; {qualifier}: {hint}", evidence | extra, fix, conf)], [], cmp
+    support = "measured" if conf >= 0.85 else "suggested"  # the same rounds, or simulated on the served traffic
+    finding = Finding("SERVING_MISMATCH", where, f"{shown}; {qualifier}: {hint}", evidence | extra, fix, conf,
+                      support=support)  # fmt: skip
+    return [finding], [], cmp
 
 
 def _tuple(x) -> tuple[float, float] | None:

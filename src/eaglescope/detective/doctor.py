@@ -8,7 +8,7 @@
                the engine's log) against teacher-forced α_k predicted on --data and training's acc_k
 
 Exit status: 0 healthy (no findings), 1 findings, 2 bad input (one line on stderr).
---json prints one object: {"healthy": bool, "findings": [{code, stage, verdict, evidence, fix, confidence,
+--json prints one object: {"healthy": bool, "findings": [{code, stage, verdict, evidence, fix, support,
 round, meaning}, ...most likely first], "context": {...}, "codes": {code: meaning}}.
 """
 
@@ -364,7 +364,7 @@ def format_report(report: DoctorReport) -> str:
         lines.append(f"NOT HEALTHY: {len(report.findings)} finding(s); most likely {top.code}")
     for i, f in enumerate(report.findings, 1):
         where = f.stage + (f" (round {f.round})" if f.round is not None else "") if f.stage else "-"
-        lines.append(f"{i}. {f.code}  [{where}, confidence {f.confidence:.2f}]")
+        lines.append(f"{i}. {f.code}  [{where}, {f.support}]")
         lines.append(f"   {f.verdict}")
         lines.append(f"   fix: {f.fix}")
     if (c := contract_line(report.context.get("static") or {})) is not None:

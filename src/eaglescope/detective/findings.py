@@ -1,8 +1,11 @@
 """What `doctor` says: a Finding (one named cause with evidence and a fix) and the registry of stable codes.
 
-Codes are part of the --json interface: never rename one, only add. ``rank`` orders findings most likely
-first: by confidence, then by where in the pipeline the finding first shows (an earlier stage explains
-the later ones).
+Codes are part of the --json interface: never rename one, only add. Each finding says how it is supported
+(SUPPORT: what kind of evidence names it), never a probability: doctor has no population of real incidents on which a
+probability could be calibrated (docs/doctor-calibration.md counts how often each code and each kind of support was
+right on faults made in engines doctor did not write). ``rank`` orders findings: by an internal ranking weight (the
+kind of support and how cleanly the evidence separates the cause from the clean path and from the other causes),
+then by where in the pipeline the finding first shows (an earlier stage explains the later ones).
 """
 
 from __future__ import annotations
@@ -52,6 +55,18 @@ CODES: dict[str, str] = {
     "no decode round: what it does not hold cannot be judged healthy",
 }
 
+# How a finding is supported: what a reader can check, strongest kind first.
+SUPPORT: dict[str, str] = {
+    "declared": "the files say so: a checkpoint's config, the draft's contract or vocabulary map, read as written",
+    "reproduced": "re-running the golden path with this mistake reproduces the trace at its first divergent stage, "
+    "and the clean path does not",
+    "fitted": "a general form of the mistake, fitted to the observation, reproduces it where no specific one did",
+    "measured": "acceptance measured on both sides (served, teacher-forced, training) with separated intervals",
+    "suggested": "a weaker pattern: one source of acceptance only, or a label (the contract's TTT length) that "
+    "the behaviour fits",
+    "unexplained": "the trace diverges from the golden replay and no named mistake reproduces it",
+}
+
 # Where a finding can first show, earliest first: "static" before anything that runs, then the trace's stages in
 # the order a round makes them, "behaviour" last. A per-layer fingerprint is evidence, never a finding's stage: those
 # families rank with "behaviour", as unknown families do.
@@ -74,19 +89,35 @@ class Finding:
     verdict: str  # one line
     evidence: dict  # numbers (JSON-able)
     fix: str  # one line
-    confidence: float = 1.0  # ranking key, 0..1
+    weight: float = 1.0  # internal ranking weight, 0..1: orders findings, is not a probability and is not shown
     round: int | None = None  # trace round where it first shows
+    support: str | None = None  # a key of SUPPORT; by default from the stage (static: declared, trace: reproduced)
 
     def __post_init__(self) -> None:
         if self.code not in CODES:
             raise ValueError(f"unknown finding code {self.code!r}; add it to CODES")
-        self.confidence = float(min(max(self.confidence, 0.0), 1.0))
+        self.weight = float(min(max(self.weight, 0.0), 1.0))
+        if self.support is None:
+            self.support = _default_support(self.code, self.stage)
+        if self.support not in SUPPORT:
+            raise ValueError(f"unknown support {self.support!r}; one of {', '.join(SUPPORT)}")
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        del d["weight"]
         d["evidence"] = _jsonable(self.evidence)
         d["meaning"] = CODES[self.code]
         return d
+
+
+def _default_support(code: str, stage: str | None) -> str:
+    if code == "DIVERGENCE_UNEXPLAINED":
+        return "unexplained"
+    if stage == "static" or code == "TRACE_INCOMPLETE":  # TRACE_INCOMPLETE: what the trace itself says
+        return "declared"
+    if stage == "behaviour":
+        return "measured"
+    return "reproduced"
 
 
 def _jsonable(x):
@@ -105,10 +136,10 @@ def _jsonable(x):
 
 
 def rank(findings: list[Finding]) -> list[Finding]:
-    """Most likely first: confidence descending, then earliest trace stage, then earliest round."""
+    """Most likely first: ranking weight descending, then earliest trace stage, then earliest round."""
     return sorted(
         findings,
-        key=lambda f: (-f.confidence, stage_rank(f.stage), f.round if f.round is not None else -1),
+        key=lambda f: (-f.weight, stage_rank(f.stage), f.round if f.round is not None else -1),
     )
 
 

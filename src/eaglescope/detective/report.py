@@ -311,13 +311,13 @@ _PAGE = """<!doctype html>
 {% endfor %}</p>{% endif %}
 {% if healthy %}<div class="banner ok"><b>Healthy</b>: no findings.</div>
 {% else %}{% set top = findings[0] %}<div class="banner bad"><b>{{ top.code }}</b> — {{ top.verdict }}
-<br><span class="muted">fix: {{ top.fix }} · stage {{ top.stage }} · confidence {{ "%.2f"|format(top.confidence) }}
+<br><span class="muted">fix: {{ top.fix }} · stage {{ top.stage }} · support: {{ top.support }}
 · {{ findings|length }} finding(s)</span></div>{% endif %}
 {% if findings %}<h2>Findings (most likely first)</h2><table><tr><th>#</th><th>code</th><th>stage</th>
-<th>confidence</th><th>verdict</th><th>fix</th><th>evidence</th></tr>
+<th>support</th><th>verdict</th><th>fix</th><th>evidence</th></tr>
 {% for f in findings %}<tr><td>{{ loop.index }}</td><td><b>{{ f.code }}</b><br>
 <span class='muted'>{{ f.meaning }}</span></td><td><code>{{ f.stage }}</code></td>
-<td>{{ "%.2f"|format(f.confidence) }}</td><td>{{ f.verdict }}</td>
+<td>{{ f.support }}</td><td>{{ f.verdict }}</td>
 <td>{{ f.fix }}</td><td class='ev'>{{ f.evidence }}</td></tr>
 {% endfor %}</table>{% endif %}
 {% if acceptance %}<h2>Acceptance</h2><table><tr><th></th><th>source</th><th>τ [95%]</th><th>α_k</th>

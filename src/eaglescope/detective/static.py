@@ -37,7 +37,7 @@ DEFAULT_ENGINES = ("sglang", "vllm")
 EMBED_REL_TOL = 1e-2
 # An all-zero d2t on a reduced vocabulary is legitimate only if the first N ids happen to be the N most
 # frequent; that is rare enough (byte/special tokens come first in BPE vocabularies) to call it likely lost.
-IDENTITY_MAP_CONFIDENCE = 0.8
+IDENTITY_MAP_WEIGHT = 0.8
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -100,6 +100,7 @@ def check_contract(contract: DraftContract, fp: TargetFingerprint, fc_in: int) -
             {"differs": diffs, "recorded": rec.to_dict() if rec else None, "target": fp.to_dict()},
             "serve the draft with the target it was trained on, or retrain it on this target",
             conf,
+            support="declared",
         )
     ]
 
@@ -123,6 +124,7 @@ def check_template(contract: DraftContract, fp: TargetFingerprint) -> list[Findi
             {"trained_sha256": rec, "target_sha256": fp.chat_template_sha256},
             "re-render (eaglescope prepare) and retrain with the serving template, or serve with the trained one",
             0.6 if missing else 0.9,
+            support="declared",
         )
     ]
 
@@ -184,11 +186,13 @@ def check_engines(
         if ids is not None and not right_for and cap is not None and len(cap) == len(taps.layers):
             code = "TAP_OFF_BY_ONE" if all(abs(c - t) <= 1 for c, t in zip(cap, taps.layers)) else "TAP_WRONG_LAYER"
             findings.append(Finding(code, "target.aux", verdict + f"; no engine reads these ids as the {which} taps",
-                                    evidence, fix, conf))  # fmt: skip
+                                    evidence, fix, conf, support="declared"))  # fmt: skip
             continue
         if right_for:
             verdict += f"; these ids are {' and '.join(right_for)}'s convention"
-        findings.append(Finding("ENGINE_TAP_CONVENTION", "target.aux", verdict, evidence, fix, conf))
+        findings.append(
+            Finding("ENGINE_TAP_CONVENTION", "target.aux", verdict, evidence, fix, conf, support="declared")
+        )
     return findings, {"config_ids": ids, **captures}
 
 
@@ -210,7 +214,11 @@ def check_vocab_map(hf_config: dict, sd: dict[str, torch.Tensor]) -> tuple[list[
     if lm_rows is not None and lm_rows != N:
         info["lm_head_rows"] = lm_rows
         v = f"lm_head has {lm_rows} rows but config.json says draft_vocab_size={N}"
-        return [Finding("VOCAB_MAP", "draft.step0.topk", v, info, "make draft_vocab_size match lm_head", 1.0)], info
+        return [
+            Finding(
+                "VOCAB_MAP", "draft.step0.topk", v, info, "make draft_vocab_size match lm_head", 1.0, support="declared"
+            )
+        ], info
     if "d2t" not in sd or "t2d" not in sd:
         if not reduced:
             return [], info | {"kind": "identity (full vocabulary)"}
@@ -218,13 +226,23 @@ def check_vocab_map(hf_config: dict, sd: dict[str, torch.Tensor]) -> tuple[list[
             f"the draft predicts {N} of {V} tokens but the checkpoint has no d2t/t2d: engines map draft id i to "
             f"target id i, so most drafted tokens are wrong"
         )
-        return [Finding("VOCAB_MAP", "draft.step0.topk", v, info, fix, 1.0)], info
+        return [Finding("VOCAB_MAP", "draft.step0.topk", v, info, fix, 1.0, support="declared")], info
     d2t, t2d = sd["d2t"].long(), sd["t2d"].bool()
     try:
         validate_vocab_map(d2t, t2d, V, N)
     except EagleScopeError as e:
         info["error"] = str(e)
-        return [Finding("VOCAB_MAP", "draft.step0.topk", f"the vocabulary map is invalid: {e}", info, fix, 1.0)], info
+        return [
+            Finding(
+                "VOCAB_MAP",
+                "draft.step0.topk",
+                f"the vocabulary map is invalid: {e}",
+                info,
+                fix,
+                1.0,
+                support="declared",
+            )
+        ], info
     zeros = bool((d2t == 0).all())
     info["d2t_all_zero"] = zeros
     if reduced and zeros:
@@ -232,7 +250,7 @@ def check_vocab_map(hf_config: dict, sd: dict[str, torch.Tensor]) -> tuple[list[
             f"d2t is all zeros on a reduced vocabulary: draft ids map to the first {N} of {V} target ids, which is"
             " what a lost map looks like"
         )
-        return [Finding("VOCAB_MAP", "draft.step0.topk", v, info, fix, IDENTITY_MAP_CONFIDENCE)], info
+        return [Finding("VOCAB_MAP", "draft.step0.topk", v, info, fix, IDENTITY_MAP_WEIGHT, support="declared")], info
     return [], info
 
 
@@ -261,6 +279,7 @@ def check_embedding(sd: dict[str, torch.Tensor], target_dir: Path) -> tuple[list
             info,
             "re-export without --with-embedding, or with the target's own embedding (eaglescope export --target)",
             0.95,
+            support="declared",
         )
     ], info
 
@@ -283,7 +302,7 @@ def check_layer(hf_config: dict, sd: dict[str, torch.Tensor], engines: tuple[str
         cfg_says, weights_are = names if says_mla else names[::-1]
         v = f"config.json names a {cfg_says} draft layer, but the weights are a {weights_are} layer"
         fix = "serve the checkpoint with the config it was trained with (export it again with eaglescope export)"
-        findings.append(Finding("DRAFT_ARCH_MISMATCH", "static", v, info, fix, 1.0))
+        findings.append(Finding("DRAFT_ARCH_MISMATCH", "static", v, info, fix, 1.0, support="declared"))
         return findings, info
     flags = {"norm_before_fc": bool((hf_config.get("eagle_config") or {}).get("norm_before_fc",
                                                                                 hf_config.get("norm_before_fc"))),
@@ -293,7 +312,17 @@ def check_layer(hf_config: dict, sd: dict[str, torch.Tensor], engines: tuple[str
             v = (f"the weights hold {weight} but config.json does not set {flag}: an engine skips that norm"
                  if weight in sd else f"config.json sets {flag} but the weights hold no {weight}")  # fmt: skip
             fix = f"set {flag} as trained (eaglescope export writes it where vLLM and SGLang read it)"
-            findings.append(Finding("EAGLE31_IGNORED", "draft.fc.out", v, {"flag": flag, "weight": weight}, fix, 0.95))
+            findings.append(
+                Finding(
+                    "EAGLE31_IGNORED",
+                    "draft.fc.out",
+                    v,
+                    {"flag": flag, "weight": weight},
+                    fix,
+                    0.95,
+                    support="declared",
+                )
+            )
     try:
         c = DraftConfig.from_hf_config(hf_config, fc_in=int(sd["fc.weight"].shape[1]))
     except EagleScopeError:
@@ -304,7 +333,11 @@ def check_layer(hf_config: dict, sd: dict[str, torch.Tensor], engines: tuple[str
         if ignored:
             v = f"{engine} ignores this draft's {', '.join(ignored)}: it drafts with another function than trained"
             fix = "serve it with an engine (version) that implements the option, or retrain without it"
-            findings.append(Finding("EAGLE31_IGNORED", "static", v, {"engine": engine, "ignores": ignored}, fix, 0.9))
+            findings.append(
+                Finding(
+                    "EAGLE31_IGNORED", "static", v, {"engine": engine, "ignores": ignored}, fix, 0.9, support="declared"
+                )
+            )
     return findings, info
 
 

@@ -5,7 +5,7 @@ the wiring first goes wrong (later stages inherit the error, so they are not dia
 stage each named hypothesis is a *re-run of the golden path with that one mistake*: it builds the
 tensor the mistake would have produced there (from the replay's own tensors, or by replaying again
 with the mistake in the proposer). A cause is named only if its tensor reproduces the trace's at the
-first divergent stage (within tolerance) while the clean path's does not; its confidence comes from
+first divergent stage (within tolerance) while the clean path's does not; its ranking weight comes from
 that test (how much closer the mistake gets than the clean path and than the next-best other cause).
 A divergence no hypothesis reproduces is reported as DIVERGENCE_UNEXPLAINED at that stage, with the
 rows that differ, by how much, and the stages the trace would need to locate it better.

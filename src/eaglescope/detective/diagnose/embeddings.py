@@ -215,7 +215,7 @@ def _other_table_hypotheses(ev: Evidence, rnd: int, stage: str, observed, gold: 
             "embeds it the same way each time)",
             fix,
             no_token_of_the_table,
-            max_confidence=0.6,
+            max_weight=0.6,
         )
     ]
 

@@ -136,7 +136,7 @@ def _relabelling(ev: Evidence, stage: str, rnd: int, head: Head, obs: dict) -> H
         tier=1,
         evidence={"draft_ids_seen": len(seen), "placed_from_ties": len(f) - len(seen), "seen_more_than_once": repeated},
         # fitted to what was seen: as sure as the draft ids that recurred with the same target id make it
-        max_confidence=0.6 + 0.35 * min(1.0, repeated / 5),
+        max_weight=0.6 + 0.35 * min(1.0, repeated / 5),
     )
 
 

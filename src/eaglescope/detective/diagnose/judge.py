@@ -27,16 +27,17 @@ class Hypothesis:
     tier: int = 0
     evidence: dict = field(default_factory=dict)
     # A hypothesis that is only what remains once the others are ruled out (nothing to reproduce the tensor from)
-    # is capped lower than one whose tensor was reproduced.
-    max_confidence: float = 0.95
+    # ranks below one whose tensor was reproduced, and says it was fitted.
+    max_weight: float = 0.95
 
 
 def judge(
     ev: Evidence, stage: str, rnd: int, clean: Cmp, hypotheses: list[Hypothesis], extra: dict | None = None
 ) -> list[Finding]:
     """The finding of the hypothesis that reproduces the observation best, if any does while the clean path does
-    not. Confidence 0.5-0.95: 0.5 + 0.45 x how far below both the clean path's score and the best other code's
-    score the hypothesis's is (1 - best/other; an exact reproduction against a clear divergence gives 0.95)."""
+    not. Its evidence's `margin` is how far below both the clean path's score and the best other code's score the
+    hypothesis's is (1 - best/other: 1 for an exact reproduction against a clear divergence); its ranking weight is
+    0.5 + 0.45 x margin, capped for a fitted form."""
     if clean.match:
         return []
     scores: dict[str, float | None] = {}
@@ -59,12 +60,14 @@ def judge(
     seps = [1.0 - best_score / max(clean.score or math.inf, 1e-12)]
     if others:
         seps.append(1.0 - best_score / max(min(others), 1e-12))
-    confidence = min(0.5 + 0.45 * max(0.0, min(seps)), best.max_confidence)
+    margin = max(0.0, min(seps))
+    weight = min(0.5 + 0.45 * margin, best.max_weight)
     evidence = {
         "reproduced_by": best.name,
         "score": best_score,
         "clean_score": clean.score,
         "clean_error": clean.err,
+        "margin": margin,
         "rows": clean.bad_rows[:16],
         "scores": scores,
         **best.evidence,
@@ -75,7 +78,8 @@ def judge(
         evidence["equally_reproduced_by"] = [h.name for h in alike]
         verdict += "; or, reproducing the trace as well: " + "; ".join(h.verdict for h in alike)
         verdict += " (this trace cannot tell them apart)"
-    return [Finding(best.code, stage, verdict, evidence, best.fix, confidence, rnd)]
+    support = "fitted" if best.tier == 1 or best.max_weight < 0.95 else "reproduced"
+    return [Finding(best.code, stage, verdict, evidence, best.fix, weight, rnd, support)]
 
 
 def tensor_hypothesis(ev: Evidence, observed, code, name, verdict, fix, candidate, **evidence) -> Hypothesis:

@@ -87,7 +87,7 @@ def diagnose_positions(ev: Evidence, rnd: int, stage: str, observed, step: int, 
     for f in found:
         if f.evidence.get("hidden_out_reproduced") is False:
             f.verdict += f"; re-run with that offset, step {step}'s output still differs (the engine's cache moved too)"
-            f.confidence = min(f.confidence, 0.7)
+            f.weight = min(f.weight, 0.7)
     return found
 
 

@@ -80,9 +80,10 @@ def _taps_held(ev: Evidence, rnd: int, where: str, expected: list[int], segs: li
         "reproduced_by": "the segments holding " + ", ".join(str(f) for f in found),
         "score": max((m for m, _ in wrong), default=None),
         "clean_score": min((c for _, c in wrong), default=None),
+        "margin": max(0.0, min(seps)) if seps else None,
     }
-    confidence = 0.5 + 0.45 * max(0.0, min(seps)) if seps else 0.5
-    return _classify_taps(where, expected, found, evidence, rnd, confidence)
+    weight = 0.5 + 0.45 * evidence["margin"] if seps else 0.5
+    return _classify_taps(where, expected, found, evidence, rnd, weight)
 
 
 def handed_taps(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]:
@@ -151,7 +152,7 @@ _FIX_CONVENTION = (
 
 
 def _classify_taps(
-    stage: str, expected: list[int], found: list[str | None], evidence: dict, rnd: int, confidence: float
+    stage: str, expected: list[int], found: list[str | None], evidence: dict, rnd: int, weight: float
 ) -> Finding:
     """Name the capture mistake from what each segment holds (found: "hs<i>", "normed<i>", "final" or None)."""
     named = _tap_mistake(stage, expected, found)
@@ -164,7 +165,7 @@ def _classify_taps(
             "compare the engine's capture code with the contract",
         )
     code, verdict, fix = named
-    return Finding(code, stage, verdict, evidence, fix, confidence, rnd)
+    return Finding(code, stage, verdict, evidence, fix, weight, rnd)
 
 
 def _tap_mistake(stage: str, expected: list[int], found: list[str | None]) -> tuple[str, str, str] | None:

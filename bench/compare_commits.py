@@ -4,7 +4,7 @@ versions of the package on one target, draft and prompt set.
 Greedy speculative decoding is deterministic: for the same models and prompts, a version that runs the same round
 gives the same rounds, the same tokens accepted at each depth and the same outputs, to the last digit; the speed may
 differ, nothing else may. That separates a change of the round from the run-to-run spread of a protocol that trains
-its draft under a time budget (bench/README.md, "The README's protocol").
+its draft under a time budget (bench/README.md, "The protocol").
 
     python bench/compare_commits.py --version before=1ec097a --version after=HEAD \
         --target T --draft D --prompts P.jsonl [--method tree=6,1,7 ...] [--device cuda] [--out DIR]

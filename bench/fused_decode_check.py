@@ -60,7 +60,7 @@ from eaglescope.fast.tuning import load_tuning  # noqa: E402
 
 def grid(smoke: bool) -> list[tuple[int, ...]]:
     """(BLOCK_N, BLOCK_K, warps[, stages]). The one-wave products (q/k/v, o) are latency-bound at 512-wide K tiles
-    (NOTES v10: 73-78% of copy): the wide tiles (2048-4096, a whole 8B row in one or two loads) keep more bytes
+    (73-78% of copy at 8B on an H200): the wide tiles (2048-4096, a whole 8B row in one or two loads) keep more bytes
     in flight per program; the 4-tuples try Triton's software pipelining of the K loop."""
     if smoke:
         return [(2, 32, 1), (4, 64, 2), (2, 64, 1, 2)]
@@ -463,7 +463,7 @@ def sweep_flash(ft: FastTarget, ctx: int, vocab: int, smoke: bool, res: dict, sa
     # stay in L2 between repetitions, while in a verify 15 GB of weights pass between one layer's attention and the
     # next, so K/V come from memory, and a launch is judged where it runs (the replayed round's flash attention took
     # 9.05 µs a layer against 6.8 here; on an H200 the split walks lost inside the verify too:
-    # fused-decode-check-20261205T150136.json, bench/NOTES.md version 26a)
+    # fused-decode-check-20261205T150136.json)
     rows = tuple(T for T in cases)
     finalists = list(dict.fromkeys([FLASH_LAUNCH, best[:4]] + [best[:4] + (n,) for n in flash_splits(smoke)]))
     finalists = [f for f in finalists if f == FLASH_LAUNCH or all(math.isfinite(x) for x in timed[f].values())]

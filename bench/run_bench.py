@@ -1113,8 +1113,8 @@ def _draft_8b(rf: _Roofline, compiled: bool, mm_attn: bool) -> Eagle3Draft:
     draft = random_draft(rf.model, rf.dtype)
     # A random head spreads its logits thinly (std ~1.3 at 8B), so every child scores about -6 and the tree's best
     # nodes by cumulative score stop at depth 3: a replayed acceptance of 4-6 was cut to 3 (41 of 70 rounds on an
-    # H100, bench/README.md). A trained draft is confident. Logits ~20 wide give the top child ~0.98, so the trees
-    # reach the shape's depth. The products and kernels are the same; only the values change.
+    # H100, bench/results/HISTORY.md). A trained draft is confident. Logits ~20 wide give the top child ~0.98, so the
+    # trees reach the shape's depth. The products and kernels are the same; only the values change.
     with torch.no_grad():
         draft.lm_head.weight.normal_(0, REPLAY_LOGIT_STD / math.sqrt(draft.config.hidden_size))
     # autotuning every kernel of the draft layer and the tree builder costs minutes; it paid only for the products
@@ -1339,8 +1339,8 @@ def _config(args) -> dict:
 
 
 # what nvidia-smi reports of the GPU's state (clocks in MHz, power in W, temperature in C): the same code's η has
-# differed by ~0.01 between machines (bench/README.md, "Results (2026-12-06 midday)"), and a clock or power cap is
-# the first thing to rule out; read only, the clocks are left as they are
+# differed by ~0.01 between machines (bench/results/HISTORY.md, "Results (2026-12-06 midday)"), and a clock or power
+# cap is the first thing to rule out; read only, the clocks are left as they are
 GPU_STATE_FIELDS = ("pstate", "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem", "power.draw",
                     "power.limit", "temperature.gpu", "clocks_event_reasons.active")  # fmt: skip
 

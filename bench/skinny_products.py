@@ -4,7 +4,7 @@
 
 Why: a round at 8B is the 24-row verify and six 4-row draft levels, and both are weight streams. cuBLAS reads the
 big products (gate/up, the heads) near the copy bandwidth but the narrow ones (q/k/v: 96 column tiles of 64 for 132
-SMs; o; down) well under it (bench/NOTES.md, "Diagnosis: where a round's time is not the weights"). This times, for
+SMs; o; down) well under it, so the round's time is not all weight reads. This times, for
 each product, every way the fast path can run it or might: cuBLAS, cuBLASLt, `split_k_mm` (float32 partials over K
 for the next kernel to sum, where one does), the target's 128k head also on the fused verify's own
 `_rows_gemm_kernel`, and fast.stream_mm (weight tiles by TMA, the tensor-memory accelerator: one thread asks

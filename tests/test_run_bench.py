@@ -2,7 +2,7 @@
 same code (corpus, target, `eaglescope prepare`/`train`, every decoding row, the transformers rows, the roofline).
 
 A GPU call is scarce; a protocol that broke in a refactor would cost one. Here the whole run, then its roofline
-again replaying the first run's acceptance, is checked for what the README's table claims: each eaglescope row's
+again replaying the first run's acceptance, is checked for what the results tables claim: each eaglescope row's
 outputs equal vanilla greedy's, η is speedup over τ, and the replayed rounds are the ones the acceptance forces."""
 
 from __future__ import annotations

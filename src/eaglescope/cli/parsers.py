@@ -322,7 +322,8 @@ def add_demo(sub) -> None:
         "--time-budget",
         type=float,
         default=None,
-        help="seconds pretraining may take before its schedule is shortened (default 420; 0 = no cap)",
+        help="cap pretraining at this many seconds, its schedule shortened to fit (default: no cap, every step "
+        "runs; 0 = no cap)",
     )
     p.set_defaults(func="eaglescope.cli.demo:cmd_demo")
 

@@ -67,6 +67,172 @@ SUPPORT: dict[str, str] = {
     "unexplained": "the trace diverges from the golden replay and no named mistake reproduces it",
 }
 
+
+@dataclass(frozen=True)
+class CodeGuide:
+    """What a reader of a finding needs beyond its one-line meaning (CODES)."""
+
+    evidence: str  # which check names the code, and from what input
+    fix: str  # the usual fix; each finding's own `fix` says it for the case at hand
+
+
+_CONVENTION_FIX = (
+    "check the tap contract against the engine's layer-id convention: `eaglescope inspect DRAFT` shows what SGLang "
+    "and vLLM will capture, and `eaglescope export --to ENGINE` writes ids that engine reads as the trained taps"
+)
+
+# code -> what evidence names it and the usual fix. docs/doctor-codes.md is generated from CODES and this table
+# (python -m eaglescope.detective.codes_doc); tests/test_doctor_codes_doc.py fails when the two differ, or when a
+# code has no entry here.
+GUIDE: dict[str, CodeGuide] = {
+    "TAP_OFF_BY_ONE": CodeGuide(
+        "trace: each target.aux segment equals the golden replay's tap (or the engine's own per-layer fingerprint) at "
+        "most one layer from the contract's; static: the served config's layer ids make the engine capture such "
+        "taps, and no engine's convention reads those ids as the trained taps",
+        _CONVENTION_FIX + " (SGLang adds +1 to explicit ids, vLLM does not)",
+    ),
+    "TAP_WRONG_LAYER": CodeGuide(
+        "trace: a target.aux segment equals another layer's hidden state, or the target's final normed state; "
+        "static: the served layer ids make the engine capture layers more than one away from the trained taps",
+        _CONVENTION_FIX,
+    ),
+    "TAP_ORDER": CodeGuide(
+        "trace: every target.aux segment equals one of the contract's taps, but not in the contract's order",
+        "concatenate the taps from low to high layer, as the draft was trained",
+    ),
+    "TAP_EMBEDDING": CodeGuide(
+        "trace: a target.aux segment is the embedding output (tap 0) where the contract has a layer, or a layer's "
+        "input where the contract has the embedding",
+        _CONVENTION_FIX,
+    ),
+    "TAP_NORMED": CodeGuide(
+        "trace: a target.aux segment equals the RMS-normed input of a layer (a full replay, or the trace's "
+        "target.layer.<i>.normed fingerprints) instead of the raw residual stream",
+        "capture the hidden state entering the layer, before its input_layernorm",
+    ),
+    "FC_SKIPPED": CodeGuide(
+        "trace: draft.fc.out or the first step's hidden_in equals the raw concatenated taps (or one raw tap) the "
+        "fc projection should have read; with per-layer fingerprints, target.aux equal to the final normed state "
+        "(EAGLE-2 wiring)",
+        "apply fc to the concatenated taps before the first draft step",
+    ),
+    "FC_REPEATED": CodeGuide(
+        "trace: draft.fc.out, or a later step's hidden_in, equals fc applied to features that were already projected",
+        "apply fc once, to the target's concatenated taps only, at step 0",
+    ),
+    "FEEDBACK_TARGET_FEATURES": CodeGuide(
+        "trace: draft.step<k>.hidden_in for k > 0 equals the root's fc output or a raw tap of the target, not the "
+        "previous step's hidden_out",
+        "after step 0, feed the draft its own pre-norm output, not the target's hidden states",
+    ),
+    "FEEDBACK_POSTNORM": CodeGuide(
+        "trace: draft.step<k>.hidden_in for k > 0 equals the previous step's output after the draft's final norm",
+        "feed the next step the pre-norm output (unless the draft was trained with norm_output: then EAGLE31_NORM)",
+    ),
+    "STALE_ACCEPTED": CodeGuide(
+        "trace: next.hidden_in holds every tree position, the first rows in tree order, or the previous round's "
+        "features, where the replay keeps the root and the accepted nodes",
+        "feed hidden_states[accepted_indices] (root + accepted nodes) to the next draft pass",
+    ),
+    "POSITION_OFFSET": CodeGuide(
+        "trace: re-running the golden draft with its RoPE positions shifted by d reproduces the traced hidden_out "
+        "(or draft.step<k>.positions differ from the committed cache's by d)",
+        "draft step k uses position (feature position + k), continuing the committed cache",
+    ),
+    "SHIFT_OFF_BY_ONE": CodeGuide(
+        "trace: the first step's token inputs pair each feature with another token than the next one, or the "
+        "features handed to the next round are those of the emitted tokens' own positions",
+        "pair the features at position t with the embedding of token t+1",
+    ),
+    "EMBEDDING_MISMATCH": CodeGuide(
+        "static: the draft saves an embedding that differs from the target's (vLLM drafts with a saved one); "
+        "trace: draft.step<k>.embed_in differs from the target's embedding while the engine embeds each token alike "
+        "wherever it recurs",
+        "ship no embedding (the target's is shared), or the target's own: eaglescope export --target TARGET",
+    ),
+    "VOCAB_MAP": CodeGuide(
+        "static: d2t/t2d missing, identity on a reduced vocabulary, invalid, or not the size of lm_head; trace: the "
+        "draft's tokens reached the target through a wrong map (d2t not applied, applied twice, read a row off)",
+        "map draft ids with target_id = draft_id + d2t[draft_id] and ship d2t/t2d with the checkpoint (eaglescope "
+        "train writes them)",
+    ),
+    "LM_HEAD_MAP_MISALIGNED": CodeGuide(
+        "trace: the draft's own ranking, read through another valid vocabulary map, reproduces the traced tokens; "
+        "each draft id seen always went to one target id",
+        "serve the d2t/t2d the draft was trained with, not a regenerated hot-token map; if the map must change, "
+        "retrain lm_head with it",
+    ),
+    "DRAFT_FINAL_NORM_SKIPPED": CodeGuide(
+        "trace: the draft's tokens are reproduced by lm_head applied to the layer's output without the final norm",
+        "apply the draft's norm (norm.weight) before lm_head",
+    ),
+    "EAGLE31_NORM": CodeGuide(
+        "trace: hidden_in or fc.out is reproduced only with an EAGLE 3.1 norm skipped, added, or read in the other "
+        "meaning (norm_output as 'norm before lm_head', an older SpecForge's)",
+        "serve the EAGLE 3.1 options as config.json states them, with an engine version that implements them",
+    ),
+    "EAGLE31_IGNORED": CodeGuide(
+        "static: the weights hold an EAGLE 3.1 norm that config.json does not set (or the reverse), or the named "
+        "engine does not implement one of the draft's options; trace: logits not multiplied by logit_scale",
+        "set the option as trained (eaglescope export writes it where vLLM and SGLang read it), or serve with an "
+        "engine version that implements it",
+    ),
+    "DRAFT_ARCH_MISMATCH": CodeGuide(
+        "static: config.json names a Llama-attention draft layer and the weights are MLA's, or the reverse",
+        "serve the checkpoint with the config it was trained with (export it again with eaglescope export)",
+    ),
+    "ENGINE_TAP_CONVENTION": CodeGuide(
+        "static: the engine reads the checkpoint's layer ids (or their absence) as other taps than the trained "
+        "ones, and the ids are another engine's convention for the trained taps",
+        "eaglescope export --draft DRAFT --to ENGINE --out DIR writes ids that engine reads as the trained taps",
+    ),
+    "TEMPLATE_MISMATCH": CodeGuide(
+        "static: the chat template's sha256 recorded in the draft's contract differs from the target's (or the "
+        "target has none)",
+        "re-render (eaglescope prepare) and retrain with the serving template, or serve with the trained one",
+    ),
+    "CONTRACT_MISMATCH": CodeGuide(
+        "static: the target's fingerprint (layers, hidden and vocabulary size, architecture, tokenizer hash) differs "
+        "from the one in the draft's contract, or the draft's fc is not as wide as its taps on this target",
+        "serve the draft with the target it was trained on, or retrain it on this target",
+    ),
+    "NO_TTT": CodeGuide(
+        "behaviour: α_1 healthy and α_k for k >= 2 collapsing, in what is served and in teacher-forced acc_k on "
+        "--data or training's held-out split (a contract with TTT length 1 adds weight)",
+        "retrain with training-time test (eaglescope train --ttt-length 7)",
+    ),
+    "SERVING_MISMATCH": CodeGuide(
+        "behaviour: served acceptance (eaglescope's decoder, --engine-log or a trace's verify decisions) far below "
+        "what the teacher-forced draft accepts at the same positions",
+        "record a trace of the serving engine (eaglescope capture) and run eaglescope doctor --trace to find the stage",
+    ),
+    "UNDERTRAINED": CodeGuide(
+        "behaviour: acceptance low from the first position on, on every side measured (served, teacher-forced, "
+        "training's held-out)",
+        "train longer or on more data regenerated by the target (eaglescope prepare --regenerate); pass --data to "
+        "tell an undertrained draft from a serving problem",
+    ),
+    "OVERFIT_OR_OTHER_TRAFFIC": CodeGuide(
+        "behaviour: teacher-forced τ on --data far below training's held-out τ, beyond --data's own spread (few of "
+        "--data's answer tokens being the target's own greedy choice says it is other traffic)",
+        "train on data from the traffic you serve (eaglescope prepare --regenerate on it), or pass --data that is "
+        "that traffic",
+    ),
+    "DIVERGENCE_UNEXPLAINED": CodeGuide(
+        "trace: the first stage where the trace and the golden replay differ, when no named hypothesis, re-run "
+        "through the golden path, reproduces it; the finding names the stage, round and differing rows",
+        "compare the engine's code for that stage with eaglescope's; the stages the trace lacks upstream of it are "
+        "listed, and recording them narrows the search",
+    ),
+    "TRACE_INCOMPLETE": CodeGuide(
+        "trace: its manifest says the request did not finish (the engine raised, the process exited), or it holds "
+        "no decode round",
+        "find why the engine stopped (its log has the error), fix it and capture again; a request must run past "
+        "its prefill for its draft to be judged",
+    ),
+}
+
+
 # Where a finding can first show, earliest first: "static" before anything that runs, then the trace's stages in
 # the order a round makes them, "behaviour" last. A per-layer fingerprint is evidence, never a finding's stage: those
 # families rank with "behaviour", as unknown families do.

@@ -62,8 +62,9 @@ LIMIT_ROWS, LIMIT_COLS = 16, 256
 # kernel has finished and its writes are visible (only the launch's latency overlaps, never a read or write), then
 # lets the next such kernel launch at once. The idea: a 24-row verify at 8B is ~300 kernels, and between two kernels
 # of a graph the SMs idle for about a microsecond. Measured on an H100 at 8B, on against off in one run: the
-# one-token step 5.450 → 5.520 ms, the 24-row verify 6.202 → 6.258, the replayed round 8.409 → 8.394 (bench/NOTES.md
-# "Session of 2026-12-05 night"): slower where it is not noise, so plain launches stay the default.
+# one-token step 5.450 → 5.520 ms, the 24-row verify 6.202 → 6.258, the replayed round 8.409 → 8.394
+# (run-roofline-20261205T191028-pdl-on.log against ...-pdl-off.log in bench/results): slower where it is not noise,
+# so plain launches stay the default.
 PDL = False
 
 
@@ -339,10 +340,10 @@ if triton is not None:
         the cache slots below `limit` (a device scalar: one past the highest slot any row allows), KB slots at a time
         with a running softmax (the maximum and the sum rescaled at each block). SPLITS = 1: one program walks every
         block, no partials (_attend_rows_kernel's combine of its 64-slot splits, one after another, made it slower
-        than two products and a softmax at 64 rows: NOTES v11, v19). SPLITS > 1: split s walks blocks s, s + SPLITS,
+        than two products and a softmax at 64 rows, as measured at 8B). SPLITS > 1: split s walks blocks s, s + SPLITS,
         ... and writes its maximum, sum and float32 output; the last of a row block's splits to finish combines
         them in split order (a counter per row block, reset after): a few splits, where the walk, not the combine,
-        is what a program waits on (NOTES version 23b)."""
+        is what a program waits on (with many splits the serial combine costs more than the shorter walks save)."""
         await_previous(PDL)
         g, rb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i = rb * BR + tl.arange(0, BR)
@@ -462,7 +463,7 @@ def attention_limit(mask: torch.Tensor) -> torch.Tensor:
     visits the slots below it; computed once per step, every layer shares the mask).
 
     Why a kernel: torch's form (a column `any`, a `where`, an `amax`) is three launches, and the column reduction
-    alone took 7.5 µs of a 64-row verify at 8B (bench/NOTES.md, version 19c); here a memset and one launch, a program
+    alone took 7.5 µs of a 64-row verify at 8B on an H200; here a memset and one launch, a program
     per LIMIT_COLS slots, each folding its columns over every row into one atomic maximum."""
     T, S = mask.shape
     if not available(mask.device):

@@ -1,7 +1,7 @@
 """The EAGLE-3 draft layer (Llama attention) on a few rows, in the fused verify's kernels.
 
 Why: at 8B a round's draft side is ~1.8 ms of kernels and ~0.5 ms of launch gaps in its graph, for ~1.1 ms of
-weight reads (bench/NOTES.md, "Where a replayed 8B round goes"). A tree level's products already stream the draft
+weight reads (the replayed round's kernel profile). A tree level's products already stream the draft
 layer's weights near the copy bandwidth; the rest is ~20 small kernels a level that torch.compile leaves around
 them (norms, the 2H concatenation, RoPE, the cache write, attention's pieces, SiLU, residual adds). Here a step of
 T rows (a catch-up's pending positions or a tree level's frontier) is twelve launches:

@@ -192,7 +192,7 @@ if triton is not None:
         "qkv" (rows j and j + D/2 of a head, PAIR) RoPE on q/k heads, q → y[t, head], k/v → the cache at slots[t].
         SWAP: each step's product as W[cols] @ x.T, the weight tile on the tensor-core instruction's M side (BN rows)
         and the few tokens on its N side, as cuBLAS's tiles for few rows are (64 weight rows by 24 tokens at 24 rows,
-        bench/NOTES.md, version 23a); the accumulator is transposed once, after the K loop."""
+        as the profile of cuBLAS's verify shows); the accumulator is transposed once, after the K loop."""
         await_previous(PDL)
         HALF: tl.constexpr = D // 2
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)

@@ -144,7 +144,9 @@ def main() -> int:
             argv = ["doctor", "--target", str(target), "--draft", str(draft), "--trace", str(trace), "--json"]
             r |= cli(argv, work / f"doctor-{mode}.log")
             try:
-                r["healthy"] = json.loads((work / f"doctor-{mode}.log").read_text())["healthy"]
+                report = json.loads((work / f"doctor-{mode}.log").read_text())
+                r["healthy"] = report["healthy"]
+                r |= agreement(report)
             except (json.JSONDecodeError, KeyError):
                 r["healthy"] = None
             print(f"doctor {mode}: rc {r['rc']}, {r['wall_s']} s, healthy {r['healthy']}", flush=True)
@@ -157,8 +159,10 @@ def main() -> int:
             argv = ["doctor", "--target", str(target), "--draft", str(draft), "--trace", str(trace), "--json"]
             r = res["faults"][name] = cli(argv, work / f"doctor-{name}.log")
             try:
-                top = (json.loads((work / f"doctor-{name}.log").read_text())["findings"] or [None])[0]
+                report = json.loads((work / f"doctor-{name}.log").read_text())
+                top = (report["findings"] or [None])[0]
                 r["top"] = None if top is None else f"{top['code']}@{top['stage']} r{top['round']}"
+                r |= agreement(report)
             except (json.JSONDecodeError, KeyError):
                 r["top"] = None
             print(f"doctor {name}: rc {r['rc']}, {r['wall_s']} s, top {r['top']}", flush=True)
@@ -172,6 +176,19 @@ def main() -> int:
     for name, r in res.get("faults", {}).items():
         print(f"{'  fault: ' + name:<52}{r['rc']:>4}{r['wall_s']:>9.1f}  {r['top']}")
     return 0
+
+
+def agreement(report: dict) -> dict:
+    """How far the bf16 trace and doctor's replay differ where they agree (the largest relative error of a stage
+    judged equal) and at the first stage judged different: the 16-bit tolerance (PRECISION_16, rel 0.08) on a scale
+    it was not chosen on."""
+    table = report.get("context", {}).get("stage_table") or []
+    equal = [row["rel_err"] for row in table if row.get("match") and row.get("rel_err") is not None]
+    differ = [row for row in table if row.get("match") is False and row.get("rel_err") is not None]
+    return {
+        "max_rel_err_where_equal": max(equal, default=None),
+        "first_differing": None if not differ else {k: differ[0][k] for k in ("stage", "round", "rel_err")},
+    }
 
 
 def fault_traces(target_dir: Path, draft_dir: Path, work: Path) -> dict[str, Path]:

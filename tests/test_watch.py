@@ -343,3 +343,23 @@ def test_cli_table_is_plain_when_not_a_terminal(tmp_path, expect_file):
 def test_cli_without_an_expectation_says_what_to_pass(tmp_path):
     rc, _, err = cli(["watch", "--url", "http://127.0.0.1:9", "--draft", str(tmp_path)])
     assert rc == 2 and "pass --expect FILE or --target with --data" in err
+
+
+def test_doctor_metrics_url_reads_the_servers_counts_since_its_start():
+    from eaglescope.detective.acceptance_sources import from_engine
+    from eaglescope.detective.serving_metrics import read_metrics_url
+
+    prompt = 'vllm:request_prompt_tokens_sum{engine="0"} 120\nvllm:request_prompt_tokens_count{engine="0"} 10\n'
+    with metrics_server([vllm_text(100.0, [80.0, 40.0, 10.0], extra=prompt)]) as url:
+        e = read_metrics_url(url)
+    assert (e.engine, e.kind, e.drafts, e.prompt_mean) == ("vllm", "metrics", 100.0, 12.0)
+    a = from_engine(e)  # what doctor's behaviour rules read: exact counts per position
+    assert a.reached == pytest.approx([100, 80, 40]) and a.accepted == pytest.approx([80, 40, 10])
+    assert a.accept_length == pytest.approx(2.3)
+    with metrics_server([sglang_text(40.0, 130.0, 10.0)]) as url:
+        e = read_metrics_url(url)
+    assert (e.engine, e.accept_length, e.drafts, e.alpha) == ("sglang", pytest.approx(3.0), 40.0, None)
+    with metrics_server([vllm_text(0.0, [0.0, 0.0, 0.0])]) as url, pytest.raises(EagleScopeError, match="no verify"):
+        read_metrics_url(url)
+    with pytest.raises(EagleScopeError, match="--metrics-url: no answer"):
+        read_metrics_url("http://127.0.0.1:9")

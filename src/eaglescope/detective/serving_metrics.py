@@ -33,7 +33,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
 
+from eaglescope.decode.stats import alpha_from_unconditional
 from eaglescope.detective.acceptance import LEVEL, Acceptance, alpha_of
+from eaglescope.detective.engine_logs import EngineAcceptance
 from eaglescope.errors import EagleScopeError
 
 VLLM, SGLANG = "vllm", "sglang"
@@ -265,3 +267,32 @@ def server_version(url: str, engine: str, timeout: float = 5.0) -> str | None:
 def scrape(url: str, timeout: float = 5.0) -> Exposition:
     """One GET of the server's /metrics, parsed; Unreachable when it does not answer."""
     return parse_exposition(_get(metrics_url(url), timeout))
+
+
+def read_metrics_url(url: str, timeout: float = 10.0) -> EngineAcceptance:
+    """doctor --metrics-url: everything the server counted since it started, as the served acceptance (exact counts
+    where a log has only rounded rates), with the mean prompt length of its requests for doctor's traffic check."""
+    try:
+        expo = scrape(url, timeout)
+    except Unreachable as e:
+        raise EagleScopeError(f"--metrics-url: no answer from {e}") from None
+    engine = detect_engine(expo)
+    version = server_version(url, engine, timeout) if engine else None
+    counts = counts_of(expo, version)
+    if counts is None or counts.rounds <= 0:
+        raise EagleScopeError(f"--metrics-url: {engine or 'the server'} at {url} has counted no verify rounds yet: "
+                              "read it after requests were served with speculative decoding")  # fmt: skip
+    if counts.engine == VLLM:
+        per_pos = [p / counts.rounds for p in counts.per_pos] if counts.per_pos else None
+        alpha = alpha_from_unconditional(per_pos) if per_pos else None
+        out = EngineAcceptance(VLLM, counts.tau, alpha, per_pos, 1, counts.rounds, kind="metrics")
+        prompt_sum, prompt_count = (
+            expo.total("vllm:request_prompt_tokens_sum"),
+            expo.total("vllm:request_prompt_tokens_count"),
+        )
+    else:
+        out = EngineAcceptance(SGLANG, counts.tau, None, None, 1, counts.rounds, kind="metrics")
+        prompt_sum, prompt_count = expo.total("sglang:prompt_tokens_total"), expo.total(SGLANG_NAMES["requests"])
+    if prompt_sum is not None and prompt_count:
+        out.prompt_tokens, out.requests = prompt_sum, prompt_count
+    return out

@@ -83,7 +83,7 @@ def format_table(r: dict) -> str:
         ealpha = (e.get("alpha") or [None] * (k + 1))[k] if k < len(e.get("alpha") or []) else None
         left = "-" if s is None else f"{_num(s['alpha'])} {_interval((s['lo'], s['hi']))}"
         right = f"{_num(x['alpha'])} {_interval((x['lo'], x['hi']))}" if x else _num(ealpha)
-        mark = "  LOW" if (k + 1) in r.get("low_positions", []) else ""
+        mark = "  below" if (k + 1) in r.get("low_positions", []) else ""
         n = "" if s is None else f"{s['n']:.0f}"
         lines.append(f"  {'α_' + str(k + 1):6}{left:<26}{n:>7}   {right:<26}{mark}")
     if r.get("gauges"):

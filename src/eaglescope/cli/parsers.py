@@ -397,6 +397,12 @@ def add_watch(sub) -> None:
     p.add_argument("--give-up-after", type=float, default=600.0,
                    help="fail when the server has not answered for this many seconds (default 600)")  # fmt: skip
     p.add_argument("--keep-watching", action="store_true", help="go on after an alert (exit 1 at the end)")
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=None,
+        help="the served chain depth K where the metrics do not say it (SGLang before its first decode log)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON line per poll instead of the table")
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)

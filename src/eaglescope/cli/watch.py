@@ -30,7 +30,7 @@ def cmd_watch(args) -> int:
     expected_for = expectation_for(args.draft, args.expect, args.target, args.data, args.eval_samples, args.device,
                                    args.dtype)  # fmt: skip
     settings = WatchSettings(args.url, args.interval, args.window, args.sustain, args.min_rounds, args.max_polls,
-                             args.duration, args.keep_watching, args.give_up_after)  # fmt: skip
+                             args.duration, args.keep_watching, args.give_up_after, args.depth)  # fmt: skip
     tty = sys.stdout.isatty() and not args.json
     alerts = judged = 0
     for record in run_watch(settings, expected_for, lambda: scrape(args.url), lambda c: doctor_command(args, c)):

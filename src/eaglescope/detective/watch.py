@@ -19,7 +19,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -48,8 +48,15 @@ from eaglescope.jsonfile import read_object
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-# Back-off while the server does not answer: the interval, doubled each failed poll, at most this.
+# Back-off while the server does not answer: the interval, doubled each failed poll, at most MAX_BACKOFF_POLLS
+# intervals or MAX_BACKOFF_S (a restarted server is seen within a few intervals of its return, and a dead one is
+# asked at most every 30 s).
+MAX_BACKOFF_POLLS = 8
 MAX_BACKOFF_S = 30.0
+
+
+def backoff_cap(interval: float) -> float:
+    return max(interval, min(MAX_BACKOFF_S, MAX_BACKOFF_POLLS * interval))
 
 
 @dataclass
@@ -185,6 +192,7 @@ class WatchSettings:
     duration: float | None = None
     keep_watching: bool = False
     give_up_after: float = 600.0  # seconds without an answer (from the first failure) before the run fails
+    depth: int | None = None  # the served chain depth K where the metrics do not say it
 
 
 def run_watch(settings: WatchSettings, expected_for: Callable[[int | None], Expected],
@@ -237,10 +245,16 @@ def run_watch(settings: WatchSettings, expected_for: Callable[[int | None], Expe
                     record["gauges"] = counts.gauges
                 record["total_rounds"] = counts.rounds
                 served = window.counts()
-                if served is None:
+                if served is not None and served.depth is None and s.depth:
+                    served = replace(served, depth=s.depth)
+                if served is None or (expected is None and served.depth is None and served.rounds <= 0):
+                    # SGLang says its chain depth once its scheduler logged a decode step: wait for it (or traffic)
                     yield record | {"status": "waiting"}
                 else:
                     if expected is None:
+                        if served.depth is None:
+                            log.warning("watch: the server does not say its chain depth; judging at the "
+                                        "expectation's own (pass --depth K)")  # fmt: skip
                         expected = expected_for(served.depth)
                     j = judge(served, expected, s.min_rounds)
                     streak = streak + 1 if j.status == "low" else (streak if j.status == "thin" else 0)
@@ -259,7 +273,7 @@ def run_watch(settings: WatchSettings, expected_for: Callable[[int | None], Expe
         if s.duration is not None and clock() - start >= s.duration:
             return
         # the next poll: one interval after this one began, or the back-off after a failure
-        wait = s.interval if down_since is None else min(MAX_BACKOFF_S, s.interval * 2 ** min(failures, 10))
+        wait = s.interval if down_since is None else min(backoff_cap(s.interval), s.interval * 2 ** min(failures, 10))
         if s.duration is not None and t + wait > start + s.duration:
             return  # it would fall after the end
         sleep(max(0.0, t + wait - clock()))

@@ -363,3 +363,27 @@ def test_doctor_metrics_url_reads_the_servers_counts_since_its_start():
         read_metrics_url(url)
     with pytest.raises(EagleScopeError, match="--metrics-url: no answer"):
         read_metrics_url("http://127.0.0.1:9")
+
+
+def test_sglang_waits_for_its_chain_depth_before_the_expectation_is_fixed():
+    """SGLang's counters appear when a request finishes and its depth gauge when the scheduler logs a decode step:
+    the expectation is asked for once, at the served depth, not at a guess."""
+    no_gauge = sglang_text(None, 0, 0)
+    asked: list = []
+
+    def expected_for(depth):
+        asked.append(depth)
+        return EXPECTED
+
+    s = Script([no_gauge, no_gauge, sglang_text(40.0, 130.0, 10.0), sglang_text(90.0, 300.0, 20.0)])
+    cfg = WatchSettings("http://127.0.0.1:1", interval=1.0, window=2, sustain=2, min_rounds=10, max_polls=4)
+    records = list(run_watch(cfg, expected_for, s.fetch, str, s.sleep, s.clock))
+    assert [r["status"] for r in records[:2]] == ["waiting", "waiting"] and asked == [3]
+    assert records[-1]["window"]["tau"] == pytest.approx(1 + (300 - 20 - 90) / 90) and records[-1]["gauges"]["steps"]
+    # a server that never says it: --depth
+    asked.clear()
+    s = Script([sglang_text(None, 0, 0)] + [sglang_text(40.0 * i, 130.0 * i, 10.0 * i).replace(
+        "sglang:spec_num_steps", "x_steps") for i in range(1, 4)])  # fmt: skip
+    cfg.depth = 3
+    list(run_watch(cfg, expected_for, s.fetch, str, s.sleep, s.clock))
+    assert asked == [3]

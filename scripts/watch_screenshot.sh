@@ -26,13 +26,13 @@ trap cleanup EXIT
 for _ in $(seq 300); do curl -sf "$URL/health" >/dev/null && break; sleep 1; done
 tmux new-session -d -s eswatch -x 150 -y 24 \
   "PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 $PY -m eaglescope watch --url $URL --draft $D --target $T --data $PREP \
-   --interval 1 --window 4 --sustain 2 --min-rounds 30 --max-polls 90; sleep 600"
+   --interval 1 --window 6 --sustain 2 --min-rounds 30 --max-polls 90; sleep 600"
 "$PY" - "$URL" "$T" <<'PYEOF'
 import json, sys, time, urllib.request
 url, target = sys.argv[1], sys.argv[2]
 prompts = ["abcdefghab", "hgfedcbahg", "aabbccddee"]  # the target's alphabet (tests/vllm/test_vllm_serving.py)
 for i in range(12):
-    body = {"model": target, "prompt": prompts[i % 3], "max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+    body = {"model": target, "prompt": prompts[i % 3], "max_tokens": 64, "temperature": 0.0, "ignore_eos": True}
     req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
     urllib.request.urlopen(req, timeout=120).read()
     time.sleep(1)

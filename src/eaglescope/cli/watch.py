@@ -6,6 +6,7 @@ import json
 import logging
 import shlex
 import sys
+import textwrap
 
 from eaglescope.detective.serving_metrics import scrape
 from eaglescope.detective.watch import WatchSettings, expectation_for, run_watch
@@ -13,6 +14,7 @@ from eaglescope.errors import EagleScopeError
 
 log = logging.getLogger("eaglescope.watch")
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: the table is redrawn in place on a terminal
+WIDTH = 110  # the alert's sentence is wrapped to this
 
 
 def doctor_command(args, code: str) -> str:
@@ -94,5 +96,6 @@ def format_table(r: dict) -> str:
     verdict = {"ok": "ok: in band", "low": "LOW: below the expected band", "thin": "too few rounds to judge"}[status]
     lines.append(f"  {verdict}  (low windows in a row: {r['low_streak']}/{r['sustain']})")
     if r.get("alert"):
-        lines += [f"  {r['alert']['line']}", f"  next: {r['alert']['next']}"]
+        lines += textwrap.wrap(r["alert"]["line"], WIDTH, initial_indent="  ", subsequent_indent="    ")
+        lines.append(f"  next: {r['alert']['next']}")
     return "\n".join(lines + [""])

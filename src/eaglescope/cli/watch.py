@@ -39,7 +39,8 @@ def cmd_watch(args) -> int:
         judged += record.get("status") in ("ok", "low")
         if record.get("alert"):
             alerts += 1
-            log.warning("%s; next: %s", record["alert"]["line"], record["alert"]["next"])
+            if record["alert"]["raised"]:  # once per episode; the table and the JSON lines show it while it lasts
+                log.warning("%s; next: %s", record["alert"]["line"], record["alert"]["next"])
         if args.json:
             print(json.dumps(record), flush=True)
         else:

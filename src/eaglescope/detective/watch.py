@@ -264,7 +264,8 @@ def run_watch(settings: WatchSettings, expected_for: Callable[[int | None], Expe
                     if streak >= s.sustain:
                         code, why = points_to(j, expected, engine)
                         record["alert"] = {"code": code, "points_to": why, "next": doctor_command(code),
-                                           "line": alert_line(j, why, s.sustain)}  # fmt: skip
+                                           "line": alert_line(j, why, s.sustain),
+                                           "raised": streak == s.sustain}  # fmt: skip
                     yield record
                     if record["alert"] and not s.keep_watching:
                         return

@@ -388,3 +388,10 @@ def test_sglang_waits_for_its_chain_depth_before_the_expectation_is_fixed():
     cfg.depth = 3
     list(run_watch(cfg, expected_for, s.fetch, str, s.sleep, s.clock))
     assert asked == [3]
+
+
+def test_with_keep_watching_the_alert_lasts_while_low_and_is_raised_once_per_episode():
+    records, _ = run([healthy(i) for i in range(4)] + [broken(i, 3) for i in range(1, 8)], max_polls=11,
+                     keep_watching=True)  # fmt: skip
+    alerts = [r["alert"] for r in records if r.get("alert")]
+    assert len(alerts) >= 3 and [a["raised"] for a in alerts].count(True) == 1 and alerts[0]["raised"]

@@ -10,7 +10,7 @@ from sglang_support import ENV, HERE, probe_import
 _STATE = pytest.StashKey[tuple[str | None, str]]()
 
 # The stand-ins and the SGLang-side runners are not tests of this environment (they import sglang)
-collect_ignore = ["stand_ins", "kernel_check.py", "sglang_runner.py"]
+collect_ignore = ["stand_ins", "kernel_check.py", "sglang_runner.py", "sglang_server.py"]
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection: probe only for tests that will run

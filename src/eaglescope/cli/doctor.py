@@ -25,6 +25,7 @@ def cmd_doctor(args) -> int:
         eval_samples=args.eval_samples,
         engines=tuple(args.engine) if args.engine else None,
         replay=args.replay,
+        metrics_url=args.metrics_url,
         progress=True,  # on stderr: --json on stdout stays parseable
     )
     if args.html:

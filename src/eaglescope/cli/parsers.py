@@ -229,6 +229,11 @@ def add_doctor(sub) -> None:
     p.add_argument("--trace", default=None, help="a trace directory recorded by the serving engine")
     p.add_argument("--engine-log", default=None, help="an SGLang or vLLM server log with acceptance lines")
     p.add_argument(
+        "--metrics-url",
+        default=None,
+        help="a running vLLM or SGLang server (http://HOST:PORT): its /metrics counters as the served acceptance",
+    )
+    p.add_argument(
         "--engine",
         action="append",
         choices=["sglang", "vllm", "sglang-legacy"],
@@ -364,6 +369,47 @@ def add_bench(sub) -> None:
     p.set_defaults(func="eaglescope.cli.bench:cmd_bench")
 
 
+WATCH_DESCRIPTION = """\
+Watch a running vLLM or SGLang server's acceptance against what the draft should give. Every --interval seconds
+it reads the server's /metrics, takes the counts served over the last --window polls, and judges them by doctor's
+serving rule; --sustain low windows in a row raise the alert. Exit status: 0 the run ended in band, 1 alert,
+2 bad input (or a server that never answered). See docs/watch.md for the --json lines."""
+
+
+def add_watch(sub) -> None:
+    p = sub.add_parser(
+        "watch",
+        help="a serving engine's live acceptance (its /metrics) against what the draft should give",
+        description=WATCH_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--url", required=True, help="the server, http://HOST:PORT (its /metrics is read)")
+    p.add_argument("--draft", required=True, help="the EAGLE-3 draft checkpoint the server should be serving")
+    p.add_argument("--expect", default=None, help="expected acceptance: a doctor --json report or a JSON {alpha}")
+    p.add_argument("--target", default=None, help="with --data: predict the expectation on this traffic")
+    p.add_argument("--data", default=None, help="with --target: text like the served traffic (JSONL or prepared)")
+    p.add_argument("--eval-samples", type=int, default=32, help="samples of --data for the prediction")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between polls (default 10)")
+    p.add_argument("--window", type=int, default=6, help="polls per sliding window (default 6)")
+    p.add_argument("--sustain", type=int, default=3, help="low windows in a row that raise the alert (default 3)")
+    p.add_argument("--min-rounds", type=int, default=40, help="verify rounds a window needs to be judged")
+    p.add_argument("--max-polls", type=int, default=None, help="stop after this many polls")
+    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    p.add_argument("--give-up-after", type=float, default=600.0,
+                   help="fail when the server has not answered for this many seconds (default 600)")  # fmt: skip
+    p.add_argument("--keep-watching", action="store_true", help="go on after an alert (exit 1 at the end)")
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=None,
+        help="the served chain depth K where the metrics do not say it (SGLang before its first decode log)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON line per poll instead of the table")
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.set_defaults(func="eaglescope.cli.watch:cmd_watch")
+
+
 def add_parsers(sub) -> None:
     for add in (
         add_generate,
@@ -375,6 +421,7 @@ def add_parsers(sub) -> None:
         add_capture,
         add_demo,
         add_bench,
+        add_watch,
     ):
         add(sub)
 

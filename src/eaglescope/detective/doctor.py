@@ -4,8 +4,9 @@
     trace      with --trace: the trace against eaglescope's golden replay, stage by stage (diagnose/): a full
                replay when the target's layers are on disk, else a draft-side replay from the trace's own capture
                (draft_replay.py), which cannot name causes in the capture itself; context["replay"] says which ran
-    behaviour  with --data and/or --engine-log: served α_k (eaglescope's own decoder on prompts from --data, or
-               the engine's log) against teacher-forced α_k predicted on --data and training's acc_k
+    behaviour  with --data and/or --engine-log / --metrics-url: served α_k (eaglescope's own decoder on prompts
+               from --data, the engine's log, or a running server's /metrics counters) against teacher-forced α_k
+               predicted on --data and training's acc_k
 
 Exit status: 0 healthy (no findings), 1 findings, 2 bad input (one line on stderr).
 --json prints one object: {"healthy": bool, "findings": [{code, stage, verdict, evidence, fix, support,
@@ -50,6 +51,7 @@ from eaglescope.detective.findings import CODES, DoctorReport, Finding, rank
 from eaglescope.detective.layer_taps import MODE as LAYER_MODE
 from eaglescope.detective.layer_taps import aux_in_full, check_taps, taps_line, unchecked_note
 from eaglescope.detective.report import first_divergent_stage
+from eaglescope.detective.serving_metrics import read_metrics_url
 from eaglescope.detective.static import DEFAULT_ENGINES, contract_taps, static_checks
 from eaglescope.errors import EagleScopeError
 from eaglescope.models.draft import load_draft
@@ -119,6 +121,7 @@ def run_doctor(
     engines: tuple[str, ...] | None = None,
     progress: bool = False,
     replay: str = "auto",
+    metrics_url: str | None = None,
 ) -> DoctorReport:
     """Every check the inputs allow → DoctorReport (findings most likely first; healthy = no findings). `replay`:
     auto (a full replay when the target's layers are on disk, else draft-side), full, or draft-side. `progress`
@@ -128,7 +131,7 @@ def run_doctor(
 
     if prompts < 1 or max_new_tokens < 1 or depth < 1 or eval_samples < 1:
         raise EagleScopeError("--prompts, --max-new-tokens, --depth and --eval-samples must be >= 1")
-    loaded_trace, served_engine = _read_inputs(target_dir, draft_dir, data, trace, engine_log)
+    loaded_trace, served_engine = _read_inputs(target_dir, draft_dir, data, trace, engine_log, metrics_url)
     mode = choose_replay(target_dir, replay) if loaded_trace is not None else None
     draft_side = mode is not None and mode.mode == DRAFT_SIDE
     engines = engines or _engines_to_check(served_engine, loaded_trace)
@@ -141,7 +144,8 @@ def run_doctor(
     served_by_sglang = sglang_said and engines == ("sglang",)
     findings, static_ctx = static_checks(target_dir, draft_dir, engines, sglang_rule_of_target=served_by_sglang)
     notes: list[str] = []
-    named = {"target": target_dir, "draft": draft_dir, "data": data, "trace": trace, "engine_log": engine_log}
+    named = {"target": target_dir, "draft": draft_dir, "data": data, "trace": trace, "engine_log": engine_log,
+             "metrics_url": metrics_url}  # fmt: skip
     inputs = {k: None if v is None else str(v) for k, v in named.items()} | {"engines_checked": list(engines)}
     context: dict = {"inputs": inputs, "static": static_ctx, "notes": notes}
     if mode is not None:
@@ -187,7 +191,7 @@ def _say(msg: str) -> None:
     log.info("doctor: %s", msg)
 
 
-def _read_inputs(target_dir, draft_dir, data, trace, engine_log):
+def _read_inputs(target_dir, draft_dir, data, trace, engine_log, metrics_url=None):
     """(the loaded trace or None, the read engine log or None); every input error is raised here, before the first
     progress line and minutes of loading."""
     loaded_trace = None
@@ -198,7 +202,11 @@ def _read_inputs(target_dir, draft_dir, data, trace, engine_log):
             raise EagleScopeError(f"cannot read trace {trace}: {e}") from None
     if data is not None and not Path(data).exists():
         raise EagleScopeError(f"--data {data} does not exist")
+    if engine_log is not None and metrics_url is not None:
+        raise EagleScopeError("--engine-log and --metrics-url both say what was served: pass one")
     served_engine = read_engine_log(engine_log) if engine_log is not None else None
+    if metrics_url is not None:  # the server's own counters since its start: exact, where a log has rounded rates
+        served_engine = read_metrics_url(metrics_url)
     for path, what in ((target_dir, "target"), (draft_dir, "draft")):
         read_config(check_dir(path, what))
     if data is not None:

@@ -25,6 +25,9 @@ def cmd_doctor(args) -> int:
         eval_samples=args.eval_samples,
         engines=tuple(args.engine) if args.engine else None,
         replay=args.replay,
+        measure_wiring=args.measure_wiring,
+        layer_states=args.layer_states,
+        wiring_tokens=args.wiring_tokens,
         progress=True,  # on stderr: --json on stdout stays parseable
     )
     if args.html:

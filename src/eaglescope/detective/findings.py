@@ -50,6 +50,11 @@ CODES: dict[str, str] = {
     "DIVERGENCE_UNEXPLAINED": "the trace diverges from the golden replay but no named hypothesis explains it",
     "TRACE_INCOMPLETE": "the trace stops before its request ended (the engine raised, the process exited) or holds "
     "no decode round: what it does not hold cannot be judged healthy",
+    # Measured wiring (doctor --measure-wiring: detective/wiring.py).
+    "TRAINED_WIRING_MISMATCH": "the draft predicts the target far better on other features than the engine feeds it "
+    "(other taps, order, final state or token pairing): measured from its teacher-forced acceptance under each",
+    "WIRING_UNEXPLAINED": "the served wiring is clearly not what the draft was trained on, but the best candidate "
+    "wirings are too close to tell which one it was",
 }
 
 # Where a finding can first show, earliest first: "static" before anything that runs, then the trace's stages in

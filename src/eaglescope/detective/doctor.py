@@ -51,7 +51,7 @@ from eaglescope.detective.layer_taps import MODE as LAYER_MODE
 from eaglescope.detective.layer_taps import aux_in_full, check_taps, taps_line, unchecked_note
 from eaglescope.detective.report import first_divergent_stage
 from eaglescope.detective.static import DEFAULT_ENGINES, contract_taps, static_checks
-from eaglescope.detective.wiring import format_wiring, measure
+from eaglescope.detective.wiring import format_wiring, measure, state_files
 from eaglescope.errors import EagleScopeError
 from eaglescope.models.draft import load_draft
 from eaglescope.models.targets import load_target, parse_device, parse_dtype
@@ -140,6 +140,8 @@ def run_doctor(
     if measure_wiring and layer_states is None and data is None:
         raise EagleScopeError("--measure-wiring needs --data (the target runs here) or --layer-states DIR (recorded by "
                               "the engine)")  # fmt: skip
+    if layer_states is not None:
+        state_files(layer_states)
     mode = choose_replay(target_dir, replay) if loaded_trace is not None else None
     draft_side = mode is not None and mode.mode == DRAFT_SIDE
     engines = engines or _engines_to_check(served_engine, loaded_trace)

@@ -255,15 +255,21 @@ def _head_argmax(head: torch.Tensor, normed: torch.Tensor, rows: int = 64) -> to
     return out
 
 
+def state_files(directory: Path | str) -> list[Path]:
+    """The per-layer state files of `--layer-states`, refused at once when there are none."""
+    directory = Path(directory)
+    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    if not files:
+        raise EagleScopeError(f"--layer-states {directory} holds no *.safetensors files of per-layer states")
+    return files
+
+
 def record_from_files(
     directory: Path | str, parts: TargetHeadParts, num_layers: int, max_tokens: int = 256
 ) -> LayerRecord:
     """Per-layer states the engine recorded (`save_layer_states`' layout, one *.safetensors per request), the first
     `max_tokens` tokens; the target's greedy choice from its final norm and lm_head."""
-    directory = Path(directory)
-    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
-    if not files:
-        raise EagleScopeError(f"--layer-states {directory} holds no *.safetensors files of per-layer states")
+    files = state_files(directory)
     L = num_layers
     ids_rows, per, n = [], {}, 0
     for f in files:

@@ -696,6 +696,8 @@ def findings_of(ws: WiringSearch) -> tuple[list[Finding], dict]:
         )
     else:
         ctx["verdict"] = "served is the trained wiring"
+    if ctx["verdict"] in ("low under every wiring", "not told apart"):  # nothing says it was trained for it
+        ctx["line"] = "best measured " + line.removeprefix("trained for ")
     profile = best.acceptance(f"teacher-forced under the best wiring ({best.wiring.describe(L)})")
     behaviour = diagnose_behaviour(None, profile)
     ctx["profile"] = profile.to_dict()
@@ -767,12 +769,19 @@ def measure(
     if layer_states is not None:
         parts = load_head_parts(target_dir)
         record = record_from_files(layer_states, parts, L, tokens)
+        embedding, parts = parts.embedding, None  # lm_head (gigabytes at Kimi's vocabulary) is done with
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # an inferred contract is reported by the static checks
             loaded = load_draft(draft_dir, L, device=dev, dtype=dt)
         if not loaded.has_embedding:
-            loaded.model.load_target_embedding(parts.embedding.to(dev, dt))
-        del parts
+            # the target's table itself, not a copy into the draft's: one table of 2.3 GB at Kimi's shape, not two
+            table = loaded.model.embed_tokens.weight
+            if tuple(embedding.shape) != tuple(table.shape):
+                raise EagleScopeError(
+                    f"the target's embedding is {list(embedding.shape)}, the draft's {list(table.shape)}"
+                )
+            loaded.model.embed_tokens.weight = torch.nn.Parameter(embedding.to(dev, dt), requires_grad=False)
+        del embedding
     else:
         target, loaded = models()
         samples = load_samples(data, getattr(target, "tokenizer", None), 64)

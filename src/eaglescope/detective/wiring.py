@@ -35,7 +35,7 @@ from eaglescope.detective.behaviour import LOW_ALPHA1, diagnose_behaviour
 from eaglescope.detective.findings import Finding
 from eaglescope.errors import EagleScopeError
 from eaglescope.models.draft import Eagle3Draft
-from eaglescope.taps import TapContract, default_tap_layers
+from eaglescope.taps import TapContract, default_tap_layers, engine_capture
 from eaglescope.train.metrics import Batch, hit_counts, step_hits
 from eaglescope.train.ttt import Teacher, draft_vocab_ids, ttt_unroll
 
@@ -294,8 +294,11 @@ def record_from_files(
             continue
         ids, hs = ids[:keep], hs[:keep].float()
         ids_rows.append(ids)
-        for i in range(hs.shape[1]):
-            per.setdefault(i if i < L else RAW_FINAL, []).append(hs[:, i])
+        # the file's index i is vLLM's aux id i; the tap contract says which hidden state that is (id L: the last
+        # layer's output, before the final norm, which no tap contract names)
+        for i, hf in enumerate(engine_capture(list(range(L)), "vllm", L)):
+            per.setdefault(hf, []).append(hs[:, i])
+        per.setdefault(RAW_FINAL, []).append(hs[:, L])
         n += keep
     if not ids_rows:
         raise EagleScopeError(f"--layer-states {directory} holds no request of 4 or more tokens")

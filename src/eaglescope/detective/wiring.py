@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -792,11 +793,14 @@ def measure(
     declared = loaded.contract.taps
     served = served_wirings(static_ctx, engines, declared)
     first = next(iter(served.values()))
+    t0 = time.perf_counter()
     ws = search_wiring(loaded.model, record, first, Wiring(declared.layers), steps, radius, tuple(served.values()))
+    seconds = time.perf_counter() - t0
     findings, ctx = findings_of(ws)
     ctx["served_by"] = next(iter(served))
     ctx["declared_taps"] = list(declared.layers)
     ctx["declared_inferred"] = loaded.contract.inferred
     ctx["engines"] = {e: {"wiring": w.to_dict(L), "acc_0": round(ws.scored[w].acc0, 4)} for e, w in served.items()}
     ctx["codes"] = [f.code for f in findings]
+    ctx["search_seconds"] = round(seconds, 2)
     return findings, ctx

@@ -227,6 +227,28 @@ def test_head_only_loads_no_layer_and_reads_the_engines_states(world):
     assert report.context["wiring"]["mode"].startswith("recorded by the engine")
 
 
+def test_a_recorded_contract_read_by_another_engine_convention_is_checked_against_behaviour(world, tmp_path):
+    """The off-by-one draft with its true taps [1, 3, 4] recorded and written as ids [1, 3, 4]: vLLM feeds them, and
+    the search agrees (healthy wiring); SGLang's Llama rule reads the ids as [2, 4, 5], and the search measures the
+    record right and the engine wrong (TAP_OFF_BY_ONE beside the static ENGINE_TAP_CONVENTION)."""
+    import shutil
+
+    draft = shutil.copytree(world["drafts"]["taps-off-by-one"], tmp_path / "draft")
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 4]
+    cfg["eaglescope"] = DraftContract(taps=TapContract((1, 3, 4), L), ttt_length=3).to_dict()
+    (draft / "config.json").write_text(json.dumps(cfg))
+    kw = dict(measure_wiring=True, layer_states=world["states"], wiring_tokens=TOKENS, device="cpu", dtype="float32")
+    w = run_doctor(world["headonly"], draft, engines=("vllm",), **kw).context["wiring"]
+    assert w["verdict"] == "served is the trained wiring" and w["codes"] == [], w["line"]
+    report = run_doctor(world["headonly"], draft, engines=("sglang-legacy",), **kw)
+    w = report.context["wiring"]
+    assert w["served"]["wiring"]["taps"] == [2, 4, 5] and w["trained_for"]["wiring"]["taps"] == [1, 3, 4]
+    assert w["declared"]["wiring"]["taps"] == [1, 3, 4] and w["declared"]["acc"] == w["trained_for"]["acc"]
+    assert w["codes"][0] == "TAP_OFF_BY_ONE"
+    assert {"ENGINE_TAP_CONVENTION", "TAP_OFF_BY_ONE"} <= {f.code for f in report.findings}
+
+
 def test_too_few_tokens_never_name_a_wrong_cause(world):
     """On 40 tokens the off-by-one draft's wiring may not be told apart: doctor then names it or says it cannot,
     never another cause."""

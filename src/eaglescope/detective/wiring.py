@@ -712,12 +712,18 @@ def findings_of(ws: WiringSearch) -> tuple[list[Finding], dict]:
 def format_wiring(ctx: dict) -> list[str]:
     """The report's lines for context["wiring"]."""
     lines = [f"wiring     {ctx['line']} ({ctx['wirings_scored']} wirings scored at step 0; {ctx['mode']})"]
+    best_label = "best" if ctx["line"].startswith("best measured") else "trained for"
     for key in ("trained_for", "served"):
         s = ctx[key]
         acc = " ".join("-" if x is None else f"{x:.2f}" for x in s["acc"])
         alpha = " ".join("-" if x is None else f"{x:.2f}" for x in s["alpha"])
-        lines.append(f"           {key.replace('_', ' '):<11} acc_k [{acc}], α_k [{alpha}] over {s['positions']} "
+        label = best_label if key == "trained_for" else "served"
+        lines.append(f"           {label:<11} acc_k [{acc}], α_k [{alpha}] over {s['positions']} "
                      "positions")  # fmt: skip
+    if ctx.get("declared"):
+        d = ctx["declared"]
+        how = "inferred from its ids" if ctx.get("declared_inferred") else "recorded in its eaglescope section"
+        lines.append(f"           declared    {d['wiring']['text']} ({how}): acc_0 {d['acc'][0]}")
     if ctx.get("note"):
         lines.append(f"           {ctx['note']}")
     return lines

@@ -11,11 +11,12 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 KEPT = ("embed_tokens.weight", "lm_head.weight")
+FINAL_NORM = "model.norm.weight"  # kept too with `final_norm`: what the wiring search's teacher needs
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
-def layerless_copy(target_dir: Path, out: Path) -> Path:
-    """`out`: `target_dir` with every tensor but the embedding and lm_head deleted."""
+def layerless_copy(target_dir: Path, out: Path, final_norm: bool = False) -> Path:
+    """`out`: `target_dir` with every tensor but the embedding and lm_head (and the final norm) deleted."""
     target_dir, out = Path(target_dir), Path(out)
     out.mkdir(parents=True)
     for p in target_dir.iterdir():
@@ -29,7 +30,7 @@ def layerless_copy(target_dir: Path, out: Path) -> Path:
     sd = {}
     for f in files:
         sd |= load_file(str(target_dir / f))
-    keep = {k: v for k, v in sd.items() if k.endswith(KEPT)}
+    keep = {k: v for k, v in sd.items() if k.endswith(KEPT) or (final_norm and k == FINAL_NORM)}
     assert any(k.endswith("embed_tokens.weight") for k in keep) and len(keep) < len(sd)
     shards = {k: f"model-{i + 1:05d}-of-{len(keep):05d}.safetensors" for i, k in enumerate(sorted(keep))}
     for k, shard in shards.items():

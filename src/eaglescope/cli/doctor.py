@@ -26,6 +26,9 @@ def cmd_doctor(args) -> int:
         engines=tuple(args.engine) if args.engine else None,
         replay=args.replay,
         metrics_url=args.metrics_url,
+        measure_wiring=args.measure_wiring,
+        layer_states=args.layer_states,
+        wiring_tokens=args.wiring_tokens,
         progress=True,  # on stderr: --json on stdout stays parseable
     )
     if args.html:

@@ -257,6 +257,20 @@ def add_doctor(sub) -> None:
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument(
+        "--measure-wiring",
+        action="store_true",
+        help="measure which features the draft was trained on (taps, order, final norm, token pairing, TTT) from its "
+        "teacher-forced acceptance under each, against what the engine feeds it; needs --data (the target runs here) "
+        "or --layer-states",
+    )
+    p.add_argument(
+        "--layer-states",
+        default=None,
+        help="for --measure-wiring: a directory of per-layer states the engine recorded (*.safetensors with token_ids "
+        "[T] and hidden_states [T, L+1, H]); the target then needs only config.json, embedding, final norm, lm_head",
+    )
+    p.add_argument("--wiring-tokens", type=int, default=256, help="tokens the wiring is measured on (default 256)")
     p.set_defaults(func="eaglescope.cli.doctor:cmd_doctor")
 
 

@@ -53,6 +53,7 @@ from eaglescope.detective.layer_taps import aux_in_full, check_taps, taps_line, 
 from eaglescope.detective.report import first_divergent_stage
 from eaglescope.detective.serving_metrics import read_metrics_url
 from eaglescope.detective.static import DEFAULT_ENGINES, contract_taps, static_checks
+from eaglescope.detective.wiring import format_wiring, measure, state_files
 from eaglescope.errors import EagleScopeError
 from eaglescope.models.draft import load_draft
 from eaglescope.models.targets import load_target, parse_device, parse_dtype
@@ -122,16 +123,28 @@ def run_doctor(
     progress: bool = False,
     replay: str = "auto",
     metrics_url: str | None = None,
+    measure_wiring: bool = False,
+    layer_states: str | Path | None = None,
+    wiring_tokens: int = 256,
 ) -> DoctorReport:
     """Every check the inputs allow → DoctorReport (findings most likely first; healthy = no findings). `replay`:
     auto (a full replay when the target's layers are on disk, else draft-side), full, or draft-side. `progress`
-    reports each stage through logging."""
+    reports each stage through logging. `measure_wiring`: which features the draft was trained on, measured
+    (wiring.py) from `layer_states` (recorded by the engine; the target's layers are not loaded) or a target
+    forward over `data`."""
 
     say = _say if progress else lambda _msg: None
 
     if prompts < 1 or max_new_tokens < 1 or depth < 1 or eval_samples < 1:
         raise EagleScopeError("--prompts, --max-new-tokens, --depth and --eval-samples must be >= 1")
     loaded_trace, served_engine = _read_inputs(target_dir, draft_dir, data, trace, engine_log, metrics_url)
+    if layer_states is not None and not measure_wiring:
+        raise EagleScopeError("--layer-states is read by --measure-wiring: pass both")
+    if measure_wiring and layer_states is None and data is None:
+        raise EagleScopeError("--measure-wiring needs --data (the target runs here) or --layer-states DIR (recorded by "
+                              "the engine)")  # fmt: skip
+    if layer_states is not None:
+        state_files(layer_states)
     mode = choose_replay(target_dir, replay) if loaded_trace is not None else None
     draft_side = mode is not None and mode.mode == DRAFT_SIDE
     engines = engines or _engines_to_check(served_engine, loaded_trace)
@@ -176,6 +189,13 @@ def run_doctor(
         findings += _trace_findings(target, loaded, loaded_trace, trace, draft_dir, static_ctx, context,
                                     alone=data is None and served_engine is None)  # fmt: skip
 
+    if measure_wiring:
+        say("measuring the wiring the draft was trained for (teacher-forced acceptance under candidate wirings)")
+        have = (target, loaded) if loaded is not None and not draft_side else None
+        models = (lambda: have) if have else (lambda: _load_models(target_dir, draft_dir, device, dtype, backend))
+        wired, context["wiring"] = measure(target_dir, draft_dir, static_ctx, engines, data, layer_states,
+                                           wiring_tokens, device, dtype, models)  # fmt: skip
+        findings += wired
     if draft_side and data is not None:
         notes.append("--data was not used: teacher-forced acceptance runs the target, whose layers a draft-side replay "
                      "does not have")  # fmt: skip
@@ -183,8 +203,21 @@ def run_doctor(
     if data is not None or served_engine is not None:
         findings += _behaviour(target, loaded, draft_dir, data, served_engine, static_ctx, findings, prompts,
                                max_new_tokens, depth, eval_samples, say, context, notes)  # fmt: skip
-    ranked = rank(findings)
+    ranked = rank(_one_per_code(findings) if measure_wiring else findings)
     return DoctorReport(healthy=not ranked, findings=ranked, context=context)
+
+
+def _one_per_code(findings: list[Finding]) -> list[Finding]:
+    """The measured wiring's NO_TTT / UNDERTRAINED beside --data's own: the higher-ranked of each code is kept."""
+    best: dict[str, Finding] = {}
+    out = []
+    for f in findings:
+        if f.code in ("NO_TTT", "UNDERTRAINED"):
+            if f.code not in best or f.weight > best[f.code].weight:
+                best[f.code] = f
+        else:
+            out.append(f)
+    return out + list(best.values())
 
 
 def _say(msg: str) -> None:
@@ -397,6 +430,8 @@ def format_report(report: DoctorReport) -> str:
                 if a.get("reached"):
                     line += f" over [{_fmt_counts(a['reached'])}] reached"
                 lines.append(line)
+    if (w := report.context.get("wiring")) is not None:
+        lines += format_wiring(w)
     if fds := first_divergent_stage(report.context):
         lines.append(f"first divergent stage: {fds}")
     lines += [f"note: {n}" for n in report.context.get("notes", [])]

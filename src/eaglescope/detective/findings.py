@@ -53,6 +53,11 @@ CODES: dict[str, str] = {
     "DIVERGENCE_UNEXPLAINED": "the trace diverges from the golden replay but no named hypothesis explains it",
     "TRACE_INCOMPLETE": "the trace stops before its request ended (the engine raised, the process exited) or holds "
     "no decode round: what it does not hold cannot be judged healthy",
+    # Measured wiring (doctor --measure-wiring: detective/wiring.py).
+    "TRAINED_WIRING_MISMATCH": "the draft predicts the target far better on other features than the engine feeds it "
+    "(other taps, order, final state or token pairing): measured from its teacher-forced acceptance under each",
+    "WIRING_UNEXPLAINED": "the served wiring is clearly not what the draft was trained on, but the best candidate "
+    "wirings are too close to tell which one it was",
 }
 
 # How a finding is supported: what a reader can check, strongest kind first.
@@ -95,6 +100,19 @@ GUIDE: dict[str, CodeGuide] = {
         "trace: a target.aux segment equals another layer's hidden state, or the target's final normed state; "
         "static: the served layer ids make the engine capture layers more than one away from the trained taps",
         _CONVENTION_FIX,
+    ),
+    "TRAINED_WIRING_MISMATCH": CodeGuide(
+        "doctor --measure-wiring: the draft scored teacher-forced (acc_0..acc_k, training's own TTT unroll) on the "
+        "target's per-layer states under candidate wirings (tap layers, segment order, embedding, raw or normed "
+        "final state, token pairing); the best beats every wiring that keeps the served choice, beyond chance",
+        "serve the draft with the wiring it was trained for (the finding names it), or retrain it on the features "
+        "the engine feeds",
+    ),
+    "WIRING_UNEXPLAINED": CodeGuide(
+        "doctor --measure-wiring: the served wiring scores clearly below the best candidate, but the best is not "
+        "told apart from another candidate",
+        "measure on more tokens (--wiring-tokens), or ask whoever trained the draft which layers and pairing its "
+        "data held",
     ),
     "TAP_ORDER": CodeGuide(
         "trace: every target.aux segment equals one of the contract's taps, but not in the contract's order",

@@ -56,16 +56,23 @@ class Unrolled:
 
 
 def ttt_unroll(
-    draft: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, ttt_length: int, attention: str = "dense"
+    draft: Eagle3Draft,
+    input_ids: torch.Tensor,
+    aux: torch.Tensor | None,
+    ttt_length: int,
+    attention: str = "dense",
+    projected: torch.Tensor | None = None,
 ) -> Unrolled:
     """Run `ttt_length` draft steps over a batch. input_ids [B, T] (target ids), aux [B, T, nH]. `attention`: "dense"
     (SDPA under ttt_mask, what decoding's masked attention computes), "flex" (the same function over the
-    block-sparse key set, train/attention.py) or "auto" (flex for long batches: attention.resolve)."""
+    block-sparse key set, train/attention.py) or "auto" (flex for long batches: attention.resolve). `projected`
+    [B, T, H]: step 0's features already through fc (draft.project), in place of aux: the wiring search
+    (detective/wiring.py) sums per-segment projections it computed once."""
     B, T = input_ids.shape
     attention = resolve(attention, T)
     device = input_ids.device
     cache = GrowingCache()
-    hidden = draft.project(aux)
+    hidden = draft.project(aux) if projected is None else projected
     base_pos = torch.arange(T, device=device).expand(B, T)
     logits, outs = [], []
     with ttt_attention(draft, attention):

@@ -283,10 +283,13 @@ def describe_draft(
     loaded: LoadedDraft,
     target_fp: TargetFingerprint | None = None,
     target_embedding: torch.Tensor | None = None,
+    target_dir: Path | None = None,
 ) -> dict:
     """Everything `inspect` reports, as a JSON-able dict. Stable keys (`inspect --json`):
 
-    path, architectures; contract {taps, tap_names, index_convention, num_layers, is_default, inferred,
+    path, architectures, format (models/drafts/formats.py FORMATS); declared {format, properties: [{name, status
+    (declared | assumed | unknown), value, source, measure (the command that measures it, or null)}]};
+    contract {taps, tap_names, index_convention, num_layers, is_default, inferred,
     inferred_from, target, ttt_length, loss_mask_shift, draft_vocab_source}; config {hidden_size,
     intermediate_size, num_heads, num_kv_heads, head_dim, vocab_size, draft_vocab_size, target_hidden_size,
     num_aux, rope_theta, norm_before_residual}; embedding {saved, matches_target}; vocab_map {ok, saved, identity,
@@ -330,9 +333,12 @@ def describe_draft(
         except EagleScopeError as e:
             target = {"matches": False, "reason": str(e), "fingerprint": target_fp.to_dict()}
             warns.append(f"target mismatch: {e}")
+    warns += [f"READ: {n}" for n in loaded.notes]
     return {
         "path": str(loaded.path),
-        "architectures": loaded.hf_config.get("architectures") or [],
+        "architectures": (loaded.raw_config or loaded.hf_config).get("architectures") or [],
+        "format": loaded.format,
+        "declared": _declared_report(loaded, target_dir),
         "contract": _contract_report(ct),
         "config": _config_report(c),
         "engine_options": {e: engine_options(c, e) for e in (*SERVING_ENGINES, "speculators")},
@@ -345,6 +351,31 @@ def describe_draft(
         "target": target,
         "warnings": warns,
     }
+
+
+def _declared_report(loaded: LoadedDraft, target_dir: Path | None) -> dict | None:
+    """What the draft's files declare, property by property, with the measuring commands naming the target given."""
+    if loaded.declared is None:
+        return None
+    d = loaded.declared.to_dict()
+    if target_dir is not None:
+        for p in d["properties"]:
+            if p["measure"]:
+                p["measure"] = p["measure"].replace("--target TARGET", f"--target {shlex.quote(str(target_dir))}")
+    return d
+
+
+def _format_declared(d: dict) -> list[str]:
+    """The declared/measurable table of `inspect`: one row per property, its measuring command beneath."""
+    lines = ["declared   what the files say about training, and what doctor measures instead of trusting them:"]
+    for p in d["properties"]:
+        value = p["value"]
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items() if v not in (None, False)) or "none"
+        lines.append(f"  {p['name']:<16} {p['status'].upper():<9} {value}  ({p['source']})")
+        if p["measure"]:
+            lines.append(f"  {'':<16} measure:  {p['measure']}")
+    return lines
 
 
 def _engine_rows(ct: DraftContract, ids, sglang_rule: str | None, warns: list[str]) -> dict:
@@ -435,7 +466,7 @@ def _config_report(c) -> dict:
 def format_description(d: dict) -> str:
     ct, c = d["contract"], d["config"]
     L = ct["num_layers"]
-    lines = [f"draft      {d['path']}  ({', '.join(d['architectures']) or 'no architectures'})"]
+    lines = [f"draft      {d['path']}  ({', '.join(d['architectures']) or 'no architectures'}; {d['format']} format)"]
     how = "default" if ct["is_default"] else "non-default"
     if ct["inferred"]:
         how += f", INFERRED from the {ct['inferred_from']}"
@@ -489,6 +520,8 @@ def format_description(d: dict) -> str:
         lines.append(f"vocab map  BROKEN: {v['error']}")
     if d["target"] is not None:
         lines.append("target     " + ("matches" if d["target"]["matches"] else f"MISMATCH: {d['target']['reason']}"))
+    if d.get("declared"):
+        lines += _format_declared(d["declared"])
     ids = d["config_tap_ids"]
     lines.append(f"engines    config.json ids: {ids if ids is not None else 'none (engine default)'}")
     rule = d["sglang_rule"]
@@ -774,7 +807,7 @@ def inspect_checkpoint(draft: str, target: str | None = None) -> dict:
     tdir, fp = _target_info(target)
     loaded = _load(draft, fp)
     emb = load_target_embedding(tdir) if tdir is not None and loaded.has_embedding else None
-    return describe_draft(loaded, fp, emb)
+    return describe_draft(loaded, fp, emb, tdir)
 
 
 def export_checkpoint(

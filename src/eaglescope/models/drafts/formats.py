@@ -371,7 +371,8 @@ def declare(files: DraftFiles, contract: Any, has_embedding: bool, target: str |
     flags = {k: bool(cfg.get(k) or (cfg.get("eagle_config") or {}).get(k)) for k in keys}
     said = [k for k in keys if k in raw or k in (raw.get("eagle_config") or {})]
     weights = [w for w in ("input_norm.weight", "fc_norm.0.weight") if w in sd]
-    where = f"{', '.join(said)} in {src}" if said else "no flag in config.json: plain EAGLE-3 (all off)"
+    cfg_name = "speculators' config.json" if fmt == "speculators" else "config.json"
+    where = f"{', '.join(said)} in {cfg_name}" if said else "no flag in config.json: plain EAGLE-3 (all off)"
     if weights:
         where += f"; the weights hold {', '.join(weights)}"
     out.append(Property("norm_flags", DECLARED if said or ours else ASSUMED, flags, where, m["trace"]))
@@ -409,7 +410,7 @@ def declare(files: DraftFiles, contract: Any, has_embedding: bool, target: str |
         out.append(Property("target", UNKNOWN, None, "not in the files (fc's width and the vocabulary size constrain "
                             "it)", m["static"]))  # fmt: skip
     # how features, tokens and the loss mask were paired
-    if ours:
+    if ours and contract.loss_mask_shift is not None:
         out.append(Property("shift", DECLARED, contract.loss_mask_shift, src + " (loss_mask_shift)", m["wiring"]))
     elif fmt == "speculators":
         out.append(Property("shift", ASSUMED, "g_t with x_(t+1)", "speculators' trainer (models/eagle3/data.py "

@@ -6,13 +6,16 @@ safetensors and the standard library only.
 
 SPEC: a list of {"verifier": DIR, "out": DIR, "draft_vocab_size": N, "target_layer_ids": [ids] | null, "ttt_steps": K,
        "norm_before_fc": bool, "fc_norm": bool, "norm_output": bool, "vocab_map": FILE.safetensors | null (d2t, t2d),
-       "seed": int}, written in turn (one import of speculators for all)
+       "weights": FILE.safetensors | null, "seed": int}, written in turn (one import of speculators for all)
 
 The draft is built the way speculators 0.9.0's trainer builds it (train/cli.py build_draft_model without
 --draft-config or --from-pretrained): `create_transformer_layer_config` from the verifier's config (one llama layer,
 its default 2048-token sliding window), then `Eagle3DraftModel.from_training_args`, which loads the vocabulary map and
 the verifier's embedding and lm_head rows; fc and the layer keep speculators' random initialisation. Saved with
-`save_pretrained`, as `speculators train` saves its checkpoints. Printed on stdout, one JSON line per draft:
+`save_pretrained`, as `speculators train` saves its checkpoints. "weights": the
+draft's trained tensors under the LlamaForCausalLMEagle3 names (`midlayer.*`: an eaglescope checkpoint), loaded into
+speculators' model before it saves, so that a draft that accepts sometimes is served from speculators' files.
+Printed on stdout, one JSON line per draft:
 {"out", "speculators_version", "target_layer_ids", "files"}.
 """
 
@@ -75,6 +78,13 @@ def write(spec: dict) -> None:
             for name, p in model.named_parameters():
                 if name.startswith(("input_norm.", "fc_norm.")):
                     p.uniform_(0.5, 1.5)
+    if spec.get("weights"):
+        trained = {("layers.0." + k[len("midlayer.") :]) if k.startswith("midlayer.") else k: v
+                   for k, v in load_file(spec["weights"]).items()}  # fmt: skip
+        own = {k for k in model.state_dict() if not k.startswith(("verifier_", "embed_tokens."))}
+        if set(trained) - {"embed_tokens.weight"} != own:
+            raise SystemExit(f"weights do not fit speculators' model: {sorted(set(trained) ^ own)}")
+        model.load_state_dict(trained, strict=False)
     model.save_pretrained(spec["out"])
     info = {
         "out": spec["out"],

@@ -131,7 +131,7 @@ def test_sglangs_kimi_mla_draft_config_is_read(tmp_path):
     ("edit", "named"),
     [
         (lambda c: c.update(use_parallel_residual=True), "'use_parallel_residual'"),
-        (lambda c: c["eagle_config"].update(mystery_option=1), "eagle_config.'mystery_option'"),
+        (lambda c: c["eagle_config"].update(mystery_option=1), "'eagle_config.mystery_option'"),
         (lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu'"),
         (lambda c: c.update(attention_bias=True), "attention_bias"),
         (lambda c: c.update(num_hidden_layers=2), "num_hidden_layers is 2"),

@@ -94,8 +94,8 @@ def _refuse_unknown(d: dict, allowed: set | frozenset, where: str, path: Path) -
     for key in d:
         if key not in allowed and key not in IRRELEVANT_KEYS:
             raise EagleScopeError(
-                f"{path}/config.json: key {where}{key!r} is not understood by eaglescope (it may change what the draft "
-                "computes); refusing rather than ignoring it (docs/drafts.md lists the keys read)"
+                f"{path}/config.json: key {where + key!r} is not understood by eaglescope (it may change what the "
+                "draft computes); refusing rather than ignoring it (docs/drafts.md lists the keys read)"
             )
 
 

@@ -234,7 +234,10 @@ def _speculators_report(loaded: LoadedDraft) -> tuple[dict, list[str]]:
         "algorithm_kwargs": kwargs,
         "embedding_saved": loaded.has_embedding,
         "problems": speculators_problems(loaded, loaded.has_embedding),
+        "already_speculators_format": loaded.format == "speculators",
     }
+    if out["already_speculators_format"]:  # nothing to convert: the files are what speculators wrote
+        return out, []
     warns = []
     if not out["plain_convert_keeps_taps"]:
         warns.append(
@@ -296,7 +299,8 @@ def describe_draft(
     first_ids_only, target_id_min, target_id_max, engines {vllm|sglang|speculators: what it does with the map}, …};
     config_tap_ids; engines {sglang|sglang-legacy|vllm: {captures, captures_names, matches_contract,
     applies_to_target}}; sglang_rule {architecture, convention}; speculators {version, plain_convert_captures,
-    plain_convert_keeps_taps, algorithm_kwargs, embedding_saved, problems}; target {matches, reason, fingerprint} or
+    plain_convert_keeps_taps, algorithm_kwargs, embedding_saved, problems, already_speculators_format};
+    target {matches, reason, fingerprint} or
     null; warnings.
 
     The two SGLang rows are SGLang's two rules for reading ids; which one applies depends on the target's
@@ -537,11 +541,14 @@ def format_description(d: dict) -> str:
         lines.append(f"  {engine:<14} captures {r['captures']}  {mark}{note}")
     sp = d["speculators"]
     keeps = "keeps the taps" if sp["plain_convert_keeps_taps"] else f"captures {sp['plain_convert_captures']}"
-    lines.append(
-        f"speculators {sp['version']}: a plain convert {keeps}; --algorithm-kwargs "
-        f"'{json.dumps(sp['algorithm_kwargs'])}' keeps them; "
-        + ("ready" if not sp["problems"] else "not ready (see warnings)")
-    )
+    if sp.get("already_speculators_format"):
+        lines.append("speculators: these files are in speculators' own format, which vLLM serves as they are")
+    else:
+        lines.append(
+            f"speculators {sp['version']}: a plain convert {keeps}; --algorithm-kwargs "
+            f"'{json.dumps(sp['algorithm_kwargs'])}' keeps them; "
+            + ("ready" if not sp["problems"] else "not ready (see warnings)")
+        )
     lines += [f"WARNING: {w}" for w in d["warnings"]]
     return "\n".join(lines)
 

@@ -82,6 +82,11 @@ _SPECULATORS_KEYS = {
     "speculators_model_type", "speculators_version", "speculators_config", "transformer_layer_config",
     "architectures", "draft_vocab_size", "norm_before_residual", "target_hidden_size",
     "eagle_aux_hidden_state_layer_ids", "norm_before_fc", "fc_norm", "norm_output", "torch_dtype", "dtype",
+    # the draft's lm_head is its own weight (draft vocabulary), whatever this says
+    "tie_word_embeddings",
+    # names speculators' config class in the config.py it saves beside the weights, for transformers'
+    # trust_remote_code; eaglescope never runs it (the keys above say all the class holds)
+    "auto_map",
 }  # fmt: skip
 _SPECULATORS_CONFIG_KEYS = {"algorithm", "proposal_methods", "default_proposal_method", "verifier"}
 _PROPOSAL_KEYS = {"proposal_type", "speculative_tokens", "verifier_accept_k", "accept_tolerance"}
@@ -302,6 +307,7 @@ def _read_speculators(path: Path, raw: dict) -> DraftFiles:
     _check_values(layer, path, "transformer_layer_config.")
     ids = _int_list(raw.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids", path)
     flat = {k: v for k, v in layer.items() if k != "architectures"}
+    flat |= {k: raw[k] for k in ("torch_dtype", "dtype") if raw.get(k)}  # the weights' dtype, for export
     flat |= {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",

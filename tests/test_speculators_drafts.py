@@ -105,8 +105,12 @@ def test_the_files_are_speculators_own_and_read_as_written(written, name):
     assert c.draft_vocab_size == spec["draft_vocab_size"] and c.vocab_size == V and not c.norm_before_residual
     assert loaded.has_embedding  # speculators saves the verifier's embedding
     assert torch.equal(loaded.model.embed_tokens.weight, load_target_embedding(written["target"]))
+    vocab = loaded.declared.get("vocab_map")
     if spec["draft_vocab_size"] < V:
         assert torch.equal(loaded.model.d2t, written["d2t"]) and torch.equal(loaded.model.t2d, written["t2d"])
+        assert vocab.source == "d2t/t2d saved in the weights"
+    else:  # speculators saves no map at full vocabulary
+        assert vocab.value == "identity" and vocab.source.startswith("no d2t saved")
 
 
 def test_eaglescope_computes_speculators_own_forward_at_every_ttt_step(written, name, spec_bin):  # noqa: F811

@@ -317,6 +317,7 @@ def load_draft(
     with torch.device(device), _default_dtype(dtype):
         model = Eagle3Draft(config, embedding_dtype=dtype)
     has_embedding = "embed_tokens.weight" in sd
+    declared = declare(files, contract, has_embedding)  # before the defaults below fill in what the files lack
     missing = [k for k in weight_names(model) if k not in sd and k not in ("d2t", "t2d")]
     if missing:
         raise EagleScopeError(f"draft checkpoint {path} lacks {missing[0]!r}")
@@ -350,7 +351,6 @@ def load_draft(
     for name, buf in model.named_buffers():  # RoPE frequencies stay float32 in any weight dtype
         if "inv_freq" in name:
             buf.data = buf.data.float()
-    declared = declare(files, contract, has_embedding)
     return LoadedDraft(model.eval(), contract, has_embedding, path, cfg, files.format, files.raw_config, declared,
                        files.notes)  # fmt: skip
 

@@ -118,7 +118,11 @@ def test_sglangs_kimi_mla_draft_config_is_read(tmp_path):
                 "num_experts_per_tok": 8, "n_shared_experts": 1, "moe_intermediate_size": 2048,
                 "routed_scaling_factor": 2.827, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}  # fmt: skip
 
-    kimi = edited(d, tmp_path / "kimi", sglang_kimi)
+    def layers_0(sd: dict) -> None:  # the public Kimi MLA drafts name the layer layers.0 (kimi_k25_eagle3.py)
+        for k in [k for k in sd if k.startswith("midlayer.")]:
+            sd["layers.0." + k.removeprefix("midlayer.")] = sd.pop(k)
+
+    kimi = edited(d, tmp_path / "kimi", sglang_kimi, layers_0)
     n = json.loads((t / "config.json").read_text())["num_hidden_layers"]
     ours, theirs = load_draft(d, n), load_draft(kimi, n)
     assert theirs.format == "eagle3-mla" and theirs.model.config.arch == "mla" and theirs.model.config.fc_norm

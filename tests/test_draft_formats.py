@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from eaglescope.cli import main
 from eaglescope.errors import EagleScopeError
 from eaglescope.models.draft import load_draft, save_draft
+from eaglescope.taps import TapContract
 
 L = 8  # tests/models.py TINY
 
@@ -183,3 +184,63 @@ def test_a_pickled_weight_file_is_refused_in_one_line_and_never_unpickled(draft,
     # the same tensors without the trap: a plain .bin is read (weights_only)
     torch.save(sd, d / "pytorch_model.bin")
     assert load_draft(d, L).format == "eaglescope"
+
+
+# Draft configs SpecForge ships (sgl-project/SpecForge configs/*.json, its train scripts' --draft-model-config; a
+# trained draft's config.json is this file as saved): every key of each, with the tiny draft's shapes put in place of
+# the real ones.
+SPECFORGE = {
+    "kimi-k25-eagle3.json": {
+        "architectures": ["LlamaForCausalLMEagle3"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 163584, "draft_vocab_size": 32000, "dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58], "use_aux_hidden_state": True},
+        "eos_token_id": 163585, "head_dim": 128, "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
+        "intermediate_size": 18432, "max_position_embeddings": 131072, "max_window_layers": 48, "mlp_bias": False,
+        "model_type": "llama", "num_attention_heads": 64, "num_hidden_layers": 1, "num_key_value_heads": 64,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+        "sliding_window": None, "tie_word_embeddings": False, "transformers_version": "4.57.0", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 163840,
+    },
+    "qwen3-30B-A3B-eagle3.1.json": {
+        "architectures": ["LlamaForCausalLMEagle3"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "fc_norm": True, "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 2048,
+        "max_window_layers": 48, "model_type": "llama", "norm_output": True, "num_attention_heads": 32,
+        "num_hidden_layers": 1, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None,
+        "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.53.2", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+        "draft_vocab_size": 32000,
+    },
+    "deepseek-v3-671b-eagle3.json": {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True},
+        "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 7168,
+        "initializer_range": 0.02, "intermediate_size": 40960, "max_position_embeddings": 163840, "model_type": "llama",
+        "num_attention_heads": 56, "num_key_value_heads": 8, "num_hidden_layers": 1, "pad_token_id": 0,
+        "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "float16", "transformers_version": "4.28.1",
+        "use_cache": True, "vocab_size": 129280, "draft_vocab_size": 32000,
+    },
+}  # fmt: skip
+SHAPES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+          "draft_vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SPECFORGE))
+def test_specforges_draft_configs_are_understood_key_by_key(target, tmp_path, name):
+    theirs = SPECFORGE[name]
+    flags = {k: bool(theirs.get(k)) for k in ("fc_norm", "norm_output")}
+    model, contract = make_draft(target, draft_vocab_size=48, taps=TapContract((2, 4, 6), L), **flags)
+    d = save_draft(model, contract, tmp_path / "ours", tap_ids=[1, 3, 5])  # SpecForge's "output of layer" ids
+
+    def as_specforge(cfg: dict) -> None:
+        ours = {k: cfg[k] for k in SHAPES if k in cfg}
+        ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        cfg.clear()
+        cfg |= theirs | ours
+        if "eagle_config" in theirs:
+            cfg["eagle_config"] = {**theirs["eagle_config"], "eagle_aux_hidden_state_layer_ids": ids}
+
+    loaded = load_draft(edited(d, tmp_path / "specforge", as_specforge), L)
+    assert loaded.format == "eagle3" and loaded.model.config.eagle31 == model.config.eagle31
+    # with ids: read as SpecForge's "output of layer i"; without: the engines' default
+    assert list(loaded.contract.taps.layers) == ([2, 4, 6] if "eagle_config" in theirs else [2, L // 2, L - 3])

@@ -113,23 +113,38 @@ def test_the_files_are_speculators_own_and_read_as_written(written, name):
         assert vocab.value == "identity" and vocab.source.startswith("no d2t saved")
 
 
-def test_eaglescope_computes_speculators_own_forward_at_every_ttt_step(written, name, spec_bin):  # noqa: F811
-    d, root = written["drafts"][name], written["root"]
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, V, (1, T), generator=g)
-    aux = torch.randn(1, T, 3 * H, generator=g)
-    steps = 3
-    # speculators pairs each position's features with the *next* token (its shift_batch has already shifted them)
-    inputs = {"aux": aux, "input_ids": shift_left(ids, 1).contiguous(), "position_ids": torch.arange(T)[None],
-              "ttt_steps": torch.tensor(steps)}  # fmt: skip
-    save_file(inputs, str(root / f"{name}-in.safetensors"))
-    run([str(spec_bin / "python"), str(RUNNER), str(d), str(root / f"{name}-in.safetensors"),
-         str(root / f"{name}-out.safetensors")])  # fmt: skip
-    theirs = load_file(str(root / f"{name}-out.safetensors"))
-    loaded = load_draft(d, L)
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def forwards(written, spec_bin: Path) -> dict:  # noqa: F811 - the fixture imported above
+    """speculators' own forward (tests/speculators_runner.py, one process for every draft) on random features and
+    tokens: {name: (ids, aux, {step{k}: logits})}."""
+    root, argv, inputs = written["root"], [], {}
+    for i, name in enumerate(DRAFTS):
+        g = torch.Generator().manual_seed(i + 1)
+        ids = torch.randint(0, V, (1, T), generator=g)
+        aux = torch.randn(1, T, 3 * H, generator=g)
+        inputs[name] = (ids, aux)
+        # speculators pairs each position's features with the *next* token (its shift_batch has already shifted them)
+        x = {"aux": aux, "input_ids": shift_left(ids, 1).contiguous(), "position_ids": torch.arange(T)[None],
+             "ttt_steps": torch.tensor(STEPS)}  # fmt: skip
+        save_file(x, str(root / f"{name}-in.safetensors"))
+        argv += [
+            str(written["drafts"][name]),
+            str(root / f"{name}-in.safetensors"),
+            str(root / f"{name}-out.safetensors"),
+        ]
+    run([str(spec_bin / "python"), str(RUNNER), *argv])
+    return {name: (*inputs[name], load_file(str(root / f"{name}-out.safetensors"))) for name in DRAFTS}
+
+
+def test_eaglescope_computes_speculators_own_forward_at_every_ttt_step(written, forwards, name):
+    ids, aux, theirs = forwards[name]
+    loaded = load_draft(written["drafts"][name], L)
     with torch.no_grad():
-        ours = ttt_unroll(loaded.model, ids, aux, steps).logits
-    for k in range(steps):
+        ours = ttt_unroll(loaded.model, ids, aux, STEPS).logits
+    for k in range(STEPS):
         err = (theirs[f"step{k}"] - ours[k]).abs().max().item()
         assert err < 1e-4, (name, k, err)
         assert torch.equal(theirs[f"step{k}"].argmax(-1), ours[k].argmax(-1)), (name, k)

@@ -2,12 +2,13 @@
 environment (scripts/speculators_env.sh), never in eaglescope's: it imports speculators, torch, safetensors and the
 standard library only.
 
-    python speculators_runner.py CONVERTED INPUTS.safetensors OUT.safetensors
+    python speculators_runner.py CONVERTED INPUTS.safetensors OUT.safetensors [CONVERTED INPUTS OUT ...]
 
 INPUTS: aux [1, T, 3H] (the target's taps, concatenated), input_ids [1, T] (already shifted: the token after each
 position, as speculators pairs them), position_ids [1, T], ttt_steps (a scalar). OUT: step{k} [1, T, Vd] the draft
 logits of TTT step k (what lm_head returned, caught by a forward hook: the forward itself returns only argmax
-tokens), embed_tokens, d2t, t2d. Printed on stdout, one JSON line: {"target_layer_ids", "speculators_version"}.
+tokens), embed_tokens, d2t, t2d. Printed on stdout, one JSON line per checkpoint: {"target_layer_ids",
+"speculators_version"}. Several triples run in one process (one import of speculators).
 """
 
 from __future__ import annotations
@@ -19,10 +20,15 @@ from importlib.metadata import version
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 3:
+    if not argv or len(argv) % 3:
         print(__doc__, file=sys.stderr)
         return 2
-    converted, inputs, out = argv
+    for i in range(0, len(argv), 3):
+        run_one(*argv[i : i + 3])
+    return 0
+
+
+def run_one(converted: str, inputs: str, out: str) -> None:
     import torch
     from safetensors.torch import load_file, save_file
     from speculators.models.eagle3.core import Eagle3DraftModel
@@ -49,8 +55,7 @@ def main(argv: list[str]) -> int:
             tensors[name] = getattr(model, name).contiguous()
     save_file(tensors, out)
     info = {"target_layer_ids": list(model.target_layer_ids), "speculators_version": version("speculators")}
-    print(json.dumps(info))
-    return 0
+    print(json.dumps(info), flush=True)
 
 
 if __name__ == "__main__":

@@ -189,3 +189,15 @@ def test_speculators_forward_equals_eaglescopes_at_every_ttt_step(converted, spe
         )
         assert err < 1e-5, (k, err)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_eaglescope_reads_the_converted_checkpoint_back_as_the_draft_it_was(converted):
+    """`speculators convert`'s output is speculators' format (what vLLM serves natively): eaglescope reads it as written
+    and gets back the draft it exported, taps and every tensor."""
+    back = load_draft(converted_config(converted["printed"])["_dir"], L)
+    draft = load_draft(converted["draft"])
+    assert back.format == "speculators" and back.contract.taps == draft.contract.taps
+    ours = draft.model.state_dict()
+    for k, v in back.model.state_dict().items():
+        if k != "embed_tokens.weight":  # the converted checkpoint carries the target's; the draft saved none
+            assert torch.equal(v, ours[k]), k

@@ -234,7 +234,10 @@ def _speculators_report(loaded: LoadedDraft) -> tuple[dict, list[str]]:
         "algorithm_kwargs": kwargs,
         "embedding_saved": loaded.has_embedding,
         "problems": speculators_problems(loaded, loaded.has_embedding),
+        "already_speculators_format": loaded.format == "speculators",
     }
+    if out["already_speculators_format"]:  # nothing to convert: the files are what speculators wrote
+        return out, []
     warns = []
     if not out["plain_convert_keeps_taps"]:
         warns.append(
@@ -283,17 +286,21 @@ def describe_draft(
     loaded: LoadedDraft,
     target_fp: TargetFingerprint | None = None,
     target_embedding: torch.Tensor | None = None,
+    target_dir: Path | None = None,
 ) -> dict:
     """Everything `inspect` reports, as a JSON-able dict. Stable keys (`inspect --json`):
 
-    path, architectures; contract {taps, tap_names, index_convention, num_layers, is_default, inferred,
+    path, architectures, format (models/drafts/formats.py FORMATS); declared {format, properties: [{name, status
+    (declared | assumed | unknown), value, source, measure (the command that measures it, or null)}]};
+    contract {taps, tap_names, index_convention, num_layers, is_default, inferred,
     inferred_from, target, ttt_length, loss_mask_shift, draft_vocab_source}; config {hidden_size,
     intermediate_size, num_heads, num_kv_heads, head_dim, vocab_size, draft_vocab_size, target_hidden_size,
     num_aux, rope_theta, norm_before_residual}; embedding {saved, matches_target}; vocab_map {ok, saved, identity,
     first_ids_only, target_id_min, target_id_max, engines {vllm|sglang|speculators: what it does with the map}, …};
     config_tap_ids; engines {sglang|sglang-legacy|vllm: {captures, captures_names, matches_contract,
     applies_to_target}}; sglang_rule {architecture, convention}; speculators {version, plain_convert_captures,
-    plain_convert_keeps_taps, algorithm_kwargs, embedding_saved, problems}; target {matches, reason, fingerprint} or
+    plain_convert_keeps_taps, algorithm_kwargs, embedding_saved, problems, already_speculators_format};
+    target {matches, reason, fingerprint} or
     null; warnings.
 
     The two SGLang rows are SGLang's two rules for reading ids; which one applies depends on the target's
@@ -330,9 +337,12 @@ def describe_draft(
         except EagleScopeError as e:
             target = {"matches": False, "reason": str(e), "fingerprint": target_fp.to_dict()}
             warns.append(f"target mismatch: {e}")
+    warns += [f"READ: {n}" for n in loaded.notes]
     return {
         "path": str(loaded.path),
-        "architectures": loaded.hf_config.get("architectures") or [],
+        "architectures": (loaded.raw_config or loaded.hf_config).get("architectures") or [],
+        "format": loaded.format,
+        "declared": _declared_report(loaded, target_dir),
         "contract": _contract_report(ct),
         "config": _config_report(c),
         "engine_options": {e: engine_options(c, e) for e in (*SERVING_ENGINES, "speculators")},
@@ -345,6 +355,31 @@ def describe_draft(
         "target": target,
         "warnings": warns,
     }
+
+
+def _declared_report(loaded: LoadedDraft, target_dir: Path | None) -> dict | None:
+    """What the draft's files declare, property by property, with the measuring commands naming the target given."""
+    if loaded.declared is None:
+        return None
+    d = loaded.declared.to_dict()
+    if target_dir is not None:
+        for p in d["properties"]:
+            if p["measure"]:
+                p["measure"] = p["measure"].replace("--target TARGET", f"--target {shlex.quote(str(target_dir))}")
+    return d
+
+
+def _format_declared(d: dict) -> list[str]:
+    """The declared/measurable table of `inspect`: one row per property, its measuring command beneath."""
+    lines = ["declared   what the files say about training, and what doctor measures instead of trusting them:"]
+    for p in d["properties"]:
+        value = p["value"]
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items() if v not in (None, False)) or "none"
+        lines.append(f"  {p['name']:<16} {p['status'].upper():<9} {value}  ({p['source']})")
+        if p["measure"]:
+            lines.append(f"  {'':<16} measure:  {p['measure']}")
+    return lines
 
 
 def _engine_rows(ct: DraftContract, ids, sglang_rule: str | None, warns: list[str]) -> dict:
@@ -435,7 +470,7 @@ def _config_report(c) -> dict:
 def format_description(d: dict) -> str:
     ct, c = d["contract"], d["config"]
     L = ct["num_layers"]
-    lines = [f"draft      {d['path']}  ({', '.join(d['architectures']) or 'no architectures'})"]
+    lines = [f"draft      {d['path']}  ({', '.join(d['architectures']) or 'no architectures'}; {d['format']} format)"]
     how = "default" if ct["is_default"] else "non-default"
     if ct["inferred"]:
         how += f", INFERRED from the {ct['inferred_from']}"
@@ -489,6 +524,8 @@ def format_description(d: dict) -> str:
         lines.append(f"vocab map  BROKEN: {v['error']}")
     if d["target"] is not None:
         lines.append("target     " + ("matches" if d["target"]["matches"] else f"MISMATCH: {d['target']['reason']}"))
+    if d.get("declared"):
+        lines += _format_declared(d["declared"])
     ids = d["config_tap_ids"]
     lines.append(f"engines    config.json ids: {ids if ids is not None else 'none (engine default)'}")
     rule = d["sglang_rule"]
@@ -504,11 +541,14 @@ def format_description(d: dict) -> str:
         lines.append(f"  {engine:<14} captures {r['captures']}  {mark}{note}")
     sp = d["speculators"]
     keeps = "keeps the taps" if sp["plain_convert_keeps_taps"] else f"captures {sp['plain_convert_captures']}"
-    lines.append(
-        f"speculators {sp['version']}: a plain convert {keeps}; --algorithm-kwargs "
-        f"'{json.dumps(sp['algorithm_kwargs'])}' keeps them; "
-        + ("ready" if not sp["problems"] else "not ready (see warnings)")
-    )
+    if sp.get("already_speculators_format"):
+        lines.append("speculators: these files are in speculators' own format, which vLLM serves as they are")
+    else:
+        lines.append(
+            f"speculators {sp['version']}: a plain convert {keeps}; --algorithm-kwargs "
+            f"'{json.dumps(sp['algorithm_kwargs'])}' keeps them; "
+            + ("ready" if not sp["problems"] else "not ready (see warnings)")
+        )
     lines += [f"WARNING: {w}" for w in d["warnings"]]
     return "\n".join(lines)
 
@@ -774,7 +814,7 @@ def inspect_checkpoint(draft: str, target: str | None = None) -> dict:
     tdir, fp = _target_info(target)
     loaded = _load(draft, fp)
     emb = load_target_embedding(tdir) if tdir is not None and loaded.has_embedding else None
-    return describe_draft(loaded, fp, emb)
+    return describe_draft(loaded, fp, emb, tdir)
 
 
 def export_checkpoint(

@@ -22,10 +22,11 @@ from eaglescope.export import (
     tap_name,
     trained_on,
 )
-from eaglescope.models.draft import DraftContract, infer_contract
+from eaglescope.models.draft import DraftContract, contract_of
 from eaglescope.models.drafts import DraftConfig
+from eaglescope.models.drafts.formats import read_draft_files
 from eaglescope.models.targets.base import TargetFingerprint
-from eaglescope.models.targets.loading import check_dir, fingerprint_of, load_state_dict, read_config
+from eaglescope.models.targets.loading import check_dir, fingerprint_of, read_config
 from eaglescope.models.vocab import validate_vocab_map
 from eaglescope.taps import ENGINES, TapContract, engine_capture, sglang_convention
 
@@ -46,25 +47,13 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def read_draft_raw(draft_dir: Path | str, num_layers: int) -> tuple[dict, dict[str, torch.Tensor], DraftContract]:
-    """(config.json, weights with canonical names, contract) without the checks `load_draft` makes."""
-    path = check_dir(draft_dir, "draft")
-    cfg = read_config(path)
-    sd = load_state_dict(path)
-    sd = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v for k, v in sd.items()}
-    sd = {k.removeprefix("model."): v for k, v in sd.items()}
-    if "fc.weight" not in sd:
-        raise EagleScopeError(f"{path} has no fc.weight: not an EAGLE-3 draft checkpoint")
-    section = cfg.get("eaglescope")
-    if section is not None:
-        try:
-            contract = DraftContract.from_dict(section)
-        except (KeyError, TypeError, EagleScopeError) as e:
-            raise EagleScopeError(f"the eaglescope section of {path}/config.json is malformed ({e})") from None
-    else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            contract = infer_contract(cfg, num_layers, "checkpoint")
-    return cfg, sd, contract
+    """(config.json in the flat layout, weights with canonical names, contract) without the checks `load_draft`
+    makes: any format load_draft reads (models/drafts/formats.py), through the same reader."""
+    files = read_draft_files(draft_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        contract = contract_of(files, num_layers)
+    return files.config, files.state_dict, contract
 
 
 # -- individual checks -----------------------------------------------------------------------------------

@@ -26,9 +26,10 @@ from torch import nn
 from eaglescope.errors import EagleScopeError
 from eaglescope.models.drafts import DraftConfig, build_layer
 from eaglescope.models.drafts.config import LLAMA_ARCHITECTURE
+from eaglescope.models.drafts.formats import Declaration, DraftFiles, declare, read_draft_files
 from eaglescope.models.targets.base import TargetFingerprint
 from eaglescope.models.targets.llama import KVCache, RMSNorm
-from eaglescope.models.targets.loading import check_dir, check_finite, load_state_dict, read_config
+from eaglescope.models.targets.loading import check_finite
 from eaglescope.models.vocab import validate_vocab_map
 from eaglescope.outputs import read_json, staged_dir
 from eaglescope.taps import TapContract, engine_capture
@@ -193,7 +194,11 @@ class LoadedDraft:
     contract: DraftContract
     has_embedding: bool
     path: Path
-    hf_config: dict
+    hf_config: dict  # config.json in the flat LlamaForCausalLMEagle3 layout (models/drafts/formats.py)
+    format: str = "eaglescope"  # models/drafts/formats.py FORMATS
+    raw_config: dict | None = None  # config.json as written
+    declared: Declaration | None = None  # what the files declare about training, and how to measure the rest
+    notes: list[str] = field(default_factory=list)  # what the reader had to decide where the files are silent
 
 
 def eaglescope_section(path: Path) -> dict | None:
@@ -233,8 +238,12 @@ def save_draft(
     return out
 
 
-def infer_contract(cfg: dict, num_layers: int | None, source: str) -> DraftContract:
-    """A contract for a checkpoint without an eaglescope section (official EAGLE, SpecForge, …)."""
+def infer_contract(
+    cfg: dict, num_layers: int | None, source: str, convention: str | None = None, said_by: str | None = None
+) -> DraftContract:
+    """A contract for a checkpoint without an eaglescope section (official EAGLE, SpecForge, speculators, ...).
+    `convention`: the engine convention its ids are in (default: SpecForge's when there are ids); `said_by`: what
+    declared them, in words."""
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if num_layers is None:
         raise EagleScopeError(
@@ -242,14 +251,34 @@ def infer_contract(cfg: dict, num_layers: int | None, source: str) -> DraftContr
         )
     # SpecForge writes "output of layer i" ids; without an eaglescope section assume that convention
     # when ids are present (what SGLang-era checkpoints mean), otherwise the engines' shared default.
-    engine = "specforge" if ids is not None else "vllm"
+    engine = convention or ("specforge" if ids is not None else "vllm")
     taps = TapContract(tuple(engine_capture(ids, engine, num_layers)), num_layers)
     return DraftContract(
         taps=taps,
         inferred=True,
         draft_vocab_source=source,
-        extra={"inferred_from": f"{engine} convention" if ids is not None else "engine default"},
+        extra={"inferred_from": said_by or (f"{engine} convention" if ids is not None else "engine default")},
     )
+
+
+def contract_of(files: DraftFiles, num_layers: int | None) -> DraftContract:
+    """The contract a draft directory states (its eaglescope section) or the one its files imply, labelled inferred."""
+    if files.format == "eaglescope":
+        section = files.raw_config["eaglescope"]
+        try:
+            if not isinstance(section, dict):
+                raise TypeError(f"it is a {type(section).__name__}, not an object")
+            return DraftContract.from_dict(section)
+        except (KeyError, TypeError, ValueError, AttributeError, EagleScopeError) as e:
+            raise EagleScopeError(f"the eaglescope section of {files.path}/config.json is malformed ({e})") from None
+    said_by = None
+    if files.format == "speculators":
+        said_by = (
+            "speculators config's eagle_aux_hidden_state_layer_ids (vLLM convention)"
+            if files.tap_ids is not None
+            else "speculators' default (no ids in its config)"
+        )
+    return infer_contract(files.config, num_layers, "checkpoint", files.tap_convention, said_by)
 
 
 def load_draft(
@@ -258,34 +287,21 @@ def load_draft(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> LoadedDraft:
-    path = check_dir(path, "draft")
-    cfg = read_config(path)
-    archs = cfg.get("architectures") or []
-    if archs and not any("Eagle3" in a or "Eagle" in a for a in archs):
-        raise EagleScopeError(f"{path} holds a {archs[0]} checkpoint, not an EAGLE-3 draft ({ARCHITECTURE})")
-    sd = load_state_dict(path)
+    """Any supported draft directory (models/drafts/formats.py: eaglescope's, official EAGLE-3, SpecForge's, MLA,
+    speculators') as eaglescope's draft, with its contract and a record of what its files declare. Every command
+    that reads a draft comes through here."""
+    files = read_draft_files(path)
+    path, cfg, sd = files.path, files.config, files.state_dict
     check_finite(sd, path)
-    # Strip "model." first so that "model.layers.0.*" is renamed too.
-    sd = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in sd.items()}
-    sd = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v for k, v in sd.items()}
-    if "fc.weight" not in sd:
-        raise EagleScopeError(f"{path} has no fc.weight: not an EAGLE-3 draft checkpoint")
     config = DraftConfig.from_hf_config(cfg, fc_in=sd["fc.weight"].shape[1])
-    section = cfg.get("eaglescope")
-    if section is not None:
-        try:
-            if not isinstance(section, dict):
-                raise TypeError(f"it is a {type(section).__name__}, not an object")
-            contract = DraftContract.from_dict(section)
-        except (KeyError, TypeError, ValueError, AttributeError, EagleScopeError) as e:
-            raise EagleScopeError(f"the eaglescope section of {path}/config.json is malformed ({e})") from None
+    contract = contract_of(files, target_num_layers)
+    if files.format == "eaglescope":
         if target_num_layers is not None and contract.taps.num_layers != target_num_layers:
             raise EagleScopeError(
                 f"the draft was trained for a {contract.taps.num_layers}-layer target; this target has "
                 f"{target_num_layers} layers"
             )
     else:
-        contract = infer_contract(cfg, target_num_layers, "checkpoint")
         warnings.warn(
             f"{path} has no eaglescope section: contract inferred (taps {list(contract.taps.layers)}, "
             f"{contract.extra['inferred_from']})",
@@ -301,9 +317,17 @@ def load_draft(
     with torch.device(device), _default_dtype(dtype):
         model = Eagle3Draft(config, embedding_dtype=dtype)
     has_embedding = "embed_tokens.weight" in sd
+    declared = declare(files, contract, has_embedding)  # before the defaults below fill in what the files lack
     missing = [k for k in weight_names(model) if k not in sd and k not in ("d2t", "t2d")]
     if missing:
         raise EagleScopeError(f"draft checkpoint {path} lacks {missing[0]!r}")
+    expected = model.state_dict()
+    unplaced = [k for k in sd if k not in expected and not k.endswith("rotary_emb.inv_freq")]
+    if unplaced:
+        # never skipped: a tensor the file holds may be part of the function it was trained to compute
+        raise EagleScopeError(
+            f"draft checkpoint {path} holds {unplaced[0]!r}, which eaglescope's draft has no place for"
+        )
     if "d2t" not in sd or "t2d" not in sd:
         if config.draft_vocab_size != config.vocab_size:
             raise EagleScopeError(
@@ -312,7 +336,6 @@ def load_draft(
             )
         sd.setdefault("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         sd.setdefault("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
-    expected = model.state_dict()
     for k, t in sd.items():
         if k in expected and tuple(t.shape) != tuple(expected[k].shape):
             raise EagleScopeError(
@@ -328,7 +351,8 @@ def load_draft(
     for name, buf in model.named_buffers():  # RoPE frequencies stay float32 in any weight dtype
         if "inv_freq" in name:
             buf.data = buf.data.float()
-    return LoadedDraft(model.eval(), contract, has_embedding, path, cfg)
+    return LoadedDraft(model.eval(), contract, has_embedding, path, cfg, files.format, files.raw_config, declared,
+                       files.notes)  # fmt: skip
 
 
 @contextlib.contextmanager

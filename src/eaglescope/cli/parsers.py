@@ -117,6 +117,10 @@ def add_prepare(sub) -> None:
     f("backend", choices=BACKENDS)
     f("limit", type=int, help="use only the first N conversations")
     f("overwrite", help="replace an earlier preparation at OUT, once the new one is complete")
+    f("engine", choices=["vllm"], help="the serving engine computes the features (implies --hidden-states; "
+      "docs/engine-features.md)")  # fmt: skip
+    f("engine_python", help="the engine environment's python (default $EAGLESCOPE_VLLM_PYTHON, else python)")
+    f("engine_args", help="JSON object of the engine's own arguments, e.g. '{\"tensor_parallel_size\": 8}'")
     p.set_defaults(func="eaglescope.cli.prepare:cmd_prepare")
 
 

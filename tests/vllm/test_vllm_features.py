@@ -228,3 +228,49 @@ def test_contract_mismatch_is_refused_with_one_line(prepared, fault, tmp_path):
     assert len(errors) == 1 and phrase in errors[0], err
     assert not [ln for ln in err.splitlines() if "capture contract" in ln and ln not in errors], err
     assert not (tmp_path / "prep").exists()  # nothing written where the preparation would go
+
+
+# -- online training fed by a running engine ---------------------------------------------------------------------------
+CAPACITY = 2  # unconsumed shards the buffer may hold
+
+
+def test_training_consumes_the_engine_features_through_a_bounded_buffer(prepared, tmp_path):
+    import subprocess
+
+    b = prepared["base"]
+    buf = tmp_path / "buffer"
+    argv = [sys.executable, "-m", "eaglescope.cli", *prepare_argv(b["target"], prepared["data"], tmp_path / "unused"),
+            *engine_argv(prepared["python"]), "--buffer", str(buf), "--buffer-shards", str(CAPACITY),
+            "--eval-fraction", "0.25"]  # fmt: skip
+    argv[argv.index("--shard-samples") + 1] = "4"
+    env = os.environ | ENGINE_ENV
+    with (tmp_path / "producer.log").open("w") as log:
+        producer = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 600
+            while not (buf / "buffer.json").is_file():  # the engine started and the held-out samples are in
+                assert producer.poll() is None, (tmp_path / "producer.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "the producer wrote no buffer.json in 600 s"
+                time.sleep(0.5)
+            time.sleep(5)  # let the producer run into the bound before the consumer starts
+            cfg = TrainConfig(target=str(b["target"]), data=str(buf), out=str(tmp_path / "draft"), seed=0,
+                              **{**TRAIN, "max_steps": None, "batch_size": 2})  # fmt: skip
+            from eaglescope.train.stream import train_stream
+
+            res = train_stream(cfg)
+            assert producer.wait(timeout=300) == 0, (tmp_path / "producer.log").read_text()[-3000:]
+        finally:
+            if producer.poll() is None:
+                producer.kill()
+                producer.wait()
+    s = json.loads((tmp_path / "draft" / "training_metrics.json").read_text())["stream"]
+    header = json.loads((buf / "buffer.json").read_text())
+    consumed = json.loads((buf / "consumed.json").read_text())
+    sys.stderr.write(f"online: consumer {s['consumer']['tokens_per_s']:.0f} tokens/s, producers "
+                     f"{s['producers_tokens_per_s']:.0f} tokens/s, peak {s['peak_waiting_shards']} shards "
+                     f"({s['peak_bytes']} bytes) waiting of {s['capacity']}; {s['bottleneck']}\n")  # fmt: skip
+    assert consumed["samples"] == header["num_train_samples"]  # every training sample, once
+    assert 1 <= s["peak_waiting_shards"] <= CAPACITY
+    assert s["consumer"]["tokens_per_s"] > 0 and s["producers_tokens_per_s"] > 0
+    assert not list(buf.glob("shard-*"))  # consumed shards are gone: nothing beyond the bound stays on disk
+    assert res.metrics["num_samples"] > 0 and res.steps > 0

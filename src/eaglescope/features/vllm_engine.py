@@ -113,6 +113,7 @@ class VllmFeatures:
         self.ready: dict = {}
         self.seconds = 0.0  # engine time over the batches
         self.tokens = 0  # prompt tokens the engine processed
+        self.log_path = Path(tempfile.gettempdir()) / f"eaglescope-vllm-{os.getpid()}.log"
 
     # -- lifecycle --------------------------------------------------------------------------------------------------
     def start(self) -> dict:
@@ -135,7 +136,7 @@ class VllmFeatures:
             raise EagleScopeError(f"cannot run --engine-python {self.python!r}: {e.strerror or e}") from None
         finally:
             engine_log.close()
-        log.info("vLLM starting (%s; its log: %s)", self.python, self.spool / "engine.log")
+        log.info("vLLM starting (%s; its log: %s, then %s)", self.python, self.spool / "engine.log", self.log_path)
         self.ready = self._wait_for("ready.json", START_TIMEOUT_S, "start")
         self._check_ready()
         log.info("vLLM %s ready: captures layer ids %s", self.ready.get("vllm_version"), self.ready["captured_layers"])
@@ -157,6 +158,9 @@ class VllmFeatures:
         found.raise_if_any(f"vLLM {self.ready.get('vllm_version', '')}".strip())
 
     def close(self) -> None:
+        if self.spool is not None and (self.spool / "engine.log").is_file():
+            # the engine's own log outlives the run (a failure's line points at it)
+            shutil.copyfile(self.spool / "engine.log", self.log_path)
         if self.spool is not None and self.spool.is_dir():
             (self.spool / "stop").write_text("")
         if self.proc is not None:
@@ -188,12 +192,11 @@ class VllmFeatures:
             if failed.is_file():
                 err = json.loads(failed.read_text()).get("error", "unknown error")
                 self.close()
-                raise EagleScopeError(f"vLLM failed to {what}: {err}")
+                raise EagleScopeError(f"vLLM failed to {what}: {err} (its log: {self.log_path})")
             if self.proc.poll() is not None:
-                tail = _last_line(self.spool / "engine.log")
+                tail, rc = _last_line(self.spool / "engine.log"), self.proc.returncode
                 self.close()
-                raise EagleScopeError(f"vLLM exited ({self.proc and self.proc.returncode or 'status'}) before it could "
-                                      f"{what}: {tail}")  # fmt: skip
+                raise EagleScopeError(f"vLLM exited ({rc}) before it could {what}: {tail} (its log: {self.log_path})")
             if time.monotonic() > deadline:
                 self.close()
                 raise EagleScopeError(f"vLLM did not {what} within {timeout:.0f} s")

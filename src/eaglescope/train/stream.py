@@ -36,7 +36,7 @@ from eaglescope.train.ttt import LOSS_MASK_SHIFT, draft_vocab_ids, ttt_loss, ttt
 
 log = logging.getLogger(__name__)
 
-STATE = "stream_state.pt"
+STATE = "training_state/stream_state.pt"  # under the directory a trained draft may hold (loop.TRAINED)
 
 
 def is_buffer(path: str | Path) -> bool:
@@ -122,6 +122,7 @@ def train_stream(cfg: TrainConfig, progress: bool = False) -> TrainResult:
         side["shards"] += 1
         # the state that trained on this shard first, then the record: a restart never trains on a shard twice or
         # skips one
+        (out / STATE).parent.mkdir(exist_ok=True)
         torch.save({"model": {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"},
                     "optimizer": opt.state_dict(), "step": step}, out / STATE)  # fmt: skip
         buf.mark_consumed(seq, len(samples), sum(len(s["input_ids"]) for s in samples))
@@ -154,7 +155,10 @@ def throughput(side: dict, buf: FeatureBuffer) -> dict:
     p_rate = p_tokens / p_busy if producers else 0.0
     blocked = sum(p.get("blocked_seconds", 0.0) for p in producers.values())
     # the side that waited less for the other is the one the other waited for
-    bottleneck = "producers (the engine)" if side["waited_seconds"] >= blocked else "consumer (training)"
+    if max(side["waited_seconds"], blocked) < 1.0:
+        bottleneck = "neither side waited for the other"
+    else:
+        bottleneck = "producers (the engine)" if side["waited_seconds"] >= blocked else "consumer (training)"
     return {"consumer": consumer, "producers": producers, "producers_tokens_per_s": p_rate,
             "producers_blocked_seconds": blocked, "bottleneck": bottleneck,
             "peak_waiting_shards": max((p.get("peak_waiting", 0) for p in producers.values()), default=0),

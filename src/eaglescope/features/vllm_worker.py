@@ -55,6 +55,17 @@ def _captured_layers(llm) -> list[int] | None:
         return None
 
 
+def _connector() -> dict:
+    """vLLM's hidden-states connector; on vLLM's CPU platform eaglescope's subclass of it (vllm_cpu_connector.py:
+    the stock one copies with CUDA streams and events)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return {"kv_connector": "CpuHiddenStatesConnector",
+                "kv_connector_module_path": "eaglescope.features.vllm_cpu_connector"}  # fmt: skip
+    return {"kv_connector": "ExampleHiddenStatesConnector"}
+
+
 def _start(spool: str, cfg: dict):
     from vllm import LLM
 
@@ -73,7 +84,7 @@ def _start(spool: str, cfg: dict):
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(cfg["layer_ids"])}},
         },
         "kv_transfer_config": {
-            "kv_connector": "ExampleHiddenStatesConnector",
+            **_connector(),
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": storage},
         },
@@ -142,6 +153,7 @@ def main(argv: list[str]) -> int:
             "chunked_prefill": bool(getattr(vc.scheduler_config, "enable_chunked_prefill", False)),
             "max_model_len": int(vc.model_config.max_model_len),
             "dtype": str(vc.model_config.dtype).removeprefix("torch."),
+            "connector": vc.kv_transfer_config.kv_connector,
         }
     except Exception as e:  # noqa: BLE001 - one line for eaglescope to report
         _write(os.path.join(spool, "failed.json"), {"error": _line(e)})

@@ -28,7 +28,7 @@ from eaglescope.models.draft import DraftConfig, DraftContract, Eagle3Draft
 from eaglescope.models.targets import parse_device
 from eaglescope.models.targets.head import load_target_head
 from eaglescope.models.targets.loading import read_config
-from eaglescope.outputs import check_destination
+from eaglescope.outputs import check_destination, open_partial, swap_in
 from eaglescope.taps import TapContract
 from eaglescope.train.loop import TRAINED, TrainResult, collate, lr_factor, make_batch, save_checkpoint
 from eaglescope.train.metrics import evaluate
@@ -76,9 +76,10 @@ def train_stream(cfg: TrainConfig, progress: bool = False) -> TrainResult:
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     step = 0
-    out.mkdir(parents=True, exist_ok=True)
-    if cfg.resume and (out / STATE).is_file():
-        saved = torch.load(out / STATE, map_location="cpu", weights_only=True)
+    # built beside OUT and swapped in when complete; an interrupted run's state stays there for --resume
+    work = open_partial(out, "train", fresh=not cfg.resume)
+    if cfg.resume and (work / STATE).is_file():
+        saved = torch.load(work / STATE, map_location="cpu", weights_only=True)
         draft.load_state_dict(saved["model"], strict=False)
         opt.load_state_dict(saved["optimizer"])
         step = int(saved["step"])
@@ -122,9 +123,9 @@ def train_stream(cfg: TrainConfig, progress: bool = False) -> TrainResult:
         side["shards"] += 1
         # the state that trained on this shard first, then the record: a restart never trains on a shard twice or
         # skips one
-        (out / STATE).parent.mkdir(exist_ok=True)
+        (work / STATE).parent.mkdir(exist_ok=True)
         torch.save({"model": {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"},
-                    "optimizer": opt.state_dict(), "step": step}, out / STATE)  # fmt: skip
+                    "optimizer": opt.state_dict(), "step": step}, work / STATE)  # fmt: skip
         buf.mark_consumed(seq, len(samples), sum(len(s["input_ids"]) for s in samples))
     evals = buf.eval_samples()
     batches = (make_batch(head, collate(evals[i : i + cfg.batch_size], max_length), device, torch.float32, vocab_ids)
@@ -138,7 +139,8 @@ def train_stream(cfg: TrainConfig, progress: bool = False) -> TrainResult:
     contract = DraftContract(taps=taps, target=head.fingerprint, ttt_length=cfg.ttt_length,
                              loss_mask_shift=LOSS_MASK_SHIFT, draft_vocab_source=source,
                              extra={"training": training})  # fmt: skip
-    save_checkpoint(out, draft, contract, metrics)
+    save_checkpoint(work, draft, contract, metrics)
+    swap_in(work, check_destination(out, TRAINED, inputs=[cfg.target, cfg.data], replace=True))
     s = metrics["stream"]
     c = s["consumer"]
     log.info(f"stream: consumer {c['tokens_per_s']:.0f} tokens/s ({c['waited_seconds']:.1f} s waiting for shards), "

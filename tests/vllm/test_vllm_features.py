@@ -158,7 +158,7 @@ def test_drafts_trained_from_vllm_and_in_process_features_agree(prepared):
     tok = b["tok"]
     prompts = [tok.apply_chat_template([{"role": "user", "content": order2_chain(rng, b["perm"], 12)}],
                                        tokenize=True, add_generation_prompt=True) for _ in range(6)]  # fmt: skip
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
     taus = _served_tau(prepared["python"], target, exports, prompts, root)
     lines = ["| features | held-out acc_0 | acc_1 | acc_2 | predicted τ | τ served by vLLM |",
              "|---|---:|---:|---:|---:|---:|"]  # fmt: skip

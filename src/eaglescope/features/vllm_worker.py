@@ -93,13 +93,36 @@ def _start(spool: str, cfg: dict):
     return LLM(**args)
 
 
-def _wait_written(path: str) -> None:
+def _written(path: str) -> bool:
     """The connector writes on a thread and holds an exclusive flock on PATH.lock until the file is complete."""
+    if not os.path.exists(path):
+        return False
     lock = path + ".lock"
     if os.path.exists(lock):
         with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_SH)
-        os.remove(lock)
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+    return True
+
+
+def _drain(llm, files: list[str], timeout: float = 600.0) -> None:
+    """Wait until every file is written. A request's file is only submitted for writing at the engine step after
+    the request finished (the scheduler hands the connector its pending saves then), and LLM.chat returns at the
+    finish: an engine in this process is stepped here until the connector has drained; a separate engine process
+    keeps stepping by itself while the connector holds finished requests."""
+    inproc = type(llm.llm_engine.engine_core).__name__ == "InprocClient"
+    deadline = time.monotonic() + timeout
+    while not all(_written(f) for f in files):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the hidden-states connector wrote no {files[0]} in {timeout:.0f} s")
+        if inproc:
+            llm.llm_engine.step()
+        time.sleep(0.01)
+    for f in files:
+        if os.path.exists(f + ".lock"):
+            os.remove(f + ".lock")
 
 
 def _run_batch(llm, requests: list[dict]) -> list[dict]:
@@ -119,9 +142,7 @@ def _run_batch(llm, requests: list[dict]) -> list[dict]:
         res = llm.generate([{"prompt_token_ids": requests[i]["prompt_ids"]} for i in ids], params, use_tqdm=False)
         for i, o in zip(ids, res):
             out[i] = _result(o)
-    for r in out:
-        if r["file"]:
-            _wait_written(r["file"])
+    _drain(llm, [r["file"] for r in out if r["file"]])
     return out
 
 

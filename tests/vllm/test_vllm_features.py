@@ -34,7 +34,7 @@ N_CONV = 40
 MAX_LENGTH = 64
 K = 3
 # float32 on both sides; vLLM's CPU attention and matmuls sum in other orders than eaglescope's native target
-TOL = 1e-4  # max |Δ| relative to the sample's largest |value|
+TOL = 3e-4  # max |Δ| relative to the sample's largest |value| (measured: 4.6e-5 at worst)
 # A chat template the draft never saw: vLLM renders with it when given this tokenizer.
 OTHER_TEMPLATE = (
     "{% for m in messages %}[{{ m['role'] }}]: {{ m['content'] }}\n{% endfor %}"

@@ -111,9 +111,8 @@ def check_token_ids(engine_ids: list[int], ours: list[int], truncated: bool, dec
 
     why = "another chat template, or a BOS token added or dropped" if i < 2 else "another chat template"
     return [
-        f"the engine processed other token ids than eaglescope's rendering ({len(engine_ids)} vs "
-        f"{len(ours)} tokens, first difference at position {i}: engine {tok(engine_ids)}, eaglescope {tok(ours)}): "
-        f"{why}"
+        f"the engine processed other token ids than eaglescope's rendering: {why} ({len(engine_ids)} vs "
+        f"{len(ours)} tokens, first difference at position {i}: engine {tok(engine_ids)}, eaglescope {tok(ours)})"
     ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -57,22 +58,24 @@ class Sample:
 class Mismatches:
     """Mismatch lines with the samples each was seen in: one line per kind of mismatch, not per sample."""
 
-    seen: dict[str, list[int]] = field(default_factory=dict)
+    seen: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # kind → (first sample's line, samples)
 
     def add(self, k: int | None, lines: list[str]) -> None:
         for line in lines:
-            ks = self.seen.setdefault(line, [])
+            kind = re.sub(r" \([^()]*\)", "", line)  # the same mismatch with other numbers in parentheses
+            first, ks = self.seen.setdefault(kind, (line, []))
             if k is not None:
                 ks.append(k)
 
     def lines(self) -> list[str]:
         out = []
-        for line, ks in self.seen.items():
+        for first, ks in self.seen.values():
             if not ks:
-                out.append(line)
+                out.append(first)
                 continue
             named = ", ".join(map(str, ks[:SHOWN])) + (f" (+{len(ks) - SHOWN} more)" if len(ks) > SHOWN else "")
-            out.append(f"sample{'s' if len(ks) > 1 else ''} {named}: {line}")
+            where = f" (numbers of sample {ks[0]})" if len(ks) > 1 and "(" in first else ""
+            out.append(f"sample{'s' if len(ks) > 1 else ''} {named}: {first}{where}")
         return out
 
     def raise_if_any(self, what: str) -> None:

@@ -121,8 +121,7 @@ def produce(cfg: PrepareConfig, buffer: str, capacity: int, producer: str = "0/1
             stats["samples"] += len(rows)
             stats["shards_done"].append(k)
             stats["wall_seconds"] = stats.get("wall_before", 0.0) + time.perf_counter() - t0
-            busy = max(1e-9, stats["wall_seconds"] - stats["blocked_seconds"])
-            stats["tokens_per_s"] = stats["tokens"] / busy
+            stats["tokens_per_s"] = stats["tokens"] / max(1e-9, stats["engine_seconds"])  # the engine's own time
             buf.report(name, stats)
             log.info(f"producer {producer}: shard {k} in the buffer ({stats['tokens_per_s']:.0f} tokens/s, "
                      f"{stats['blocked_seconds']:.1f} s blocked by a full buffer)")  # fmt: skip

@@ -153,15 +153,12 @@ def throughput(side: dict, buf: FeatureBuffer) -> dict:
     consumer = dict(side, tokens_per_s=side["tokens"] / max(1e-9, side["busy_seconds"]))
     producers = buf.producers()
     p_tokens = sum(p.get("tokens", 0) for p in producers.values())
-    p_busy = sum(max(1e-9, p.get("wall_seconds", 0.0) - p.get("blocked_seconds", 0.0)) for p in producers.values())
-    p_rate = p_tokens / p_busy if producers else 0.0
+    # the engines' time computing the shards (their start-up and their waits on a full buffer excluded), summed: N
+    # producers side by side make N times one's rate
+    p_rate = sum(p.get("tokens", 0) / max(1e-9, p.get("engine_seconds", 0.0)) for p in producers.values())
     blocked = sum(p.get("blocked_seconds", 0.0) for p in producers.values())
-    # the side that waited less for the other is the one the other waited for
-    if max(side["waited_seconds"], blocked) < 1.0:
-        bottleneck = "neither side waited for the other"
-    else:
-        bottleneck = "producers (the engine)" if side["waited_seconds"] >= blocked else "consumer (training)"
-    return {"consumer": consumer, "producers": producers, "producers_tokens_per_s": p_rate,
+    bottleneck = "producers (the engine)" if p_rate < consumer["tokens_per_s"] else "consumer (training)"
+    return {"consumer": consumer, "producers": producers, "producers_tokens_per_s": p_rate, "producers_tokens": p_tokens,
             "producers_blocked_seconds": blocked, "bottleneck": bottleneck,
             "peak_waiting_shards": max((p.get("peak_waiting", 0) for p in producers.values()), default=0),
             "peak_bytes": max((p.get("peak_bytes", 0) for p in producers.values()), default=0),

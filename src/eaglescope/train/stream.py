@@ -158,7 +158,8 @@ def throughput(side: dict, buf: FeatureBuffer) -> dict:
     p_rate = sum(p.get("tokens", 0) / max(1e-9, p.get("engine_seconds", 0.0)) for p in producers.values())
     blocked = sum(p.get("blocked_seconds", 0.0) for p in producers.values())
     bottleneck = "producers (the engine)" if p_rate < consumer["tokens_per_s"] else "consumer (training)"
-    return {"consumer": consumer, "producers": producers, "producers_tokens_per_s": p_rate, "producers_tokens": p_tokens,
+    return {"consumer": consumer, "producers": producers, "producers_tokens_per_s": p_rate,
+            "producers_tokens": p_tokens,
             "producers_blocked_seconds": blocked, "bottleneck": bottleneck,
             "peak_waiting_shards": max((p.get("peak_waiting", 0) for p in producers.values()), default=0),
             "peak_bytes": max((p.get("peak_bytes", 0) for p in producers.values()), default=0),

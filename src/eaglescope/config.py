@@ -11,6 +11,9 @@ from eaglescope.errors import EagleScopeError
 DEFAULT_DEPTH = 5  # doctor's chain depth for served and predicted α_k
 
 
+ENGINES_FOR_FEATURES = ("vllm",)  # `prepare --engine`
+
+
 @dataclass
 class PrepareConfig:
     target: str
@@ -29,8 +32,21 @@ class PrepareConfig:
     backend: str = "auto"
     limit: int | None = None
     overwrite: bool = False
+    # The serving engine computes the features instead of a target in this process (eaglescope.features): "vllm".
+    engine: str | None = None
+    engine_python: str | None = None  # the engine environment's interpreter (default $EAGLESCOPE_VLLM_PYTHON)
+    engine_args: str | None = None  # JSON object of the engine's own arguments (vLLM: LLM keywords)
 
     def validate(self) -> None:
+        if self.engine is not None:
+            if self.engine not in ENGINES_FOR_FEATURES:
+                known = ", ".join(ENGINES_FOR_FEATURES)
+                raise EagleScopeError(f"--engine must be one of {known}, not {self.engine!r}.")
+            if self.regenerate:
+                raise EagleScopeError(
+                    "--regenerate with --engine is not supported yet: regenerate in a prepare without --engine first."
+                )
+            self.hidden_states = True  # what an engine is for
         for name, low in (("max_length", 2), ("batch_size", 1), ("shard_samples", 1), ("regen_max_new_tokens", 1)):
             if getattr(self, name) < low:
                 raise EagleScopeError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}.")

@@ -117,6 +117,24 @@ def add_prepare(sub) -> None:
     f("backend", choices=BACKENDS)
     f("limit", type=int, help="use only the first N conversations")
     f("overwrite", help="replace an earlier preparation at OUT, once the new one is complete")
+    f("engine", choices=["vllm"], help="the serving engine computes the features (implies --hidden-states; "
+      "docs/engine-features.md)")  # fmt: skip
+    f("engine_python", help="the engine environment's python (default $EAGLESCOPE_VLLM_PYTHON, else python)")
+    f("engine_args", help="JSON object of the engine's own arguments, e.g. '{\"tensor_parallel_size\": 8}'")
+    p.add_argument(
+        "--buffer",
+        default=None,
+        help="with --engine: stream the features into this bounded buffer, which "
+        "`train --data BUFFER` consumes while they are made (instead of --out's prepared directory)",
+    )
+    p.add_argument(
+        "--buffer-shards",
+        type=int,
+        default=4,
+        help="unconsumed shards the buffer holds before the engine waits (default %(default)s)",
+    )
+    p.add_argument("--producer", default="0/1", help="I/N: this is producer I of N filling --buffer (default 0/1)")
+    p.add_argument("--eval-fraction", type=float, default=0.05, help="with --buffer: held-out share of the samples")
     p.set_defaults(func="eaglescope.cli.prepare:cmd_prepare")
 
 

@@ -9,6 +9,13 @@ from eaglescope.data.prepare import prepare
 def cmd_prepare(args) -> int:
     fields = set(PrepareConfig.__dataclass_fields__)
     cfg = PrepareConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    if getattr(args, "buffer", None):  # stream the engine's features into a buffer `train` consumes
+        from eaglescope.features.produce import produce
+
+        s = produce(cfg, args.buffer, args.buffer_shards, args.producer, args.eval_fraction)
+        print(f"{args.buffer}: {s['samples']} samples, {s['tokens']} tokens produced ({s.get('tokens_per_s', 0):.0f} "
+              f"tokens/s, {s['blocked_seconds']:.1f} s blocked by a full buffer)")  # fmt: skip
+        return 0
     m = prepare(cfg)
     parts = [
         f"{m['num_samples']} samples",

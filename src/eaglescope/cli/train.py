@@ -14,6 +14,12 @@ from eaglescope.train.speed import format_speed
 def cmd_train(args) -> int:
     fields = set(TrainConfig.__dataclass_fields__)
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    from eaglescope.train.stream import is_buffer, train_stream
+
+    if is_buffer(cfg.data):  # a feature buffer engines fill while this trains (docs/engine-features.md)
+        res = train_stream(cfg)
+        print(f"{res.out}: {res.steps} steps; {res.metrics.get('split', 'held-out')} {format_report(res.metrics)}")
+        return 0
     res = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{res.out}: {res.steps} steps; {res.metrics.get('split', 'held-out')} {format_report(res.metrics)}")

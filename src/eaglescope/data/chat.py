@@ -198,6 +198,16 @@ def mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
     return mask
 
 
+def rendered_messages(messages: list[dict]) -> list[dict] | None:
+    """The messages `render` renders: without leading assistant turns (they answer no prompt, and there is no prefix
+    to render a generation prompt from) and without what follows the last assistant turn; None when no assistant
+    turn is left."""
+    first = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
+    messages = messages[first:]
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    return None if last is None else messages[: last + 1]
+
+
 def render(messages: list[dict], tokenizer, max_length: int | None = None) -> RenderedChat | None:
     """Render with the tokenizer's chat template and build the assistant loss mask.
 
@@ -206,13 +216,9 @@ def render(messages: list[dict], tokenizer, max_length: int | None = None) -> Re
     first user/system message and messages after the last assistant turn are dropped.
     """
     template = _template(tokenizer)
-    # A leading assistant turn answers no prompt, and there is no prefix to render a generation prompt from.
-    first = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
-    messages = messages[first:]
-    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-    if last is None:
+    messages = rendered_messages(messages)
+    if messages is None:
         return None
-    messages = messages[: last + 1]
     if not getattr(tokenizer, "is_fast", False):
         raise EagleScopeError("loss masks need a fast (tokenizers-backed) tokenizer for character offsets.")
     text = _apply(tokenizer, messages, add_generation_prompt=False)

@@ -17,6 +17,7 @@ loss-masked tokens, and prepare.json is written last (atomically): present means
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from eaglescope.config import PrepareConfig
-from eaglescope.data.chat import _apply, chat_template_hash, read_conversations, render
+from eaglescope.data.chat import _apply, chat_template_hash, read_conversations, render, rendered_messages
 from eaglescope.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
@@ -181,8 +182,14 @@ def _hidden_for(target: Target, samples: list[list[int]], batch_size: int, acc: 
             n = len(samples[i])
             aux_rows[i] = out.aux[j, :n].cpu()
             fin_rows[i] = out.final_hidden[j, :n].to(out.aux.dtype).cpu()
-    aux = torch.cat(aux_rows) if samples else torch.zeros(0, H * len(taps), dtype=target.dtype)
-    fin = torch.cat(fin_rows) if samples else torch.zeros(0, H, dtype=target.dtype)
+    return shard_tensors(aux_rows, fin_rows, taps, H, target.dtype, acc)
+
+
+def shard_tensors(aux_rows: list, fin_rows: list, taps: tuple[int, ...], H: int, dtype: torch.dtype, acc: dict):
+    """One hidden-state shard's tensors from its samples' aux [T, nH] and final [T, H] rows (in sample order), with
+    per-tap norms; accumulates per-tap sum/sumsq/count into acc."""
+    aux = torch.cat(aux_rows) if aux_rows else torch.zeros(0, H * len(taps), dtype=dtype)
+    fin = torch.cat(fin_rows) if fin_rows else torch.zeros(0, H, dtype=dtype)
     per_tap = aux.float().view(aux.shape[0], len(taps), H)
     norms = per_tap.norm(dim=-1)  # [T, n_taps]
     for j, t in enumerate(taps):
@@ -191,7 +198,7 @@ def _hidden_for(target: Target, samples: list[list[int]], batch_size: int, acc: 
         s[0] += float(x.sum())
         s[1] += float((x * x).sum())
         s[2] += x.numel()
-    lengths = torch.tensor([0] + [len(s) for s in samples], dtype=torch.int64)
+    lengths = torch.tensor([0] + [len(r) for r in aux_rows], dtype=torch.int64)
     return {"aux": aux, "final_hidden": fin, "norms": norms, "offsets": lengths.cumsum(0)}
 
 
@@ -233,7 +240,7 @@ def _inputs(cfg: PrepareConfig, data: Path, target: Target, taps: TapContract | 
         "dtype": str(target.dtype).removeprefix("torch."),
         "shard_samples": cfg.shard_samples,
         "limit": cfg.limit,
-    }
+    } | ({"engine": cfg.engine} if cfg.engine else {})  # an engine's features are other inputs than in-process ones
 
 
 def _differences(a: dict, b: dict) -> str:
@@ -319,6 +326,8 @@ def _shard_done(out: Path, entry: dict | None) -> bool:
 
 
 def _load_target(cfg: PrepareConfig):
+    if cfg.engine:
+        return _load_engine_target(cfg)
     device = parse_device(cfg.device)
     target = load_target(cfg.target, device=device, dtype=parse_dtype(cfg.dtype, device), backend=cfg.backend)
     tok = getattr(target, "tokenizer", None)
@@ -339,10 +348,40 @@ def _load_target(cfg: PrepareConfig):
     return target, tok, taps, template_sha
 
 
+def _load_engine_target(cfg: PrepareConfig):
+    """The target as `--engine` needs it here: tokenizer, fingerprint, head and final norm; the engine runs the rest."""
+    from eaglescope.features.target import load_engine_target  # only with --engine
+
+    target = load_engine_target(cfg.target, parse_dtype(cfg.dtype, parse_device(cfg.device)))
+    tok = target.tokenizer
+    if len(tok) > target.vocab_size:
+        raise EagleScopeError(
+            f"the tokenizer has {len(tok)} tokens but the model's vocab_size is {target.vocab_size}: "
+            "tokenizer and checkpoint do not belong together."
+        )
+    taps = TapContract.parse(cfg.taps, target.num_layers)
+    warn_unservable(taps, target.fingerprint.architecture)
+    return target, tok, taps, chat_template_hash(tok)
+
+
+def _engine_source(cfg: PrepareConfig, target, taps: TapContract):
+    """The running engine that computes the features (started at its first shard)."""
+    from eaglescope.features.vllm_engine import VllmFeatures  # only with --engine
+
+    python = cfg.engine_python or os.environ.get("EAGLESCOPE_VLLM_PYTHON") or "python"
+    try:
+        args = json.loads(cfg.engine_args) if cfg.engine_args else {}
+    except json.JSONDecodeError as e:
+        raise EagleScopeError(f"--engine-args is not JSON ({e.msg}): give an object of LLM keywords.") from None
+    if not isinstance(args, dict):
+        raise EagleScopeError("--engine-args must be a JSON object of the engine's own arguments.")
+    return VllmFeatures(target, taps, python, args)
+
+
 def _render_chunk(cfg: PrepareConfig, target, tok, chunk: list, k: int, L: int, stop_ids, bar, entry: dict):
     """The rendered (ids, loss mask) pairs of one shard's conversations, regenerated first with --regenerate;
     counts what was skipped, truncated, cut or invalid into `entry`."""
-    pairs: list[tuple[list[int], list[int]]] = []
+    pairs: list[tuple[list[int], list[int], list[dict], int]] = []  # ids, mask, messages rendered, untruncated length
     batched = (
         regenerate_batch(target, tok, chunk, cfg.regen_max_new_tokens, L, stop_ids, cfg.batch_size)
         if cfg.regenerate
@@ -364,33 +403,49 @@ def _render_chunk(cfg: PrepareConfig, target, tok, chunk: list, k: int, L: int, 
             r = None
         if cfg.regenerate:
             bar.update(1)
+        full = len(r.input_ids) if r is not None else 0
         if r is not None and len(r.input_ids) > L:
             entry["truncated"] += 1
             r.input_ids, r.loss_mask = r.input_ids[:L], r.loss_mask[:L]
         if r is None or not any(r.loss_mask):
             entry["skipped"] += 1
             continue
-        pairs.append((r.input_ids, r.loss_mask))
+        pairs.append((r.input_ids, r.loss_mask, rendered_messages(conv), full))
     return pairs
 
 
-def _build_shard(cfg: PrepareConfig, target, tok, chunk: list, k: int, L: int, stop_ids, part: Path, bar) -> dict:
+def _engine_shard(engine, pairs: list, first: int, acc: dict) -> dict[str, torch.Tensor]:
+    """A shard's tensors from the engine's features of its samples (checked against the capture contract there)."""
+    from eaglescope.features.vllm_engine import Sample
+
+    samples = [Sample(msgs, ids, full > len(ids), full) for ids, _, msgs, full in pairs]
+    rows = engine.features(samples, first) if samples else []
+    target = engine.target
+    return shard_tensors([a for a, _ in rows], [f for _, f in rows], engine.taps.layers, target.hidden_size,
+                         target.dtype, acc)  # fmt: skip
+
+
+def _build_shard(cfg: PrepareConfig, target, tok, chunk: list, k: int, L: int, stop_ids, part: Path, bar,
+                 engine=None) -> dict:  # fmt: skip
     """Shard k written into the staging directory: its token file (and hidden states); → its progress entry."""
     entry = {"skipped": 0, "truncated": 0, "regen_cut": 0, "invalid": 0, "first_invalid": None}
     pairs = _render_chunk(cfg, target, tok, chunk, k, L, stop_ids, bar, entry)
-    samples = [ids for ids, _ in pairs]
+    samples = [p[0] for p in pairs]
     lengths = torch.tensor([0] + [len(s) for s in samples], dtype=torch.int64)
     entry["num_samples"] = len(samples)
     tokens = {
         "input_ids": torch.tensor([t for s in samples for t in s], dtype=torch.int32),
-        "loss_mask": torch.tensor([m for _, mask in pairs for m in mask], dtype=torch.uint8),
+        "loss_mask": torch.tensor([m for p in pairs for m in p[1]], dtype=torch.uint8),
         "offsets": lengths.cumsum(0),
     }
     entry["tokens"] = {"file": part_name(k), **save_atomic(tokens, part / part_name(k))}
     entry["hidden"] = None
     if cfg.hidden_states:
         acc: dict = {}
-        tensors = _hidden_for(target, samples, cfg.batch_size, acc)
+        if engine is None:
+            tensors = _hidden_for(target, samples, cfg.batch_size, acc)
+        else:
+            tensors = _engine_shard(engine, pairs, k * cfg.shard_samples, acc)
         entry["hidden"] = {"file": shard_name(k), **save_atomic(tensors, part / shard_name(k))}
         entry["tap_acc"] = acc
     if not cfg.regenerate:
@@ -441,17 +496,25 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
 
     bar = Progress(len(convs), "prepare", "conversations", enabled=progress)
     resumed = 0
-    for k in range(num_shards):
-        chunk = convs[k * cfg.shard_samples : (k + 1) * cfg.shard_samples]
-        if _shard_done(part, prog["shards"].get(str(k))):
-            resumed += 1
-            bar.update(len(chunk))
-            continue
-        prog["shards"][str(k)] = _build_shard(cfg, target, tok, chunk, k, L, stop_ids, part, bar)
-        write_json_atomic(prog, prog_path)
-        if on_shard_done is not None:
-            on_shard_done(k)
+    engine = _engine_source(cfg, target, taps) if cfg.engine else None  # started at the first shard it computes
+    try:
+        for k in range(num_shards):
+            chunk = convs[k * cfg.shard_samples : (k + 1) * cfg.shard_samples]
+            if _shard_done(part, prog["shards"].get(str(k))):
+                resumed += 1
+                bar.update(len(chunk))
+                continue
+            prog["shards"][str(k)] = _build_shard(cfg, target, tok, chunk, k, L, stop_ids, part, bar, engine)
+            write_json_atomic(prog, prog_path)
+            if on_shard_done is not None:
+                on_shard_done(k)
+    finally:
+        if engine is not None:
+            engine.close()
     bar.close()
+    if engine is not None and engine.tokens:
+        prog["engine"] = engine.stats()  # this run's engine (a resumed run's earlier shards may have had another)
+        write_json_atomic(prog, prog_path)
     if resumed:
         log.info(f"resumed: {resumed} of {num_shards} shards were already done.")
     try:
@@ -461,6 +524,22 @@ def prepare(cfg: PrepareConfig, progress: bool = True, on_shard_done: Callable[[
         raise
     swap_in(part, check_destination(out, PREPARED, inputs=[data, cfg.target], replace=True))
     return manifest
+
+
+def features_record(engine: str, stats: dict | None) -> dict:
+    """How the stored features were made, stated in the manifest (features/contract.py holds the conventions)."""
+    from eaglescope.features.contract import FINAL_STATE
+
+    normed = FINAL_STATE[engine] == "pre-norm"
+    return {
+        "source": engine,
+        "engine": stats,
+        "final_hidden": "post-norm: the target's final RMSNorm applied by eaglescope to the engine's pre-norm state"
+        if normed
+        else "post-norm, as the engine hands it on",
+        "checked": ["layer ids captured", "final-state norm convention", "final state predicts the engine's token",
+                    "token ids equal eaglescope's rendering", "no NaN / inf", "no all-zero layer", "lengths"],
+    }  # fmt: skip
 
 
 def _finish(out: Path, cfg, prog, num_shards, target, taps, template_sha, data, inputs, L) -> dict:
@@ -527,6 +606,8 @@ def _finish(out: Path, cfg, prog, num_shards, target, taps, template_sha, data, 
         "shards": shards,
         "tap_stats": tap_stats,
     }
+    if cfg.engine:
+        manifest["features"] = features_record(cfg.engine, prog.get("engine"))
     write_json_atomic(manifest, out / MANIFEST)
     return manifest
 

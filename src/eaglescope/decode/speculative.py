@@ -89,6 +89,20 @@ class DraftPieces(NamedTuple):
     rotary: Callable
 
 
+@dataclasses.dataclass
+class DraftState:
+    """What one round hands the next on the draft side, as device tensors the proposer owns (`Eagle3Proposer.state`):
+    exact-size on the reference backend (rows == count), padded on the static one (`padded`: `Pmax` rows, those past
+    `count` padding; rewritten in place, so a captured round reads the same buffers every replay)."""
+
+    aux: torch.Tensor  # [P, nH] target features of the positions not yet caught up
+    tokens: torch.Tensor  # [P] the token that follows each of those positions
+    count: torch.Tensor  # [1] long: how many of the P rows are real
+    committed: torch.Tensor  # [1] long: draft positions caught up (their keys in the draft cache)
+    root: torch.Tensor  # [1] long: the next tree's root token
+    padded: bool = False
+
+
 class Eagle3Proposer(Proposer):
     """EAGLE-3 draft: catch-up over newly accepted positions from the target's taps, then an EAGLE-2 tree.
 
@@ -124,9 +138,7 @@ class Eagle3Proposer(Proposer):
         self.tree_base = max_len
         self.cache = draft_slot_cache(draft, max_len + max(depth - 1, 1) * top_k)
         self.slots = torch.arange(self.cache.size, device=self.device)
-        self.committed = 0
-        self.pending_aux: torch.Tensor | None = None  # [P, nH] target features of positions not yet caught up
-        self.pending_tokens: torch.Tensor | None = None  # [P] the token that follows each of those positions
+        self.state: DraftState | None = None  # what the last round handed on (set by `start`, or the static backend)
         self._levels = torch.arange(depth + 1, device=self.device)  # each tree level as a [1] slice (no host copy)
         # what a round calls: this class's own functions, or what the static backend hands in (fast/draft_pieces.py)
         self.pieces = self.own_pieces()
@@ -302,16 +314,41 @@ class Eagle3Proposer(Proposer):
         root + accepted [L, nH], the token after each [L])."""
         return self.next_round_features(aux, path), self.paired_tokens(emitted)
 
+    # -- a round's draft side on `state` (both backends) -------------------------------------------------------
+    def draft_tree(self, root_position) -> DraftTree:
+        """Catch-up over the state's pending positions, then the tree from its root (at `root_position`: an int, or
+        [1] on the static backend); the caught-up positions become committed."""
+        s = self.state
+        # the hooks' contract: positions as ints on the reference backend, [1] tensors on the static one
+        at = (lambda x: x) if s.padded else int
+        out = self.pieces.catch_up(s.aux, s.tokens, at(s.committed))
+        h_root = out.index_select(0, s.count - 1)  # [1, H]: the features of the position before the root
+        s.committed.add_(s.count)  # == the root's position
+        return self.expand(h_root, s.root, root_position, at(s.committed))
+
+    def hand_on(self, aux: torch.Tensor, path: torch.Tensor, emitted: torch.Tensor, accepted, bonus) -> None:
+        """After verification (RoundState's aux, path, emitted, accepted [1], bonus [1]): root + accepted positions
+        become the pending ones, the bonus the next root."""
+        s = self.state
+        features, following = self.handed_on(aux, path, emitted)
+        if s.padded:  # the static backend's buffers, rewritten in place
+            s.aux.copy_(features)
+            s.tokens.copy_(following)
+        else:
+            s.aux, s.tokens = features, following
+        s.count.copy_(accepted + 1)
+        s.root.copy_(bonus)
+
     # -- protocol (the reference backend) --------------------------------------------------------------------
     def start(self, prompt_ids, prefill, first_token) -> None:
         if prefill.aux is None:
             raise EagleScopeError("the target returned no tap features: set its taps to the draft's contract")
-        self.committed = 0
-        self.pending_aux = prefill.aux
-        self.pending_tokens = self.paired_tokens(torch.tensor(prompt_ids[1:] + [first_token], device=self.device))
+        one = lambda v: torch.tensor([v], dtype=torch.long, device=self.device)  # noqa: E731
+        tokens = self.paired_tokens(torch.tensor(prompt_ids[1:] + [first_token], device=self.device))
+        self.state = DraftState(prefill.aux, tokens, one(prefill.aux.shape[0]), one(0), one(first_token))
 
     def accepted(self, state) -> None:
-        self.pending_aux, self.pending_tokens = self.handed_on(state.aux, state.path, state.emitted)
+        self.hand_on(state.aux, state.path, state.emitted, state.accepted, state.bonus)
 
     def _record(self, stage: str, tensor: torch.Tensor, **kw) -> None:
         if self.rec is not None:
@@ -323,17 +360,14 @@ class Eagle3Proposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, tokens, root_position) -> DraftTree:
-        P, start = self.pending_aux.shape[0], self.committed
+        P, start = self.state.aux.shape[0], int(self.state.committed)
         if root_position != start + P:
             raise RuntimeError(
                 f"draft/target out of step: root at {root_position}, draft has {start} committed + {P} pending"
             )
         if start + P > self.tree_base:
             raise EagleScopeError("draft cache overflow: sequence longer than the decoder was sized for")
-        out = self.catch_up(self.pending_aux, self.pending_tokens, start)
-        self.committed = start + P
-        # the features of the position before the root, paired with the root token
-        return self.expand(out[-1:], tokens[-1], root_position, self.committed)
+        return self.draft_tree(root_position)
 
     def _record_topk(self, step: int, lp: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> None:
         """`lp`: a step's log-probs [m, V], or its top-k children (log-probs, draft ids) already picked."""

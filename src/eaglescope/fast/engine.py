@@ -36,7 +36,7 @@ from eaglescope.decode.round import (
     record_tree,
     record_verdict,
 )
-from eaglescope.decode.speculative import Eagle3Proposer
+from eaglescope.decode.speculative import DraftState, Eagle3Proposer
 from eaglescope.decode.tree import DraftTree
 from eaglescope.decode.verify import accept_greedy
 from eaglescope.fast.draft_pieces import FusedPieces, compiled_pieces
@@ -367,10 +367,10 @@ class FastEagle(Runner):
     only, captured as one CUDA graph; one host read per round, the next round queued before that read.
 
     The round's steps are the shared ones: the draft side is `Eagle3Proposer.catch_up` / `expand` (decode/
-    speculative.py) on tensors padded to the tree budget, acceptance `accept_greedy`, the hand-off
-    `Eagle3Proposer.handed_on`; this backend owns the slot caches, the target verify and the KV keep. `replay` (a
-    list of accepted lengths) forces the acceptance instead of checking tokens: every network still runs, so a
-    replayed run pays every cost of a real one (used at 8B scale)."""
+    speculative.py, through `draft_tree`) on tensors padded to the tree budget, acceptance `accept_greedy`, the
+    hand-off `Eagle3Proposer.hand_on` into the proposer's padded `DraftState`; this backend owns the slot caches, the
+    target verify and the KV keep. `replay` (a list of accepted lengths) forces the acceptance instead of checking
+    tokens: every network still runs, so a replayed run pays every cost of a real one (used at 8B scale)."""
 
     run_ahead = True
 
@@ -423,11 +423,13 @@ class FastEagle(Runner):
         c = draft.config
         nH = c.num_aux * c.target_hidden_size
         z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
-        self.t_len, self.d_len, self.pend_n, self.root = z(1), z(1), z(1), z(1)
+        self.t_len = z(1)
         self.force = z(1)
-        self.pend_aux = z(self.Pmax, nH, dt=target.dtype)
-        self.pend_tok = z(self.Pmax)
-        self.round_n = z(1)  # with a recorder: this round's pending count, for the trace (pend_n is the next one's)
+        # what a round hands the next, padded to the most positions one round keeps (root + depth accepted)
+        self.proposer.state = DraftState(z(self.Pmax, nH, dt=target.dtype), z(self.Pmax), z(1), z(1), z(1), padded=True)
+        self.round_n = z(
+            1
+        )  # with a recorder: this round's pending count, for the trace (the state's is the next one's)
         self.report = z(self.Pmax + 1)  # [n_emitted, emitted tokens (padded)]
         self._reports = torch.zeros(2, self.Pmax + 1, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if dev.type == "cuda" else []
@@ -478,11 +480,8 @@ class FastEagle(Runner):
         """The shared draft side over the pending positions (padded to Pmax) → the tree's tensors."""
         p = self.proposer
         if self.stages is not None:
-            self.round_n.copy_(self.pend_n)
-        out = p.pieces.catch_up(self.pend_aux, self.pend_tok, self.d_len)
-        h_root = out.index_select(0, self.pend_n - 1)  # [1, H]: the position before the root
-        self.d_len.add_(self.pend_n)  # == the root's position
-        tree = p.expand(h_root, self.root, self.t_len, self.d_len)
+            self.round_n.copy_(p.state.count)
+        tree = p.draft_tree(self.t_len)
         if self.stages is not None:
             record_tree(self.stages, tree)
         return tree.tokens, tree.parents, tree.depths, tree.scores, tree.mask
@@ -497,11 +496,7 @@ class FastEagle(Runner):
         """Keep root + accepted KV (contiguous after the context), hand their features and tokens on."""
         j = torch.arange(self.Pmax, device=self.device)
         self.t.cache.move(self.t_len + path, self.t_len + j)
-        features, following = self.proposer.handed_on(aux, path, emitted)
-        self.pend_aux.copy_(features)
-        self.pend_tok.copy_(following)
-        self.pend_n.copy_(a + 1)
-        self.root.copy_(bonus)
+        self.proposer.hand_on(aux, path, emitted, a, bonus)
         self.t_len.add_(a + 1)
         self.report[:1].copy_(a + 1)
         self.report[1:].copy_(emitted)
@@ -539,7 +534,7 @@ class FastEagle(Runner):
     def commit(self, state: RoundState) -> None:
         self._commit_fn(state.accepted, state.path, state.bonus, state.emitted, state.aux)
         if self.stages is not None:
-            record_verdict(self.stages, state, self.pend_aux)
+            record_verdict(self.stages, state, self.proposer.state.aux)
 
     @torch.inference_mode()
     def _round(self) -> None:
@@ -571,11 +566,12 @@ class FastEagle(Runner):
             self.stages.hold(False)
         p.rec = rec
         self.t_len.fill_(n)
-        self.d_len.fill_(n - 1)
-        self.pend_n.fill_(1)
-        self.pend_aux[:1].copy_(aux[n - 1 :])
-        self.pend_tok[:1].copy_(first)
-        self.root.copy_(first)
+        s = p.state
+        s.committed.fill_(n - 1)
+        s.count.fill_(1)
+        s.aux[:1].copy_(aux[n - 1 :])
+        s.tokens[:1].copy_(first)
+        s.root.copy_(first)
         return int(first)
 
     def _uncompiled(self, e: Exception) -> None:

@@ -1127,8 +1127,8 @@ def _draft_8b(rf: _Roofline, compiled: bool, mm_attn: bool) -> Eagle3Draft:
 
 
 def fused_draft_level(draft: Eagle3Draft, dcache, K: int, ctx: int, k_splits: dict[str, int] | None = None):
-    """One tree level of K frontier rows at context `ctx` as Eagle3Proposer.fused_tree_level runs it (its RoPE
-    compiled, the layer on fast/fused_draft.py's kernels, the head, the children), on random inputs: (the
+    """One tree level of K frontier rows at context `ctx` as fast/draft_pieces.py FusedPieces.tree_level runs it (its
+    RoPE compiled, the layer on fast/fused_draft.py's kernels, the head, the children), on random inputs: (the
     FusedDraftStep, whose k_splits may be changed between calls, and the level as a function)."""
     c, device = draft.config, dcache.k.device
     dtype = draft.fc.weight.dtype
@@ -1244,10 +1244,10 @@ def _replay_round(rf: _Roofline, res: dict, ft, van, draft, shape, pr: list, com
         say(f"roofline replay: {rf.left():.0f} s left, too few to compile the round; it runs uncompiled")
     fe = FastEagle(ft, draft, *shape, max_len=rf.prompt_len + ctx_new + 2, replay=True, compile=compile_round,
                    fused_draft=fused_draft)  # fmt: skip
-    if fe.proposer.fused_layer is not None:
-        fe.proposer.fused_layer.one_launch = one_launch
+    if fe.fused_layer is not None:
+        fe.set_one_launch(one_launch)
         if not stream:
-            fe.proposer.fused_layer.stream = {}
+            fe.fused_layer.stream = {}
     if not stream and ft.fused_rows is not None:
         ft.fused_rows.stream = {}
     fe.generate(prompt, 32, replay=pr)

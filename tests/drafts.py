@@ -61,41 +61,43 @@ LEVEL_INPUTS = ("tokens", "positions", "embeddings", "features", "slots", "mask"
 
 
 def check_level_inputs(monkeypatch) -> list[int]:
-    """Make every one-launch tree level (FusedDraftStep.level_inputs, via Eagle3Proposer.fused_level_inputs) also run
+    """Make every one-launch tree level (FusedDraftStep.level_inputs, via fast/draft_pieces.py FusedPieces) also run
     the composed Eagle3Proposer.level_inputs on the same state and assert the two equal: the six tensors, exactly,
     and the writes to slot_of. → the levels checked, appended as they run (rounds must run uncaptured: it syncs)."""
     from eaglescope.decode.speculative import Eagle3Proposer
+    from eaglescope.fast.draft_pieces import FusedPieces
 
-    one_launch, checked = Eagle3Proposer.fused_level_inputs, []
+    one_launch, checked = FusedPieces.level_inputs, []
 
     def both(self, *args):
         slot_of = args[3]
         before = slot_of.clone()
         got = [x.clone() for x in one_launch(self, *args)]
         written, _ = slot_of.clone(), slot_of.copy_(before)
-        want = Eagle3Proposer.level_inputs(self, *args)
+        want = Eagle3Proposer.level_inputs(self.proposer, *args)
         for name, a, b in zip(LEVEL_INPUTS, got, want, strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b), name
         assert torch.equal(written, slot_of) and not torch.equal(written, before)
         checked.append(int(args[-1]))
         return got
 
-    monkeypatch.setattr(Eagle3Proposer, "fused_level_inputs", both)
+    monkeypatch.setattr(FusedPieces, "level_inputs", both)
     return checked
 
 
-def check_tree_start(proposer, capacity: int, seed: int = 0) -> None:
-    """FusedDraftStep.tree_start (via the proposer's fused_tree_start) against the composed Eagle3Proposer.tree_start
+def check_tree_start(fe, capacity: int, seed: int = 0) -> None:
+    """FusedDraftStep.tree_start (via the FastEagle `fe`'s FusedPieces) against the composed Eagle3Proposer.tree_start
     on two starts: every tensor equal, exactly; the second over buffers filled with other values, as a round leaves
     them (every entry is rewritten)."""
     from eaglescope.decode.speculative import Eagle3Proposer
 
+    proposer = fe.proposer
     dev = proposer.device
     g = torch.Generator(dev).manual_seed(seed)
     for root, context in ((17, 9), (3, 21)):
         h_root = torch.randn(1, proposer.draft.config.hidden_size, generator=g, device=dev).to(proposer.dtype)
         args = (torch.tensor([root], device=dev), h_root, torch.tensor([context], device=dev), capacity)
-        got, want = proposer.fused_tree_start(*args), Eagle3Proposer.tree_start(proposer, *args)
+        got, want = fe.fused.tree_start(*args), Eagle3Proposer.tree_start(proposer, *args)
         got, want = [*got[0], *got[1:]], [*want[0], *want[1:]]
         assert len(got) == len(want) == 10
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
@@ -104,8 +106,8 @@ def check_tree_start(proposer, capacity: int, seed: int = 0) -> None:
             t.copy_(torch.randint(-5, 90, t.shape, generator=g, device=dev).to(t.dtype))
 
 
-def check_finalize(proposer, top_k: int, levels: int, vocab: int, seed: int, scores: str, total: int) -> bool:
-    """FusedDraftStep.finalize (via the proposer's fused layer) against the composed Eagle3Proposer.finalize over a
+def check_finalize(fe, top_k: int, levels: int, vocab: int, seed: int, scores: str, total: int) -> bool:
+    """FusedDraftStep.finalize (the FastEagle `fe`'s fused layer) against the composed Eagle3Proposer.finalize over a
     builder grown by decode/tree.py (`scores`: "distinct" log-probs, coarse ones where many candidates "ties", or one
     draft row all "nan" half way down): every tensor equal, exactly (both rank NaN as -inf); the tree connected.
     → False where the tree is wider than the kernel takes (nothing checked)."""
@@ -113,6 +115,7 @@ def check_finalize(proposer, top_k: int, levels: int, vocab: int, seed: int, sco
     from eaglescope.decode.tree import DraftTree, TreeBuilder
     from eaglescope.fast.fused_draft import FusedDraftStep
 
+    proposer = fe.proposer
     dev = proposer.device
     g = torch.Generator(dev).manual_seed(seed)
     b = TreeBuilder(7, top_k, dev, levels=levels, vocab=vocab)
@@ -127,7 +130,7 @@ def check_finalize(proposer, top_k: int, levels: int, vocab: int, seed: int, sco
     if not FusedDraftStep.takes_finalize(b.num_nodes):
         return False
     args = (b.tokens, b.parents, b.depths, b.scores, b.lineage, b.num_nodes, total)
-    got = [t.clone() for t in proposer.fused_layer.finalize(*args)]
+    got = [t.clone() for t in fe.fused_layer.finalize(*args)]
     want = Eagle3Proposer.finalize(proposer, *args)
     if scores == "nan":
         assert b.scores[: b.num_nodes].isnan().any()

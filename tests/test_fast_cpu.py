@@ -230,7 +230,7 @@ def test_compiled_draft_side_is_seven_graphs_at_any_depth(tiny, depth):
         ft = FastTarget(tgt.model, size=len(prompt) + n + 40, taps=tgt.taps.layers)
         fe = FastEagle(ft, draft, depth, 3, 8, max_len=len(prompt) + n + 2)
         if compiled:
-            fe.proposer.compile(backend="eager")
+            fe.compile_draft(backend="eager")
         return fe.generate(prompt, n)
 
     plain = run(False)

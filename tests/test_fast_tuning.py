@@ -114,8 +114,8 @@ def test_decoding_under_a_tuning_file_is_vanilla_greedy_and_runs_what_it_says(tm
     draft_splits = _counting(monkeypatch, fused_draft, "split_k_mm")
     prompt, n = [3, 17, 5, 40, 22, 9, 11], 12
     fe = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 2)
-    assert fe.proposer.fused_layer.k_splits == {"o": 2, "down": 1}
-    assert fe.proposer.fused_layer.stream == {"gate_up": tuple(SMALL)}
+    assert fe.fused_layer.k_splits == {"o": 2, "down": 1}
+    assert fe.fused_layer.stream == {"gate_up": tuple(SMALL)}
     draft_stream = _counting(monkeypatch, fused_draft, "stream_mm")
     fast = fe.generate(prompt, n)
     assert fast.tokens == generate_vanilla(tgt, prompt, n, stop_ids=[]).token_ids
@@ -123,7 +123,7 @@ def test_decoding_under_a_tuning_file_is_vanilla_greedy_and_runs_what_it_says(tm
     layers = len(tgt.model.model.layers)
     # every verify: q/k/v and down in slices on every layer; every draft step: o in slices, down whole
     assert verify_splits and len(verify_splits) % (2 * layers) == 0
-    assert draft_splits and all(r <= fe.proposer.fused_layer.rows for r in draft_splits)
+    assert draft_splits and all(r <= fe.fused_layer.rows for r in draft_splits)
     assert draft_stream and len(draft_stream) == len(draft_splits)  # gate/up on stream_mm at every draft step
 
 

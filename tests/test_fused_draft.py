@@ -133,7 +133,7 @@ def test_speculative_decoding_through_the_fused_draft_is_vanilla_greedy(target_d
     for fused in (False, True):
         ft = FastTarget(copy.deepcopy(tgt.model), 64, taps=tgt.taps.layers)
         fe = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 2, fused_draft=fused)
-        assert (fe.proposer.fused_layer is not None) == fused
+        assert (fe.fused_layer is not None) == fused
         runs.append(fe.generate(prompt, n))
     assert runs[1].tokens == runs[0].tokens == ref
     assert runs[1].accepted == runs[0].accepted
@@ -158,11 +158,11 @@ def test_a_tree_levels_inputs_in_one_launch_are_the_composed_ones(target_dir, mo
     fe = FastEagle(ft, draft, 4, 3, 10, max_len=len(prompt) + n + 2, fused_draft=True)
     assert fe.generate(prompt, n).tokens == ref
     assert checked and set(checked) == {1, 2, 3}  # levels 1..depth-1 of every round
-    fe.proposer.fused_layer.one_launch = False
-    assert fe.proposer.piece("level_inputs") == fe.proposer.level_inputs
+    fe.set_one_launch(False)
+    assert fe.proposer.pieces.level_inputs == fe.proposer.level_inputs
     fault = FastEagle(ft, draft, 4, 3, 10, max_len=len(prompt) + n + 2, fused_draft=True,
-                      proposer_cls=_FeedbackPostnorm).proposer  # fmt: skip
-    assert fault.fused_layer.one_launch and fault.piece("level_inputs") == fault.level_inputs
+                      proposer_cls=_FeedbackPostnorm)  # fmt: skip
+    assert fault.fused_layer.one_launch and fault.proposer.pieces.level_inputs == fault.proposer.level_inputs
 
 
 @pytest.mark.parametrize("depth,top_k", [(4, 3), (3, 10)])
@@ -175,9 +175,9 @@ def test_a_trees_start_in_one_launch_is_the_composed_one(target_dir, depth, top_
     draft, _ = make_draft(target_dir, taps=tgt.taps, seed=14, draft_vocab_size=48)
     fuse_projections(draft)
     ft = FastTarget(copy.deepcopy(tgt.model), 64, taps=tgt.taps.layers)
-    p = FastEagle(ft, draft, depth, top_k, 10, max_len=30, fused_draft=True).proposer
-    assert p.piece("tree_start") == p.fused_tree_start
-    check_tree_start(p, tree_capacity(top_k, depth, 48), seed=top_k)
+    fe = FastEagle(ft, draft, depth, top_k, 10, max_len=30, fused_draft=True)
+    assert fe.proposer.pieces.tree_start == fe.fused.tree_start
+    check_tree_start(fe, tree_capacity(top_k, depth, 48), seed=top_k)
 
 
 def test_the_fused_draft_is_the_default_where_the_target_verifies_on_fused_kernels(tmp_path):
@@ -193,7 +193,7 @@ def test_the_fused_draft_is_the_default_where_the_target_verifies_on_fused_kerne
     draft, _ = make_draft(target_dir, taps=tgt.taps, seed=14)
     unfused = copy.deepcopy(draft)
     fuse_projections(draft)
-    layer = lambda ft, d: FastEagle(ft, d, 3, 3, 8, max_len=20).proposer.fused_layer  # noqa: E731
+    layer = lambda ft, d: FastEagle(ft, d, 3, 3, 8, max_len=20).fused_layer  # noqa: E731
     assert isinstance(layer(on_kernels, draft), FusedDraftStep)
     assert layer(plain, draft) is None
     assert layer(on_kernels, unfused) is None
@@ -270,28 +270,29 @@ def test_expand_level_in_one_launch_is_the_builders(top_k, levels, vocab, seed, 
 
 
 @pytest.fixture(scope="module")
-def small_vocab_proposer(target_dir):
-    """An Eagle3Proposer on the fused draft layer with a 48-token draft vocabulary (so ids map to the target's)."""
+def small_vocab_eagle(target_dir):
+    """A FastEagle whose Eagle3Proposer runs on the fused draft layer, with a 48-token draft vocabulary (so ids map
+    to the target's)."""
     tgt = load_target(target_dir, device="cpu", dtype=torch.float32)
     tgt.set_taps(TapContract.default(tgt.num_layers))
     draft, _ = make_draft(target_dir, taps=tgt.taps, seed=14, draft_vocab_size=48)
     fuse_projections(draft)
     assert draft.d2t.any()
     ft = FastTarget(copy.deepcopy(tgt.model), 64, taps=tgt.taps.layers)
-    return FastEagle(ft, draft, 4, 3, 10, max_len=30, fused_draft=True).proposer
+    return FastEagle(ft, draft, 4, 3, 10, max_len=30, fused_draft=True)
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 5), st.integers(2, 48), st.integers(0, 2**31 - 1),
        st.sampled_from(["distinct", "ties", "nan"]), st.integers(1, 140))  # fmt: skip
-def test_a_trees_finalize_in_one_launch_is_the_composed_one(small_vocab_proposer, top_k, levels, vocab, seed, scores,
+def test_a_trees_finalize_in_one_launch_is_the_composed_one(small_vocab_eagle, top_k, levels, vocab, seed, scores,
                                                            total):  # fmt: skip
     """FusedDraftStep.finalize (one kernel) against Eagle3Proposer.finalize over a builder grown by decode/tree.py:
     the same tokens (draft ids mapped to the target's), parents, depths, scores, source ids and ancestor mask,
     exactly, whatever the total kept. With coarse log-probs many candidates tie (the rank then goes to the shallower,
     then the earlier node); with one draft row all NaN its subtree ranks last (NaN as -inf, in both), so no node is kept
     without its parent."""
-    check_finalize(small_vocab_proposer, top_k, levels, vocab, seed, scores, total)
+    check_finalize(small_vocab_eagle, top_k, levels, vocab, seed, scores, total)
 
 
 def test_finalize_runs_in_one_launch_only_for_the_proposers_own_wiring_and_small_trees(target_dir):
@@ -303,14 +304,14 @@ def test_finalize_runs_in_one_launch_only_for_the_proposers_own_wiring_and_small
     draft, _ = make_draft(target_dir, taps=tgt.taps, seed=14)
     fuse_projections(draft)
     ft = FastTarget(copy.deepcopy(tgt.model), 128, taps=tgt.taps.layers)
-    small = FastEagle(ft, draft, 4, 3, 10, max_len=30, fused_draft=True).proposer
-    assert small.piece("finalize") == small.fused_finalize
-    small.fused_layer.one_launch = False
-    assert small.piece("finalize") == small.finalize
+    small = FastEagle(ft, draft, 4, 3, 10, max_len=30, fused_draft=True)
+    assert small.proposer.pieces.finalize == small.fused.finalize
+    small.set_one_launch(False)
+    assert small.proposer.pieces.finalize == small.proposer.finalize
     wide = FastEagle(ft, draft, 7, 10, 60, max_len=30, fused_draft=True).proposer
-    assert tree_capacity(10, 7, draft.config.draft_vocab_size) == 611 and wide.piece("finalize") == wide.finalize
-    own_map = FastEagle(ft, draft, 4, 3, 10, max_len=30, fused_draft=True, proposer_cls=_ShiftedIds).proposer
-    assert own_map.fused_layer.one_launch and own_map.piece("finalize") == own_map.finalize
+    assert tree_capacity(10, 7, draft.config.draft_vocab_size) == 611 and wide.pieces.finalize == wide.finalize
+    own_map = FastEagle(ft, draft, 4, 3, 10, max_len=30, fused_draft=True, proposer_cls=_ShiftedIds)
+    assert own_map.fused_layer.one_launch and own_map.proposer.pieces.finalize == own_map.proposer.finalize
 
 
 def test_unsupported_drafts_are_refused_with_the_reason(target_dir):
@@ -337,15 +338,15 @@ def test_compiled_round_around_the_fused_draft_is_vanilla_greedy(target_dir, mon
     fe = FastEagle(ft, draft, 3, 3, 8, max_len=len(prompt) + n + 2, compile=True, fused_draft=True)
     out = fe.generate(prompt, n)
     assert fe.compiled and out.tokens == ref
-    compiled = fe.proposer._compiled
-    assert fe.proposer.piece("tree_level") == fe.proposer.fused_tree_level  # the layer stays on its kernels
-    assert fe.proposer.piece("level_inputs") == fe.proposer.fused_level_inputs
-    assert fe.proposer.piece("finalize") == fe.proposer.fused_finalize
-    assert fe.proposer.piece("catch_up_inputs") is compiled["catch_up_inputs"]
-    fe.proposer.fused_layer.one_launch = False
-    assert fe.proposer.piece("level_inputs") is compiled["level_inputs"]
-    assert fe.proposer.piece("tree_start") is compiled["tree_start"]
-    assert fe.proposer.piece("finalize") is compiled["finalize"]
+    compiled = fe.composed
+    assert fe.proposer.pieces.tree_level == fe.fused.tree_level  # the layer stays on its kernels
+    assert fe.proposer.pieces.level_inputs == fe.fused.level_inputs
+    assert fe.proposer.pieces.finalize == fe.fused.finalize
+    assert fe.proposer.pieces.catch_up_inputs is compiled.catch_up_inputs
+    fe.set_one_launch(False)
+    assert fe.proposer.pieces.level_inputs is compiled.level_inputs
+    assert fe.proposer.pieces.tree_start is compiled.tree_start
+    assert fe.proposer.pieces.finalize is compiled.finalize
     one_launch = []
     for name in ("level_inputs", "tree_start", "finalize"):
         monkeypatch.setattr(FusedDraftStep, name, lambda *a, **k: one_launch.append(1))

@@ -352,7 +352,7 @@ def test_speculative_decoding_on_stream_products_is_vanilla_greedy(wide, wide_dr
     ft = FastTarget(copy.deepcopy(wide.model), S, taps=(0, 1), fuse=True, float32_logits=True, fused_decode=True,
                     fused_verify=True)  # fmt: skip
     fe = FastEagle(ft, wide_draft, 3, 3, 8, max_len=len(prompt) + n + 2, fused_draft=True)
-    assert ft.fused_rows.stream == FLOAT32_STREAM and fe.proposer.fused_layer.stream == launches["draft"]
+    assert ft.fused_rows.stream == FLOAT32_STREAM and fe.fused_layer.stream == launches["draft"]
     assert fe.generate(prompt, n).tokens == ref
     assert (64, 64, 1, 2) in calls  # the draft's head ran on stream_mm
 
@@ -365,7 +365,7 @@ def test_speculative_decoding_through_the_fused_target_and_draft_is_vanilla_gree
     ft = FastTarget(copy.deepcopy(wide.model), S, taps=(0, 1), fuse=True, float32_logits=True, fused_decode=True,
                     fused_verify=True)  # fmt: skip
     fe = FastEagle(ft, wide_draft, 3, 3, 8, max_len=len(prompt) + n + 2, fused_draft=True)
-    assert fe.use_graph and fe.proposer.fused_layer is not None
+    assert fe.use_graph and fe.fused_layer is not None
     assert fe.generate(prompt, n).tokens == ref
     assert ft._chunk is not None and ft._chunk.graph is not None  # the prompt went through the captured prefill
 
@@ -390,9 +390,9 @@ def test_a_trees_start_in_one_launch_is_the_composed_one_at_8b_widths(wide, wide
     composed Eagle3Proposer.tree_start's tensors, exactly, also over buffers a round has filled."""
     ft = FastTarget(copy.deepcopy(wide.model), S, taps=(0, 1), fuse=True, float32_logits=True, fused_decode=True,
                     fused_verify=True)  # fmt: skip
-    p = FastEagle(ft, wide_draft, depth, top_k, 24, max_len=30, fused_draft=True).proposer
-    assert p.piece("tree_start") == p.fused_tree_start
-    check_tree_start(p, tree_capacity(top_k, depth, wide_draft.config.draft_vocab_size), seed=depth)
+    fe = FastEagle(ft, wide_draft, depth, top_k, 24, max_len=30, fused_draft=True)
+    assert fe.proposer.pieces.tree_start == fe.fused.tree_start
+    check_tree_start(fe, tree_capacity(top_k, depth, wide_draft.config.draft_vocab_size), seed=depth)
 
 
 @pytest.mark.parametrize("levels,top_k,scores", [(6, 4, "distinct"), (6, 4, "ties"), (6, 4, "nan"), (4, 6, "ties")])
@@ -402,11 +402,11 @@ def test_a_trees_finalize_in_one_launch_is_the_composed_one_at_8b_widths(wide, w
     and a 115-node one keeping every node."""
     ft = FastTarget(copy.deepcopy(wide.model), S, taps=(0, 1), fuse=True, float32_logits=True, fused_decode=True,
                     fused_verify=True)  # fmt: skip
-    p = FastEagle(ft, wide_draft, 6, 4, 24, max_len=30, fused_draft=True).proposer
-    assert p.piece("finalize") == p.fused_finalize
+    fe = FastEagle(ft, wide_draft, 6, 4, 24, max_len=30, fused_draft=True)
+    assert fe.proposer.pieces.finalize == fe.fused.finalize
     vocab = wide_draft.config.draft_vocab_size
     for total in (24, 200):
-        assert check_finalize(p, top_k, levels, vocab, seed=levels + total, scores=scores, total=total)
+        assert check_finalize(fe, top_k, levels, vocab, seed=levels + total, scores=scores, total=total)
 
 
 def test_the_cli_prefills_vanilla_as_it_prefills_eagle3(wide, wide_draft):
@@ -440,7 +440,7 @@ def test_speculative_decoding_under_a_tuning_file_is_vanilla_greedy(wide, wide_d
     ft = FastTarget(copy.deepcopy(wide.model), S, taps=(0, 1), fuse=True, float32_logits=True, fused_decode=True,
                     fused_verify=True)  # fmt: skip
     fe = FastEagle(ft, wide_draft, 3, 3, 8, max_len=len(prompt) + n + 2, fused_draft=True)
-    assert ft.fused_rows.settings(8).cublas == ("o", "down") and fe.proposer.fused_layer.k_splits == {"o": 2, "down": 2}
+    assert ft.fused_rows.settings(8).cublas == ("o", "down") and fe.fused_layer.k_splits == {"o": 2, "down": 2}
     assert fe.use_graph and fe.generate(prompt, n).tokens == ref
 
 

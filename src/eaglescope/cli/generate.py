@@ -9,8 +9,7 @@ import sys
 import torch
 
 from eaglescope.backend import FAST, Decoder
-from eaglescope.decode.generation import DecodeSettings, SamplingConfig, check_prompt
-from eaglescope.decode.tree import parse_tree_shape
+from eaglescope.decode.generation import DecodeSettings, SamplingConfig, stop_ids_for
 from eaglescope.errors import EagleScopeError
 from eaglescope.models.targets import load_target, parse_device, parse_dtype
 from eaglescope.outputs import check_destination
@@ -48,6 +47,8 @@ def prompt_ids_from_args(args, tokenizer) -> list[int]:
 
 def settings_from_args(args, sampling: SamplingConfig) -> DecodeSettings:
     """The typed settings of `generate`'s flags (nothing below the command layer reads argparse)."""
+    if args.fast and args.reference:
+        raise EagleScopeError("--fast and --reference choose opposite decoders; pass one")
     decoder = "fast" if args.fast else "reference" if args.reference else "auto"
     return DecodeSettings(
         args.max_new_tokens,
@@ -70,52 +71,17 @@ def settings_from_args(args, sampling: SamplingConfig) -> DecodeSettings:
 def cmd_generate(args) -> int:
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype, device)
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
-    sampling.validate()
-    if args.max_new_tokens < 1:
-        raise EagleScopeError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.proposer != "ngram" and not args.draft:
-        for flag, given in (("--chain", args.chain), ("--tree", args.tree)):
-            if given is not None:
-                raise EagleScopeError(f"{flag} shapes a speculative run: add --draft DIR (or --proposer ngram)")
-        if args.proposer == "draft-lm":
-            raise EagleScopeError("--proposer draft-lm needs --draft DIR (the draft language model)")
-    if args.chain is not None or args.tree is not None:
-        parse_tree_shape(args.chain, args.tree)  # a bad shape is refused before any model is loaded
-    if args.trace:
-        if not (args.draft or args.proposer == "ngram"):
-            raise EagleScopeError("--trace records a speculative run: add --draft DIR (or --proposer ngram)")
+    settings = settings_from_args(args, SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed))
+    settings.validate()  # every flag check: a bad one is refused before any model is loaded
+    if settings.trace:
         check_destination(args.trace, trace_kind("eaglescope"), inputs=[args.target, args.draft], flag="--trace")
-    if getattr(args, "trace_layers", False) and not args.trace:
-        raise EagleScopeError("--trace-layers adds to a trace: give --trace DIR too")
     if args.seed is not None:
         torch.manual_seed(args.seed)
     target = load_target(args.target, device=device, dtype=dtype, backend=args.backend)
     prompt_ids = prompt_ids_from_args(args, target.tokenizer)
-    stop = None
-    if args.stop_ids:
-        extra = _parse_ids(args.stop_ids, "--stop-ids")
-        outside = [i for i in extra if i >= target.vocab_size]
-        if outside:
-            raise EagleScopeError(
-                f"--stop-ids {outside[0]} is outside the target vocabulary (size {target.vocab_size})"
-            )
-        stop = list(target.eos_token_ids) + extra
-    if args.draft or args.proposer == "ngram":
-        depth = parse_tree_shape(args.chain, args.tree)[0]
-        if len(prompt_ids) + depth + 1 > target.max_positions:
-            raise EagleScopeError(
-                f"a round drafts {depth} tokens past the {len(prompt_ids)}-token prompt, beyond the target's context "
-                f"of {target.max_positions}; use a shorter --chain/--tree depth or prompt"
-            )
-    if args.fast and args.reference:
-        raise EagleScopeError("--fast and --reference choose opposite decoders; pass one")
-    settings = settings_from_args(args, sampling)
-    decoder = Decoder(target, settings, len(prompt_ids) + check_prompt(target, prompt_ids, args.max_new_tokens))
-    if args.no_batch_invariant and decoder.backend != FAST:
-        raise EagleScopeError("--no-batch-invariant chooses the kernels of the fast decoder (a GPU, or --fast)")
-    if args.compile and decoder.backend != FAST:
-        raise EagleScopeError("--compile compiles the fast decoder's round (a GPU, or --fast)")
+    stop = stop_ids_for(target, _parse_ids(args.stop_ids, "--stop-ids")) if args.stop_ids else None
+    decoder = Decoder(target, settings, len(prompt_ids) + settings.room(target, prompt_ids))
+    settings.check_backend(decoder.backend == FAST)
     result = decoder.run(prompt_ids, stop)
     text = target.tokenizer.decode(result.token_ids, skip_special_tokens=False) if target.tokenizer else None
     stats = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -64,10 +65,47 @@ class DecodeSettings:
     def speculative(self) -> bool:
         return self.draft is not None or self.proposer == "ngram"
 
-    @property
+    @cached_property
     def shape(self) -> tuple[int, int, int]:
-        """(depth, top_k, total_tokens) of the draft tree."""
+        """(depth, top_k, total_tokens) of the draft tree, parsed once."""
         return parse_tree_shape(self.chain, self.tree)
+
+    def validate(self) -> None:
+        """Every check the settings allow before any model is loaded, in one place: the command layer calls it once,
+        so a bad flag is refused in one stderr line before the seconds a load takes."""
+        self.sampling.validate()
+        if self.max_new_tokens < 1:
+            raise EagleScopeError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.proposer != "ngram" and not self.draft:
+            for flag, given in (("--chain", self.chain), ("--tree", self.tree)):
+                if given is not None:
+                    raise EagleScopeError(f"{flag} shapes a speculative run: add --draft DIR (or --proposer ngram)")
+            if self.proposer == "draft-lm":
+                raise EagleScopeError("--proposer draft-lm needs --draft DIR (the draft language model)")
+        _ = self.shape  # parsed here, once: a bad --chain/--tree is refused before any model is loaded
+        if self.trace and not self.speculative:
+            raise EagleScopeError("--trace records a speculative run: add --draft DIR (or --proposer ngram)")
+        if self.trace_layers and not self.trace:
+            raise EagleScopeError("--trace-layers adds to a trace: give --trace DIR too")
+
+    def room(self, target: Target, prompt_ids: list[int]) -> int:
+        """The new tokens `prompt_ids` leave room for on `target` (check_prompt), once a speculative round's drafts
+        past the prompt fit the target's context too."""
+        if self.speculative:
+            depth = self.shape[0]
+            if len(prompt_ids) + depth + 1 > target.max_positions:
+                raise EagleScopeError(
+                    f"a round drafts {depth} tokens past the {len(prompt_ids)}-token prompt, beyond the target's "
+                    f"context of {target.max_positions}; use a shorter --chain/--tree depth or prompt"
+                )
+        return check_prompt(target, prompt_ids, self.max_new_tokens)
+
+    def check_backend(self, fast: bool) -> None:
+        """The fast decoder's own switches refused where another backend runs (`fast`: whether it runs)."""
+        if not self.batch_invariant and not fast:
+            raise EagleScopeError("--no-batch-invariant chooses the kernels of the fast decoder (a GPU, or --fast)")
+        if self.compile and not fast:
+            raise EagleScopeError("--compile compiles the fast decoder's round (a GPU, or --fast)")
 
 
 @dataclass
@@ -98,6 +136,14 @@ def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int) -> 
     if max_new_tokens < 1:
         raise EagleScopeError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
     return min(max_new_tokens, target.max_positions - len(prompt_ids))
+
+
+def stop_ids_for(target: Target, extra: list[int]) -> list[int]:
+    """The target's end-of-sequence tokens and `extra` (--stop-ids), each inside its vocabulary."""
+    outside = [i for i in extra if i >= target.vocab_size]
+    if outside:
+        raise EagleScopeError(f"--stop-ids {outside[0]} is outside the target vocabulary (size {target.vocab_size})")
+    return list(target.eos_token_ids) + extra
 
 
 def choose_token(logits: torch.Tensor, sampling: SamplingConfig, gen: torch.Generator | None) -> int:
@@ -133,6 +179,7 @@ __all__ = [
     "SamplingConfig",
     "GenerationResult",
     "check_prompt",
+    "stop_ids_for",
     "begin_generation",
     "choose_token",
     "sync",

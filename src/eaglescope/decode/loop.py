@@ -247,7 +247,7 @@ class ReferenceRunner(Runner):
         self.tokens += state.emitted.tolist()
         self.proposer.accepted(state)
         if self.rec is not None:
-            handed = self.proposer.pending_aux if isinstance(self.proposer, Eagle3Proposer) else None
+            handed = self.proposer.state.aux if isinstance(self.proposer, Eagle3Proposer) else None
             record_verdict(self.rec, state, handed)
 
     # -- running rounds -----------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -66,16 +68,39 @@ class NoProposer(Proposer):
         return DraftTree.chain([tokens[-1]])
 
 
-# The draft side's fixed-shape pieces on the static backend, compiled one by one (Eagle3Proposer.compile); with a
-# fused draft layer, catch_up and tree_level are their inputs' pieces around it, and the root's logits come from
-# `logits` (the fused layer then picks every level's top-k children from logits itself)
-PIECES = ("catch_up", "_logprobs", "tree_level", "expand_level", "finalize", "catch_up_inputs", "level_inputs",
-          "rotary", "logits", "tree_start")  # fmt: skip
+class DraftPieces(NamedTuple):
+    """The draft side's fixed-shape pieces, each a callable the proposer calls by its field, never by a string. The
+    proposer's own functions (`Eagle3Proposer.own_pieces`) on the reference backend; on the static backend the table
+    fast/draft_pieces.py builds from them: compiled one by one, and where the fused draft layer runs, its kernels
+    standing in for some. `catch_up`, `tree_level` and `level_inputs` take and return what the methods of the same
+    name do; `root_children` the root's features [1, H] → its draft log-probs [1, V], or its top-k children
+    (log-probs, draft ids) [1, k] already picked (then `expand_level` takes them so)."""
 
-# the pieces a fused draft layer may run in one launch (FusedDraftStep.level_inputs, .tree_start, .finalize), each
-# with the methods its kernel hard-codes: the piece itself and the hooks it calls
-_ONE_LAUNCH = {"level_inputs": ("level_inputs", "child_hidden", "embed", "to_target_ids", "tree_position"),
-               "tree_start": ("tree_start",), "finalize": ("finalize", "to_target_ids")}  # fmt: skip
+    catch_up: Callable
+    catch_up_inputs: Callable
+    root_children: Callable
+    tree_start: Callable
+    tree_level: Callable
+    level_inputs: Callable
+    expand_level: Callable
+    finalize: Callable
+    logprobs: Callable
+    logits: Callable
+    rotary: Callable
+
+
+@dataclasses.dataclass
+class DraftState:
+    """What one round hands the next on the draft side, as device tensors the proposer owns (`Eagle3Proposer.state`):
+    exact-size on the reference backend (rows == count), padded on the static one (`padded`: `Pmax` rows, those past
+    `count` padding; rewritten in place, so a captured round reads the same buffers every replay)."""
+
+    aux: torch.Tensor  # [P, nH] target features of the positions not yet caught up
+    tokens: torch.Tensor  # [P] the token that follows each of those positions
+    count: torch.Tensor  # [1] long: how many of the P rows are real
+    committed: torch.Tensor  # [1] long: draft positions caught up (their keys in the draft cache)
+    root: torch.Tensor  # [1] long: the next tree's root token
+    padded: bool = False
 
 
 class Eagle3Proposer(Proposer):
@@ -113,14 +138,10 @@ class Eagle3Proposer(Proposer):
         self.tree_base = max_len
         self.cache = draft_slot_cache(draft, max_len + max(depth - 1, 1) * top_k)
         self.slots = torch.arange(self.cache.size, device=self.device)
-        self.committed = 0
-        self.pending_aux: torch.Tensor | None = None  # [P, nH] target features of positions not yet caught up
-        self.pending_tokens: torch.Tensor | None = None  # [P] the token that follows each of those positions
+        self.state: DraftState | None = None  # what the last round handed on (set by `start`, or the static backend)
         self._levels = torch.arange(depth + 1, device=self.device)  # each tree level as a [1] slice (no host copy)
-        self._compiled: dict | None = None  # PIECES compiled (`compile`), or None: plain
-        # the draft layer's own kernels (fast/fused_draft.py FusedDraftStep), set by the static backend, or None: the
-        # modules. (embeds, hidden [T, H], cos, sin [T, D], slots [T], mask [T, S]) → (what step returns, its norm)
-        self.fused_layer = None
+        # what a round calls: this class's own functions, or what the static backend hands in (fast/draft_pieces.py)
+        self.pieces = self.own_pieces()
 
     @property
     def max_nodes(self) -> int:
@@ -184,13 +205,6 @@ class Eagle3Proposer(Proposer):
         self._record(T.draft_hidden_in(0), hidden)
         return embeds, hidden, positions, slots, mask
 
-    def fused_catch_up(self, aux: torch.Tensor, tokens: torch.Tensor, start) -> torch.Tensor:
-        """catch_up with the draft layer on `fused_layer`."""
-        embeds, hidden, positions, slots, mask = self.piece("catch_up_inputs")(aux, tokens, start)
-        out = self.fused_layer(embeds, hidden, *self.piece("rotary")(positions), slots, mask)[0]
-        self._record(T.draft_hidden_out(0), out)
-        return out
-
     def expand(self, h_root: torch.Tensor, root, root_position, context) -> DraftTree:
         """EAGLE-2 tree expansion from the root's features h_root [1, H] (the catch-up's output for the position
         before the root): `depth` levels of top_k, reranked to total_tokens nodes (target ids). `root`, `root_position`
@@ -198,20 +212,20 @@ class Eagle3Proposer(Proposer):
 
         Every level from the first on has the same shapes (top_k frontier rows, buffers sized for the whole tree,
         the level a [1] tensor), so `tree_level` and the builder's `expand_level` are one function each at every
-        depth: compiled once (`compile`), not once per level."""
+        depth: compiled once (fast/draft_pieces.py), not once per level."""
         dev, K = self.device, self.top_k
         vocab = self.draft.config.draft_vocab_size
         capacity = tree_capacity(K, self.depth, vocab)
-        buffers, ctx_mask, slot_of, prev_front, prev_out = self.piece("tree_start")(root, h_root, context, capacity)
-        b = TreeBuilder(root, K, dev, levels=self.depth, vocab=vocab, expand_fn=self.piece("expand_level"),
+        buffers, ctx_mask, slot_of, prev_front, prev_out = self.pieces.tree_start(root, h_root, context, capacity)
+        b = TreeBuilder(root, K, dev, levels=self.depth, vocab=vocab, expand_fn=self.pieces.expand_level,
                         buffers=buffers)  # fmt: skip
-        lp = self._root_children(h_root)
+        lp = self.pieces.root_children(h_root)
         self._record_topk(1, lp)
         frontier = b.expand(self._levels[:1], lp)  # from the root, builder id 0
         for level in range(1, self.depth):
             bufs = (b.tokens, b.parents, b.lineage, slot_of)
             at = self._levels[level : level + 1]
-            tok, positions, embeds, hidden_in, out, lp = self.piece("tree_level")(
+            tok, positions, embeds, hidden_in, out, lp = self.pieces.tree_level(
                 *bufs, ctx_mask, frontier, prev_front, prev_out, root_position, at
             )
             self._record(T.draft_tokens(level), tok)
@@ -223,7 +237,7 @@ class Eagle3Proposer(Proposer):
             prev_front, prev_out = frontier, out
             frontier = b.expand(frontier, lp)
         bufs = (b.tokens, b.parents, b.depths, b.scores, b.lineage)
-        tokens, parents, depths, scores, source, mask = self.piece("finalize")(*bufs, b.num_nodes, self.total_tokens)
+        tokens, parents, depths, scores, source, mask = self.pieces.finalize(*bufs, b.num_nodes, self.total_tokens)
         return DraftTree(tokens, parents, depths, scores, source=source, mask=mask)
 
     def tree_start(self, root, h_root: torch.Tensor, context, capacity: int):
@@ -231,7 +245,7 @@ class Eagle3Proposer(Proposer):
         slots [S] (seen by every tree query), each builder node's draft-cache slot [capacity] (the cache's size: none
         yet), level 1's parents: the root's id and features [m], [m, H], as wide as a frontier (dense, as every later
         level's are: a compiled level is specialised to its inputs' strides))."""
-        m = self._frontier_width
+        m = self.frontier_width
         buffers = tree_buffers(root, capacity, self.depth + 1, self.device)
         slot_of = torch.full((capacity,), self.cache.size, dtype=torch.long, device=self.device)
         return buffers, self.slots < context, slot_of, self._levels[:1].repeat(m), h_root.repeat(m, 1)
@@ -266,46 +280,10 @@ class Eagle3Proposer(Proposer):
         tok = self.to_target_ids(tokens[frontier])  # the embedding is the target's
         return tok, positions, self.embed(tok), hidden_in, slots, mask
 
-    def fused_level_inputs(self, *args):
-        """level_inputs in one launch (FusedDraftStep.level_inputs), for this class's own wiring."""
-        return self.fused_layer.level_inputs(*args, tree_base=self.tree_base, top_k=self.top_k)
-
-    def fused_tree_start(self, root, h_root: torch.Tensor, context, capacity: int):
-        """tree_start in one launch (FusedDraftStep.tree_start)."""
-        return self.fused_layer.tree_start(root, h_root, context, capacity, self.depth + 1, self._frontier_width)
-
-    def fused_finalize(self, *args):
-        """finalize in one launch (FusedDraftStep.finalize)."""
-        return self.fused_layer.finalize(*args)
-
     @property
-    def _frontier_width(self) -> int:
+    def frontier_width(self) -> int:
         """Rows of every tree level's frontier: top_k, or the whole draft vocabulary where it is smaller."""
         return min(self.top_k, self.draft.config.draft_vocab_size)
-
-    def _in_one_launch(self, name: str) -> bool:
-        """Whether the fused layer's kernel may stand in for piece `name`: it hard-codes Eagle3Proposer's methods,
-        so a subclass overriding any of them (doctor's hypotheses, the tests' faults) runs its own wiring."""
-        own = all(getattr(type(self), n) is getattr(Eagle3Proposer, n) for n in _ONE_LAUNCH[name])
-        if not (own and self.fused_layer is not None and self.fused_layer.one_launch):
-            return False
-        vocab = self.draft.config.draft_vocab_size
-        return name != "finalize" or self.fused_layer.takes_finalize(tree_capacity(self.top_k, self.depth, vocab))
-
-    def fused_tree_level(self, *args):
-        """tree_level with the draft layer on `fused_layer`. Its `out` is a view the next level's layer overwrites:
-        the next level_inputs gathers from it first, and nothing else holds it."""
-        tok, positions, embeds, hidden_in, slots, mask = self.piece("level_inputs")(*args)
-        out, normed = self.fused_layer(embeds, hidden_in, *self.piece("rotary")(positions), slots, mask)
-        children = self.fused_layer.children(self.fused_layer.head(normed), self.top_k)
-        return tok, positions, embeds, hidden_in, out, children
-
-    def _root_children(self, h_root: torch.Tensor):
-        """The root's draft log-probs [1, V]; with the fused layer, its top-k children (log-probs, draft ids) [1, k]
-        straight from the logits (FusedDraftStep.children), as every level's."""
-        if self.fused_layer is None:
-            return self.piece("_logprobs")(h_root)
-        return self.fused_layer.children(self.piece("logits")(h_root), self.top_k)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft layer's RoPE cos, sin [T, D] at positions [T] (compiled: one kernel, eager: several)."""
@@ -324,53 +302,53 @@ class Eagle3Proposer(Proposer):
         tokens = torch.cat([tokens[:1], self.to_target_ids(tokens[1:])])
         return tokens, parents, depths, scores, source, mask
 
-    def compile(self, backend: str = "inductor") -> None:
-        """torch.compile the pieces of the draft side that run every round at fixed shapes on the static backend
-        (catch-up over the padded pending rows, the root's log-probs, a tree level's draft step and expansion, the
-        final rerank): one compilation each per tree budget, whatever the depth. The hooks run inside them, so a
-        subclass's wiring is what gets compiled. Each tree budget and each proposer is another graph of the same code:
-        the static backend raises dynamo's recompile limit (fast/layers.py allow_recompiles)."""
-        self._compiled = {name: torch.compile(self._plain(name), dynamic=False, backend=backend) for name in PIECES}
-
-    def uncompile(self) -> None:
-        self._compiled = None
-
-    @property
-    def compiled(self) -> bool:
-        return self._compiled is not None
-
-    def piece(self, name: str):
-        """One of PIECES: compiled after `compile`, else the plain function."""
-        if self.fused_layer is not None and name in ("catch_up", "tree_level"):
-            return getattr(self, "fused_" + name)  # their inputs' pieces around the fused layer
-        if name in _ONE_LAUNCH and self._in_one_launch(name):
-            return getattr(self, "fused_" + name)
-        if self.fused_layer is not None and name == "expand_level":
-            return self.fused_layer.expand_level  # the children come picked: the level's writes in one launch
-        if self._compiled is not None:
-            return self._compiled[name]
-        return self._plain(name)
-
-    def _plain(self, name: str):
-        """One of PIECES as this class composes it (what `compile` compiles: never a fused stand-in, which piece
-        picks at each call, so switching the one-launch kernels off runs the composed pieces compiled)."""
-        return expand_level if name == "expand_level" else getattr(self, name)
+    def own_pieces(self) -> DraftPieces:
+        """The pieces as this class composes them (what the static backend compiles; a subclass's hooks run inside)."""
+        return DraftPieces(catch_up=self.catch_up, catch_up_inputs=self.catch_up_inputs, root_children=self._logprobs,
+                           tree_start=self.tree_start, tree_level=self.tree_level, level_inputs=self.level_inputs,
+                           expand_level=expand_level, finalize=self.finalize, logprobs=self._logprobs,
+                           logits=self.logits, rotary=self.rotary)  # fmt: skip
 
     def handed_on(self, aux: torch.Tensor, path: torch.Tensor, emitted: torch.Tensor):
         """What the next round's catch-up reads (RoundState's verify features, path and emitted tokens) → (features of
         root + accepted [L, nH], the token after each [L])."""
         return self.next_round_features(aux, path), self.paired_tokens(emitted)
 
+    # -- a round's draft side on `state` (both backends) -------------------------------------------------------
+    def draft_tree(self, root_position) -> DraftTree:
+        """Catch-up over the state's pending positions, then the tree from its root (at `root_position`: an int, or
+        [1] on the static backend); the caught-up positions become committed."""
+        s = self.state
+        # the hooks' contract: positions as ints on the reference backend, [1] tensors on the static one
+        at = (lambda x: x) if s.padded else int
+        out = self.pieces.catch_up(s.aux, s.tokens, at(s.committed))
+        h_root = out.index_select(0, s.count - 1)  # [1, H]: the features of the position before the root
+        s.committed.add_(s.count)  # == the root's position
+        return self.expand(h_root, s.root, root_position, at(s.committed))
+
+    def hand_on(self, aux: torch.Tensor, path: torch.Tensor, emitted: torch.Tensor, accepted, bonus) -> None:
+        """After verification (RoundState's aux, path, emitted, accepted [1], bonus [1]): root + accepted positions
+        become the pending ones, the bonus the next root."""
+        s = self.state
+        features, following = self.handed_on(aux, path, emitted)
+        if s.padded:  # the static backend's buffers, rewritten in place
+            s.aux.copy_(features)
+            s.tokens.copy_(following)
+        else:
+            s.aux, s.tokens = features, following
+        s.count.copy_(accepted + 1)
+        s.root.copy_(bonus)
+
     # -- protocol (the reference backend) --------------------------------------------------------------------
     def start(self, prompt_ids, prefill, first_token) -> None:
         if prefill.aux is None:
             raise EagleScopeError("the target returned no tap features: set its taps to the draft's contract")
-        self.committed = 0
-        self.pending_aux = prefill.aux
-        self.pending_tokens = self.paired_tokens(torch.tensor(prompt_ids[1:] + [first_token], device=self.device))
+        one = lambda v: torch.tensor([v], dtype=torch.long, device=self.device)  # noqa: E731
+        tokens = self.paired_tokens(torch.tensor(prompt_ids[1:] + [first_token], device=self.device))
+        self.state = DraftState(prefill.aux, tokens, one(prefill.aux.shape[0]), one(0), one(first_token))
 
     def accepted(self, state) -> None:
-        self.pending_aux, self.pending_tokens = self.handed_on(state.aux, state.path, state.emitted)
+        self.hand_on(state.aux, state.path, state.emitted, state.accepted, state.bonus)
 
     def _record(self, stage: str, tensor: torch.Tensor, **kw) -> None:
         if self.rec is not None:
@@ -382,17 +360,14 @@ class Eagle3Proposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, tokens, root_position) -> DraftTree:
-        P, start = self.pending_aux.shape[0], self.committed
+        P, start = self.state.aux.shape[0], int(self.state.committed)
         if root_position != start + P:
             raise RuntimeError(
                 f"draft/target out of step: root at {root_position}, draft has {start} committed + {P} pending"
             )
         if start + P > self.tree_base:
             raise EagleScopeError("draft cache overflow: sequence longer than the decoder was sized for")
-        out = self.catch_up(self.pending_aux, self.pending_tokens, start)
-        self.committed = start + P
-        # the features of the position before the root, paired with the root token
-        return self.expand(out[-1:], tokens[-1], root_position, self.committed)
+        return self.draft_tree(root_position)
 
     def _record_topk(self, step: int, lp: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> None:
         """`lp`: a step's log-probs [m, V], or its top-k children (log-probs, draft ids) already picked."""

@@ -137,8 +137,7 @@ class DraftTree:
         if n < 1 or self.tokens.dim() != 1:
             shape = list(self.tokens.shape)
             raise EagleScopeError(f"a draft tree needs a 1-D token tensor with a root, got shape {shape}")
-        for name in ("parents", "depths", "scores"):
-            t = getattr(self, name)
+        for name, t in (("parents", self.parents), ("depths", self.depths), ("scores", self.scores)):
             if t.shape != (n,):
                 raise EagleScopeError(f"draft tree {name} has shape {list(t.shape)}, expected [{n}]")
         par = self.parents.tolist()

@@ -36,9 +36,10 @@ from eaglescope.decode.round import (
     record_tree,
     record_verdict,
 )
-from eaglescope.decode.speculative import Eagle3Proposer
+from eaglescope.decode.speculative import DraftState, Eagle3Proposer
 from eaglescope.decode.tree import DraftTree
 from eaglescope.decode.verify import accept_greedy
+from eaglescope.fast.draft_pieces import FusedPieces, compiled_pieces
 from eaglescope.fast.fused_decode import FusedDecode, attend_fused
 from eaglescope.fast.fused_draft import FusedDraftStep, fused_draft_supported
 from eaglescope.fast.fused_verify import MAX_ROWS, FusedVerify
@@ -366,10 +367,10 @@ class FastEagle(Runner):
     only, captured as one CUDA graph; one host read per round, the next round queued before that read.
 
     The round's steps are the shared ones: the draft side is `Eagle3Proposer.catch_up` / `expand` (decode/
-    speculative.py) on tensors padded to the tree budget, acceptance `accept_greedy`, the hand-off
-    `Eagle3Proposer.handed_on`; this backend owns the slot caches, the target verify and the KV keep. `replay` (a
-    list of accepted lengths) forces the acceptance instead of checking tokens: every network still runs, so a
-    replayed run pays every cost of a real one (used at 8B scale)."""
+    speculative.py, through `draft_tree`) on tensors padded to the tree budget, acceptance `accept_greedy`, the
+    hand-off `Eagle3Proposer.hand_on` into the proposer's padded `DraftState`; this backend owns the slot caches, the
+    target verify and the KV keep. `replay` (a list of accepted lengths) forces the acceptance instead of checking
+    tokens: every network still runs, so a replayed run pays every cost of a real one (used at 8B scale)."""
 
     run_ahead = True
 
@@ -410,19 +411,25 @@ class FastEagle(Runner):
         self.proposer = proposer_cls(draft, depth, top_k, total_tokens, max_len + self.Pmax, recorder=self.stages)
         if fused_draft is None:
             fused_draft = target.fused_rows is not None and fused_draft_supported(draft) is None
+        # the draft layer's own kernels (fast/fused_draft.py), or None: the modules
+        self.fused_layer: FusedDraftStep | None = None
         if fused_draft:
             tuned = tuning_for(dev)
-            self.proposer.fused_layer = FusedDraftStep(draft, self.proposer.cache, max(self.Pmax, top_k),
-                                                       k_splits=tuned.draft_k_splits,
-                                                       stream=tuned.draft_stream)  # fmt: skip
+            self.fused_layer = FusedDraftStep(draft, self.proposer.cache, max(self.Pmax, top_k),
+                                              k_splits=tuned.draft_k_splits, stream=tuned.draft_stream)  # fmt: skip
+        self.composed = self.proposer.own_pieces()  # compiled by compile_draft
+        self.fused: FusedPieces | None = None  # the pieces on the fused layer (hand_pieces)
+        self.hand_pieces()
         c = draft.config
         nH = c.num_aux * c.target_hidden_size
         z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
-        self.t_len, self.d_len, self.pend_n, self.root = z(1), z(1), z(1), z(1)
+        self.t_len = z(1)
         self.force = z(1)
-        self.pend_aux = z(self.Pmax, nH, dt=target.dtype)
-        self.pend_tok = z(self.Pmax)
-        self.round_n = z(1)  # with a recorder: this round's pending count, for the trace (pend_n is the next one's)
+        # what a round hands the next, padded to the most positions one round keeps (root + depth accepted)
+        self.proposer.state = DraftState(z(self.Pmax, nH, dt=target.dtype), z(self.Pmax), z(1), z(1), z(1), padded=True)
+        self.round_n = z(
+            1
+        )  # with a recorder: this round's pending count, for the trace (the state's is the next one's)
         self.report = z(self.Pmax + 1)  # [n_emitted, emitted tokens (padded)]
         self._reports = torch.zeros(2, self.Pmax + 1, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if dev.type == "cuda" else []
@@ -439,10 +446,10 @@ class FastEagle(Runner):
         if compile:
             # a round's draft side is several hundred small kernels (the draft layer's norms, RoPE and SwiGLU at
             # every level, the tree's topk, scatters and sorts): compiled they are about a third as many. The pieces
-            # compile one by one, so a tree level compiles once and runs at every depth (Eagle3Proposer.compile);
-            # the round around them stays plain Python, which the CUDA graph removes anyway.
+            # compile one by one, so a tree level compiles once and runs at every depth (compiled_pieces); the
+            # round around them stays plain Python, which the CUDA graph removes anyway.
             allow_recompiles()
-            self.proposer.compile()
+            self.compile_draft()
             self._accept_fn = torch.compile(self._accept, dynamic=False)
             self._commit_fn = torch.compile(self._commit, dynamic=False)
             # eagerly the verify's mask over the whole target cache is ~10 small kernels, compiled one
@@ -452,16 +459,29 @@ class FastEagle(Runner):
         self._launched = self._read = 0
         self._forced: list[int] | None = None
 
+    def hand_pieces(self) -> None:
+        """Hand the proposer the pieces it calls: `composed`, around the fused layer where there is one (FusedPieces,
+        which reads the layer's `one_launch` here: call again after switching it)."""
+        self.fused = None if self.fused_layer is None else FusedPieces(self.proposer, self.fused_layer, self.composed)
+        self.proposer.pieces = self.composed if self.fused is None else self.fused.pieces
+
+    def compile_draft(self, backend: str = "inductor") -> None:
+        """torch.compile the draft side's pieces that run every round at fixed shapes (compiled_pieces)."""
+        self.composed = compiled_pieces(self.proposer.own_pieces(), backend)
+        self.hand_pieces()
+
+    def set_one_launch(self, enable: bool) -> None:
+        """The fused layer's one-launch level inputs, tree start and finalize on (where they apply) or off."""
+        self.fused_layer.one_launch = enable
+        self.hand_pieces()
+
     # -- the round's operations (device tensors only: the whole round is one graph) --------------------------------
     def _draft_tree(self):
         """The shared draft side over the pending positions (padded to Pmax) → the tree's tensors."""
         p = self.proposer
         if self.stages is not None:
-            self.round_n.copy_(self.pend_n)
-        out = p.piece("catch_up")(self.pend_aux, self.pend_tok, self.d_len)
-        h_root = out.index_select(0, self.pend_n - 1)  # [1, H]: the position before the root
-        self.d_len.add_(self.pend_n)  # == the root's position
-        tree = p.expand(h_root, self.root, self.t_len, self.d_len)
+            self.round_n.copy_(p.state.count)
+        tree = p.draft_tree(self.t_len)
         if self.stages is not None:
             record_tree(self.stages, tree)
         return tree.tokens, tree.parents, tree.depths, tree.scores, tree.mask
@@ -476,11 +496,7 @@ class FastEagle(Runner):
         """Keep root + accepted KV (contiguous after the context), hand their features and tokens on."""
         j = torch.arange(self.Pmax, device=self.device)
         self.t.cache.move(self.t_len + path, self.t_len + j)
-        features, following = self.proposer.handed_on(aux, path, emitted)
-        self.pend_aux.copy_(features)
-        self.pend_tok.copy_(following)
-        self.pend_n.copy_(a + 1)
-        self.root.copy_(bonus)
+        self.proposer.hand_on(aux, path, emitted, a, bonus)
         self.t_len.add_(a + 1)
         self.report[:1].copy_(a + 1)
         self.report[1:].copy_(emitted)
@@ -518,7 +534,7 @@ class FastEagle(Runner):
     def commit(self, state: RoundState) -> None:
         self._commit_fn(state.accepted, state.path, state.bonus, state.emitted, state.aux)
         if self.stages is not None:
-            record_verdict(self.stages, state, self.pend_aux)
+            record_verdict(self.stages, state, self.proposer.state.aux)
 
     @torch.inference_mode()
     def _round(self) -> None:
@@ -550,16 +566,18 @@ class FastEagle(Runner):
             self.stages.hold(False)
         p.rec = rec
         self.t_len.fill_(n)
-        self.d_len.fill_(n - 1)
-        self.pend_n.fill_(1)
-        self.pend_aux[:1].copy_(aux[n - 1 :])
-        self.pend_tok[:1].copy_(first)
-        self.root.copy_(first)
+        s = p.state
+        s.committed.fill_(n - 1)
+        s.count.fill_(1)
+        s.aux[:1].copy_(aux[n - 1 :])
+        s.tokens[:1].copy_(first)
+        s.root.copy_(first)
         return int(first)
 
     def _uncompiled(self, e: Exception) -> None:
         log.warning("the compiled EAGLE-3 round failed (%s: %s); running it uncompiled", type(e).__name__, e)
-        self.proposer.uncompile()
+        self.composed = self.proposer.own_pieces()
+        self.hand_pieces()
         self._accept_fn, self._commit_fn = self._accept, self._commit
         self._verify_inputs_fn = self._verify_inputs
         self.compiled = False

@@ -314,7 +314,7 @@ DRAFT_K_SPLITS = {"o": 1, "down": 1}
 DRAFT_STREAM_PRODUCTS = ("qkv", "o", "gate_up", "down", "lm_head")
 # a tree level's inputs, the tree's start and its finalize in one launch each (FusedDraftStep.level_inputs,
 # .tree_start, .finalize) where the proposer's wiring is Eagle3Proposer's own; False: the composed Eagle3Proposer
-# pieces (run_bench.py's roofline replays both: the instance's `one_launch`)
+# pieces (run_bench.py's roofline replays both: FastEagle.set_one_launch)
 ONE_LAUNCH_PIECES = True
 # the largest builder finalize's kernel takes (every pair of nodes in one program's registers): the (6, 4) tree's 85
 # nodes fit; the (7, 10) tree's 611 run the composed finalize

@@ -398,3 +398,11 @@ def test_with_keep_watching_the_alert_lasts_while_low_and_is_raised_once_per_epi
                      keep_watching=True)  # fmt: skip
     alerts = [r["alert"] for r in records if r.get("alert")]
     assert len(alerts) >= 3 and [a["raised"] for a in alerts].count(True) == 1 and alerts[0]["raised"]
+
+
+def test_doctor_takes_one_served_source(tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text(vllm_text(10.0, [5.0, 2.0, 1.0]))
+    rc, out, err = cli(["doctor", "--target", str(tmp_path), "--draft", str(tmp_path), "--engine-log", str(log),
+                        "--metrics-url", "http://127.0.0.1:9"])  # fmt: skip
+    assert rc == 2 and out == "" and "--engine-log and --metrics-url both say what was served" in err

@@ -120,6 +120,9 @@ def test_renamed_metrics_are_refused_in_one_line_naming_the_version():
         counts_of(parse_exposition(renamed), "9.9.0")
     with pytest.raises(MetricsRenamed, match="is speculative decoding on"):
         counts_of(parse_exposition('vllm:num_requests_running{engine="0"} 0\n'))
+    # SGLang writes no counter name before its first sample (a restarted server mid warm-up): nothing yet, no refusal
+    fresh = "\n".join(x for x in sglang_text(4.0, 20.0, 1.0).splitlines() if "_total" not in x)
+    assert counts_of(parse_exposition(fresh), "0.5.23").rounds == 0
     sg = sglang_text(4.0, 20.0, 1.0).replace("sglang:spec_verify_calls", "sglang:spec_verify_ct")
     with pytest.raises(MetricsRenamed, match=r"SGLang 0\.6\.0 serves no sglang:spec_verify_calls_total"):
         counts_of(parse_exposition(sg), "0.6.0")
@@ -395,3 +398,11 @@ def test_with_keep_watching_the_alert_lasts_while_low_and_is_raised_once_per_epi
                      keep_watching=True)  # fmt: skip
     alerts = [r["alert"] for r in records if r.get("alert")]
     assert len(alerts) >= 3 and [a["raised"] for a in alerts].count(True) == 1 and alerts[0]["raised"]
+
+
+def test_doctor_takes_one_served_source(tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text(vllm_text(10.0, [5.0, 2.0, 1.0]))
+    rc, out, err = cli(["doctor", "--target", str(tmp_path), "--draft", str(tmp_path), "--engine-log", str(log),
+                        "--metrics-url", "http://127.0.0.1:9"])  # fmt: skip
+    assert rc == 2 and out == "" and "--engine-log and --metrics-url both say what was served" in err

@@ -205,6 +205,14 @@ def counts_of(expo: Exposition, version: str | None = None) -> Counts | None:
         per_pos = tuple(pos.get(str(k), 0.0) for k in range(max(int(p) for p in pos) + 1)) if pos else None
         return Counts(VLLM, drafts, accepted, per_pos, len(per_pos) if per_pos else None)
     if engine == SGLANG:
+        # Its counters exist only once a request finished (multiprocess prometheus writes no name before its first
+        # sample; a restarted server's warm-up request may still be running): missing names are "nothing yet" until
+        # requests have produced tokens past their prefill one, which only verify rounds make on a speculative server.
+        generation, requests = expo.total(SGLANG_NAMES["generation"]), expo.total(SGLANG_NAMES["requests"]) or 0.0
+        if SGLANG_NAMES["rounds"] not in names and (generation is None or generation <= requests):
+            gauges = {k: expo.total(SGLANG_NAMES[k]) for k in ("accept_length", "accept_rate", "steps", "draft_tokens")}
+            gauges = {k: v for k, v in gauges.items() if v is not None}
+            return Counts(SGLANG, 0.0, 0.0, None, int(gauges["steps"]) if gauges.get("steps") else None, gauges)
         if SGLANG_NAMES["rounds"] not in names or SGLANG_NAMES["generation"] not in names:
             spec = sorted(n for n in names if "spec" in n)
             raise MetricsRenamed(
@@ -216,10 +224,8 @@ def counts_of(expo: Exposition, version: str | None = None) -> Counts | None:
         gauges = {k: v for k, v in gauges.items() if v is not None}
         depth = int(gauges["steps"]) if gauges.get("steps") else None
         rounds = expo.total(SGLANG_NAMES["rounds"])
-        generation = expo.total(SGLANG_NAMES["generation"])
         if rounds is None or generation is None:
             return Counts(SGLANG, 0.0, 0.0, None, depth, gauges)
-        requests = expo.total(SGLANG_NAMES["requests"]) or 0.0
         # tokens from verify rounds (every output token but each request's first), less one bonus token per round
         return Counts(SGLANG, rounds, max(0.0, generation - requests - rounds), None, depth, gauges)
     raise EagleScopeError("the metrics name neither vllm: nor sglang: series: is this a vLLM or SGLang /metrics "

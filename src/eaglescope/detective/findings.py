@@ -50,6 +50,13 @@ CODES: dict[str, str] = {
     "DIVERGENCE_UNEXPLAINED": "the trace diverges from the golden replay but no named hypothesis explains it",
     "TRACE_INCOMPLETE": "the trace stops before its request ended (the engine raised, the process exited) or holds "
     "no decode round: what it does not hold cannot be judged healthy",
+    # Training data against serving (doctor --training-data).
+    "DATA_TAP_MISMATCH": "the training data holds other target layers than the served config declares (and the "
+    "engine feeds the draft)",
+    "DATA_SHIFT": "the training features stored at position t are the target's state at another position",
+    "DATA_FINAL_NORM": "the training data's final state is normed where the trainer normalises it again, or raw where "
+    "the trainer applies the lm_head to it directly",
+    "DATA_UNMATCHED": "a training-data segment equals no hidden state of this target for the same tokens",
 }
 
 # Where a finding can first show, earliest first: "static" before anything that runs, then the trace's stages in

@@ -23,14 +23,16 @@ from safetensors.torch import load_file
 from eaglescope.cli import main
 
 
-def doctor(p: P.Pipeline, data: Path, draft: Path | None, *extra: str) -> tuple[int, dict | str, str]:
-    argv = ["doctor", "--target", str(p.target), "--training-data", str(data), *extra]
+def doctor(p: P.Pipeline, data: Path, draft: Path | None, json_out: bool = True) -> tuple[int, dict | str, str]:
+    """`eaglescope doctor --training-data` in process: (exit status, the --json report or the text, stderr)."""
+    argv = ["doctor", "--target", str(p.target), "--training-data", str(data)]
     argv += ["--draft", str(draft)] if draft is not None else []
+    argv += ["--json"] if json_out else []
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main([*argv, "--json"] if "--text" not in extra else [a for a in argv if a != "--text"])
+        rc = main(argv)
     text = out.getvalue()
-    return rc, (json.loads(text) if "--text" not in extra else text), err.getvalue()
+    return rc, (json.loads(text) if json_out and rc in (0, 1) else text), err.getvalue()
 
 
 def codes(report: dict) -> list[str]:
@@ -76,7 +78,7 @@ def test_features_a_position_off_their_tokens_are_named(foreign_pipeline):
 
 def test_the_text_report_says_which_layer_each_segment_holds(foreign_pipeline):
     p = foreign_pipeline
-    rc, text, _ = doctor(p, p.hidden[P.TAPS_OFF_BY_ONE], p.drafts[P.TAPS_OFF_BY_ONE], "--text")
+    rc, text, _ = doctor(p, p.hidden[P.TAPS_OFF_BY_ONE], p.drafts[P.TAPS_OFF_BY_ONE], json_out=False)
     assert rc == 1
     assert text.splitlines()[0] == "NOT HEALTHY: 1 finding(s); most likely DATA_TAP_MISMATCH"
     assert "segment 0  layer id 3" in text and "served     [2, 4, 5]" in text
@@ -122,7 +124,7 @@ def test_a_sample_that_needs_full_unpickling_is_refused_in_one_line(foreign_pipe
     d.mkdir()
     with (d / "data_0.ckpt").open("wb") as f:
         pickle.dump({"input_ids": torch.arange(4), "aux_hidden_state": Payload()}, f)
-    rc, out, err = doctor(p, d, None, "--text")
+    rc, out, err = doctor(p, d, None, json_out=False)
     assert rc == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "weights_only=True" in lines[0] and "data_0.ckpt" in lines[0]

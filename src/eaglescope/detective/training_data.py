@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,10 +134,11 @@ def _torch_load(f: Path) -> dict:
     try:
         obj = torch.load(f, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        what = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        why = f" (it pickles {what.group(1)})" if what else ""
         raise EagleScopeError(
-            f"{f} cannot be read with torch.load(weights_only=True) ({first:.160}); eaglescope does not unpickle "
-            "arbitrary objects: re-save the sample as a dict of tensors"
+            f"{f} needs more than torch.load(weights_only=True) to read{why}; eaglescope does not unpickle arbitrary "
+            "objects: re-save the sample as a dict of tensors"
         ) from None
     except OSError as e:
         raise EagleScopeError(f"{f} cannot be read ({e})") from None

@@ -4,6 +4,7 @@ the tests fail (a judge that cannot run is a failure, never a green skip)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -32,10 +33,16 @@ def foreign_pipeline(tmp_path_factory: pytest.TempPathFactory) -> pipeline.Pipel
     """The target, its vLLM-extracted data (clean and faulty), the five speculators drafts and their served τ, built
     once per session."""
     if "p" not in _BUILT:
+        kept = os.environ.get("EAGLESCOPE_FOREIGN_DIR")
+        if kept and (built := pipeline.load(Path(kept))) is not None:
+            _BUILT["p"] = built
+            return built
         python = vllm_python_or_fail()
         try:
             pipeline.speculators_bin()
         except RuntimeError as e:
             pytest.fail(f"speculators is required for the foreign pipeline: {e}", pytrace=False)
-        _BUILT["p"] = pipeline.build(tmp_path_factory.mktemp("foreign"), python)
+        root = Path(kept) if kept else tmp_path_factory.mktemp("foreign")
+        root.mkdir(parents=True, exist_ok=True)
+        _BUILT["p"] = pipeline.build(root, python)
     return _BUILT["p"]

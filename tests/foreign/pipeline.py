@@ -23,7 +23,8 @@ The faults are made in that pipeline, each one step of it done the way a user ge
     features-shifted  (data only, not trained) a standardising step that moves each sample's aux features one
                       position earlier than their tokens
 
-Everything is built once per test session (`foreign_pipeline`) under one tmp_path_factory directory.
+Everything is built once per test session (`foreign_pipeline`) under one tmp_path_factory directory, or, with
+EAGLESCOPE_FOREIGN_DIR=DIR, once into DIR and reused by later sessions while DIR/pipeline.json is there.
 """
 
 from __future__ import annotations
@@ -384,4 +385,36 @@ def build(root: Path, vllm_python: str) -> Pipeline:
     for case in TRAINED:
         train(p, case, spec_bin)
     serve(p, vllm_python, TRAINED)
+    save(p)
     return p
+
+
+# -- reuse across sessions ------------------------------------------------------------------------------------------
+MANIFEST = "pipeline.json"
+
+
+def save(p: Pipeline) -> None:
+    """What was built, so that EAGLESCOPE_FOREIGN_DIR can hand it to a later session (written last: its presence
+    means the build completed)."""
+    d = {
+        "target": str(p.target), "samples": p.samples, "loss_masks": p.loss_masks, "prompts": p.prompts,
+        "hidden": {k: str(v) for k, v in p.hidden.items()}, "extracted_ids": p.extracted_ids,
+        "spec_data": str(p.spec_data), "drafts": {k: str(v) for k, v in p.drafts.items()}, "served": p.served,
+        "seconds": p.seconds,
+    }  # fmt: skip
+    tmp = p.root / f"{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(d))
+    tmp.replace(p.root / MANIFEST)
+
+
+def load(root: Path) -> Pipeline | None:
+    f = root / MANIFEST
+    if not f.is_file():
+        return None
+    d = json.loads(f.read_text())
+    return Pipeline(
+        root, Path(d["target"]), d["samples"], d["loss_masks"], d["prompts"],
+        hidden={k: Path(v) for k, v in d["hidden"].items()}, extracted_ids=d["extracted_ids"],
+        spec_data=Path(d["spec_data"]), drafts={k: Path(v) for k, v in d["drafts"].items()}, served=d["served"],
+        seconds=d["seconds"],
+    )  # fmt: skip

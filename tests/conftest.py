@@ -21,6 +21,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 # A judge that cannot run fails the run: the only skips allowed, and the engine suites' counts (suite_rules.py)
 pytest_plugins = ["suite_rules"]
 
+# tests/foreign builds the foreign pipeline (vLLM's extract_hidden_states, drafts trained by speculators' own trainer on
+# the CPU, each served by vLLM). It is written but has not yet run to completion or been timed on this machine, so it
+# is not part of the suite yet (not collected, not skipped: nothing of it is counted as passing). EAGLESCOPE_FOREIGN=1
+# collects it: `EAGLESCOPE_FOREIGN=1 pytest tests/foreign`.
+collect_ignore = [] if os.environ.get("EAGLESCOPE_FOREIGN") == "1" else ["foreign"]
+
 # Triton kernels (the batch-invariant ones) run under Triton's interpreter on a machine without a GPU;
 # this must be set before any kernel is defined.
 if not torch.cuda.is_available():

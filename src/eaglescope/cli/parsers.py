@@ -242,7 +242,7 @@ def add_doctor(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--target", required=True, help="target checkpoint directory (or a copy without its layers)")
-    p.add_argument("--draft", required=True, help="EAGLE-3 draft checkpoint directory")
+    p.add_argument("--draft", default=None, help="EAGLE-3 draft checkpoint directory (optional with --training-data)")
     p.add_argument("--data", default=None, help="held-out data: a JSONL of conversations or a prepared directory")
     p.add_argument("--trace", default=None, help="a trace directory recorded by the serving engine")
     p.add_argument("--engine-log", default=None, help="an SGLang or vLLM server log with acceptance lines")
@@ -272,6 +272,14 @@ def add_doctor(sub) -> None:
         "target.aux; the target needs only config.json and its embedding), auto (full when every layer's tensors are "
         "on disk; default). See MODES below",
     )
+    p.add_argument(
+        "--training-data",
+        default=None,
+        help="check the draft's training data against the target's own states for the same tokens instead of the "
+        "draft: speculators' hs_<i>.safetensors (vLLM extract_hidden_states), SpecForge's *.ckpt samples or an "
+        "eaglescope prepared directory. Names DATA_TAP_MISMATCH, DATA_SHIFT, DATA_FINAL_NORM, DATA_UNMATCHED",
+    )
+    p.add_argument("--training-samples", type=int, default=8, help="samples of --training-data read")
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)

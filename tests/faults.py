@@ -50,7 +50,7 @@ class Setup:
     def draft(self, dtype: torch.dtype = torch.float32, target: Target | None = None) -> LoadedDraft:
         """A freshly loaded draft with the target's embedding (what decoding and doctor both start from)."""
         t = target or self.target
-        loaded = load_draft(self.draft_dir, t.num_layers, dtype=dtype)
+        loaded = load_draft(self.draft_dir, t.num_layers, device=t.device, dtype=dtype)
         if not loaded.has_embedding:
             loaded.model.load_target_embedding(target_embedding(t).to(dtype))
         return loaded

@@ -206,7 +206,7 @@ def fault_traces(target_dir: Path, draft_dir: Path, work: Path) -> dict[str, Pat
         "taps one layer late": dict(target=late),
         "fc skipped": dict(proposer_cls=fault("features", lambda p, aux: aux[:, :H], 2)),
         "steps k>0 fed target features": dict(
-            proposer_cls=fault("child_hidden", lambda p, h: p.features(p.pending_aux)[-1:].expand(h.shape[0], -1), 2)
+            proposer_cls=fault("child_hidden", lambda p, h: p.features(p.state.aux)[-1:].expand(h.shape[0], -1), 2)
         ),
     }
     out = {}

@@ -6,7 +6,7 @@ usually under `eaglescope capture --engine sglang`, so that the same engines giv
 
 SPEC: {"prompts": [[ids]], "max_tokens": N, "num_steps": K, "complete": bool,
        "runs": [{"name": str, "target": DIR, "draft": DIR, optional "topk": int (a tree: speculative_eagle_topk,
-                 with "num_draft_tokens"), optional "switches": [str]}]}
+                 with "num_draft_tokens" and "num_steps"), optional "switches": [str]}]}
 OUT:  {"sglang_version", "pid", "runs": {name: {"error", "load_seconds", "generate_seconds",
        "outputs": [[ids]], "meta": [per prompt: meta_info's spec_* keys (spec_verify_ct, ...)], "request_ids",
        with "switches": {switch: {"error", "outputs", "meta", "request_ids"}} instead of the last three}}}
@@ -70,7 +70,7 @@ def serve(run: dict, spec: dict, save=lambda rec: None) -> dict:
     import sglang as sgl
     from sglang.srt.runtime_context import override_platform
 
-    k = int(spec["num_steps"])
+    k = int(run.get("num_steps", spec["num_steps"]))
     topk = int(run.get("topk", 1))
     switches = run.get("switches")
     rec: dict = {"error": None, "outputs": [], "meta": []}

@@ -182,9 +182,10 @@ SUBTOL_RATIO = 10.0
 
 
 def eagle31_below_tolerance(ev: Evidence) -> list[Finding]:
-    """EAGLE31_NORM for a trace with no divergence beyond tolerance, when the first round that recorded draft.fc.out
-    is reproduced far more closely by fc with one EAGLE 3.1 norm decision changed than by fc as the draft was trained
-    (both over the features the trace says it handed in)."""
+    """EAGLE31_NORM for a trace whose draft.fc.out stays inside the tolerance (no divergence, or a later one no
+    hypothesis explains), when the first round that recorded draft.fc.out is reproduced far more closely by fc with
+    one EAGLE 3.1 norm decision changed than by fc as the draft was trained (both over the features the trace says it
+    handed in)."""
     rounds = sorted({e.round for e in ev.trace.events if e.stage == T.DRAFT_FC_OUT and e.round > 0})
     for rnd in rounds[:1]:
         observed, aux = ev.t(T.DRAFT_FC_OUT, rnd), ev.t(T.NEXT_HIDDEN_IN, rnd - 1)

@@ -91,7 +91,8 @@ def diagnose_trace(
         context["first_divergence"] = {"round": e.round, "stage": e.stage, "part": e.part}
         findings = _explain(ev, e, obs, trace_dir, tmp)
         if not findings:
-            findings = [_unexplained(ev, e, c)]
+            # an EAGLE 3.1 norm decision inside fc's tolerance may be what later moved a stage past it
+            findings = eagle31_below_tolerance(ev) + [_unexplained(ev, e, c)]
     return rank(findings + incomplete), context
 
 

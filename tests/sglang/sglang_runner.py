@@ -5,9 +5,16 @@ usually under `eaglescope capture --engine sglang`, so that the same engines giv
     python sglang_runner.py SPEC.json OUT.json [FIRST]
 
 SPEC: {"prompts": [[ids]], "max_tokens": N, "num_steps": K, "complete": bool,
-       "runs": [{"name": str, "target": DIR, "draft": DIR}]}
+       "runs": [{"name": str, "target": DIR, "draft": DIR, optional "topk": int (a tree: speculative_eagle_topk,
+                 with "num_draft_tokens" and "num_steps"), optional "switches": [str]}]}
 OUT:  {"sglang_version", "pid", "runs": {name: {"error", "load_seconds", "generate_seconds",
-       "outputs": [[ids]], "meta": [per prompt: meta_info's spec_* keys (spec_verify_ct, ...)], "request_ids"}}}
+       "outputs": [[ids]], "meta": [per prompt: meta_info's spec_* keys (spec_verify_ct, ...)], "request_ids",
+       with "switches": {switch: {"error", "outputs", "meta", "request_ids"}} instead of the last three}}}
+
+A run with "switches" is one engine serving every prompt once per switch, in turn: before each, the runner writes the
+switch's name to the file EAGLESCOPE_SGLANG_FAULT_FILE names (read by the faults patched into a private copy of
+SGLang, tests/sglang/sglang_faults.py); the first switch is written before the engine loads, for faults that act
+while it loads.
 
 SPEC may grow while the runner serves (the caller trains the next draft meanwhile): the runner serves runs[FIRST:] in
 order as they appear, and ends once SPEC is "complete" and every run is served. Every run gets its own `sgl.Engine`,
@@ -42,12 +49,34 @@ def write(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
-def serve(run: dict, spec: dict) -> dict:
+def set_switch(name: str) -> None:
+    path = os.environ.get("EAGLESCOPE_SGLANG_FAULT_FILE")
+    if path:
+        with open(f"{path}.tmp", "w") as f:
+            f.write(name)
+        os.replace(f"{path}.tmp", path)
+
+
+def generate(engine, spec: dict, rec: dict) -> None:
+    params = {"temperature": 0.0, "max_new_tokens": int(spec["max_tokens"])}
+    for prompt in spec["prompts"]:
+        (out,) = engine.generate(input_ids=[list(prompt)], sampling_params=params)
+        rec["outputs"].append([int(x) for x in out["output_ids"]])
+        rec["meta"].append({key: v for key, v in out["meta_info"].items() if key.startswith("spec_")})
+        rec.setdefault("request_ids", []).append(str(out["meta_info"].get("id")))
+
+
+def serve(run: dict, spec: dict, save=lambda rec: None) -> dict:
     import sglang as sgl
     from sglang.srt.runtime_context import override_platform
 
-    k = int(spec["num_steps"])
+    k = int(run.get("num_steps", spec["num_steps"]))
+    topk = int(run.get("topk", 1))
+    switches = run.get("switches")
     rec: dict = {"error": None, "outputs": [], "meta": []}
+    if switches:
+        rec["switches"] = {}
+        set_switch(switches[0])
     t = time.perf_counter()
     engine = None
     try:
@@ -59,8 +88,8 @@ def serve(run: dict, spec: dict) -> dict:
                 speculative_algorithm="EAGLE3",
                 speculative_draft_model_path=run["draft"],
                 speculative_num_steps=k,
-                speculative_eagle_topk=1,
-                speculative_num_draft_tokens=k + 1,
+                speculative_eagle_topk=topk,
+                speculative_num_draft_tokens=int(run.get("num_draft_tokens", k + 1)),
                 disable_overlap_schedule=True,
                 disable_radix_cache=True,  # every prompt from scratch, as eaglescope generate decodes it
                 dtype="float32",
@@ -76,12 +105,15 @@ def serve(run: dict, spec: dict) -> dict:
             )
         rec["load_seconds"] = time.perf_counter() - t
         t = time.perf_counter()
-        params = {"temperature": 0.0, "max_new_tokens": int(spec["max_tokens"])}
-        for prompt in spec["prompts"]:
-            (out,) = engine.generate(input_ids=[list(prompt)], sampling_params=params)
-            rec["outputs"].append([int(x) for x in out["output_ids"]])
-            rec["meta"].append({key: v for key, v in out["meta_info"].items() if key.startswith("spec_")})
-            rec.setdefault("request_ids", []).append(str(out["meta_info"].get("id")))
+        for name in switches or [None]:
+            if name is None:
+                generate(engine, spec, rec)
+                continue
+            set_switch(name)
+            part = rec["switches"][name] = {"error": "unfinished", "outputs": [], "meta": []}
+            save(rec)  # SGLang ends this process when a switched fault kills its scheduler: what was served stays
+            generate(engine, spec, part)
+            part["error"] = None
         rec["generate_seconds"] = time.perf_counter() - t
         # A round trip through the scheduler before shutting it down: it sends a request's last response before it
         # prints that step's decode line (batch_result_processor: stream_output, then report_decode_stats), so a
@@ -121,7 +153,12 @@ def main(argv: list[str]) -> int:
     while (spec := read_spec(argv[1], i)) is not None and i < len(spec["runs"]):
         run = spec["runs"][i]
         print(f"=== sglang_runner: run {run['name']}", file=sys.stderr, flush=True)
-        result["runs"][run["name"]] = serve(run, spec)
+
+        def save(rec: dict, name: str = run["name"]) -> None:
+            result["runs"][name] = rec
+            write(argv[2], result)
+
+        result["runs"][run["name"]] = serve(run, spec, save)
         print(f"=== sglang_runner: end {run['name']}", file=sys.stderr, flush=True)
         write(argv[2], result)
         i += 1

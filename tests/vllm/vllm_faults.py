@@ -229,8 +229,9 @@ def _indent_of(text: str) -> str:
     return first[: len(first) - len(first.lstrip())]
 
 
-def switched(text: str, old: str, new: str, fault: str) -> str:
-    """`text` with the one occurrence of `old` (whole lines, found at any indentation) behind the fault's switch."""
+def switched(text: str, old: str, new: str, fault: str, condition: str | None = None) -> str:
+    """`text` with the one occurrence of `old` (whole lines, found at any indentation) behind the fault's switch
+    (`condition`: the Python expression that is true when the fault is on; default: SWITCH names it)."""
     lines = old.splitlines(keepends=True)
     matches = []
     for indent in {ln[: len(ln) - len(ln.lstrip())] for ln in text.splitlines() if ln.strip()}:
@@ -244,7 +245,8 @@ def switched(text: str, old: str, new: str, fault: str) -> str:
         raise AssertionError(f"{len(matches)} occurrences of the statement to patch for {fault!r}:\n{old}")
     at, block, indent = matches[0]
     body = lambda t: textwrap.indent(t, indent + "    ")  # noqa: E731
-    guard = f'{indent}if __import__("os").environ.get("{SWITCH}") == "{fault}":\n{body(new)}{indent}else:\n{body(old)}'
+    condition = condition or f'__import__("os").environ.get("{SWITCH}") == "{fault}"'
+    guard = f"{indent}if {condition}:\n{body(new)}{indent}else:\n{body(old)}"
     return text[:at] + guard + text[at + len(block) :]
 
 

@@ -169,3 +169,47 @@ def _stale_fc_hypotheses(ev: Evidence, rnd: int, stage: str, observed) -> list[H
             )
             for name, (code, rows, fix) in rules.items()
         ]
+
+
+# A 3.1 norm decision whose effect on fc's output stays inside the precision tolerance (an input norm whose trained
+# weights are close to 1, followed by per-tap norms that remove its scale) changes no stage by more than a correct
+# engine may, yet it changes what is served. It is named only when the trace's fc output is clearly off the trained
+# computation (at least SUBTOL_FLOOR of the tolerance, far above a same-precision engine's summation-order noise) and
+# fc with one norm decision changed reproduces it SUBTOL_RATIO times more closely: both relative to the trace's own
+# precision, so a bf16 trace, whose noise is a large part of its tolerance, cannot meet them by chance.
+SUBTOL_FLOOR = 0.1
+SUBTOL_RATIO = 10.0
+
+
+def eagle31_below_tolerance(ev: Evidence) -> list[Finding]:
+    """EAGLE31_NORM for a trace whose draft.fc.out stays inside the tolerance (no divergence, or a later one no
+    hypothesis explains), when the first round that recorded draft.fc.out is reproduced far more closely by fc with
+    one EAGLE 3.1 norm decision changed than by fc as the draft was trained (both over the features the trace says it
+    handed in)."""
+    rounds = sorted({e.round for e in ev.trace.events if e.stage == T.DRAFT_FC_OUT and e.round > 0})
+    for rnd in rounds[:1]:
+        observed, aux = ev.t(T.DRAFT_FC_OUT, rnd), ev.t(T.NEXT_HIDDEN_IN, rnd - 1)
+        if not isinstance(aux, torch.Tensor) or aux.shape[0] != observed.shape[0]:
+            return []
+        clean = ev.compare(observed, on_model(ev.draft.project, aux, ev.draft.fc.weight))
+        tried = {name: ev.compare(observed, cand).score for name, cand in _fc_variants(ev.draft, aux.float()).items()}
+        tried = {k: v for k, v in tried.items() if v is not None}
+        if clean.score is None or not tried:
+            return []
+        name, best = min(tried.items(), key=lambda kv: kv[1])
+        if clean.score < SUBTOL_FLOOR or best * SUBTOL_RATIO > clean.score:
+            return []
+        c = ev.draft.config
+        verdict = (
+            f"{T.DRAFT_FC_OUT} is fc over the target's features with {name}: that reproduces the trace to a relative "
+            f"error of {best * ev.tol(observed):.2g}, where fc as trained is off by {clean.err:.3g} (inside the "
+            f"{ev.tol(observed):.3g} a correct engine may differ by, so no stage diverges); the draft was trained with "
+            f"norm_before_fc={c.norm_before_fc}, fc_norm={c.fc_norm}"
+        )
+        evidence = {"reproduced_by": name, "score": best, "clean_score": clean.score, "clean_error": clean.err,
+                    "scores": tried, "below_tolerance": True, "margin": 1.0 - best / clean.score}  # fmt: skip
+        fix = ("serve the draft's EAGLE 3.1 options as its config.json states them (norm_before_fc in eagle_config and "
+               "at the top level, fc_norm per tap segment), with an engine version that implements them")  # fmt: skip
+        weight = min(0.5 + 0.45 * (1.0 - best / clean.score), 0.75)  # below the ones that reproduce a divergence
+        return [Finding("EAGLE31_NORM", T.DRAFT_FC_OUT, verdict, evidence, fix, weight, rnd)]
+    return []

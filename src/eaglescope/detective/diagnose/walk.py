@@ -10,7 +10,7 @@ import torch
 from eaglescope import trace as T
 from eaglescope.detective.diagnose.embeddings import diagnose_embed, diagnose_tokens
 from eaglescope.detective.diagnose.evidence import FORCED, NO_SHAPE, Cmp, Evidence
-from eaglescope.detective.diagnose.fc import diagnose_fc
+from eaglescope.detective.diagnose.fc import diagnose_fc, eagle31_below_tolerance
 from eaglescope.detective.diagnose.feedback import diagnose_feedback
 from eaglescope.detective.diagnose.head import diagnose_topk
 from eaglescope.detective.diagnose.judge import judge, split_segments, unexplained_finding
@@ -86,12 +86,13 @@ def diagnose_trace(
         context = {"stage_table": table, "first_divergence": None, "segment_norms": _segment_norms(ev)}
         incomplete = [f] if (f := _incomplete(trace)) is not None else []
         if first is None:
-            return incomplete, context
+            return rank(eagle31_below_tolerance(ev) + incomplete), context
         e, obs, c = first
         context["first_divergence"] = {"round": e.round, "stage": e.stage, "part": e.part}
         findings = _explain(ev, e, obs, trace_dir, tmp)
         if not findings:
-            findings = [_unexplained(ev, e, c)]
+            # an EAGLE 3.1 norm decision inside fc's tolerance may be what later moved a stage past it
+            findings = eagle31_below_tolerance(ev) + [_unexplained(ev, e, c)]
     return rank(findings + incomplete), context
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from drafts import make_draft
 from models import make_checkpoint
+from safetensors.torch import load_file, save_file
 
 from eaglescope.cli import main
 from eaglescope.models.draft import save_draft
@@ -43,6 +44,11 @@ def doctor_on(root: Path, spread: float, lose_flag: bool) -> dict:
         cfg = json.loads((served / "config.json").read_text())
         del cfg["norm_before_fc"], cfg["eagle_config"]["norm_before_fc"]
         (served / "config.json").write_text(json.dumps(cfg))
+        # an engine that does not read the flag does not load its weight either; eaglescope refuses a tensor it has
+        # no place for, so the served copy drops it
+        weights = load_file(served / "model.safetensors")
+        del weights["input_norm.weight"]
+        save_file(weights, served / "model.safetensors", metadata={"format": "pt"})
     trace = root / "trace"
     prompt = "1,5,9,13,17,21,25,29"
     rc, _, err = cli(["generate", "--target", str(target), "--draft", str(served), "--prompt-ids", prompt,

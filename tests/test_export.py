@@ -260,6 +260,8 @@ INSPECT_KEYS = {
     "speculators",
     "target",
     "warnings",
+    "format",  # which of the field's draft formats the files are (models/drafts/formats.py)
+    "declared",  # per property: declared by the files, assumed or unknown, and the command that measures it
 }
 
 

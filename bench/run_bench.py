@@ -775,23 +775,25 @@ def round_pieces(fe: FastEagle, profile: bool = False) -> dict:
     summed device time: the graph's ms less that is launches and gaps); `profile`: also each piece's kernels by
     time (`kernel_table`, one run)."""
     state = fe.propose()
-    fe.d_len.sub_(fe.pend_n)  # propose advanced the draft's length: undo, so each replay sees the same state
+    fe.proposer.state.committed.sub_(
+        fe.proposer.state.count
+    )  # propose advanced the draft's length: undo, so each replay sees the same state
     fe.verify(state)
     fe.accept(state)
 
     def propose():
         fe._draft_tree()
-        fe.d_len.sub_(fe.pend_n)
+        fe.proposer.state.committed.sub_(fe.proposer.state.count)
 
     def verify():
         fe.verify(state)
 
     def accept_commit():
         fe.accept(state)
-        saved = fe.pend_n.clone()
+        saved = fe.proposer.state.count.clone()
         fe.commit(state)
         fe.t_len.sub_(state.accepted + 1)
-        fe.pend_n.copy_(saved)
+        fe.proposer.state.count.copy_(saved)
 
     out = {}
     for name, fn in (("propose", propose), ("verify", verify), ("accept_commit", accept_commit)):

@@ -182,16 +182,23 @@ def _score(wiring: Wiring, hits: list[bool]) -> Score:
 
 
 def test_a_best_wiring_not_clearly_better_than_another_is_unexplained():
-    """Served far below two wirings that are within chance of each other: WIRING_UNEXPLAINED, never a named tap."""
+    """Served far below two wirings within chance of each other that differ from it in different ways (taps one off,
+    taps reordered): WIRING_UNEXPLAINED, never a named cause. Two that differ the same way (both one off, in two or
+    three segments): that way is named, and the other candidate listed beside it."""
     n = 400
     served = _score(Wiring((2, 4, 5)), [i % 5 == 0 for i in range(n)])  # acc_0 0.2
     best = _score(Wiring((1, 3, 4)), [i % 10 < 7 for i in range(n)])  # 0.70
-    close = _score(Wiring((1, 3, 5)), [i % 10 < 7 and i % 40 != 1 for i in range(n)])  # 0.675, differs at 10 rows
-    ws = WiringSearch(served, best, close, None, {s.wiring: s for s in (served, best, close)}, L, "test")
+    reordered = _score(Wiring((4, 2, 5)), [i % 10 < 7 and i % 40 != 1 for i in range(n)])  # 0.675, 10 rows apart
+    ws = WiringSearch(served, best, reordered, None, {s.wiring: s for s in (served, best, reordered)}, L, "test")
     findings, ctx = findings_of(ws)
     assert [f.code for f in findings if f.stage == "target.aux"] == ["WIRING_UNEXPLAINED"]
-    assert ctx["verdict"] == "unexplained"
-    far = _score(Wiring((1, 3, 5)), [i % 10 < 4 for i in range(n)])  # 0.40: now the third tap is established too
+    assert ctx["verdict"] == "unexplained" and ctx["claims"]["established"] == []
+    close = _score(Wiring((1, 3, 5)), [i % 10 < 7 and i % 40 != 1 for i in range(n)])  # one off in two segments
+    ws = WiringSearch(served, best, close, None, {s.wiring: s for s in (served, best, close)}, L, "test")
+    findings, ctx = findings_of(ws)
+    assert [f.code for f in findings if f.stage == "target.aux"] == ["TAP_OFF_BY_ONE"]
+    assert [c["text"] for c in ctx["claims"]["plausible"]][1].startswith("taps [1, 3, 5]")
+    far = _score(Wiring((4, 2, 5)), [i % 10 < 4 for i in range(n)])  # 0.40: the reordering is ruled out
     ws = WiringSearch(served, best, far, None, {s.wiring: s for s in (served, best, far)}, L, "test")
     assert [f.code for f in findings_of(ws)[0] if f.stage == "target.aux"] == ["TAP_OFF_BY_ONE"]
 

@@ -32,14 +32,32 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from runner_common import wait_for_spec, write  # noqa: E402
 
 
-def wait_written(path: str) -> None:
+def written(path: str) -> bool:
     """The connector writes on a thread and holds an exclusive lock on `<path>.lock` until the file is complete
     (what speculators' wait_for_lock and vLLM's load_hidden_states wait on)."""
+    if not os.path.exists(path):
+        return False
     lock = path + ".lock"
     if os.path.exists(lock):
         with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_SH)
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
         os.remove(lock)
+    return True
+
+
+def wait_written(llm, paths: list[str], timeout: float = 600.0) -> None:
+    """The connector submits a finished request's write at the engine step after the finish, and LLM.generate
+    returns at the finish: behind `vllm serve` (speculators' way) the engine keeps stepping by itself; in process it
+    is stepped here until every file is written."""
+    deadline = time.monotonic() + timeout
+    while not all(written(p) for p in paths):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the hidden-states connector wrote no {paths[0]} in {timeout:.0f} s")
+        llm.llm_engine.step()
+        time.sleep(0.01)
 
 
 def unpinned_copies(torch) -> None:
@@ -113,11 +131,11 @@ def main(argv: list[str]) -> int:
             os.makedirs(run["out"], exist_ok=True)
             prompts = [TokensPrompt(prompt_token_ids=list(s)) for s in run["samples"]]
             outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-            for i, (o, sample) in enumerate(zip(outs, run["samples"], strict=True)):
-                path = (o.kv_transfer_params or {}).get("hidden_states_path")
-                if path is None:
-                    raise RuntimeError(f"request {i}: no hidden_states_path in {o.kv_transfer_params}")
-                wait_written(path)
+            paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
+            if None in paths:
+                raise RuntimeError(f"request {paths.index(None)}: no hidden_states_path in its kv_transfer_params")
+            wait_written(llm, paths)
+            for i, (path, sample) in enumerate(zip(paths, run["samples"], strict=True)):
                 dest = os.path.join(run["out"], f"hs_{i}.safetensors")
                 shutil.move(path, dest)
                 data = load_file(dest)  # speculators' check_hidden_states, in short

@@ -69,8 +69,8 @@ SAMPLE_LEN = 64
 N_SAMPLES = 96
 DRAFT_VOCAB = 32
 K = 3  # served draft tokens per round
-MAX_NEW = 32
-N_PROMPTS = 4
+MAX_NEW = 48
+N_PROMPTS = 8
 TIMEOUT_S = 900
 
 CLEAN = "clean"
@@ -79,6 +79,9 @@ UNSHIFTED = "unshifted"
 FINAL_POST_NORM = "final-post-norm"
 TTT_1 = "ttt-1"
 FEATURES_SHIFTED = "features-shifted"
+ALL_LAYERS = "all-layers"
+HELD_OUT = 24
+HELD_OUT_DIR = "held-out"
 TRAINED = [CLEAN, TAPS_OFF_BY_ONE, UNSHIFTED, FINAL_POST_NORM, TTT_1]
 DATA_CASES = [CLEAN, TAPS_OFF_BY_ONE, FINAL_POST_NORM, FEATURES_SHIFTED]  # the hidden-state directories
 
@@ -130,10 +133,27 @@ def order2_chain(rng: random.Random, perm: list[list[int]], n: int, p: float = 0
     return "".join(SYMBOLS[i] for i in x)
 
 
+def chain_permutations(rng: random.Random) -> list[list[int]]:
+    """The chain's rule: for each previous symbol, the permutation that maps the one before it to the next."""
+    return [rng.sample(range(len(SYMBOLS)), len(SYMBOLS)) for _ in SYMBOLS]
+
+
+def held_out_conversations(n: int, seed: int = 1) -> list[dict]:
+    """Conversations from the same chain the target learned (the same rule: its permutations come first from
+    Random(0), as in build_target), with text drawn from another seed: data no draft was trained on."""
+    perm = chain_permutations(random.Random(0))
+    rng = random.Random(seed)
+    return [
+        {"messages": [{"role": "user", "content": order2_chain(rng, perm, rng.randint(8, 16))},
+                      {"role": "assistant", "content": "a"}]}  # the target writes the answer (regenerate)
+        for _ in range(n)
+    ]  # fmt: skip
+
+
 def build_target(root: Path) -> tuple[Path, list[list[int]], list[list[int]], list[list[int]]]:
     """The target, its samples (prompt + its own greedy answer) with their loss masks, and held-out prompts."""
     rng = random.Random(0)
-    perm = [rng.sample(range(len(SYMBOLS)), len(SYMBOLS)) for _ in SYMBOLS]
+    perm = chain_permutations(rng)
     tok = train_tokenizer([SYMBOLS], VOCAB, root / "tokenizer", COMPLETION_TEMPLATE)
 
     def ids(text: str) -> torch.Tensor:
@@ -170,20 +190,7 @@ def build_target(root: Path) -> tuple[Path, list[list[int]], list[list[int]], li
         for _ in range(N_SAMPLES)
     ]
     (root / "conversations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    prepare(
-        PrepareConfig(
-            target=str(target),
-            data=str(root / "conversations.jsonl"),
-            out=str(root / "regenerated"),
-            max_length=SAMPLE_LEN,
-            regenerate=True,
-            regen_max_new_tokens=48,
-            device="cpu",
-            dtype="float32",
-        ),
-        progress=False,
-    )
-    data = PreparedData.open(root / "regenerated")
+    data = regenerate(target, root / "conversations.jsonl", root / "regenerated")
     samples = [data.sample(i)["input_ids"].tolist() for i in range(data.num_samples)]
     masks = [data.sample(i)["loss_mask"].tolist() for i in range(data.num_samples)]
     prompts = [tok(order2_chain(rng, perm, rng.randint(8, 16)))["input_ids"] for _ in range(N_PROMPTS)]
@@ -207,6 +214,25 @@ def run_json(python: str, runner: Path, spec: dict, root: Path, name: str, env: 
     return json.loads(out.read_text())
 
 
+def regenerate(target: Path, conversations: Path, out: Path) -> PreparedData:
+    """`eaglescope prepare --regenerate`: each conversation's answer replaced by the target's own greedy one."""
+    prepare(
+        PrepareConfig(target=str(target), data=str(conversations), out=str(out), max_length=SAMPLE_LEN,
+                      regenerate=True, regen_max_new_tokens=48, device="cpu", dtype="float32"),
+        progress=False,
+    )  # fmt: skip
+    return PreparedData.open(out)
+
+
+def held_out_ids(p: Pipeline) -> list[list[int]]:
+    """HELD_OUT prompts no draft was trained on, answered by the target itself as served traffic is (the prepared
+    directory doctor's --data reads), and their token ids (what vLLM extracts every layer of)."""
+    conversations = p.root / "held-out.jsonl"
+    conversations.write_text("".join(json.dumps(c) + "\n" for c in held_out_conversations(HELD_OUT)))
+    data = regenerate(p.target, conversations, p.root / HELD_OUT_DIR)
+    return [data.sample(i)["input_ids"].tolist() for i in range(data.num_samples)]
+
+
 def extract(p: Pipeline, vllm_python: str) -> None:
     """vLLM's extract_hidden_states at the default ids and at the ids one off, plus the final id L, as
     launch_vllm.py appends it; both engines in one vLLM process."""
@@ -214,6 +240,10 @@ def extract(p: Pipeline, vllm_python: str) -> None:
         {"name": CLEAN, "layer_ids": [*DEFAULT_IDS, LAYERS], "samples": p.samples, "out": str(p.root / "hs" / CLEAN)},
         {"name": TAPS_OFF_BY_ONE, "layer_ids": [*OFF_BY_ONE_IDS, LAYERS], "samples": p.samples,
          "out": str(p.root / "hs" / TAPS_OFF_BY_ONE)},
+        # every layer (ids 0..L: the embedding, each layer's output, the last before the final norm) of held-out
+        # conversations, rendered as doctor renders them: what `doctor --layer-states` reads for a head-only target
+        {"name": ALL_LAYERS, "layer_ids": list(range(LAYERS + 1)), "samples": held_out_ids(p),
+         "out": str(p.root / "hs" / ALL_LAYERS)},
     ]  # fmt: skip
     t = time.perf_counter()
     out = run_json(vllm_python, EXTRACT_RUNNER, {"target": str(p.target), "max_model_len": MAX_LEN, "runs": runs},

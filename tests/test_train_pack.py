@@ -244,3 +244,28 @@ def test_train_pack_matches_the_padded_run(tmp_path_factory, tmp_path, capsys):
     assert packed["acc"][0] > 0.4  # it learned (an untrained draft sits near 1/8)
     # packed rows hold fewer pad tokens: the same real tokens were counted
     assert packed["speed"]["tokens"] == padded["speed"]["tokens"]
+
+
+def test_bench_train_pack_tiny_runs_the_product_padded_and_packed(tmp_path, capsys):
+    """bench/train_pack.py --tiny: the 8B benchmark's code path on the CPU. Both runs take the same samples (batch 2),
+    so they count the same real tokens, step by step; packing computes no more positions than padding."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import train_pack
+
+    args = ["--tiny", "--no-compile", "--runs", "padded:2,pack:2", "--steps", "3", "--out", str(tmp_path)]
+    rc = train_pack.main(args)
+    assert rc == 0, capsys.readouterr().err
+    (path,) = tmp_path.glob("train-pack-*-tiny.json")
+    result = json.loads(path.read_text())
+    padded, packed = result["runs"]
+    assert (padded["mode"], packed["mode"]) == ("padded", "pack") and padded["rc"] == packed["rc"] == 0
+    tokens = [s["tokens"] for s in padded["steps"]]
+    assert [s["tokens"] for s in packed["steps"]] == tokens and len(tokens) == 3
+    assert padded["tokens_per_second"] > 0 and packed["tokens_per_second"] > 0 and packed["timed_steps"] == 1
+    assert packed["layout"]["real_tokens"] == padded["layout"]["real_tokens"] == sum(tokens)
+    assert packed["layout"]["computed_positions"] <= padded["layout"]["computed_positions"]
+    assert packed["heldout"]["acc"] is not None and path.with_suffix(".md").is_file()

@@ -218,6 +218,24 @@ def test_a_transformers_target_is_run_padded_and_moved_into_the_packed_layout(pa
     torch.testing.assert_close(a.teacher.logits[valid], b.teacher.logits[valid], rtol=1e-4, atol=1e-4)
 
 
+def test_stored_hidden_states_pack_as_the_online_target_runs_them(pair):
+    """prepare --hidden-states data: each sample's stored states are moved into the packed layout, and equal what the
+    target computes for the packed rows online."""
+    _, target, draft = pair
+    samples = samples_of([25, 40, 9], 2)
+    stored = []
+    for s in samples:
+        out = target.hidden_states(s["input_ids"][None], torch.ones(1, len(s["input_ids"])), logits=False)
+        stored.append(s | {"aux": out.aux[0].clone(), "final_hidden": out.final_hidden[0].clone()})
+    vocab_ids = draft_vocab_ids(draft)
+    online = make_batch(target, collate_packed(samples, 64), torch.device("cpu"), torch.float32, vocab_ids)
+    offline = make_batch(target, collate_packed(stored, 64), torch.device("cpu"), torch.float32, vocab_ids)
+    valid = online.valid.bool()
+    assert torch.equal(online.doc, offline.doc) and torch.equal(online.positions, offline.positions)
+    torch.testing.assert_close(offline.aux[valid], online.aux[valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(offline.teacher.logits[valid], online.teacher.logits[valid], rtol=1e-5, atol=1e-5)
+
+
 # -- the command ---------------------------------------------------------------------------------------------------
 def test_train_pack_matches_the_padded_run(tmp_path_factory, tmp_path, capsys):
     """`eaglescope train --pack` on the order-2-chain data of tests/test_train.py (samples of 20-60 tokens, online

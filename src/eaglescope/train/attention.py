@@ -69,11 +69,11 @@ def packed_ttt_block_mask(doc: torch.Tensor, S: int) -> BlockMask:
     sees the step-0 keys of its own document up to itself and, of each later step, the key at its own position.
 
     Built from the documents' block ranges instead of create_block_mask, which evaluates the mask at every (row, query,
-    key) triple: 0.5 G of them at step 6 of 4 rows of 4,096 tokens. Documents increase along a row (padding, -1, is
-    taken as one more document at the end), so a step-0 key block below the query block holds an allowed pair iff the
-    key block's last document is the query block's first, and all its pairs are allowed iff both blocks lie in that one
-    document. That needs T a multiple of BLOCK, so each later step's keys start on a block edge (packing pads long rows
-    so); a shorter row's mask is built by create_block_mask."""
+    key) triple: 2 G of them at step 6 of a 16,384-token row (training packs a micro-batch into one row). Documents
+    increase along a row (padding, -1, is taken as one more document at the end), so a step-0 key block below the
+    query block holds an allowed pair iff the key block's last document is the query block's first, and all its pairs
+    are allowed iff both blocks lie in that one document. That needs T a multiple of BLOCK, so each later step's keys
+    start on a block edge (packing pads long rows so); a shorter row's mask is built by create_block_mask."""
     R, T = doc.shape
     if S % T:
         raise ValueError(f"packed TTT attention: {S} keys are not a whole number of {T}-slot steps")

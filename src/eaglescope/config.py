@@ -92,7 +92,7 @@ class TrainConfig:
     fc_norm: bool = False
     norm_output: bool = False
     compile: bool = False  # torch.compile the target's layers and the draft's regions (train/compiled.py)
-    pack: bool = False  # samples of a micro-batch packed into rows of up to max_length tokens (train/packing.py)
+    pack: bool = False  # a micro-batch's samples packed into rows as documents, not padded (train/packing.py)
 
     def validate(self) -> None:
         if self.draft_arch not in ("llama", "mla"):

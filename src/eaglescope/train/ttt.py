@@ -236,10 +236,10 @@ def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor, weight: torc
     return _SoftCrossEntropy.apply(*flat, shift)
 
 
-def _per_document(x: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+def _per_document(x: torch.Tensor, doc: torch.Tensor, num_docs: int) -> torch.Tensor:
     """[B, T]: at each position, the sum of x over its document, at least 1 (x is 0 on padding, document -1)."""
     d = doc.clamp_min(0)
-    sums = torch.zeros(int(d.max()) + 1, dtype=x.dtype, device=x.device).index_add_(0, d.reshape(-1), x.reshape(-1))
+    sums = torch.zeros(num_docs, dtype=x.dtype, device=x.device).index_add_(0, d.reshape(-1), x.reshape(-1))
     return sums.clamp_min(1)[d]
 
 
@@ -271,7 +271,7 @@ def ttt_loss(
         supervised = supervised_at(mask, k, doc)
         trainable = (supervised & shift_left(in_vocab, k + 1, False)).float()
         if per_sample and doc is not None:
-            weight = trainable / (_per_document(trainable, doc) * num_docs)
+            weight = trainable / (_per_document(trainable, doc, num_docs) * num_docs)
         elif per_sample:
             weight = trainable / (trainable.sum(-1, keepdim=True).clamp_min(1) * trainable.shape[0])
         else:

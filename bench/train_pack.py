@@ -9,16 +9,17 @@
    lengths follow a ShareGPT-like mix: lognormal, median 600 tokens, σ 0.9 (mean about 880 before clipping), clipped
    to 64..4,096, seeded (--seed). Ids are Zipf-distributed over the vocabulary (as train_speed's); the first eighth of
    each sample is its prompt, outside the loss mask; the draft vocabulary (32,000) by the product's build_draft_vocab.
-3. For each run of --runs (default padded:4 and pack:16: mode and batch size; batch 8 padded would not fit 80 GB when a
-   4,096-token sample comes), `eaglescope train --compile --max-length 4096 --ttt-length 7` (with `--pack` for pack
-   runs), one process per run so each peak memory is its own, for --steps optimizer steps. The process is the
-   command's own (`eaglescope.cli.main`) with one hook: each step's seconds, tokens and model FLOPs as the product's
-   meter (train/speed.py) timed them are also written to a file, so the rates leave out the first WARMUP_STEPS steps
-   (both compile: the lengths change from step to step). Tokens are real tokens (padding is not counted), the
-   fraction of the dense bf16 peak that of the model FLOPs of the real samples (train/speed.py, as bench/
-   train_speed.py reports it); memory torch.cuda.max_memory_allocated. train's own figures (the first step left out)
-   are kept beside (`product_report`), and the held-out acc_k and loss. A run that fails (out of memory) is recorded
-   with its exit code and stderr.
+3. For each run of --runs (default padded:4, pack:16, then pack:8 if --time-limit allows: mode and batch size; batch
+   8 padded would not fit 80 GB when a 4,096-token sample comes), `eaglescope train --compile --max-length 4096
+   --ttt-length 7` (with `--pack` for pack runs), one process per run so each peak memory is its own, for --steps
+   optimizer steps. The process is the command's own (`eaglescope.cli.main`) with one hook: each step's seconds,
+   tokens and model FLOPs as the product's meter (train/speed.py) timed them, and dynamo's count of compiled graphs,
+   are also written to a file, so the rates leave out every step that compiled (the lengths change from step to step:
+   under --compile the first steps compile until dynamo has made the sizes symbolic). Tokens are real tokens (padding
+   is not counted), the fraction of the dense bf16 peak that of the model FLOPs of the real samples (train/speed.py, as
+   bench/train_speed.py reports it); memory torch.cuda.max_memory_allocated. train's own figures (the first step left
+   out) are kept beside (`product_report`), and the held-out acc_k and loss. A run that fails (out of memory) is
+   recorded with its exit code and stderr.
 4. Beside each run, its layout replayed from the same data order (train's _Order): the positions the steps computed
    (padded: batch × longest sample; packed: rows × row length, one row per micro-batch under flex attention), and the
    share of them that are real tokens.
@@ -56,9 +57,10 @@ from eaglescope.train.packing import plan  # noqa: E402
 MIX_8B = (600.0, 0.9, 64, 4096)
 MIX_TINY = (40.0, 0.9, 8, 128)
 TTT = 7
-# Steps left out of the rates: the first compiles (as train's own report leaves it out), and under --compile the
-# second compiles again when its lengths differ (dynamo then makes the sizes symbolic); train's own figure, the first
-# left out only, is kept beside as product_report.
+# The rates leave out every step during which dynamo compiled a graph (the first always; under --compile the next
+# ones whose lengths are new, until dynamo has made the sizes symbolic, or whose attention kind is new: flex from
+# 1,024 tokens, dense below). If no step is left, the steps after the first WARMUP_STEPS are taken.
+# train's own figure, the first step left out only, is kept beside as product_report.
 WARMUP_STEPS = 2
 
 
@@ -142,6 +144,8 @@ def train_args(target: Path, data: Path, out: Path, batch: int, steps: int, max_
 def child(steps_file: str, args: list[str]) -> int:
     """`eaglescope train ARGS` in this process, appending each optimizer step's (seconds, tokens, model FLOPs), as the
     product's meter (train/speed.py Throughput) timed it, to `steps_file`: the bench leaves out the compiling steps."""
+    from torch._dynamo.utils import counters
+
     from eaglescope.cli import main as cli_main
     from eaglescope.train import speed
 
@@ -149,8 +153,9 @@ def child(steps_file: str, args: list[str]) -> int:
 
     def recording_stop(self) -> None:
         stop(self)
+        graphs = counters["stats"]["unique_graphs"]  # graphs dynamo has compiled in this process so far
         with open(steps_file, "a") as f:
-            f.write(json.dumps(self.steps[-1]) + "\n")
+            f.write(json.dumps([*self.steps[-1], graphs]) + "\n")
 
     speed.Throughput.stop = recording_stop
     return cli_main(args)
@@ -167,12 +172,18 @@ def run_train(args: list[str], out: Path, work: Path, batch: int) -> dict:
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     row["stderr_tail"] = lines[-4:] if res.returncode == 0 else lines[-30:]
     steps = [json.loads(x) for x in steps_file.read_text().splitlines()] if steps_file.is_file() else []
-    row["steps"] = [{"seconds": s, "tokens": t, "model_flops": f} for s, t, f in steps]
+    # left out: the first step (one-off costs, as train's report leaves it out) and each step during which dynamo's
+    # graph count grew (it compiled)
+    compiled = [i == 0 or g > steps[i - 1][3] for i, (_, _, _, g) in enumerate(steps)]
+    row["steps"] = [{"seconds": s, "tokens": t, "model_flops": f, "left_out": c}
+                    for (s, t, f, _), c in zip(steps, compiled, strict=True)]  # fmt: skip
     if res.returncode == 0:
         metrics = json.loads((out / "training_metrics.json").read_text())
         speed = metrics["speed"]
         peak = speed["peak_bf16_flops_per_device"]
-        steady = steps[WARMUP_STEPS:]
+        steady = [x[:3] for x, c in zip(steps, compiled, strict=True) if not c]
+        if not steady:  # every step compiled: the steps after the warm-up ones, as the best there is
+            steady = [x[:3] for x in steps[WARMUP_STEPS:]]
         seconds = sum(s for s, _, _ in steady)
         flops = None if any(f is None for _, _, f in steady) else sum(f for _, _, f in steady)
         row |= {
@@ -199,8 +210,8 @@ def markdown(result: dict) -> str:
         f"clipped {mix['shortest']}..{mix['longest']}, seed {s['seed']} "
         f"(drawn: mean {drawn['mean']:.0f}, median {drawn['median']:.0f}, "
         f"p90 {drawn['p90']:.0f}, max {drawn['max']}). "
-        f"TTT {TTT}, --max-length {s['max_length']}, {s['steps']} steps per run (the first {WARMUP_STEPS} left out: "
-        "they compile), "
+        f"TTT {TTT}, --max-length {s['max_length']}, {s['steps']} steps per run (rates over the steps that compiled "
+        "nothing), "
         f"{'--compile, ' if s['compiled'] else ''}{s['dtype']}.",
         "",
         "| mode | batch | tokens/s | fraction of peak | train's own report (first step left out) | peak memory GB | "
@@ -235,21 +246,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="where the JSON and the table go")
     ap.add_argument("--work", type=Path, help="target, data and drafts (default: a temporary directory)")
     ap.add_argument("--tiny", action="store_true", help="tiny shape on the CPU (float32): the same code path")
-    ap.add_argument("--runs", help="mode:batch,... (default padded:4,pack:16; tiny: padded:2,pack:4)")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 6; tiny 4)")
+    ap.add_argument("--runs", help="mode:batch,... (default padded:4,pack:16,pack:8; tiny: padded:2,pack:4)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 7; tiny 4)")
     ap.add_argument("--seed", type=int, default=0, help="the length mix's and the token ids' seed")
-    ap.add_argument("--time-limit", type=float, default=360.0, help="no new run starts after this many seconds")
+    ap.add_argument("--time-limit", type=float, default=330.0, help="no new run starts after this many seconds")
     ap.add_argument("--no-compile", action="store_true", help="the eager step (train without --compile)")
     args = ap.parse_args(argv)
     tiny = args.tiny
     shape, mix = (TINY, MIX_TINY) if tiny else (LLAMA_8B, MIX_8B)
     runs_spec = [(m, int(b)) for m, b in (x.split(":") for x in (args.runs or ("padded:2,pack:4" if tiny else
-                 "padded:4,pack:16")).split(","))]  # fmt: skip
+                 "padded:4,pack:16,pack:8")).split(","))]  # fmt: skip
     if any(m not in ("padded", "pack") for m, _ in runs_spec):
         ap.error("--runs: each entry is padded:N or pack:N")
-    steps = args.steps or (4 if tiny else 6)
+    steps = args.steps or (4 if tiny else 7)
     if steps <= WARMUP_STEPS:
-        ap.error(f"--steps must be more than the {WARMUP_STEPS} steps left out")
+        ap.error(f"--steps must be more than {WARMUP_STEPS}: the first steps compile")
     max_length = mix[3]
     draft_vocab = 128 if tiny else 32000
     device, dtype = ("cpu", "float32") if tiny else ("cuda", "bfloat16")

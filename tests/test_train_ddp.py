@@ -84,6 +84,23 @@ def test_torchrun_two_processes_match_one_process(tmp_path_factory, tmp_path, gr
     assert not [p for p in two.iterdir() if p.name.startswith(".")]
 
 
+def test_torchrun_ranks_packing_their_samples_match_one_padded_process(tmp_path_factory, tmp_path):
+    """train --pack under torchrun: each rank packs its own share of the global batch (DDP's forward takes the
+    documents and positions too); the weights equal one process's padded run over the same global batches."""
+    env = shared_env(tmp_path_factory)
+    common = ["--target", str(env["target"]), "--data", str(env["prep_hidden"]), "--max-steps", "3"]
+    common += ["--lr", "1e-3", "--device", "cpu", "--dtype", "float32", "--max-length", "96", "--seed", "3"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(common + ["--out", str(one), "--batch-size", "8"], 1)
+    run(common + ["--out", str(two), "--batch-size", "4", "--pack"], 2)
+    a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        if a[k].is_floating_point():
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(a["norm.weight"], torch.ones_like(a["norm.weight"]))
+
+
 def logged(tb: Path) -> dict[str, list[float]]:
     """The training curves a run logged to TensorBoard: loss and acc_k, step by step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

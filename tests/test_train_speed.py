@@ -30,7 +30,8 @@ import train_speed  # noqa: E402  (bench/train_speed.py: the synthetic prepared 
 
 
 # -- the dense soft cross-entropy the chunked one replaced in train/ttt.py, as the reference ------------------------
-def dense_ttt_loss(draft, unrolled, teacher, loss_mask, valid=None, per_sample=False) -> TTTLoss:
+def dense_ttt_loss(draft, unrolled, teacher, loss_mask, valid=None, per_sample=False, doc=None) -> TTTLoss:
+    assert doc is None  # the reference is of padded batches (packed ones: tests/test_train_pack.py)
     vocab_ids = draft_vocab_ids(draft)
     if isinstance(teacher, torch.Tensor):
         teacher = teacher_of(vocab_ids, teacher)

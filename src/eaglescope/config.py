@@ -92,6 +92,7 @@ class TrainConfig:
     fc_norm: bool = False
     norm_output: bool = False
     compile: bool = False  # torch.compile the target's layers and the draft's regions (train/compiled.py)
+    pack: bool = False  # a micro-batch's samples packed into rows as documents, not padded (train/packing.py)
 
     def validate(self) -> None:
         if self.draft_arch not in ("llama", "mla"):

@@ -175,6 +175,8 @@ def add_train(sub) -> None:
     f("fc_norm", help="EAGLE 3.1: one RMSNorm per tap segment before fc")
     f("norm_output", help="EAGLE 3.1: the next draft step receives the post-norm output")
     f("compile", help="fuse the step's elementwise work with torch.compile (pays on long GPU runs)")
+    f("pack", help="pack each micro-batch's samples into rows as documents (attention kept within each) instead of "
+      "padding each to the longest")  # fmt: skip
     p.set_defaults(func="eaglescope.cli.train:cmd_train")
 
 

@@ -54,6 +54,53 @@ def ttt_block_mask(T: int, S: int, device: torch.device) -> BlockMask:
     return _block_masks[key]
 
 
+BLOCK = 128  # flex attention's default sparse block, which packed rows are padded to a multiple of (train/packing.py)
+
+
+def _sparse(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, nq, nkv] bool → (the count of True per query block, their indices first, ascending) as int32, [R, 1, ...]."""
+    count = blocks.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count[:, None], order[:, None]
+
+
+def packed_ttt_block_mask(doc: torch.Tensor, S: int) -> BlockMask:
+    """The TTT mask of a packed batch (doc [R, T], train/packing.py) over S = (k+1)·T keys as a block mask: a query
+    sees the step-0 keys of its own document up to itself and, of each later step, the key at its own position.
+
+    Built from the documents' block ranges instead of create_block_mask, which evaluates the mask at every (row, query,
+    key) triple: 2 G of them at step 6 of a 16,384-token row (training packs a micro-batch into one row). Documents
+    increase along a row (padding, -1, is taken as one more document at the end), so a step-0 key block below the
+    query block holds an allowed pair iff the key block's last document is the query block's first, and all its pairs
+    are allowed iff both blocks lie in that one document. That needs T a multiple of BLOCK, so each later step's keys
+    start on a block edge (packing pads long rows so); a shorter row's mask is built by create_block_mask."""
+    R, T = doc.shape
+    if S % T:
+        raise ValueError(f"packed TTT attention: {S} keys are not a whole number of {T}-slot steps")
+    steps, device = S // T, doc.device
+    d = doc.masked_fill(doc < 0, torch.iinfo(torch.int64).max)
+    slot_position = torch.arange(S, device=device) % T
+
+    def allowed(b, h, q, kv):
+        position = slot_position[kv]
+        return ((kv <= q) & (d[b, position] == d[b, q])) | (position == q)
+
+    if T % BLOCK:  # a short row (packing rounds long ones): the mask evaluated pair by pair is small
+        return create_block_mask(allowed, R, None, T, S, device=device)
+    nb = T // BLOCK
+    first, last = d[:, ::BLOCK], d[:, BLOCK - 1 :: BLOCK]  # [R, nb]
+    i = torch.arange(nb, device=device)
+    below, diagonal = i[None, :] < i[:, None], i[None, :] == i[:, None]  # [query block, key block]
+    q_first, q_last, k_first, k_last = first[:, :, None], last[:, :, None], first[:, None, :], last[:, None, :]
+    full = below & (k_first == k_last) & (k_last == q_first) & (q_first == q_last)
+    partial = ((below & (k_last == q_first)) | diagonal) & ~full
+    later = diagonal.expand(R, nb, nb)
+    partial = torch.cat([partial] + [later] * (steps - 1), dim=2)
+    full = torch.cat([full] + [torch.zeros_like(later)] * (steps - 1), dim=2)
+    return BlockMask.from_kv_blocks(*_sparse(partial), *_sparse(full), BLOCK_SIZE=BLOCK, mask_mod=allowed,
+                                    seq_lengths=(T, S))  # fmt: skip
+
+
 def _flex_for(device: torch.device):
     global _compiled_flex
     if device.type != "cuda":
@@ -69,7 +116,23 @@ def flex_ttt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     T, S = q.shape[2], k.shape[2]
     if S % T:
         raise ValueError(f"flex TTT attention: {S} keys are not a whole number of {T}-slot steps")
-    block_mask = ttt_block_mask(T, S, q.device)
+    return _flex(q, k, v, ttt_block_mask(T, S, q.device))
+
+
+def packed_flex_attention(doc: torch.Tensor):
+    """flex_ttt_attention for a packed batch (doc [R, T]): the block mask of each step built once per unroll."""
+    masks: dict[int, BlockMask] = {}
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        S = k.shape[2]
+        if S not in masks:
+            masks[S] = packed_ttt_block_mask(doc, S)
+        return _flex(q, k, v, masks[S])
+
+    return attention
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
     # Autocast has cast the projections already (SDPA would run in that dtype too); the compiled kernel runs outside it.
     # Each padded length T, batch size (an evaluation's last batch), grad mode and step 0 (whose keys are a transposed
     # view, S = T) against later steps can ask for a graph of its own before dynamo makes the sizes symbolic: 8 graphs
@@ -98,9 +161,9 @@ def resolve(kind: str, T: int) -> str:
 
 
 @contextlib.contextmanager
-def ttt_attention(draft, kind: str):
+def ttt_attention(draft, kind: str, doc: torch.Tensor | None = None):
     """The draft's attention set to `kind` ("dense" or "flex", as resolve() gives it) for the duration (decoding's own
-    setting is restored after)."""
+    setting is restored after). `doc` [R, T]: a packed batch's documents (the flex mask then keeps to them)."""
     if kind not in ("dense", "flex"):
         raise ValueError(f"TTT attention {kind!r} is not one of {ATTENTION_KINDS}")
     if kind == "dense":
@@ -108,7 +171,7 @@ def ttt_attention(draft, kind: str):
         return
     attn = draft.midlayer.self_attn
     previous = attn.attention_impl
-    attn.attention_impl = flex_ttt_attention
+    attn.attention_impl = flex_ttt_attention if doc is None else packed_flex_attention(doc)
     try:
         yield
     finally:

@@ -74,6 +74,7 @@ from eaglescope.taps import TapContract
 from eaglescope.train.attention import default_attention
 from eaglescope.train.compiled import compile_training
 from eaglescope.train.metrics import Batch, evaluate
+from eaglescope.train.packing import collate_packed, to_packed
 from eaglescope.train.speed import FlopModel, Throughput
 from eaglescope.train.ttt import (
     LOSS_MASK_SHIFT,
@@ -232,8 +233,10 @@ class _Unroll(nn.Module):
         super().__init__()
         self.draft, self.ttt_length, self.attention = draft, ttt_length, attention
 
-    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(ttt_unroll(self.draft, input_ids, aux, self.ttt_length, self.attention).logits)
+    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor | None = None,
+                doc: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        unrolled = ttt_unroll(self.draft, input_ids, aux, self.ttt_length, self.attention, None, positions, doc)
+        return tuple(unrolled.logits)
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -271,12 +274,16 @@ def collate(samples: list[dict[str, torch.Tensor]], max_length: int) -> dict[str
 def make_batch(
     target, raw: dict[str, torch.Tensor], device: torch.device, aux_dtype: torch.dtype, vocab_ids: torch.Tensor
 ) -> Batch:
-    """Teacher and aux for a collated batch: from stored hidden states or the target online (without its output head:
-    teacher_from_head applies it a chunk of rows at a time). vocab_ids: the draft vocabulary's target ids."""
+    """Teacher and aux for a collated batch (collate, or packing.collate_packed): from stored hidden states or the
+    target online (without its output head: teacher_from_head applies it a chunk of rows at a time). vocab_ids: the
+    draft vocabulary's target ids."""
     ids = raw["input_ids"].to(device)
     valid = raw["valid"].to(device)
+    layout = raw.get("layout")
     if "aux" in raw:
         aux, final, logits = raw["aux"].to(device), raw["final_hidden"].to(device), None
+    elif layout is not None:
+        aux, final, logits = _packed_target_states(target, raw, device)
     else:
         out = target.hidden_states(ids, valid, logits=False)
         aux, final, logits = out.aux, out.final_hidden, out.logits
@@ -285,7 +292,30 @@ def make_batch(
     else:  # a target that computes its logits anyway (transformers' models); new tensors, outside inference mode
         teacher = teacher_of(vocab_ids, logits)
     # The target runs under inference_mode; cloning outside it gives tensors autograd may save.
-    return Batch(ids, raw["loss_mask"].to(device), valid, aux.to(aux_dtype).clone(), teacher)
+    batch = Batch(ids, raw["loss_mask"].to(device), valid, aux.to(aux_dtype).clone(), teacher)
+    if layout is not None:
+        batch.doc, batch.positions = raw["doc"].to(device), raw["positions"].to(device)
+        batch.doc_lengths = layout.lengths
+    return batch
+
+
+def _packed_target_states(target, raw: dict, device: torch.device):
+    """The target's (aux, final state, logits or None) for a packed batch: a native target runs the documents of each
+    row itself (causal within each); another (transformers' models) runs the samples padded, one per row, and its
+    states are moved into the packed layout."""
+    layout = raw["layout"]
+    if hasattr(target, "packed_hidden_states"):
+        out = target.packed_hidden_states(raw["input_ids"], raw["positions"], layout.segments, logits=False)
+        return out.aux, out.final_hidden, out.logits
+    lengths = layout.lengths
+    padded_ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    padded_valid = torch.zeros_like(padded_ids)
+    for i, (r, a, b) in zip(layout.order, layout.segments, strict=True):
+        padded_ids[i, : b - a] = raw["input_ids"][r, a:b]
+        padded_valid[i, : b - a] = 1
+    out = target.hidden_states(padded_ids.to(device), padded_valid.to(device), logits=False)
+    packed = [None if t is None else to_packed(t, layout) for t in (out.aux, out.final_hidden, out.logits)]
+    return tuple(packed)
 
 
 # -- schedule ------------------------------------------------------------------------------------
@@ -723,20 +753,25 @@ class _Run:
     # -- a step ---------------------------------------------------------------------------------------------------
     def _batch(self, indices: list[int]) -> Batch:
         inp = self.inputs
-        raw = collate([inp.data.sample(i) for i in indices], inp.max_length)
+        samples = [inp.data.sample(i) for i in indices]
+        if self.cfg.pack:  # flex: one row (its cost is each document's); dense: rows of --max-length (packing.py)
+            raw = collate_packed(samples, inp.max_length, None if self.attention != "dense" else inp.max_length)
+        else:
+            raw = collate(samples, inp.max_length)
         return make_batch(inp.target, raw, self.device, inp.compute_dtype, self.vocab_ids)
 
     def _micro_step(self, mine: list[int], micro: int, sums: _StepSums) -> None:
         """Forward, loss and backward over this rank's samples of one accumulation step."""
         order = self.order
         batch = self._batch(mine)
-        self.meter.add(batch.valid)
+        self.meter.add(batch.lengths())
         last = micro == order.A - 1
         with self.fwd.no_sync() if (order.W > 1 and not last) else contextlib.nullcontext():
             with self.autocast:
-                logits = self.fwd(batch.input_ids, batch.aux)
+                logits = self.fwd(batch.input_ids, batch.aux, batch.positions, batch.doc)
             unrolled = Unrolled(list(logits), [])
-            res = ttt_loss(self.draft, unrolled, batch.teacher, batch.loss_mask, batch.valid, per_sample=True)
+            res = ttt_loss(self.draft, unrolled, batch.teacher, batch.loss_mask, batch.valid, per_sample=True,
+                           doc=batch.doc)  # fmt: skip
             # per-sample means, summed over this process's samples: the global mean needs B·A below
             loss = res.loss * len(mine) / (order.B * order.A)
             if _nonfinite(loss, self.d):

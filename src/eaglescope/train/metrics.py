@@ -28,18 +28,26 @@ import torch
 from eaglescope.decode.stats import alpha_from_unconditional
 from eaglescope.decode.stats import predicted_accept_length as _predicted_accept_length
 from eaglescope.models.draft import Eagle3Draft
-from eaglescope.train.ttt import Teacher, draft_vocab_ids, shift_left, ttt_loss, ttt_unroll
+from eaglescope.train.ttt import Teacher, draft_vocab_ids, shift_left, supervised_at, ttt_loss, ttt_unroll
 
 
 @dataclass
 class Batch:
-    """One padded training/eval batch (right padding). All tensors on the draft's device."""
+    """One padded training/eval batch (right padding), or a packed one (train/packing.py: several samples per row,
+    `doc` and `positions` set). All tensors on the draft's device."""
 
     input_ids: torch.Tensor  # [B, T] int64 target ids
     loss_mask: torch.Tensor  # [B, T] 1 on supervised (assistant) tokens
     valid: torch.Tensor  # [B, T] 1 on real tokens, 0 on padding
     aux: torch.Tensor  # [B, T, nH] the target's concatenated taps
     teacher: Teacher  # the target's logits over the draft vocabulary and its argmax (train.ttt)
+    doc: torch.Tensor | None = None  # [B, T] packed: each position's document (a sample), -1 on padding
+    positions: torch.Tensor | None = None  # [B, T] packed: the position within the document
+    doc_lengths: list[int] | None = None  # packed: each document's length
+
+    def lengths(self) -> list[int]:
+        """The samples' lengths (real tokens each): what the speed report counts FLOPs of."""
+        return self.doc_lengths if self.doc_lengths is not None else [int(n) for n in self.valid.sum(-1).tolist()]
 
 
 def acceptance_from_acc(acc: list[float]) -> list[float]:
@@ -97,7 +105,7 @@ def step_hits(draft: Eagle3Draft, logits: list[torch.Tensor], batch: Batch) -> t
     mask = batch.loss_mask.bool() & batch.valid.bool()
     hits, sup = [], []
     for k, lg in enumerate(logits):
-        supervised = shift_left(mask, k + 2, False)
+        supervised = supervised_at(mask, k, batch.doc)
         pred = vocab_ids[lg.argmax(-1)]
         hits.append((pred == shift_left(target_argmax, k + 1)) & supervised)
         sup.append(supervised)
@@ -129,8 +137,9 @@ def evaluate(
     try:
         for batch in batches:
             with _autocast(batch.input_ids.device, autocast_dtype):
-                unrolled = ttt_unroll(draft, batch.input_ids, batch.aux, ttt_length, attention)
-            res = ttt_loss(draft, unrolled, batch.teacher, batch.loss_mask, batch.valid)
+                unrolled = ttt_unroll(draft, batch.input_ids, batch.aux, ttt_length, attention, None, batch.positions,
+                                      batch.doc)  # fmt: skip
+            res = ttt_loss(draft, unrolled, batch.teacher, batch.loss_mask, batch.valid, doc=batch.doc)
             hits, sup = step_hits(draft, unrolled.logits, batch)
             for key, vals in hit_counts(hits.flatten(0, 1), sup.flatten(0, 1)).items():
                 totals[key] = [a + b for a, b in zip(totals.get(key, [0] * ttt_length), vals, strict=True)]

@@ -179,9 +179,10 @@ class Throughput:
         self._t0 = time.perf_counter()
         self._tokens, self._flops = 0, 0
 
-    def add(self, valid: torch.Tensor) -> None:
-        """One micro-batch, valid [B, T] (1 on real tokens)."""
-        lengths = valid.sum(-1).tolist()
+    def add(self, valid: torch.Tensor | list[int]) -> None:
+        """One micro-batch: valid [B, T] (1 on real tokens, a sample per row), or its samples' lengths (a packed batch
+        holds several samples per row: the attention FLOPs are those of each sample's own length)."""
+        lengths = valid if isinstance(valid, list) else valid.sum(-1).tolist()
         self._tokens += int(sum(lengths))
         f = self.flops.total([int(n) for n in lengths])
         self._flops = None if f is None or self._flops is None else self._flops + f

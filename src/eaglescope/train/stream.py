@@ -62,6 +62,8 @@ def train_stream(cfg: TrainConfig, progress: bool = False) -> TrainResult:
     device = parse_device(cfg.device)
     if device.type != "cpu" and cfg.dtype not in ("auto", "float32"):
         raise EagleScopeError("train from a feature buffer runs in float32 for now; pass --dtype float32.")
+    if cfg.pack:
+        raise EagleScopeError("train --pack reads prepared data; a feature buffer's batches are padded: drop --pack.")
     out = Path(cfg.out)
     check_destination(out, TRAINED, inputs=[cfg.target, cfg.data], replace=cfg.overwrite or cfg.resume)
     head = load_target_head(cfg.target, device, torch.float32)

@@ -41,12 +41,34 @@ def shift_left(x: torch.Tensor, n: int, fill: int | float | bool = 0) -> torch.T
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def ttt_mask(T: int, k: int, device) -> torch.Tensor:
-    """[1, 1, T, (k+1)·T] bool: causal over step-0 keys, then the diagonal of each later step."""
-    blocks = [torch.ones(T, T, dtype=torch.bool, device=device).tril()]
+def shift_within(ids: torch.Tensor, n: int, doc: torch.Tensor | None) -> torch.Tensor:
+    """shift_left(ids, n) where position t + n is of t's document, else 0: a packed row (train/packing.py) gives a
+    position near its document's end the pad id, as a padded sample's end sees, never the next document's token."""
+    shifted = shift_left(ids, n)
+    if doc is None or n == 0:
+        return shifted
+    return shifted.masked_fill(shift_left(doc, n, -1) != doc, 0)
+
+
+def supervised_at(mask: torch.Tensor, k: int, doc: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] bool: step k at position t is supervised iff token t+k+2 (the one it predicts) is, and, in a packed row,
+    is of t's document (the teacher at t+k+1 is then of it too)."""
+    supervised = shift_left(mask, k + 2, False)
+    if doc is not None:
+        supervised = supervised & (shift_left(doc, k + 2, -1) == doc)
+    return supervised
+
+
+def ttt_mask(T: int, k: int, device, doc: torch.Tensor | None = None) -> torch.Tensor:
+    """[1, 1, T, (k+1)·T] bool: causal over step-0 keys, then the diagonal of each later step. With doc [B, T] (a
+    packed batch) [B, 1, T, (k+1)·T]: the step-0 keys of the query's own document only."""
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
     eye = torch.eye(T, dtype=torch.bool, device=device)
-    blocks += [eye] * k
-    return torch.cat(blocks, dim=1)[None, None]
+    if doc is None:
+        return torch.cat([causal] + [eye] * k, dim=1)[None, None]
+    B = doc.shape[0]
+    first = causal[None] & (doc[:, :, None] == doc[:, None, :])
+    return torch.cat([first] + [eye.expand(B, T, T)] * k, dim=2)[:, None]
 
 
 @dataclass
@@ -62,23 +84,27 @@ def ttt_unroll(
     ttt_length: int,
     attention: str = "dense",
     projected: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    doc: torch.Tensor | None = None,
 ) -> Unrolled:
     """Run `ttt_length` draft steps over a batch. input_ids [B, T] (target ids), aux [B, T, nH]. `attention`: "dense"
     (SDPA under ttt_mask, what decoding's masked attention computes), "flex" (the same function over the
     block-sparse key set, train/attention.py) or "auto" (flex for long batches: attention.resolve). `projected`
     [B, T, H]: step 0's features already through fc (draft.project), in place of aux: the wiring search
-    (detective/wiring.py) sums per-segment projections it computed once."""
+    (detective/wiring.py) sums per-segment projections it computed once. `positions` and `doc` [B, T]: a packed batch
+    (train/packing.py): each row holds several documents, positions restart in each, and no step's attention or input
+    token crosses a document's edge."""
     B, T = input_ids.shape
     attention = resolve(attention, T)
     device = input_ids.device
     cache = GrowingCache()
     hidden = draft.project(aux) if projected is None else projected
-    base_pos = torch.arange(T, device=device).expand(B, T)
+    base_pos = torch.arange(T, device=device).expand(B, T) if positions is None else positions
     logits, outs = [], []
-    with ttt_attention(draft, attention):
+    with ttt_attention(draft, attention, doc):
         for k in range(ttt_length):
-            embeds = draft.embed_tokens(shift_left(input_ids, k + 1))
-            mask = ttt_mask(T, k, device) if attention == "dense" else None
+            embeds = draft.embed_tokens(shift_within(input_ids, k + 1, doc))
+            mask = ttt_mask(T, k, device, doc) if attention == "dense" else None
             out = draft.step(embeds, hidden, base_pos + k, cache, k * T, mask)
             logits.append(draft.logits(out))
             outs.append(out)
@@ -210,6 +236,13 @@ def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor, weight: torc
     return _SoftCrossEntropy.apply(*flat, shift)
 
 
+def _per_document(x: torch.Tensor, doc: torch.Tensor, num_docs: int) -> torch.Tensor:
+    """[B, T]: at each position, the sum of x over its document, at least 1 (x is 0 on padding, document -1)."""
+    d = doc.clamp_min(0)
+    sums = torch.zeros(num_docs, dtype=x.dtype, device=x.device).index_add_(0, d.reshape(-1), x.reshape(-1))
+    return sums.clamp_min(1)[d]
+
+
 def ttt_loss(
     draft: Eagle3Draft,
     unrolled: Unrolled,
@@ -217,10 +250,11 @@ def ttt_loss(
     loss_mask: torch.Tensor,  # [B, T] 1 where the token is supervised (assistant)
     valid: torch.Tensor | None = None,  # [B, T] 1 on real (non-pad) tokens
     per_sample: bool = False,
+    doc: torch.Tensor | None = None,  # [B, T] a packed batch's documents (train/packing.py): each is a sample
 ) -> TTTLoss:
     """Σ_k 0.8^k · L_k. L_k averages over supervised positions of the batch, or with `per_sample`, over
     samples of each sample's own mean (so a batch split across processes weighs data exactly as one
-    process would; then step_loss is the mean over samples too)."""
+    process would; then step_loss is the mean over samples too). In a packed batch the samples are its documents."""
     vocab_ids = draft_vocab_ids(draft)
     if isinstance(teacher, torch.Tensor):
         teacher = teacher_of(vocab_ids, teacher)
@@ -231,11 +265,14 @@ def ttt_loss(
         mask = mask & valid.bool()
     total = torch.zeros((), dtype=torch.float32, device=teacher.logits.device)
     step_loss, step_acc, step_count = [], [], []
+    num_docs = int(doc.max()) + 1 if doc is not None else 0  # documents are 0..D-1, padding -1
     for k, logits in enumerate(unrolled.logits):
         # position t at step k predicts token t+k+2 from the target's distribution at t+k+1
-        supervised = shift_left(mask, k + 2, False)
+        supervised = supervised_at(mask, k, doc)
         trainable = (supervised & shift_left(in_vocab, k + 1, False)).float()
-        if per_sample:
+        if per_sample and doc is not None:
+            weight = trainable / (_per_document(trainable, doc, num_docs) * num_docs)
+        elif per_sample:
             weight = trainable / (trainable.sum(-1, keepdim=True).clamp_min(1) * trainable.shape[0])
         else:
             weight = trainable / trainable.sum().clamp_min(1)

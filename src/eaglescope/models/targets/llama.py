@@ -502,6 +502,20 @@ class NativeTarget(Target):
         logits, aux, final = (None if t is None else t[:, :T] for t in out)
         return TargetOutput(logits, aux, final)
 
+    @torch.inference_mode()
+    def packed_hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[tuple[int, int, int]], logits=True
+    ) -> TargetOutput:
+        """hidden_states of a packed batch (train/packing.py): rows [R, T] holding several documents, each at
+        (row, start, end) of `segments`, with positions restarting in each; attention is causal within each document
+        only, so every document's states are those it has alone. Positions outside every segment (padding) get
+        states that nothing reads."""
+        _sliding_check(self.args, max((b - a for _, a, b in segments), default=0))
+        taps = self.taps.layers if self.taps else ()
+        with document_attention(self.model, segments):
+            out = self.model(input_ids.to(self.device), positions.to(self.device), None, None, 0, taps, head=logits)
+        return TargetOutput(*out)
+
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._len:
             raise ValueError(f"cannot truncate a cache of {self._len} positions to {length}")
@@ -569,6 +583,41 @@ def whole_sequence_attention(device: torch.device, length: int):
         return
     with sdpa_kernel(_CUDNN_FIRST, set_priority=True):  # also re-enables what load_native disabled, for this block
         yield -(-length // CUDNN_LENGTH_STEP) * CUDNN_LENGTH_STEP
+
+
+_documents: list[tuple[int, int, int]] = []  # the packed batch document_attention runs: (row, start, end) each
+
+
+@torch.compiler.disable
+def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """attend()'s contract for a packed batch: causal attention within each document of `_documents`, one SDPA call
+    per document (flash on a GPU: the documents' own lengths, no masked rectangle of the whole row), zeros elsewhere.
+    Outside torch.compile (a layer compiled by `train --compile` breaks its graph here), so the documents, which change
+    every batch, are read when it runs, not traced into a graph."""
+    rep = q.shape[1] // k.shape[1]
+    out = torch.zeros_like(q)
+    for r, a, b in _documents:
+        ks, vs = k[r : r + 1, :, a:b], v[r : r + 1, :, a:b]
+        if rep > 1:
+            ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
+        out[r : r + 1, :, a:b] = F.scaled_dot_product_attention(q[r : r + 1, :, a:b], ks, vs, is_causal=True)
+    return out
+
+
+@contextlib.contextmanager
+def document_attention(model: LlamaModel, segments: list[tuple[int, int, int]]):
+    """Within: every layer of `model` attends within the documents at `segments` (row, start, end) only."""
+    attns = [layer.self_attn for layer in model.model.layers]
+    previous = [a.attention_impl for a in attns]
+    _documents[:] = segments
+    for a in attns:
+        a.attention_impl = _per_document
+    try:
+        yield
+    finally:
+        for a, impl in zip(attns, previous, strict=True):
+            a.attention_impl = impl
+        _documents.clear()
 
 
 def load_native(model_dir: Path, cfg: dict, state_dict, fingerprint, eos, tokenizer, device, dtype) -> NativeTarget:

@@ -22,10 +22,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 pytest_plugins = ["suite_rules"]
 
 # tests/foreign builds the foreign pipeline (vLLM's extract_hidden_states, drafts trained by speculators' own trainer on
-# the CPU, each served by vLLM). It is written but has not yet run to completion or been timed on this machine, so it
-# is not part of the suite yet (not collected, not skipped: nothing of it is counted as passing). EAGLESCOPE_FOREIGN=1
-# collects it: `EAGLESCOPE_FOREIGN=1 pytest tests/foreign`.
-collect_ignore = [] if os.environ.get("EAGLESCOPE_FOREIGN") == "1" else ["foreign"]
+# the CPU, each served by vLLM) once per session, on the worker that runs the rest of the suite beside the engine
+# suites' (its vLLM runs are short; speculators' training is most of its time).
 
 # Triton kernels (the batch-invariant ones) run under Triton's interpreter on a machine without a GPU;
 # this must be set before any kernel is defined.
@@ -47,7 +45,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     class SuiteScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "engines" if path.startswith(ENGINE_SUITES) else path
+            if path.startswith(ENGINE_SUITES):
+                return "engines"
+            # one worker builds the foreign pipeline, once, for both of its modules
+            return "foreign" if path.startswith("tests/foreign/") else path
 
     return SuiteScheduling(config, log)
 

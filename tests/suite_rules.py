@@ -27,6 +27,7 @@ ENGINE_SUITES = (
     ("vLLM", "tests/vllm/"),
     ("SGLang", "tests/sglang/"),
     ("speculators", "tests/test_speculators.py"),
+    ("foreign pipeline (vLLM + speculators)", "tests/foreign/"),
 )
 
 _outcomes: Counter = Counter()  # (suite, outcome)

@@ -34,6 +34,7 @@ from models import make_checkpoint
 from eaglescope import trace as T
 from eaglescope.decode.speculative import Eagle3Proposer
 from eaglescope.detective.diagnose import diagnose_trace
+from eaglescope.detective.diagnose.stale import path_to_front
 from eaglescope.detective.doctor import run_doctor
 from eaglescope.models.draft import save_draft
 from eaglescope.models.targets import load_target
@@ -303,3 +304,11 @@ def test_doctor_on_the_transformers_backend_names_the_injected_fault_first(setup
     assert not report.healthy
     top = report.findings[0]
     assert (top.code, T.parse_stage(top.stage)[0], top.round) == (code, family, rnd), top.verdict
+
+
+def test_a_tree_engine_that_moves_the_accepted_path_to_the_front_is_laid_out_as_sglang_does():
+    # SGLang's tree of depth 3 (4 path slots), 6 verified nodes, path root → 2: rows 0, 2, then the root's twice as
+    # padding, then nodes 4 and 5 in tree order (eagle_worker_common._compact_accept_to_front)
+    assert path_to_front([0, 2], 6, 3) == [0, 2, 0, 0, 4, 5]
+    assert path_to_front([0, 1, 3, 5], 6, 3) == [0, 1, 3, 5, 4, 5]
+    assert path_to_front([0, 1], 3, 3) is None  # fewer verified rows than path slots: not that layout

@@ -59,6 +59,16 @@ NEXT_HIDDEN_IN = "next.hidden_in"  # [a+1, nH|H] features handed to the next rou
 TOPK_IDS = "ids"  # part names of draft.step<k>.topk
 TOPK_LOGPROBS = "logprobs"
 
+# Meta key: which tree nodes a draft tree step's rows attend, the engine's own layout (the replay follows it). A chain
+# is the same under both. TREE_ANCESTORS (the default when the key is absent): each node attends its ancestors, as
+# EAGLE-2's tree does (eaglescope, vLLM). TREE_COLUMN: the frontier's row j (its top-k column, rows best first) of
+# step k attends the rows j of steps 1..k and nothing else of the tree, whoever its parent: SGLang lays its draft KV
+# out per top-k column (sglang kernels/ops/speculative/cache_locs.py generate_draft_decode_kv_indices).
+DRAFT_TREE_ATTENTION = "draft_tree_attention"
+TREE_ANCESTORS = "ancestors"
+TREE_COLUMN = "column"
+TREE_ATTENTIONS = (TREE_ANCESTORS, TREE_COLUMN)
+
 
 def target_tap(i: int) -> str:
     """[T, H] hidden state with HF ``output_hidden_states`` index i (0 = embedding output)."""

@@ -8,11 +8,13 @@ switched on for one request pair at a time (a switch file SGLang's scheduler rea
 code that runs at load (the capture ids, d2t) get an engine each. The installed environment is checked unchanged by
 hash afterwards. The draft is tests/vllm's clean one (taps 2, 4, 6 of the 8-layer Llama, reduced vocabulary of 32, TTT
 3), exported with `eaglescope export --to sglang`; the chain is 3 drafts (4 verified tokens), the tree depth 3, top-k
-2, 6 verified nodes (what SGLang's tree attention does there: TREE below).
+2, 6 verified nodes (SGLang's tree attention there: TREE below). Faults whose effect does not depend on the shape
+(those that act at load, and fc skipped, which ends SGLang at the first draft forward) are served in the chain only:
+an engine start each saved (CHAIN_ONLY).
 
 Doctor must name each fault first with the code the same fault gets on vLLM (tests/vllm/FAULT_TABLE.md), or call it
-DIVERGENCE_UNEXPLAINED at the stage where it shows, never a wrong cause; clean chains of the patched copy must be
-healthy, and a clean tree healthy up to SGLang's own tree attention (TREE below), which doctor names no cause for.
+DIVERGENCE_UNEXPLAINED at the stage where it shows, never a wrong cause; clean runs of the patched copy, chain and tree,
+must be healthy.
 FAULT_TABLE.md beside this file is the table of what this run found (fault, file patched, doctor's first finding,
 SGLang's τ); EAGLESCOPE_WRITE_FAULT_TABLE=1 rewrites it from the run, and the test fails when the committed table's
 findings are not the run's.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -50,14 +53,15 @@ MAX_NEW = 32
 # A tree of depth 3, top-k 2, 6 verified nodes. SGLang's draft steps k >= 2 of a tree attend the history of their own
 # frontier column, not their ancestors (its draft-decode KV indices are per top-k column:
 # kernels/ops/speculative/cache_locs.py generate_draft_decode_kv_indices), so a step-2 row whose parent sits in another
-# column computes another output than EAGLE-2's tree (doctor's replay): a clean tree diverges at draft.step2.hidden_out
-# on exactly those rows, DIVERGENCE_UNEXPLAINED (test_a_clean_tree_diverges_where_sglang_attends_another_branch), and
-# a fault that first shows later in the round (the select_index faults, at next.hidden_in) is masked by it whenever
-# the round's frontier crosses columns.
+# column computes another output than EAGLE-2's tree would. The capture records that convention in the trace's meta
+# (draft_tree_attention "column") and doctor's replay follows it:
+# test_the_replay_follows_sglangs_column_attention shows that SGLang's own numbers need it.
 TREE = {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}
 SHAPES = {"chain": {}, "tree": TREE}
-RUNTIME = [f for f, fault in FAULTS.items() if not fault.at_load and f != CRASH]
 AT_LOAD = [f for f, fault in FAULTS.items() if fault.at_load]
+# what a fault does there does not depend on the draft's shape: served in a chain only
+CHAIN_ONLY = [*AT_LOAD, CRASH]
+RUNTIME = [f for f, fault in FAULTS.items() if not fault.at_load and f != CRASH]
 TABLE = HERE / "FAULT_TABLE.md"
 RUNNER_TIMEOUT_S = 2400
 # fault → (the code doctor names first, the stage), in a chain and in a tree alike
@@ -74,12 +78,10 @@ EXPECTED = {
     "tap-capture": ("TAP_OFF_BY_ONE", "target.aux"),
     "d2t-load": ("VOCAB_MAP", "draft.step0.topk"),
 }
-# SGLang's tree attention (TREE above) makes the tree's first divergence draft.step2.hidden_out in the first round whose
-# frontier crosses columns; the select_index faults show only after it (their rows are checked in
-# test_the_select_index_faults_hand_on_the_row_sglang_selected). None of them is given a wrong cause.
-SGLANG_TREE_ATTENTION = ("DIVERGENCE_UNEXPLAINED", "draft.step2.hidden_out")
-EXPECTED_TREE = EXPECTED | {"select-last-row": SGLANG_TREE_ATTENTION, "select-one-early": SGLANG_TREE_ATTENTION}
-EXPECTED_BY_SHAPE = {"chain": EXPECTED, "tree": EXPECTED_TREE}
+# every (shape, fault) served: the tree's faults are those whose effect may depend on the shape
+CASES = [(shape, f) for shape in SHAPES for f in EXPECTED if shape == "chain" or f not in CHAIN_ONLY]
+# a replay that attended ancestors, as EAGLE-2's tree does, would diverge from SGLang's tree here first
+ANCESTORS_DIVERGE = ("DIVERGENCE_UNEXPLAINED", "draft.step2.hidden_out")
 # the same fault made in vLLM's code (tests/vllm/test_vllm_code_faults.py): its code and stage must be SGLang's. fc
 # skipped is refused by vLLM (an assert in its proposer: its trace stops, TRACE_INCOMPLETE, as its drafter-crash's)
 VLLM_SAME = {
@@ -100,15 +102,13 @@ FLAG_LOST = "eagle31-fc-norm-flag-lost"
 
 
 def engines() -> list[dict]:
-    """The engines served, in order (name, shape, switches): per shape one engine for every runtime fault and its clean
-    run (the crash last: it ends SGLang's process tree), one per load-time fault, and the missed norm's."""
-    out = []
-    for shape, args in SHAPES.items():
-        for fault in AT_LOAD:
-            out.append({"name": f"{shape}/{fault}", "switches": [fault], **args})
+    """The engines served, in order (name, shape, switches): the tree's one for its clean run and every runtime fault,
+    one per load-time fault (chain), the missed norm's, and the chain's runtime engine, with the crash last: it ends
+    SGLang's process tree, and so the runner, which then has nothing left to serve (one runner process in all)."""
+    out = [{"name": "tree/runtime", "switches": ["clean", *RUNTIME], **TREE}]
+    out += [{"name": f"chain/{fault}", "switches": [fault]} for fault in AT_LOAD]
     out.append({"name": FLAG_LOST, "switches": ["clean"]})
-    for shape, args in SHAPES.items():
-        out.append({"name": f"{shape}/runtime", "switches": ["clean", *RUNTIME, CRASH], **args})
+    out.append({"name": "chain/runtime", "switches": ["clean", *RUNTIME, CRASH]})
     return out
 
 
@@ -252,8 +252,8 @@ def doctor(served: dict, shape: str, fault: str, prompt: int = 0, draft: str | N
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "fault" in metafunc.fixturenames:
-        metafunc.parametrize("fault", list(EXPECTED))
-    if "shape" in metafunc.fixturenames:
+        metafunc.parametrize(("shape", "fault"), CASES, ids=[f"{s}-{f}" for s, f in CASES])
+    elif "shape" in metafunc.fixturenames:
         metafunc.parametrize("shape", list(SHAPES))
     if "prompt" in metafunc.fixturenames:
         metafunc.parametrize("prompt", range(PROMPTS))
@@ -276,12 +276,9 @@ def test_the_private_copy_served_and_the_installed_sglang_is_unchanged(served):
 
 def test_clean_runs_of_the_patched_copy_are_healthy(served, shape, prompt):
     report = doctor(served, shape, "clean", prompt)
-    if shape == "tree":  # healthy up to SGLang's own tree attention (below), with no cause named
-        found = [(f["code"], f["stage"]) for f in report["findings"]]
-        assert found in ([], [SGLANG_TREE_ATTENTION]), report["findings"]
-    else:
-        assert report["healthy"], report["findings"]
+    assert report["healthy"], report["findings"]
     t = load_trace(trace_of(served, shape, "clean", prompt))
+    assert t.meta["draft_tree_attention"] == "column"  # SGLang's layout, recorded by the capture
     assert t.meta["complete"] is True and len(t.rounds()) > 2
     assert t.meta["sglang"]["topk"] == SHAPES[shape].get("topk", 1)
     stages = set(t.stages())
@@ -292,7 +289,7 @@ def test_clean_runs_of_the_patched_copy_are_healthy(served, shape, prompt):
 
 
 def test_fault_is_named_or_honestly_unexplained(served, shape, fault):
-    code, stage = EXPECTED_BY_SHAPE[shape][fault]
+    code, stage = EXPECTED[fault]
     report = doctor(served, shape, fault)
     top = report["findings"][0] if report["findings"] else None
     assert top is not None and (top["code"], top["stage"]) == (code, stage), report["findings"]
@@ -328,7 +325,7 @@ def test_the_select_index_faults_hand_on_the_row_sglang_selected(served, shape):
 def test_d2t_faults_feed_sglang_draft_ids(served, shape):
     """Under both d2t faults the trace's proposals and the tokens step 1 reads are SGLang's unmapped draft ids (all
     below the reduced vocabulary's 32), where the clean run's are target ids."""
-    for fault in ("d2t-worker", "d2t-load"):
+    for fault in [f for f in ("d2t-worker", "d2t-load") if (shape, f) in CASES]:
         t = load_trace(trace_of(served, shape, fault))
         ids = t.get("draft.step0.topk", 1, part="ids")
         assert int(ids.max()) < 32 and t.get("draft.step1.tokens", 1).tolist() == ids.flatten().tolist()
@@ -349,19 +346,33 @@ def test_norm_before_fc_lost_beside_fc_norm_is_named(served, prompt):
                                                   "clean_error": top["evidence"].get("clean_error")}  # fmt: skip
 
 
-def test_a_clean_tree_diverges_where_sglang_attends_another_branch(served):
-    """A clean tree of depth 3: SGLang's step-2 rows attend the step-1 node of their own frontier column, which is
-    their parent only when the parent sits in the same column. doctor's EAGLE-2 replay attends the parent: the trace
-    diverges at draft.step2.hidden_out, on exactly the rows whose parent is in another column, and doctor names no
-    cause (DIVERGENCE_UNEXPLAINED): SGLang's tree drafting, not a wiring fault of the draft."""
-    report = doctor(served, "tree", "clean")
-    top = report["findings"][0] if report["findings"] else None
-    assert top is not None and (top["code"], top["stage"]) == SGLANG_TREE_ATTENTION, report["findings"]
-    t = load_trace(trace_of(served, "tree", "clean"))
+def test_the_replay_follows_sglangs_column_attention(served, tmp_path):
+    """SGLang's tree draft steps attend their own top-k column's earlier rows, not their ancestors (TREE above). Its
+    clean tree, replayed under the convention the capture recorded (draft_tree_attention "column"), is healthy (the
+    clean test); the same trace replayed as if SGLang attended ancestors, as EAGLE-2's tree does, diverges first at
+    draft.step2.hidden_out, on exactly the rows whose parent sits in another column, with no cause named. So the
+    convention the replay follows is shown by SGLang's own numbers, not assumed."""
+    src = trace_of(served, "tree", "clean")
+    as_ancestors = tmp_path / "clean-tree-as-ancestors"
+    shutil.copytree(src, as_ancestors)
+    manifest = json.loads((as_ancestors / "manifest.json").read_text())
+    assert manifest["meta"]["draft_tree_attention"] == "column"
+    manifest["meta"]["draft_tree_attention"] = "ancestors"
+    (as_ancestors / "manifest.json").write_text(json.dumps(manifest))
+    rc, out, err = cli(["doctor", "--target", served["target"], "--draft", served["draft"], "--trace",
+                        str(as_ancestors), "--json"])  # fmt: skip
+    assert rc == 1, err
+    findings = json.loads(out)["findings"]
+    top = findings[0]
+    assert (top["code"], top["stage"]) == ANCESTORS_DIVERGE and {f["code"] for f in findings} == {top["code"]}, findings
+    t = load_trace(src)
     rnd = top["round"]
     h_in, h_out = t.get("draft.step2.hidden_in", rnd), t.get("draft.step1.hidden_out", rnd)
     parents = [next(p for p in range(h_out.shape[0]) if torch.equal(h_in[r], h_out[p])) for r in range(h_in.shape[0])]
-    assert top["evidence"]["rows"] == [r for r, p in enumerate(parents) if p != r]
+    crossing = [r for r, p in enumerate(parents) if p != r]
+    assert crossing and top["evidence"]["rows"] == crossing
+    FOUND[("tree", "clean-as-ancestors")] = {"top": (top["code"], top["stage"]), "round": rnd, "rows": crossing}
+    assert doctor(served, "tree", "clean")["healthy"]  # the column convention reproduces those rows
 
 
 def table(served: dict) -> str:
@@ -374,9 +385,11 @@ def table(served: dict) -> str:
         "statements in a private copy of SGLang 0.5.23's package (`tests/sglang/sglang_faults.py`; the installed",
         "environment is checked unchanged), served under `eaglescope capture --engine sglang` for a trained EAGLE-3",
         "draft (taps 2, 4, 6 of an 8-layer Llama, reduced vocabulary of 32) as a chain of 3 and as a tree (depth 3,",
-        "top-k 2, 6 verified nodes), and diagnosed by `eaglescope doctor --trace` on the first of two requests. τ is",
-        "SGLang's accept length over both requests (its meta_info), bonus token included; vLLM's code is the one the",
-        "same fault made in vLLM's code gets (tests/vllm/FAULT_TABLE.md).",
+        "top-k 2, 6 verified nodes), and diagnosed by `eaglescope doctor --trace` on the first of two requests. The",
+        "faults whose effect does not depend on the shape (those acting at load, and fc skipped, which ends SGLang at",
+        "its first draft forward) are served in the chain only. τ is SGLang's accept length over both requests (its",
+        "meta_info), bonus token included; vLLM's code is the one the same fault made in vLLM's code gets",
+        "(tests/vllm/FAULT_TABLE.md).",
         "",
         "| fault | SGLang code changed | chain: doctor names first | chain τ | tree: doctor names first | tree τ "
         "| vLLM |",
@@ -384,6 +397,8 @@ def table(served: dict) -> str:
     ]
 
     def found(shape: str, fault: str) -> str:
+        if fault != "clean" and (shape, fault) not in CASES:
+            return "(chain only)"
         f = FOUND.get((shape, fault))
         if f is None or f["top"] is None:
             return "healthy" if f is not None else "?"
@@ -403,6 +418,9 @@ def table(served: dict) -> str:
         name = "none (clean)" if fault == "clean" else f"`{fault}`"
         lines.append(f"| {name} | {where} | {found('chain', fault)} | {t('chain', fault)} | {found('tree', fault)} "
                      f"| {t('tree', fault)} | {vllm_s} |")  # fmt: skip
+    anc = FOUND.get(("tree", "clean-as-ancestors"))
+    as_ancestors = "?" if anc is None else (f"{anc['top'][0]}@{anc['top'][1]} (round {anc['round']}, rows "
+                                            f"{anc['rows']}: those whose parent sits in another column)")  # fmt: skip
     flag = [FOUND.get(("chain", f"{FLAG_LOST}/{i}")) for i in range(PROMPTS)]
     flag_s = " / ".join("?" if f is None else f"{f['top'][0]}@{f['top'][1]}" + (" (below tolerance)" if
                         f["below_tolerance"] else "") for f in flag)  # fmt: skip
@@ -413,10 +431,9 @@ def table(served: dict) -> str:
         f"- `{FLAG_LOST}` (a config edit, not SGLang's code: the 3.1 draft with norm_before_fc, fc_norm and "
         f"norm_output served with norm_before_fc dropped; doctor given the draft as trained), chain, requests 1 / 2: "
         f"{flag_s}; SGLang's τ {t('chain', FLAG_LOST)}.",
-        "- The tree's clean run, and its `select-*` faults, diverge first at `draft.step2.hidden_out`: SGLang's tree "
-        "draft steps attend their own frontier column's history, not their ancestors (docs/sglang.md), on the rows "
-        "whose parent sits in another column; no cause is named. The select faults' wrong rows are in their traces "
-        "all the same (`next.hidden_in` holds N rows, or one fewer than accepted).",
+        "- SGLang's tree draft steps attend their own top-k column's earlier rows, not their ancestors "
+        "(docs/sglang.md); the capture records it in the trace (`draft_tree_attention: column`) and doctor's replay "
+        f"follows it. The clean tree's first request replayed as if SGLang attended ancestors: {as_ancestors}.",
     ]
     lines += ["", "What each fault does:", ""]
     lines += [f"- `{name}`: {fault.what}." for name, fault in FAULTS.items()]

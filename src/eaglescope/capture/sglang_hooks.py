@@ -46,7 +46,8 @@ verified nodes; a chain is speculative_eagle_topk 1 and N = K + 1):
     from the draft's own logits of that row, best first.
   * A tree's rows: step k >= 1 runs topk rows per request (SGLang's frontier, best first), verify.tokens are SGLang's
     N nodes in its node order, verify.parents read from its first-child / next-sibling links, verify.accepted its
-    accept_index (root excluded).
+    accept_index (root excluded). Row j of step k attends the prefix and the rows j of steps 1..k, not its
+    ancestors (SGLang's draft KV is per top-k column): meta draft_tree_attention "column", which the replay follows.
   * A round's draft stages are kept until that round is verified, and dropped when the request ends first.
   * Requests whose prompt hit the radix cache, or that SGLang prefills in chunks, are not traced (said in a note):
     their features never ran as one block. Serve with disable_radix_cache to trace every request.
@@ -80,10 +81,12 @@ from eaglescope.capture.slots import rows as _rows
 from eaglescope.capture.slots import wrap as _wrap
 from eaglescope.trace import (
     DRAFT_FC_OUT,
+    DRAFT_TREE_ATTENTION,
     NEXT_HIDDEN_IN,
     TARGET_AUX,
     TOPK_IDS,
     TOPK_LOGPROBS,
+    TREE_COLUMN,
     VERIFY_ACCEPTED,
     VERIFY_BONUS,
     VERIFY_PARENTS,
@@ -212,6 +215,9 @@ class Capture(EngineCapture):
                 "draft_vocab_size": getattr(draft_cfg, "draft_vocab_size", None),
             },  # fmt: skip
             "dtype": str(worker.target_worker.model_runner.model_config.dtype).removeprefix("torch."),
+            # SGLang's draft KV is laid out per top-k column: a tree step's row attends its column's earlier rows,
+            # not its ancestors (cache_locs.py generate_draft_decode_kv_indices); a chain is the same either way
+            DRAFT_TREE_ATTENTION: TREE_COLUMN,
             "sglang": {
                 "version": self.version,
                 "request_id": tr.req_id,

@@ -126,9 +126,15 @@ class Eagle3Proposer(Proposer):
         total_tokens: int,
         max_len: int,
         recorder: T.TraceRecorder | StageBuffers | None = None,
+        tree_attention: str = T.TREE_ANCESTORS,
     ) -> None:
         """`max_len`: the context positions the draft cache holds; `recorder`: where the draft stages go (a trace, or
-        the static backend's StageBuffers)."""
+        the static backend's StageBuffers); `tree_attention`: which tree nodes a tree step's rows attend
+        (trace.TREE_ATTENTIONS: EAGLE-2's ancestors, or an engine's per-column layout that a replay follows)."""
+        if tree_attention not in T.TREE_ATTENTIONS:
+            raise EagleScopeError(f"draft tree attention must be one of {', '.join(T.TREE_ATTENTIONS)}, "
+                                  f"got {tree_attention!r}")  # fmt: skip
+        self.tree_attention = tree_attention
         self.draft = draft
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_len = max_len
@@ -254,7 +260,8 @@ class Eagle3Proposer(Proposer):
                    level):  # fmt: skip
         """The draft step of tree level `level` ([1]) over the frontier's builder ids [m]: the parents' outputs (from
         the previous level's frontier prev_front [m] and outputs prev_out [m, H]), the frontier's keys at draft slots
-        tree_base + (level-1)*top_k + j, attention to the committed context and each row's own ancestors → the step's
+        tree_base + (level-1)*top_k + j, attention to the committed context and each row's own ancestors (or, under
+        the column layout, row j's slots of every level so far: `tree_attention`) → the step's
         (tokens, positions, embeddings, features in, pre-norm outputs, log-probs). Writes the frontier's slots into
         slot_of [capacity] (the cache's size where a node has none)."""
         tok, positions, embeds, hidden_in, slots, mask = self.level_inputs(
@@ -270,11 +277,19 @@ class Eagle3Proposer(Proposer):
         par = parents[frontier]
         hidden_in = self.child_hidden(prev_out[(prev_front[None, :] == par[:, None]).float().argmax(1)])
         slots = self.tree_base + (level - 1) * self.top_k + self.slots[:m]
-        # each row's ancestors at their slots (the root's keys are in the context), and itself at its own new slot:
-        # one comparison over [m, S, depth + 1], which compiles to one kernel where a scatter into zeros took three
-        lin = lineage[frontier]
-        own = torch.where(lin == frontier[:, None], slots[:, None], slot_of[lin])
-        mask = ctx_mask[None, :] | (self.slots[None, :, None] == own[:, None, :]).any(-1)
+        if self.tree_attention == T.TREE_COLUMN:
+            # SGLang's layout: row j attends the slots row j of levels 1..level wrote (its own new one included),
+            # whoever its parent; levels below are last round's, not this tree's
+            tree = self.slots[None, :] - self.tree_base  # [1, S]: the tree's slots from 0
+            column = (tree >= 0) & (tree < level * self.top_k) & (tree % self.top_k == self.slots[:m, None])
+            mask = ctx_mask[None, :] | column
+        else:
+            # each row's ancestors at their slots (the root's keys are in the context), and itself at its own new
+            # slot: one comparison over [m, S, depth + 1], which compiles to one kernel where a scatter into zeros
+            # took three
+            lin = lineage[frontier]
+            own = torch.where(lin == frontier[:, None], slots[:, None], slot_of[lin])
+            mask = ctx_mask[None, :] | (self.slots[None, :, None] == own[:, None, :]).any(-1)
         slot_of.index_copy_(0, frontier, slots)  # for the levels below
         positions = _as_index(self.tree_position(root_position, level), dev).expand(m)
         tok = self.to_target_ids(tokens[frontier])  # the embedding is the target's

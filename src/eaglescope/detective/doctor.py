@@ -50,6 +50,7 @@ from eaglescope.detective.engine_logs import read_engine_log
 from eaglescope.detective.findings import CODES, DoctorReport, Finding, rank
 from eaglescope.detective.layer_taps import MODE as LAYER_MODE
 from eaglescope.detective.layer_taps import aux_in_full, check_taps, taps_line, unchecked_note
+from eaglescope.detective.replay import tree_attention, tree_shape
 from eaglescope.detective.report import first_divergent_stage
 from eaglescope.detective.serving_metrics import read_metrics_url
 from eaglescope.detective.static import DEFAULT_ENGINES, contract_taps, static_checks
@@ -59,7 +60,7 @@ from eaglescope.models.draft import load_draft
 from eaglescope.models.targets import load_target, parse_device, parse_dtype
 from eaglescope.models.targets.head import read_fingerprint
 from eaglescope.models.targets.loading import check_dir, fingerprint_of, read_config
-from eaglescope.trace import TraceError, load_trace
+from eaglescope.trace import TREE_COLUMN, TraceError, load_trace
 
 log = logging.getLogger(__name__)
 
@@ -280,10 +281,25 @@ def _replayable(mode, loaded_trace, target, loaded, taps_found, findings, contex
     return unusable is None
 
 
+def _tree_attention_note(trace) -> str | None:
+    """What the replay followed when the engine's draft tree steps attend their top-k column, not their ancestors
+    (meta draft_tree_attention: SGLang's layout), in a tree deep enough for it to matter: the engine's behaviour, said
+    as a fact, not a finding of the draft's."""
+    depth, top_k, _ = tree_shape(trace.meta, trace)
+    if tree_attention(trace.meta) != TREE_COLUMN or top_k < 2 or depth < 3:
+        return None
+    return ("the engine's draft tree steps attend their own top-k column's earlier rows, not their ancestors (the "
+            "trace's draft_tree_attention: column, SGLang's layout), and the replay computed them so: from depth 3 a "
+            "row whose parent sits in another column drafts from a context the draft was not trained on, which can "
+            "cost acceptance; this is the engine's behaviour, not a fault of the draft")  # fmt: skip
+
+
 def _trace_findings(target, loaded, loaded_trace, trace, draft_dir, static_ctx, context, alone: bool) -> list:
     """The trace against its golden replay (diagnose/); context gains what the comparison found."""
     found, ctx = diagnose_trace(target, loaded, trace)
     context.update(ctx)
+    if (note := _tree_attention_note(loaded_trace)) is not None:
+        context["notes"].append(note)
     if found or not alone:
         return found
     # The trace replays clean, so the wiring is right; its own verify decisions are then what was served. Without a

@@ -82,6 +82,16 @@ def _shape_from_stages(trace: T.Trace) -> tuple[int, int, int] | None:
     return (depth, 1, depth + 1) if top_k == 1 else (depth, top_k, max(total, 2))
 
 
+def tree_attention(meta: dict) -> str:
+    """Which tree nodes the traced engine's draft tree steps attend (trace.DRAFT_TREE_ATTENTION): the replay computes
+    the tree the engine computed, EAGLE-2's ancestors unless the trace names its engine's own layout."""
+    got = meta.get(T.DRAFT_TREE_ATTENTION, T.TREE_ANCESTORS)
+    if got not in T.TREE_ATTENTIONS:
+        raise EagleScopeError(f"trace meta.{T.DRAFT_TREE_ATTENTION} must be one of {', '.join(T.TREE_ATTENTIONS)}, "
+                              f"got {got!r}")  # fmt: skip
+    return got
+
+
 # -- rows compared by content -----------------------------------------------------------------------------------------
 def comparable_rows(x: torch.Tensor | T.Fingerprint, like: torch.Tensor | T.Fingerprint) -> torch.Tensor:
     """`x` as rows [R, D'] that can be subtracted from `like`'s: raw rows when neither is a fingerprint, else the
@@ -495,6 +505,7 @@ def replay(
     except EagleScopeError as e:
         raise EagleScopeError(f"trace {trace_dir} cannot be replayed on this target: {e}") from None
     depth, top_k, total = tree_shape(meta, trace)
+    attention = tree_attention(meta)
     contract = loaded.contract.taps
     if contract.num_layers != target.num_layers:
         raise EagleScopeError(
@@ -515,7 +526,8 @@ def replay(
     rec.set_meta(**{**meta, "replay_of": str(trace_dir), "taps": contract.to_dict(),
                     REPLAY_COPIES_TARGET: not target.computes_layers})  # fmt: skip
     try:
-        proposer = _following(proposer_cls, trace)(draft, depth, top_k, total, max_len, recorder=rec)
+        proposer = _following(proposer_cls, trace)(draft, depth, top_k, total, max_len, recorder=rec,
+                                                    tree_attention=attention)  # fmt: skip
         runner = _ReplayRunner(target, proposer, rec, forced, rounds, contract, extra_room=biggest + 2)
         decode(runner, prompt_ids, budget, budget, set(), target.device, max_rounds=len([r for r in rounds if r]))
     except BaseException:

@@ -34,9 +34,10 @@ class FusedPieces:
         self.proposer, self.layer = proposer, layer
         cls, own = type(proposer), Eagle3Proposer
         maps_ids = cls.to_target_ids is own.to_target_ids
+        # the one-launch level_inputs builds the ancestors' mask only
         levels_own = maps_ids and all(
             (cls.level_inputs is own.level_inputs, cls.child_hidden is own.child_hidden, cls.embed is own.embed,
-             cls.tree_position is own.tree_position)
+             cls.tree_position is own.tree_position, proposer.tree_attention == T.TREE_ANCESTORS)
         )  # fmt: skip
         vocab = proposer.draft.config.draft_vocab_size
         finalize_own = maps_ids and cls.finalize is own.finalize

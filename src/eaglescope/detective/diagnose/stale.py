@@ -9,6 +9,7 @@ from eaglescope.detective.diagnose.evidence import Evidence
 from eaglescope.detective.diagnose.judge import judge, tensor_hypothesis
 from eaglescope.detective.diagnose.taps import handed_taps
 from eaglescope.detective.findings import Finding
+from eaglescope.detective.replay import tree_shape
 
 _STALE_FIX = "feed hidden_states[accepted_indices] (root + accepted nodes) to the next draft pass"
 
@@ -33,7 +34,26 @@ def feature_rules(ev: Evidence, rnd: int, aux: torch.Tensor, n: int) -> dict[str
                 "hand on the features of the root and the accepted nodes (each paired with the token after it), not "
                 "those at the emitted tokens' own positions",
             )
+        depth, top_k, _ = tree_shape(ev.trace.meta, ev.trace)
+        if top_k > 1 and (layout := path_to_front(path, aux.shape[0], depth)) is not None and n <= len(layout):
+            out["verified rows, the accepted path moved to the front, up to the one selected"] = (
+                "STALE_ACCEPTED",
+                aux[torch.tensor(layout[:n])],
+                _STALE_FIX,
+            )
     return out
+
+
+def path_to_front(path: list[int], nodes: int, depth: int) -> list[int] | None:
+    """The verified rows (tree order, `nodes` of them) as a tree engine lays them out once it has moved the accepted
+    path (root first) to the front, for its draft to read the path as a chain's: SGLang writes the path over the first
+    depth + 1 rows, pads those past the path with the root's and leaves the rest in tree order
+    (eagle_worker_common._compact_accept_to_front; a batch pads with its first request's root, which one request's
+    trace shows only when it was served alone). None where the rows cannot be so laid out."""
+    slots = depth + 1
+    if not len(path) <= slots <= nodes:
+        return None
+    return path + [0] * (slots - len(path)) + list(range(slots, nodes))
 
 
 def diagnose_stale(ev: Evidence, rnd: int, stage: str, observed) -> list[Finding]:

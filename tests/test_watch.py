@@ -252,6 +252,38 @@ def test_a_restart_starts_a_new_window_and_says_so_once(caplog):
     assert s.sleeps[5:7] == [2.0, 4.0]  # back-off: the interval doubled per failed poll
 
 
+def sglang_fresh() -> str:
+    """A just-started SGLang 0.5.23's /metrics (as read after the restart in tests/sglang/test_sglang_watch.py): the
+    counters only declared (# HELP/# TYPE: no series before a request finished), its gauges set to 0."""
+    lab = 'model_name="m",engine_type="unified"'
+    gauges = [f"sglang:{g}{{{lab}}} 0.0" for g in ("spec_accept_length", "spec_accept_rate", "spec_num_steps",
+                                                   "spec_num_draft_tokens")]  # fmt: skip
+    return sglang_text(None, 0, 0) + "\n".join(gauges) + "\n"
+
+
+def test_an_sglang_restart_read_through_its_drain_is_one_reset_at_the_new_servers_first_scrape(caplog):
+    """The sequence of SGLang's restart in tests/sglang/test_sglang_watch.py (its run of 2026-12-07 16:13, whose
+    restart check failed): on SIGTERM SGLang drains ("Draining requests and shutting down...") and its HTTP server
+    still answers /metrics with the old process's counts; then the port is gone; the new server names its counters in
+    # HELP/# TYPE lines only, gauges at 0, until a request finishes. The drain's reads are no restart (the counts are
+    the old ones, unchanged); the restart is said once, at the new server's first scrape, and its window counts from
+    zero. (That run's check took the drain's read for the new server's: the test now looks after watch saw the port
+    unanswered.)"""
+    served = [sglang_text(40.0 * i, 130.0 * i, 10.0 * i) for i in range(1, 5)]
+    drain = [served[-1]] * 2
+    texts = served + drain + [None, None] + [sglang_fresh()] * 2 + [sglang_text(40.0, 130.0, 10.0)]
+    with caplog.at_level("INFO", logger="eaglescope"):
+        records, _ = run(texts, max_polls=len(texts), min_rounds=10)
+    status = [r["status"] for r in records]
+    assert status[6:8] == ["unreachable", "unreachable"]
+    assert [(r["reset"], r["total_rounds"]) for r in records[4:6]] == [(False, 160.0), (False, 160.0)]
+    first_new = records[8]
+    assert first_new["reset"] is True and first_new["total_rounds"] == 0 and first_new["window"]["rounds"] == 0
+    assert records[9]["reset"] is False and records[10]["window"]["rounds"] == 40  # from zero, not from 160
+    assert records[10]["window"]["tau"] == pytest.approx(3.0)
+    assert sum("went down" in m for m in caplog.messages) == 1
+
+
 def test_a_server_that_never_answers_fails_after_give_up_after():
     with pytest.raises(EagleScopeError, match="has not answered for"):
         run([None], give_up_after=10.0, max_polls=100)

@@ -438,3 +438,42 @@ def test_doctor_takes_one_served_source(tmp_path):
     rc, out, err = cli(["doctor", "--target", str(tmp_path), "--draft", str(tmp_path), "--engine-log", str(log),
                         "--metrics-url", "http://127.0.0.1:9"])  # fmt: skip
     assert rc == 2 and out == "" and "--engine-log and --metrics-url both say what was served" in err
+
+
+# -- the served files, checked once the engine is known ----------------------------------------------------------
+def test_a_lost_norm_before_fc_is_named_from_the_served_files_before_any_window(tmp_path, expect_file):
+    """The SGLang 32226 incident: a 3.1 draft (norm_before_fc) served with the flag gone from its config but
+    input_norm.weight kept, which engines then skip. Acceptance need not show it (the expectation read from the same
+    files lacks the norm too); doctor's static check names it. watch says it at the first scrape: in the JSON line
+    ("static"), on stderr, in the table, and in the exit status; a clean draft gets "static": [] and exit 0."""
+    from drafts import make_draft
+    from models import make_checkpoint
+
+    from eaglescope.models.draft import save_draft
+
+    t = make_checkpoint("llama", tmp_path / "t")
+    model, contract = make_draft(t, draft_vocab_size=48, norm_before_fc=True)
+    clean = save_draft(model, contract, tmp_path / "clean")
+    lost = save_draft(model, contract, tmp_path / "lost")
+    cfg = json.loads((lost / "config.json").read_text())
+    cfg["eagle_config"].pop("norm_before_fc")
+    cfg.pop("norm_before_fc")
+    (lost / "config.json").write_text(json.dumps(cfg))
+    fast = ["--interval", "0.05", "--window", "2", "--min-rounds", "40", "--max-polls", "3",
+            "--expect", str(expect_file)]  # fmt: skip
+    for draft, target in ((lost, t), (lost, None), (clean, t)):
+        with metrics_server([healthy(i) for i in range(4)]) as url:
+            rc, out, err = cli(["watch", "--url", url, "--draft", str(draft), *fast, "--json"]
+                               + (["--target", str(target)] if target else []))  # fmt: skip
+        lines = [json.loads(x) for x in out.splitlines()]
+        assert [("static" in r) for r in lines] == [True, False, False], err  # once, when the engine is known
+        static = lines[0]["static"]
+        if draft == clean:
+            assert static == [] and rc == 0 and "FINDING" not in err
+            continue
+        assert [(f["code"], f["evidence"]["flag"]) for f in static] == [("EAGLE31_IGNORED", "norm_before_fc")]
+        assert rc == 1 and all(r["status"] != "low" and not r.get("alert") for r in lines)  # acceptance in band
+        assert err.count("FINDING EAGLE31_IGNORED") == 1 and "input_norm.weight" in err
+    with metrics_server([healthy(i) for i in range(4)]) as url:
+        rc, out, _ = cli(["watch", "--url", url, "--draft", str(lost), *fast, "--target", str(t)])
+    assert rc == 1 and out.count("FINDING EAGLE31_IGNORED") == 3  # on every table, while the run lasts

@@ -5,8 +5,10 @@ through sglang_server.py; EAGLE-3 chain of K = 3, float32, 127.0.0.1): one watch
   ids_in_vllm_convention  (restart) the export for vLLM (ids [1, 4, 6], as vLLM reads them) served by SGLang, which
                           captures [2, 5, 7]: every tap one layer late.
 SGLang's metrics give τ only (no per-position counts), judged with a Hoeffding interval; its counters move when a
-request finishes, and appear only after the first one (before that watch waits). The restart is survived and the
+request finishes, and appear only after the first one (before that watch waits). The restart is survived (SGLang
+drains on SIGTERM and answers /metrics meanwhile with the old counts: no restart until the port went quiet) and the
 fault flagged within FLAG_WITHIN requests; `doctor --metrics-url` on the faulty server names SERVING_MISMATCH.
+A second watch on a second server: tests/vllm/test_vllm_watch.py's norm_before_fc case, exported for SGLang.
 
 SGLang's own Python (HTTP server, tokenizer manager, scheduler, EAGLE worker, metrics) runs; its CPU kernels are this
 project's plain-torch stand-ins (tests/sglang/stand_ins). Target, data and draft as in tests/vllm/test_vllm_watch.py

@@ -9,13 +9,21 @@ The restart is survived (watch says the server went away, came back, and that it
 starts again from zero) and the fault is flagged within FLAG_WITHIN requests, as an α_1 collapse. `doctor
 --metrics-url` on the faulty server reads the same counters and names SERVING_MISMATCH.
 
+watch's --draft is the directory the healthy server serves: its files are checked statically once (nothing to say).
+
+A second watch, on a second server: norm_before_fc dropped from a served EAGLE 3.1 draft's config (input_norm.weight
+kept; SGLang issue 32226's symptom), watch --draft on that served directory. It is named from the files at the first
+scrape, before any request (EAGLE31_IGNORED). Its acceptance drop is flagged too, against the trained draft's
+expectation (--expect), on a copy of the target whose residual stream is ×SCALE: the same function, hidden states far
+from unit scale; on the unscaled target the skipped norm costs too little acceptance to call low (SCALE's comment).
+
 The target is test_vllm_serving.py's (a tiny Llama pretrained on an order-2 Markov chain); the draft is trained on the
 target's own continuations with taps [1, 4, 6] for 150 steps (teacher-forced τ ≈ 3.7 of 4 on the data; the same draft
-reading [0, 3, 5] ≈ 1.8). On this target the default taps [2, 4, 5] read one layer early barely change acceptance,
-and dropping norm_before_fc neither (measured: τ 3.90 → 3.88): faults a watch cannot see, so they are not the ones
-tested. The expectation is what a user would give: --target with --data (the prepared conversations: serving simulated
-on that text by the teacher-forced draft). Run under `flock /tmp/eaglescope-engine.lock`; the servers are started and
-killed here, every request is bounded (MAX_NEW tokens, a timeout).
+reading [0, 3, 5] ≈ 1.8). On this target the default taps [2, 4, 5] read one layer early barely change acceptance: a
+fault a watch cannot see, so it is not the one tested. The expectation is what a user would give: --target with --data
+(the prepared conversations: serving simulated on that text by the teacher-forced draft). Run under
+`flock /tmp/eaglescope-engine.lock`; the servers are started and killed here, every request is bounded (MAX_NEW
+tokens, a timeout).
 """
 
 from __future__ import annotations

@@ -48,8 +48,10 @@ from eaglescope.detective.serving_metrics import (
     detect_engine,
     server_version,
 )
+from eaglescope.detective.static import check_layer, check_vocab_map, static_checks
 from eaglescope.errors import EagleScopeError
 from eaglescope.jsonfile import read_object
+from eaglescope.models.drafts.formats import read_draft_files
 
 log = logging.getLogger(__name__)
 
@@ -307,8 +309,6 @@ def static_findings_for(draft: str | Path, target: str | Path | None = None) -> 
     with --target every one of them (static.static_checks; SGLang's layer ids by the rule of the target's
     architecture), without it those that need no target (the layer and its EAGLE 3.1 options against the weights,
     the vocabulary map). None (with one line) where --draft holds no draft files to read."""
-    from eaglescope.detective.static import check_layer, check_vocab_map, static_checks
-    from eaglescope.models.drafts.formats import read_draft_files
 
     def findings(engine: str) -> list[dict] | None:
         if not (Path(draft) / "config.json").is_file():

@@ -252,6 +252,38 @@ def test_a_restart_starts_a_new_window_and_says_so_once(caplog):
     assert s.sleeps[5:7] == [2.0, 4.0]  # back-off: the interval doubled per failed poll
 
 
+def sglang_fresh() -> str:
+    """A just-started SGLang 0.5.23's /metrics (as read after the restart in tests/sglang/test_sglang_watch.py): the
+    counters only declared (# HELP/# TYPE: no series before a request finished), its gauges set to 0."""
+    lab = 'model_name="m",engine_type="unified"'
+    gauges = [f"sglang:{g}{{{lab}}} 0.0" for g in ("spec_accept_length", "spec_accept_rate", "spec_num_steps",
+                                                   "spec_num_draft_tokens")]  # fmt: skip
+    return sglang_text(None, 0, 0) + "\n".join(gauges) + "\n"
+
+
+def test_an_sglang_restart_read_through_its_drain_is_one_reset_at_the_new_servers_first_scrape(caplog):
+    """The sequence of SGLang's restart in tests/sglang/test_sglang_watch.py (its run of 2026-12-07 16:13, whose
+    restart check failed): on SIGTERM SGLang drains ("Draining requests and shutting down...") and its HTTP server
+    still answers /metrics with the old process's counts; then the port is gone; the new server names its counters in
+    # HELP/# TYPE lines only, gauges at 0, until a request finishes. The drain's reads are no restart (the counts are
+    the old ones, unchanged); the restart is said once, at the new server's first scrape, and its window counts from
+    zero. (That run's check took the drain's read for the new server's: the test now looks after watch saw the port
+    unanswered.)"""
+    served = [sglang_text(40.0 * i, 130.0 * i, 10.0 * i) for i in range(1, 5)]
+    drain = [served[-1]] * 2
+    texts = served + drain + [None, None] + [sglang_fresh()] * 2 + [sglang_text(40.0, 130.0, 10.0)]
+    with caplog.at_level("INFO", logger="eaglescope"):
+        records, _ = run(texts, max_polls=len(texts), min_rounds=10)
+    status = [r["status"] for r in records]
+    assert status[6:8] == ["unreachable", "unreachable"]
+    assert [(r["reset"], r["total_rounds"]) for r in records[4:6]] == [(False, 160.0), (False, 160.0)]
+    first_new = records[8]
+    assert first_new["reset"] is True and first_new["total_rounds"] == 0 and first_new["window"]["rounds"] == 0
+    assert records[9]["reset"] is False and records[10]["window"]["rounds"] == 40  # from zero, not from 160
+    assert records[10]["window"]["tau"] == pytest.approx(3.0)
+    assert sum("went down" in m for m in caplog.messages) == 1
+
+
 def test_a_server_that_never_answers_fails_after_give_up_after():
     with pytest.raises(EagleScopeError, match="has not answered for"):
         run([None], give_up_after=10.0, max_polls=100)
@@ -406,3 +438,42 @@ def test_doctor_takes_one_served_source(tmp_path):
     rc, out, err = cli(["doctor", "--target", str(tmp_path), "--draft", str(tmp_path), "--engine-log", str(log),
                         "--metrics-url", "http://127.0.0.1:9"])  # fmt: skip
     assert rc == 2 and out == "" and "--engine-log and --metrics-url both say what was served" in err
+
+
+# -- the served files, checked once the engine is known ----------------------------------------------------------
+def test_a_lost_norm_before_fc_is_named_from_the_served_files_before_any_window(tmp_path, expect_file):
+    """The SGLang 32226 incident: a 3.1 draft (norm_before_fc) served with the flag gone from its config but
+    input_norm.weight kept, which engines then skip. Acceptance need not show it (the expectation read from the same
+    files lacks the norm too); doctor's static check names it. watch says it at the first scrape: in the JSON line
+    ("static"), on stderr, in the table, and in the exit status; a clean draft gets "static": [] and exit 0."""
+    from drafts import make_draft
+    from models import make_checkpoint
+
+    from eaglescope.models.draft import save_draft
+
+    t = make_checkpoint("llama", tmp_path / "t")
+    model, contract = make_draft(t, draft_vocab_size=48, norm_before_fc=True)
+    clean = save_draft(model, contract, tmp_path / "clean")
+    lost = save_draft(model, contract, tmp_path / "lost")
+    cfg = json.loads((lost / "config.json").read_text())
+    cfg["eagle_config"].pop("norm_before_fc")
+    cfg.pop("norm_before_fc")
+    (lost / "config.json").write_text(json.dumps(cfg))
+    fast = ["--interval", "0.05", "--window", "2", "--min-rounds", "40", "--max-polls", "3",
+            "--expect", str(expect_file)]  # fmt: skip
+    for draft, target in ((lost, t), (lost, None), (clean, t)):
+        with metrics_server([healthy(i) for i in range(4)]) as url:
+            rc, out, err = cli(["watch", "--url", url, "--draft", str(draft), *fast, "--json"]
+                               + (["--target", str(target)] if target else []))  # fmt: skip
+        lines = [json.loads(x) for x in out.splitlines()]
+        assert [("static" in r) for r in lines] == [True, False, False], err  # once, when the engine is known
+        static = lines[0]["static"]
+        if draft == clean:
+            assert static == [] and rc == 0 and "FINDING" not in err
+            continue
+        assert [(f["code"], f["evidence"]["flag"]) for f in static] == [("EAGLE31_IGNORED", "norm_before_fc")]
+        assert rc == 1 and all(r["status"] != "low" and not r.get("alert") for r in lines)  # acceptance in band
+        assert err.count("FINDING EAGLE31_IGNORED") == 1 and "input_norm.weight" in err
+    with metrics_server([healthy(i) for i in range(4)]) as url:
+        rc, out, _ = cli(["watch", "--url", url, "--draft", str(lost), *fast, "--target", str(t)])
+    assert rc == 1 and out.count("FINDING EAGLE31_IGNORED") == 3  # on every table, while the run lasts

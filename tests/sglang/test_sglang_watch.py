@@ -5,8 +5,10 @@ through sglang_server.py; EAGLE-3 chain of K = 3, float32, 127.0.0.1): one watch
   ids_in_vllm_convention  (restart) the export for vLLM (ids [1, 4, 6], as vLLM reads them) served by SGLang, which
                           captures [2, 5, 7]: every tap one layer late.
 SGLang's metrics give τ only (no per-position counts), judged with a Hoeffding interval; its counters move when a
-request finishes, and appear only after the first one (before that watch waits). The restart is survived and the
+request finishes, and appear only after the first one (before that watch waits). The restart is survived (SGLang
+drains on SIGTERM and answers /metrics meanwhile with the old counts: no restart until the port went quiet) and the
 fault flagged within FLAG_WITHIN requests; `doctor --metrics-url` on the faulty server names SERVING_MISMATCH.
+A second watch on a second server: tests/vllm/test_vllm_watch.py's norm_before_fc case, exported for SGLang.
 
 SGLang's own Python (HTTP server, tokenizer manager, scheduler, EAGLE worker, metrics) runs; its CPU kernels are this
 project's plain-torch stand-ins (tests/sglang/stand_ins). Target, data and draft as in tests/vllm/test_vllm_watch.py
@@ -27,7 +29,7 @@ sys.path.insert(0, str(HERE.parent / "vllm"))  # tests/vllm's target, data and h
 sys.path.insert(0, str(HERE.parent))
 from engine_servers import HOST, Server, requests_until, watch_through_restarts  # noqa: E402
 from test_vllm_serving import MAX_LEN, base, cli, order2_chain  # noqa: E402
-from test_vllm_watch import TRAIN_FLAGS  # noqa: E402
+from test_vllm_watch import NORM_FLAG_WITHIN, NORM_REQUESTS, TRAIN_FLAGS, norm_before_fc_dropped  # noqa: E402
 
 K = 3
 MAX_NEW = 64  # ~17 rounds a request at τ ≈ 3.7: a window of a few requests holds --min-rounds
@@ -84,8 +86,10 @@ def run(built, sglang_python) -> dict:
         server.post("/generate", {"input_ids": p, "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW,
                                                                       "ignore_eos": True}}, timeout_s=120)  # fmt: skip
 
-    watch = [sys.executable, "-m", "eaglescope", "watch", "--draft", str(built["trained"]), "--target", str(target),
-             "--data", str(built["prep"]), *WATCH_FLAGS]  # fmt: skip
+    # --draft: the directory the healthy server serves (watch checks its files statically, its layer ids by SGLang's
+    # rule; its expectation is the trained draft's, the same weights)
+    watch = [sys.executable, "-m", "eaglescope", "watch", "--draft", str(built["phases"][0][1]), "--target",
+             str(target), "--data", str(built["prep"]), *WATCH_FLAGS]  # fmt: skip
 
     def make_server(name: str, draft: Path, port: int) -> Server:
         return sglang_server(sglang_python, target, draft, port, root / f"sglang-{name}.log")
@@ -100,6 +104,31 @@ def run(built, sglang_python) -> dict:
     return result
 
 
+@pytest.fixture(scope="module")
+def norm_run(built, sglang_python) -> dict:
+    """The norm_before_fc case (tests/vllm/test_vllm_watch.py's, exported for SGLang): watch --draft on the served
+    directory (flag lost), --expect the trained draft's expectation, across NORM_REQUESTS requests."""
+    root = built["root"] / "norm"
+    root.mkdir()
+    case = norm_before_fc_dropped(built["target"], built["prep"], root, "sglang")
+    sent = {"n": 0}
+
+    def send_one(server: Server) -> None:
+        p = built["prompts"][sent["n"] % len(built["prompts"])]
+        sent["n"] += 1
+        server.post("/generate", {"input_ids": p, "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW,
+                                                                      "ignore_eos": True}}, timeout_s=120)  # fmt: skip
+
+    watch = [sys.executable, "-m", "eaglescope", "watch", "--draft", str(case["served"]), "--target",
+             str(case["target"]), "--expect", str(case["expect"]), *WATCH_FLAGS]  # fmt: skip
+
+    def make_server(name: str, draft: Path, port: int) -> Server:
+        return sglang_server(sglang_python, case["target"], draft, port, root / f"sglang-{name}.log")
+
+    phases = [("norm_before_fc_dropped", case["served"], NORM_REQUESTS)]
+    return watch_through_restarts(make_server, phases, send_one, watch, root, START_TIMEOUT_S) | {"case": case}
+
+
 def _lines(run: dict, phase: str) -> list[dict]:
     p = run["phases"][phase]
     return run["lines"][p["first"] : p["last"]]
@@ -108,6 +137,8 @@ def _lines(run: dict, phase: str) -> list[dict]:
 def test_a_healthy_draft_stays_in_band(run):
     lines = _lines(run, "healthy")
     judged = [r for r in lines if r["status"] in ("ok", "low")]
+    # the served directory's files, checked once the engine is known: nothing to say
+    assert next(r for r in run["lines"] if "static" in r)["static"] == [] and "FINDING" not in run["stderr"]
     assert len(judged) >= 3, [(r["status"], (r.get("window") or {}).get("tau")) for r in lines]
     assert all(r["status"] == "ok" for r in judged) and not any(r.get("alert") for r in lines)
     r = judged[-1]
@@ -128,16 +159,18 @@ def test_a_served_fault_is_flagged_within_a_few_requests(run):
                      f"{alert['expected']['tau']})\n")  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known miss (2026-12-07): after an SGLang restart watch's judgement failed the "
-    "assertion at line 136 in one run of two; not yet understood (issue 62 stays open)",
-)
 def test_each_restart_is_survived(run):
-    # the first counts read after the server went away (a server may answer /metrics before it says it is ready)
     healthy = run["phases"]["healthy"]
-    before = next(r for r in reversed(run["lines"][: healthy["last"]]) if "total_rounds" in r)
-    first_counts = next(r for r in run["lines"][healthy["last"] :] if "reset" in r)
+    lines = run["lines"]
+    before = next(r for r in reversed(lines[: healthy["last"]]) if "total_rounds" in r)
+    # The new server's counts are those read after watch found the port unanswered: a stopped server may still answer
+    # /metrics while it shuts down (SGLang drains on SIGTERM and its HTTP server answers meanwhile), and those reads
+    # are the old process's counts, unchanged and no restart; a new server may answer /metrics before /health.
+    gone = next((i for i in range(healthy["last"], len(lines)) if lines[i]["status"] == "unreachable"), None)
+    assert gone is not None, [r["status"] for r in lines[healthy["last"] :]]
+    draining = [r for r in lines[healthy["last"] : gone] if "reset" in r]
+    assert all(r["reset"] is False and r["total_rounds"] == before["total_rounds"] for r in draining), draining
+    first_counts = next(r for r in lines[gone:] if "reset" in r)
     assert first_counts["reset"] is True and first_counts["total_rounds"] < before["total_rounds"]
     err = run["stderr"]
     assert err.count("went down (the server restarted)") == 1
@@ -154,3 +187,21 @@ def test_doctor_reads_the_same_counters_from_the_metrics_url(run):
     served = report["context"]["acceptance"]["served"]
     assert served["source"] == "sglang metrics" and served["accept_length"] > 1
     assert "SERVING_MISMATCH" in [f["code"] for f in report["findings"]], report["findings"]
+
+
+def test_a_lost_norm_before_fc_is_named_before_any_request_and_its_acceptance_drop_flagged(norm_run):
+    """The served config lost norm_before_fc (input_norm.weight kept): SGLang builds no input norm. watch names it from
+    the served files at its first scrape, before any request (EAGLE31_IGNORED); on the scaled target the skipped norm
+    also lowers τ, flagged against the trained draft's expectation within NORM_FLAG_WITHIN requests."""
+    phase = "norm_before_fc_dropped"
+    i, static = next((i, r) for i, r in enumerate(norm_run["lines"]) if "static" in r)
+    assert [(f["code"], f["evidence"].get("flag")) for f in static["static"]] == [("EAGLE31_IGNORED", "norm_before_fc")]
+    assert i < min(norm_run["phases"][phase]["sent_by_line"])  # written before the first request was sent
+    assert norm_run["stderr"].count("FINDING EAGLE31_IGNORED") == 1
+    n = requests_until(norm_run, phase, lambda r: bool(r.get("alert")))
+    lines = _lines(norm_run, phase)
+    assert n is not None and n <= NORM_FLAG_WITHIN, [(r["status"], (r.get("window") or {}).get("tau")) for r in lines]
+    alert = next(r for r in lines if r.get("alert"))
+    assert alert["alert"]["code"] == "SERVING_MISMATCH"
+    sys.stderr.write(f"norm_before_fc dropped: named statically at 0 requests; acceptance alert after {n} requests "
+                     f"(served τ {alert['window']['tau']}, expected {alert['expected']['tau']})\n")  # fmt: skip

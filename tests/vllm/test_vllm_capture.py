@@ -9,8 +9,9 @@ them — in the files vLLM serves, never in a trace — are served by vLLM under
     (c) no-vocab-map          d2t/t2d removed from a reduced-vocabulary export               → VOCAB_MAP
     (d) ttt-1                 a draft trained with `eaglescope train --ttt-length 1`         → NO_TTT
     (e) other-template        the served target's chat template is not the trained one      → TEMPLATE_MISMATCH
-    (f) eagle31-flag-lost     a 3.1 draft served with norm_before_fc gone from its config    → EAGLE31_NORM (trace),
-                              but input_norm.weight kept: vLLM skips the norm (SGLang 32226)   EAGLE31_IGNORED (metrics)
+    (f) eagle31-flag-lost     a 3.1 draft (norm_before_fc, fc_norm, norm_output) served      → EAGLE31_NORM (trace),
+                              without norm_before_fc in its config, input_norm.weight kept:  EAGLE31_IGNORED (metrics)
+                              vLLM skips the norm (SGLang 32226)
 
 Doctor must name each first from its vLLM trace, and from what vLLM itself reports without a trace: its log lines,
 its Prometheus text and LLM.get_metrics(). For (f) doctor is given the 3.1 draft as trained with the trace, where only
@@ -291,9 +292,14 @@ def test_fault_is_named_first_from_its_vllm_trace(captured, fault):
     if fault == "other-template":
         assert reports[0]["context"]["first_divergence"] is None  # vLLM computed correctly from other prompt ids
     if fault == "eagle31-flag-lost":
-        # the draft's own fc over vLLM's features without input_norm is what vLLM computed, at the first draft pass
-        assert reports[0]["context"]["first_divergence"] == {"round": 1, "stage": "draft.fc.out", "part": None}
+        # the draft's own fc over vLLM's features without input_norm is what vLLM computed, at the first draft pass:
+        # a divergence there, or (the per-tap fc_norm after it takes the scale away) a difference inside the tolerance
+        # that fc with the norm skipped reproduces far more closely than fc as trained (fc.py eagle31_below_tolerance)
+        if not top["evidence"].get("below_tolerance"):
+            assert reports[0]["context"]["first_divergence"] == {"round": 1, "stage": "draft.fc.out", "part": None}
         assert (top["stage"], top["round"]) == ("draft.fc.out", 1) and "with norm_before_fc skipped" in top["verdict"]
+        below = [r["findings"][0]["evidence"].get("below_tolerance", False) for r in reports]
+        sys.stderr.write(f"eagle31-flag-lost: named below the tolerance in {sum(below)} of {len(below)} requests\n")
         # the static checks see the draft as trained (config and weights agree): nothing there
         assert all(f["stage"] != "static" for f in reports[0]["findings"])
 

@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 from eaglescope.detective.serving_metrics import scrape
-from eaglescope.detective.watch import WatchSettings, expectation_for, run_watch
+from eaglescope.detective.watch import WatchSettings, expectation_for, run_watch, static_findings_for
 from eaglescope.errors import EagleScopeError
 
 log = logging.getLogger("eaglescope.watch")
@@ -35,8 +35,11 @@ def cmd_watch(args) -> int:
                              args.duration, args.keep_watching, args.give_up_after, args.depth)  # fmt: skip
     tty = sys.stdout.isatty() and not args.json
     alerts = judged = 0
-    for record in run_watch(settings, expected_for, lambda: scrape(args.url), lambda c: doctor_command(args, c)):
+    static: list[dict] = []  # what the served files show, kept on the table while it is redrawn
+    for record in run_watch(settings, expected_for, lambda: scrape(args.url), lambda c: doctor_command(args, c),
+                            static_for=static_findings_for(args.draft, args.target)):  # fmt: skip
         judged += record.get("status") in ("ok", "low")
+        static = record.get("static") or static
         if record.get("alert"):
             alerts += 1
             if record["alert"]["raised"]:  # once per episode; the table and the JSON lines show it while it lasts
@@ -44,11 +47,11 @@ def cmd_watch(args) -> int:
         if args.json:
             print(json.dumps(record), flush=True)
         else:
-            print((CLEAR if tty else "") + format_table(record), flush=True)
+            print((CLEAR if tty else "") + format_table(record, static), flush=True)
     if not judged:
         log.info("watch: no window had %d verify rounds to judge (send traffic, or lower --min-rounds)",
                  args.min_rounds)  # fmt: skip
-    return 1 if alerts else 0
+    return 1 if alerts or static else 0
 
 
 def _num(x, fmt: str = ".2f") -> str:
@@ -59,11 +62,16 @@ def _interval(i) -> str:
     return "" if not i else f"[{_num(i[0])}, {_num(i[1])}]"
 
 
-def format_table(r: dict) -> str:
-    """One poll as the terminal view (docs/watch-terminal.png)."""
+def format_table(r: dict, static: list[dict] | None = None) -> str:
+    """One poll as the terminal view (docs/watch-terminal.png); `static`: what the served files show (doctor's codes),
+    above the window while the run lasts."""
     head = (f"eaglescope watch  {r['url']}  {r.get('engine') or '?'} {r.get('version') or ''}".rstrip()
             + f"  poll {r['poll']}  {r['time']}")  # fmt: skip
     lines = [head]
+    for f in static or []:
+        lines += textwrap.wrap(f"FINDING {f['code']} (the served files, before any window): {f['verdict']}", WIDTH,
+                               initial_indent="  ", subsequent_indent="    ")  # fmt: skip
+        lines.append(f"    fix: {f['fix']}")
     status = r.get("status")
     if status == "unreachable":
         return "\n".join(lines + [f"  server does not answer: {r.get('error')} (retrying with back-off)", ""])

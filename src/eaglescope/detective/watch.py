@@ -8,6 +8,12 @@ what a correct server gets on the same kind of text, 0.45 against training's own
 position as a round start). --sustain consecutive LOW windows raise the alert, which names what the per-position
 picture points to and the doctor command to run next.
 
+Once the engine is known (the first scrape), doctor's static file checks run on --draft, the directory the server
+should be serving (static.py: its config against its weights, its layer ids as this engine reads them, its vocabulary
+map; against --target when given). What they name is said at once, before any window: a fault that does not lower
+acceptance (an EAGLE 3.1 norm whose flag the served config lost, on a target whose features it barely rescales) is
+invisible to the window's rule, but its files show it.
+
 Counters that go down mean a restarted server: the window starts again from zero (the new process's counts since
 its start). A server that does not answer is retried with back-off; one line says so, one line says it is back.
 """
@@ -42,8 +48,10 @@ from eaglescope.detective.serving_metrics import (
     detect_engine,
     server_version,
 )
+from eaglescope.detective.static import check_layer, check_vocab_map, static_checks
 from eaglescope.errors import EagleScopeError
 from eaglescope.jsonfile import read_object
+from eaglescope.models.drafts.formats import read_draft_files
 
 log = logging.getLogger(__name__)
 
@@ -198,9 +206,11 @@ class WatchSettings:
 def run_watch(settings: WatchSettings, expected_for: Callable[[int | None], Expected],
               fetch: Callable[[], Exposition], doctor_command: Callable[[str], str],
               sleep: Callable[[float], None] = time.sleep,
-              clock: Callable[[], float] = time.monotonic) -> Iterator[dict]:  # fmt: skip
+              clock: Callable[[], float] = time.monotonic,
+              static_for: Callable[[str], list[dict] | None] | None = None) -> Iterator[dict]:  # fmt: skip
     """Polls until --max-polls / --duration (or an alert, unless keep_watching), yielding one record per poll (the
-    --json line of docs/watch.md). `expected_for(depth)` is asked once, when the served chain depth is first known."""
+    --json line of docs/watch.md). `expected_for(depth)` is asked once, when the served chain depth is first known;
+    `static_for(engine)` once, when the engine is (its findings are the record's "static", said on stderr)."""
     s = settings
     window = Window(s.window)
     start = clock()
@@ -209,6 +219,7 @@ def run_watch(settings: WatchSettings, expected_for: Callable[[int | None], Expe
     expected: Expected | None = None
     down_since: float | None = None
     failures = 0
+    static_done = False
     while True:
         poll += 1
         t = clock()
@@ -232,7 +243,13 @@ def run_watch(settings: WatchSettings, expected_for: Callable[[int | None], Expe
                 engine = detect_engine(expo)
                 version = server_version(s.url, engine) if engine else None
                 record |= {"engine": engine, "version": version}
-            counts = counts_of(expo, version)
+            counts = counts_of(expo, version)  # metrics it cannot read are refused before anything else is said
+            if engine and static_for is not None and not static_done:
+                static_done = True
+                record["static"] = static_for(engine)
+                for f in record["static"] or []:
+                    log.warning("FINDING %s (static, %s's reading of --draft): %s; fix: %s", f["code"], engine,
+                                f["verdict"], f["fix"])  # fmt: skip
             if counts is None:
                 yield record | {"status": "waiting"}
             else:
@@ -284,6 +301,29 @@ def alert_line(j: Judgement, why: str, sustain: int) -> str:
     s, e = j.served, j.expected
     return (f"ALERT served τ {s['tau']:.2f} over {s['rounds']:.0f} rounds is below the expected band "
             f"(τ {e['tau']:.2f}, floor {e['floor']:.2f}) for {sustain} windows: {why}")  # fmt: skip
+
+
+# -- what the draft's files say ---------------------------------------------------------------------------------
+def static_findings_for(draft: str | Path, target: str | Path | None = None) -> Callable[[str], list[dict] | None]:
+    """doctor's static checks on the served draft directory, for the engine serving it (known at the first scrape):
+    with --target every one of them (static.static_checks; SGLang's layer ids by the rule of the target's
+    architecture), without it those that need no target (the layer and its EAGLE 3.1 options against the weights,
+    the vocabulary map). None (with one line) where --draft holds no draft files to read."""
+
+    def findings(engine: str) -> list[dict] | None:
+        if not (Path(draft) / "config.json").is_file():
+            log.info("watch: %s holds no config.json: no static check of the served files", draft)
+            return None
+        if target is not None:
+            found, _ = static_checks(target, draft, (engine,), sglang_rule_of_target=engine == SGLANG)
+        else:
+            files = read_draft_files(draft)
+            found = check_vocab_map(files.config, files.state_dict)[0]
+            found += check_layer(files.config, files.state_dict, (engine,))[0]
+        found = sorted(found, key=lambda f: -f.weight)  # doctor's order: the likeliest cause first
+        return [{k: v for k, v in f.to_dict().items() if k != "round"} for f in found]
+
+    return findings
 
 
 # -- what the draft should give -----------------------------------------------------------------------------------

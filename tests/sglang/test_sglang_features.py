@@ -7,7 +7,9 @@ of it, patched: tests/sglang/sglang_faults.py), is refused with one line.
 
 The target, conversations and training settings are tests/vllm/test_vllm_features.py's (a tiny Llama trained on an
 order-2 Markov chain, 8 layers; taps [2, 4, 6], asked of SGLang as ids [1, 3, 5], which llama.py reads as "output of
-layer i"). SGLang's own Python runs; its CPU kernels are this project's plain-torch stand-ins (tests/sglang/stand_ins).
+layer i"), and the tiny DeepSeek-V3 target (deepseek_v2.py's rule, latent attention). SGLang's own Python runs; its CPU
+kernels are this project's plain-torch stand-ins (tests/sglang/stand_ins), on the `intel_amx` attention path the drafts
+are served on (amx_python.py keeps it on this CPU without AMX).
 The main preparation runs with SGLang's prefill chunked at 16 tokens (prompts up to 41), so the equality also proves
 the chunks are joined right; the mismatch runs use SGLang's default chunk size.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import stat
 import subprocess
 import sys
 import time
@@ -25,6 +28,7 @@ from unittest import mock
 
 import pytest
 import torch
+from models import make_checkpoint
 from sglang_faults import Fault, _p, private_sglang
 from sglang_support import HERE, sglang_env
 
@@ -46,7 +50,9 @@ RUNNER = HERE / "sglang_runner.py"
 K = 3  # the drafts' TTT length and the chain SGLang serves
 # SGLang's engine arguments on this CPU: its memory profiling is fooled by the other processes of a shared machine (a
 # generous fraction, the KV pool capped at what the tests need); one greedy token per prompt needs no more.
-ENGINE_ARGS = {"device": "cpu", "mem_fraction_static": 0.5, "max_total_tokens": 8192, "log_level": "info"}
+# The attention backend the drafts are served on (amx_python.py keeps it on this CPU).
+ENGINE_ARGS = {"device": "cpu", "attention_backend": "intel_amx", "mem_fraction_static": 0.5, "max_total_tokens": 8192,
+               "log_level": "info"}  # fmt: skip
 CHUNK = 16  # the main preparation's prefill chunk (tokens)
 SWITCH = "EAGLESCOPE_SGLANG_FAULT_FILE"
 # The final state handed on before the final norm: llama.py's final norm computed, the residual stream it normed kept
@@ -71,6 +77,14 @@ PRE_NORM = Fault(
         ),
     ),
 )
+
+
+def engine_python(root: Path, python: str) -> str:
+    """SGLang's interpreter running the worker through amx_python.py."""
+    path = root / "sglang-python"
+    path.write_text(f'#!/bin/sh\nexec "{python}" "{HERE / "amx_python.py"}" "$@"\n')
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
 
 
 def engine_argv(python: str, engine_args: dict | None = None) -> list[str]:
@@ -99,13 +113,15 @@ def prepared(tmp_path_factory, sglang_python: str) -> dict:
     inproc, engine = root / "prep-inproc", root / "prep-sglang"
     rc, _, err = cli(prepare_argv(b["target"], data, inproc, "--hidden-states"))
     assert rc == 0, err
+    python = engine_python(root, sglang_python)
     t = time.perf_counter()
     with mock.patch.dict(os.environ, sglang_environ()):
-        argv = engine_argv(sglang_python, {"chunked_prefill_size": CHUNK})
+        argv = engine_argv(python, {"chunked_prefill_size": CHUNK})
         rc, out, err = cli(prepare_argv(b["target"], data, engine, *argv))
     assert rc == 0, err
     sys.stderr.write(f"prepare --engine sglang: {time.perf_counter() - t:.1f} s\n")
-    return {"root": root, "base": b, "data": data, "inproc": inproc, "sglang": engine, "python": sglang_python}
+    return {"root": root, "base": b, "data": data, "inproc": inproc, "sglang": engine, "sglang_python": sglang_python,
+            "python": python}  # fmt: skip
 
 
 def test_sglang_features_equal_in_process_features_per_sample(prepared):
@@ -167,7 +183,7 @@ def test_drafts_trained_from_sglang_and_in_process_features_agree(prepared):
     prompts = [tok.apply_chat_template([{"role": "user", "content": order2_chain(rng, b["perm"], 12)}],
                                        tokenize=True, add_generation_prompt=True) for _ in range(6)]  # fmt: skip
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
-    taus = _served_tau(prepared["python"], target, exports, prompts, root)
+    taus = _served_tau(prepared["sglang_python"], target, exports, prompts, root)
     lines = ["| features | held-out acc_0 | acc_1 | acc_2 | predicted τ | τ served by SGLang |",
              "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for name, key, m in (("in-process", "inproc", m_in), ("SGLang", "sglang", m_sg)):
@@ -205,7 +221,7 @@ def test_contract_mismatch_is_refused_with_one_line(prepared, fault, tmp_path):
     if fault == "pre-norm-final":
         from test_sglang_code_faults import installed_package
 
-        private_sglang(tmp_path / "shadow", installed_package(python), {fault: PRE_NORM})
+        private_sglang(tmp_path / "shadow", installed_package(prepared["sglang_python"]), {fault: PRE_NORM})
         (tmp_path / "switch").write_text(fault)
         env = sglang_environ(tmp_path / "shadow") | {SWITCH: str(tmp_path / "switch")}
     with mock.patch.dict(os.environ, env):
@@ -229,3 +245,44 @@ def test_the_tap_states_are_the_engines_own_and_not_copies(prepared):
         assert not torch.allclose(taps[:, i], d["final_hidden"])
         for j in range(i):
             assert not torch.allclose(taps[:, i], taps[:, j])
+
+
+DSV3_TAPS = "2,3,6"  # asked as ids [1, 2, 5]: deepseek_v2.py adds 1 to every id when the first is 1
+DSV3_SAMPLES = 8
+
+
+def test_deepseek_v3_target_features_equal_in_process_features(prepared, tmp_path):
+    """The tiny DeepSeek-V3 target (MLA, MoE after the first layer, YaRN RoPE, random weights; tests/models.py, with
+    the config keys SGLang's deepseek_v2.py reads) through the same path: SGLang's deepseek_v2.py capture rule, its
+    latent attention on the CPU, its final norm."""
+    tok = prepared["base"]["tok"]
+    target = make_checkpoint("deepseek_v3", tmp_path / "dsv3-target", vocab_size=len(tok), topk_method="noaux_tc",
+                             eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                             pad_token_id=tok.pad_token_id)  # fmt: skip
+    cfg = json.loads((target / "config.json").read_text())
+    cfg.update(moe_layer_freq=1, scoring_func="sigmoid")
+    (target / "config.json").write_text(json.dumps(cfg, indent=2))
+    tok.save_pretrained(target)
+    common = ["--limit", str(DSV3_SAMPLES)]
+    argv = prepare_argv(target, prepared["data"], tmp_path / "inproc", "--hidden-states", *common)
+    argv[argv.index("--taps") + 1] = DSV3_TAPS
+    rc, _, err = cli(argv)
+    assert rc == 0, err
+    t = time.perf_counter()
+    argv = prepare_argv(target, prepared["data"], tmp_path / "sglang", *common, *engine_argv(prepared["python"]))
+    argv[argv.index("--taps") + 1] = DSV3_TAPS
+    with mock.patch.dict(os.environ, sglang_environ()):
+        rc, _, err = cli(argv)
+    assert rc == 0, err
+    sys.stderr.write(f"prepare --engine sglang (DeepSeek-V3 target): {time.perf_counter() - t:.1f} s\n")
+    a, b = PreparedData.open(tmp_path / "inproc"), PreparedData.open(tmp_path / "sglang")
+    feats = b.manifest["features"]["engine"]
+    assert feats["captured_layer_ids"] == [2, 3, 6] and feats["layer_ids"] == [1, 2, 5]
+    rows = feature_table(a, b)
+    lines = ["| sample | tokens | max abs diff taps (3) | max abs diff final (normed) | max abs value |",
+             "|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines += [f"| {r['sample']} | {r['tokens']} | {r['aux']:.2e} | {r['final']:.2e} | {r['scale']:.2f} |" for r in rows]
+    sys.stderr.write("DeepSeek-V3 target:\n" + "\n".join(lines) + "\n")
+    assert len(rows) == DSV3_SAMPLES
+    worst = max(max(r["aux"], r["final"]) / r["scale"] for r in rows)
+    assert worst < TOL, f"SGLang's DeepSeek-V3 features differ from in-process ones by {worst:.2e} (relative)"

@@ -149,11 +149,15 @@ def _chunk_line(spans: list[list[int]], T: int) -> str:
 
 def _start(spool: str, cfg: dict):
     worker = Worker(spool, cfg)
-    return worker, worker.ready()
+    try:
+        return worker, worker.ready()
+    except Exception:
+        worker.engine.shutdown()  # its scheduler process must not outlive the worker
+        raise
 
 
 def main(argv: list[str]) -> int:
-    return serve(argv, "sglang_worker", _start, lambda w, reqs: w.run_batch(reqs))
+    return serve(argv, "sglang_worker", _start, lambda w, reqs: w.run_batch(reqs), lambda w: w.engine.shutdown())
 
 
 if __name__ == "__main__":  # SGLang spawns its scheduler: the main module is re-imported there, and must not run

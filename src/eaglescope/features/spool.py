@@ -36,9 +36,10 @@ def line(e: BaseException) -> str:
 
 
 def serve(argv: list[str], worker: str, start: Callable[[str, dict], tuple[object, dict]],
-          run_batch: Callable[[object, list[dict]], list[dict]]) -> int:  # fmt: skip
+          run_batch: Callable[[object, list[dict]], list[dict]],
+          shutdown: Callable[[object], None] | None = None) -> int:  # fmt: skip
     """`start(spool, config)` → (engine, ready); then every batch through `run_batch(engine, requests)` → results,
-    until eaglescope writes `stop`."""
+    until eaglescope writes `stop`; then `shutdown(engine)` (an engine with processes of its own ends them)."""
     if len(argv) != 2:
         print(f"usage: python -m eaglescope.features.{worker} SPOOL", file=sys.stderr)
         return 2
@@ -51,6 +52,14 @@ def serve(argv: list[str], worker: str, start: Callable[[str, dict], tuple[objec
         write(os.path.join(spool, "failed.json"), {"error": line(e)})
         return 1
     write(os.path.join(spool, "ready.json"), ready)
+    try:
+        return _loop(spool, engine, run_batch)
+    finally:
+        if shutdown is not None:
+            shutdown(engine)
+
+
+def _loop(spool: str, engine, run_batch: Callable[[object, list[dict]], list[dict]]) -> int:
     k = 0
     while not os.path.exists(os.path.join(spool, "stop")):
         batch = os.path.join(spool, f"batch-{k:05d}.json")

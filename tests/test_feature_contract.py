@@ -9,12 +9,14 @@ from eaglescope.features.contract import (
     FinalNorm,
     check_captured_ids,
     check_final_token,
+    check_prefill_chunks,
+    check_sglang_layers,
     check_states,
     check_token_ids,
     engine_layer_ids,
     normalise_final,
 )
-from eaglescope.features.vllm_engine import Mismatches
+from eaglescope.features.engine import Mismatches
 from eaglescope.taps import TapContract
 
 TAPS = TapContract((2, 4, 6), 8)
@@ -84,3 +86,27 @@ def test_mismatches_are_one_line_per_kind_naming_the_samples():
     lines = m.lines()
     assert lines == ["samples 0, 1, 2, 3 (+2 more): the engine processed other token ids",
                      "sample 3: the engine's state of layer id 2 is all zeros"]  # fmt: skip
+
+
+def test_sglang_captured_layers_are_compared_with_the_taps_and_name_the_ids():
+    assert check_sglang_layers([2, 4, 6], TAPS, [1, 3, 5], [1, 3, 5]) == []
+    # vLLM-convention ids handed to SGLang's llama.py, which adds 1
+    (line,) = check_sglang_layers([3, 5, 7], TAPS, [2, 4, 6], [1, 3, 5])
+    assert line == (
+        "the engine captures hs[3, 5, 7] (SGLang ids [2, 4, 6]), the taps asked are hs[2, 4, 6] (SGLang ids [1, 3, 5])"
+    )
+    assert "did not say which layers" in check_sglang_layers(None, TAPS, None, [1, 3, 5])[0]
+
+
+def test_a_prefill_in_chunks_must_cover_the_prompt_once_from_position_0():
+    assert check_prefill_chunks([[0, 16], [16, 16], [32, 5]], 37) == []
+    assert "radix cache" in check_prefill_chunks([[8, 29]], 37)[0]  # a cached prefix never ran
+    assert "chunk missing or repeated" in check_prefill_chunks([[0, 16], [32, 5]], 37)[0]
+    assert "covered 32 of the prompt's 37" in check_prefill_chunks([[0, 16], [16, 16]], 37)[0]
+
+
+def test_named_states_are_named_in_the_lines():
+    s = torch.randn(5, 4, 16)
+    s[:, 3] = 0
+    (line,) = check_states(s, 4, 5, 16, ["hs[2]", "hs[4]", "hs[6]", "the final state"])
+    assert line == "the engine's state of the final state is all zeros"

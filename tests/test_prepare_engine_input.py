@@ -24,10 +24,10 @@ def setup(tmp_path_factory):
     return root
 
 
-def _prepare(root, *extra: str) -> tuple[int, list[str]]:
+def _prepare(root, *extra: str, engine: str = "vllm", taps: str = "2,4,6") -> tuple[int, list[str]]:
     err = io.StringIO()
     argv = ["prepare", "--target", str(root / "target"), "--data", str(root / "data.jsonl"), "--out",
-            str(root / "out"), "--taps", "2,4,6", "--device", "cpu", "--engine", "vllm", *extra]  # fmt: skip
+            str(root / "out"), "--taps", taps, "--device", "cpu", "--engine", engine, *extra]  # fmt: skip
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         rc = main(argv)
     return rc, [ln for ln in err.getvalue().splitlines() if ln.startswith("eaglescope: error")]
@@ -45,5 +45,20 @@ def _prepare(root, *extra: str) -> tuple[int, list[str]]:
 )
 def test_bad_engine_input_is_one_line(setup, extra, phrase):
     rc, errors = _prepare(setup, *extra)
+    assert rc == 2 and len(errors) == 1 and phrase in errors[0], errors
+    assert not (setup / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, taps, phrase",
+    [
+        (["--engine-python", "/bin/false"], "2,4,6", "SGLang exited (1) before it could start"),
+        # llama.py reads every id as "output of layer i": the embedding output cannot be asked for
+        ([], "0,4,6", "ids mean 'output of layer i'; the embedding (tap 0) cannot be expressed"),
+    ],
+)
+def test_bad_sglang_engine_input_is_one_line(setup, extra, taps, phrase):
+    # --overwrite: the vLLM cases above leave their interrupted preparation (other inputs) beside --out
+    rc, errors = _prepare(setup, *extra, "--overwrite", engine="sglang", taps=taps)
     assert rc == 2 and len(errors) == 1 and phrase in errors[0], errors
     assert not (setup / "out").exists()

@@ -11,7 +11,7 @@ from eaglescope.errors import EagleScopeError
 DEFAULT_DEPTH = 5  # doctor's chain depth for served and predicted α_k
 
 
-ENGINES_FOR_FEATURES = ("vllm",)  # `prepare --engine`
+ENGINES_FOR_FEATURES = ("vllm", "sglang")  # `prepare --engine`
 
 
 @dataclass
@@ -32,10 +32,11 @@ class PrepareConfig:
     backend: str = "auto"
     limit: int | None = None
     overwrite: bool = False
-    # The serving engine computes the features instead of a target in this process (eaglescope.features): "vllm".
+    # The serving engine computes the features instead of a target in this process (eaglescope.features): "vllm",
+    # "sglang".
     engine: str | None = None
-    engine_python: str | None = None  # the engine environment's interpreter (default $EAGLESCOPE_VLLM_PYTHON)
-    engine_args: str | None = None  # JSON object of the engine's own arguments (vLLM: LLM keywords)
+    engine_python: str | None = None  # the engine environment's interpreter (default $EAGLESCOPE_<ENGINE>_PYTHON)
+    engine_args: str | None = None  # JSON object of the engine's own arguments (vLLM: LLM keywords; SGLang: Engine)
 
     def validate(self) -> None:
         if self.engine is not None:

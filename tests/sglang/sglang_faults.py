@@ -238,12 +238,13 @@ def condition(fault: str) -> str:
     return f'__import__("sglang.{SWITCH_MODULE}", fromlist=["on"]).on("{fault}")'
 
 
-def private_sglang(root: Path, package: Path) -> dict[str, str]:
-    """ROOT/sglang: the installed SGLang `package` as links, the patched files as real ones, and the switch module →
-    {relative path: sha256 of the installed original} (for the caller to check the installed files are unchanged)."""
+def private_sglang(root: Path, package: Path, faults: dict[str, Fault] | None = None) -> dict[str, str]:
+    """ROOT/sglang: the installed SGLang `package` as links, the files `faults` patch (default FAULTS) as real ones, and
+    the switch module → {relative path: sha256 of the installed original} (for the caller to check the installed files
+    are unchanged)."""
     out = root / "sglang"
     files: dict[str, list[tuple[str, Patch]]] = {}
-    for name, fault in FAULTS.items():
+    for name, fault in (FAULTS if faults is None else faults).items():
         for patch in fault.patches:
             files.setdefault(patch.path, []).append((name, patch))
     for dirpath, _, filenames in os.walk(package):

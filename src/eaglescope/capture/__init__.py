@@ -10,6 +10,8 @@ Two halves, in two Python environments:
                     process imports the module the engine runs its model from.
     vllm_hooks.py   the wrappers, one module per engine: they read what the engine computes (never change it) and
     sglang_hooks.py write one trace per request with eaglescope's TraceRecorder.
+    sglang_features.py  the same plugin's other use (`prepare --engine sglang`): each prefill's tap states and final
+                    state, from SGLang's own EAGLE-3 capture on a target served without a draft.
     slots.py        what the hooks of every engine share: request slots across processes, the target's fingerprint.
 
 This module holds only the names both halves share, so that importing it costs nothing.
@@ -29,6 +31,8 @@ ENV_REQUESTS = "EAGLESCOPE_CAPTURE_REQUESTS"  # how many requests to trace (the 
 ENV_MODE = "EAGLESCOPE_CAPTURE_MODE"  # "full" | "fingerprint"
 ENV_ENGINE = "EAGLESCOPE_CAPTURE_ENGINE"  # "vllm" | "sglang": only that engine's plugin acts
 ENV_LAYERS = "EAGLESCOPE_CAPTURE_LAYERS"  # "1": also every layer's state of each prefill (target.layer.*)
+# "1": training features instead of traces (`prepare --engine sglang`: capture/sglang_features.py, no draft served)
+ENV_FEATURES = "EAGLESCOPE_CAPTURE_FEATURES"
 
 # Files the engine side leaves in the staging directory for the command to read.
 REFUSED = "refused.txt"  # one line: this engine version is not supported (nothing was hooked)
@@ -38,6 +42,9 @@ LOADED = "loaded-{pid}"  # the plugin ran in this process
 HOOKED = "hooked-{pid}"  # the hooks are installed in this process (it imported the model runner)
 CLAIMS = "claims"  # claims/<k>: request slot k is taken (mkdir is atomic across engine processes)
 TRACE_NAME = "request-{k}"  # request slot k's trace
+FEATURES_READY = "features-ready.json"  # what the features hooks read back of the target when it loaded
+FEATURES_DIR = "features"  # features/<request id>.<first position>.safetensors: one prefill forward's states
+FEATURES_REQUEST_PREFIX = "eaglescope-features-"  # the ids of the requests whose features are written
 
 PRODUCER_SUFFIX = "(eaglescope capture)"
 # The versions whose internals each engine's hooks were written against (and tested on).

@@ -19,7 +19,17 @@ import os
 import sys
 from types import ModuleType
 
-from eaglescope.capture import ENV_ENGINE, HOOKED, LOADED, REFUSED, _staging, log, note, unsupported_line
+from eaglescope.capture import (
+    ENV_ENGINE,
+    ENV_FEATURES,
+    HOOKED,
+    LOADED,
+    REFUSED,
+    _staging,
+    log,
+    note,
+    unsupported_line,
+)
 from eaglescope.log import configure as configure_logging
 
 # engine → the module whose import means "this process runs the model", where that engine's hooks are installed
@@ -28,6 +38,9 @@ HOOKED_MODULES = {
     "sglang": "sglang.srt.speculative.eagle_worker_v2",  # EAGLEWorkerV2 (the scheduler process)
 }
 RUNNER_MODULE = HOOKED_MODULES["vllm"]
+# `prepare --engine sglang` (ENV_FEATURES): no draft is served, so no EAGLE worker is imported; the hooks are installed
+# where the target's ModelRunner is defined (capture/sglang_features.py)
+FEATURES_MODULES = {"sglang": "sglang.srt.model_executor.model_runner"}
 
 
 def _touch(name: str) -> None:
@@ -67,19 +80,21 @@ def _start(engine: str) -> None:
             except FileExistsError:
                 pass
             return
+        hooks = f"{engine}_hooks"
         module = HOOKED_MODULES[engine]
+        if os.environ.get(ENV_FEATURES) == "1" and engine in FEATURES_MODULES:
+            hooks, module = f"{engine}_features", FEATURES_MODULES[engine]
         if module in sys.modules:
-            _install(engine, sys.modules[module])
+            _install(engine, sys.modules[module], hooks)
         elif not any(isinstance(f, _HookOnImport) for f in sys.meta_path):
-            sys.meta_path.insert(0, _HookOnImport(engine, module))
+            sys.meta_path.insert(0, _HookOnImport(engine, module, hooks))
     except Exception as e:  # noqa: BLE001 - a capture that cannot start must never stop the user's serving
         note(f"the {engine} plugin could not start: {type(e).__name__}: {e}")
 
 
-def _install(engine: str, module: ModuleType) -> None:
+def _install(engine: str, module: ModuleType, hooks: str | None = None) -> None:
     try:
-        hooks = importlib.import_module(f"eaglescope.capture.{engine}_hooks")
-        hooks.install(module)
+        importlib.import_module(f"eaglescope.capture.{hooks or engine + '_hooks'}").install(module)
         _touch(HOOKED.format(pid=os.getpid()))
     except Exception as e:  # noqa: BLE001 - as above: report, and let the engine serve uncaptured
         note(f"could not install the {engine} hooks: {type(e).__name__}: {e}")
@@ -88,8 +103,8 @@ def _install(engine: str, module: ModuleType) -> None:
 class _HookOnImport(importlib.abc.MetaPathFinder):
     """Finds the hooked module like the other finders would, and installs the hooks once it has run."""
 
-    def __init__(self, engine: str, module: str) -> None:
-        self.engine, self.module = engine, module
+    def __init__(self, engine: str, module: str, hooks: str) -> None:
+        self.engine, self.module, self.hooks = engine, module, hooks
 
     def find_spec(self, fullname, path, target=None):
         if fullname != self.module:
@@ -97,20 +112,20 @@ class _HookOnImport(importlib.abc.MetaPathFinder):
         sys.meta_path.remove(self)  # one shot, and the search below must not find this finder again
         spec = importlib.util.find_spec(fullname)
         if spec is not None and spec.loader is not None:
-            spec.loader = _ThenInstall(spec.loader, self.engine)
+            spec.loader = _ThenInstall(spec.loader, self.engine, self.hooks)
         return spec
 
 
 class _ThenInstall(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, engine: str) -> None:
-        self._inner, self._engine = inner, engine
+    def __init__(self, inner: importlib.abc.Loader, engine: str, hooks: str) -> None:
+        self._inner, self._engine, self._hooks = inner, engine, hooks
 
     def create_module(self, spec):
         return self._inner.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)
-        _install(self._engine, module)
+        _install(self._engine, module, self._hooks)
 
     def __getattr__(self, name: str):  # get_source, get_filename …: what tracebacks and inspect ask a loader
         return getattr(self._inner, name)

@@ -117,9 +117,10 @@ def add_prepare(sub) -> None:
     f("backend", choices=BACKENDS)
     f("limit", type=int, help="use only the first N conversations")
     f("overwrite", help="replace an earlier preparation at OUT, once the new one is complete")
-    f("engine", choices=["vllm"], help="the serving engine computes the features (implies --hidden-states; "
+    f("engine", choices=["vllm", "sglang"], help="the serving engine computes the features (implies --hidden-states; "
       "docs/engine-features.md)")  # fmt: skip
-    f("engine_python", help="the engine environment's python (default $EAGLESCOPE_VLLM_PYTHON, else python)")
+    f("engine_python", help="the engine environment's python (default $EAGLESCOPE_VLLM_PYTHON or "
+      "$EAGLESCOPE_SGLANG_PYTHON, else python)")  # fmt: skip
     f("engine_args", help="JSON object of the engine's own arguments, e.g. '{\"tensor_parallel_size\": 8}'")
     p.add_argument(
         "--buffer",

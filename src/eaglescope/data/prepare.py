@@ -366,16 +366,18 @@ def _load_engine_target(cfg: PrepareConfig):
 
 def _engine_source(cfg: PrepareConfig, target, taps: TapContract):
     """The running engine that computes the features (started at its first shard)."""
-    from eaglescope.features.vllm_engine import VllmFeatures  # only with --engine
+    from eaglescope.features.sglang_engine import SglangFeatures  # only with --engine
+    from eaglescope.features.vllm_engine import VllmFeatures
 
-    python = cfg.engine_python or os.environ.get("EAGLESCOPE_VLLM_PYTHON") or "python"
+    env = {"vllm": "EAGLESCOPE_VLLM_PYTHON", "sglang": "EAGLESCOPE_SGLANG_PYTHON"}[cfg.engine]
+    python = cfg.engine_python or os.environ.get(env) or "python"
     try:
         args = json.loads(cfg.engine_args) if cfg.engine_args else {}
     except json.JSONDecodeError as e:
         raise EagleScopeError(f"--engine-args is not JSON ({e.msg}): give an object of LLM keywords.") from None
     if not isinstance(args, dict):
         raise EagleScopeError("--engine-args must be a JSON object of the engine's own arguments.")
-    return VllmFeatures(target, taps, python, args)
+    return {"vllm": VllmFeatures, "sglang": SglangFeatures}[cfg.engine](target, taps, python, args)
 
 
 def _render_chunk(cfg: PrepareConfig, target, tok, chunk: list, k: int, L: int, stop_ids, bar, entry: dict):
@@ -416,7 +418,7 @@ def _render_chunk(cfg: PrepareConfig, target, tok, chunk: list, k: int, L: int, 
 
 def _engine_shard(engine, pairs: list, first: int, acc: dict) -> dict[str, torch.Tensor]:
     """A shard's tensors from the engine's features of its samples (checked against the capture contract there)."""
-    from eaglescope.features.vllm_engine import Sample
+    from eaglescope.features.engine import Sample
 
     samples = [Sample(msgs, ids, full > len(ids), full) for ids, _, msgs, full in pairs]
     rows = engine.features(samples, first) if samples else []
@@ -538,7 +540,8 @@ def features_record(engine: str, stats: dict | None) -> dict:
         if normed
         else "post-norm, as the engine hands it on",
         "checked": ["layer ids captured", "final-state norm convention", "final state predicts the engine's token",
-                    "token ids equal eaglescope's rendering", "no NaN / inf", "no all-zero layer", "lengths"],
+                    "token ids equal eaglescope's rendering", "no NaN / inf", "no all-zero layer", "lengths"]
+        + (["prefill chunks cover the prompt once"] if engine == "sglang" else []),
     }  # fmt: skip
 
 

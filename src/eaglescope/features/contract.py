@@ -8,8 +8,10 @@ hand on something close, under their own conventions:
     vllm    id k = hs[k] (output of layer k-1); the     id L = the last layer's output,  model_executor/models/
             final state is asked for as id L            BEFORE the final norm            interfaces.py
                                                                                          _maybe_add_hidden_state
-    sglang  eaglescope's capture plugin records hs[i]   after the final norm (what the   capture/sglang_features.py
-            directly                                    model hands its logits processor)
+    sglang  its own EAGLE-3 capture, asked for by ids   after the final norm (the        models/llama.py,
+            (llama.py: id i = hs[i+1]; deepseek_v2.py:  model body's output, which the   deepseek_v2.py
+            +1 only when the first id is 1), read by    logits processor reads)          set_eagle3_layers_to_capture
+            capture/sglang_features.py
 
 `FINAL_STATE` states each engine's convention; `normalise_final` turns the engine's final state into training's
 (the target's final RMSNorm applied to vLLM's pre-norm state; SGLang's is taken as is). Each check below is a known
@@ -116,18 +118,54 @@ def check_token_ids(engine_ids: list[int], ours: list[int], truncated: bool, dec
     ]
 
 
-def check_states(states: torch.Tensor, n_ids: int, T: int, H: int, ids: list[int]) -> list[str]:
-    """states [T, n_ids, H]: the shape, then no NaN / inf, no all-zero layer."""
+def check_states(states: torch.Tensor, n_ids: int, T: int, H: int, ids: list[int | str]) -> list[str]:
+    """states [T, n_ids, H]: the shape, then no NaN / inf, no all-zero layer. `ids` name the columns: an engine's
+    layer id (int, "layer id k") or a name ("hs[2]", "the final state")."""
     if states.dim() != 3 or list(states.shape) != [T, n_ids, H]:
         return [f"the engine's hidden states have shape {list(states.shape)}, expected [{T}, {n_ids}, {H}]"]
+
+    def name(j: int) -> str:
+        return f"layer id {ids[j]}" if isinstance(ids[j], int) else str(ids[j])
+
     lines = []
     finite = torch.isfinite(states).all(dim=(0, 2))
     for j in (~finite).nonzero().flatten().tolist():
-        lines.append(f"the engine's state of layer id {ids[j]} holds NaN or inf")
+        lines.append(f"the engine's state of {name(j)} holds NaN or inf")
     zero = (states == 0).all(dim=(0, 2))
     for j in zero.nonzero().flatten().tolist():
-        lines.append(f"the engine's state of layer id {ids[j]} is all zeros")
+        lines.append(f"the engine's state of {name(j)} is all zeros")
     return lines
+
+
+def check_sglang_layers(captured: list[int] | None, taps: TapContract, given: list[int] | None,
+                        asked: list[int]) -> list[str]:  # fmt: skip
+    """SGLang's read-back `layers_to_capture` (HF indices: the state entering layer i, once the target model applied
+    its id rule to the ids it was `given`) against the taps, which eaglescope asks for as ids `asked`."""
+    if captured is None:
+        return [
+            "the engine did not say which layers it captures (eaglescope's capture plugin did not report from "
+            "SGLang's scheduler: is eaglescope installed in SGLang's environment?)"
+        ]
+    if sorted(captured) == list(taps.layers):
+        return []
+    return [
+        f"the engine captures hs{sorted(int(i) for i in captured)} (SGLang ids {given}), the taps asked are "
+        f"hs{list(taps.layers)} (SGLang ids {asked})"
+    ]
+
+
+def check_prefill_chunks(chunks: list[list[int]], T: int) -> list[str]:
+    """The engine's prefill of one request, as [start, tokens] per forward it ran in, covers positions 0..T-1 once,
+    in order (a prefill split in chunks is joined; a cached prefix never ran, so it has no features)."""
+    pos = 0
+    for start, n in chunks:
+        if start != pos:
+            why = "a cached prefix never runs: radix cache on?" if pos == 0 else "a chunk missing or repeated"
+            return [f"the engine's prefill of the prompt ran from position {start} where {pos} was due ({why})"]
+        pos += n
+    if pos != T:
+        return [f"the engine's prefill covered {pos} of the prompt's {T} positions"]
+    return []
 
 
 def normalise_final(engine: str, final: torch.Tensor, norm: FinalNorm) -> tuple[torch.Tensor, list[str]]:
@@ -175,6 +213,8 @@ __all__ = [
     "check_captured_ids",
     "check_token_ids",
     "check_states",
+    "check_sglang_layers",
+    "check_prefill_chunks",
     "normalise_final",
     "check_final_token",
 ]

@@ -22,7 +22,7 @@ from eaglescope.data.chat import read_conversations, render, rendered_messages
 from eaglescope.data.prepare import _engine_source, _load_engine_target
 from eaglescope.errors import EagleScopeError
 from eaglescope.features.buffer import FeatureBuffer
-from eaglescope.features.vllm_engine import Sample
+from eaglescope.features.engine import Sample
 from eaglescope.models.vocab import build_draft_vocab, count_tokens
 
 log = logging.getLogger(__name__)

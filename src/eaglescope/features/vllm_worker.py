@@ -1,5 +1,5 @@
 """The vLLM side of `eaglescope prepare --engine vllm`: runs in vLLM's own Python environment (the standard library,
-vllm and safetensors only; no eaglescope module is imported here), started by features/vllm_engine.py.
+vllm and safetensors, and eaglescope's standard-library spool loop), started by features/vllm_engine.py.
 
 vLLM computes the features with its `extract_hidden_states` speculative method (vllm/v1/spec_decode/
 extract_hidden_states.py: the target's aux hidden states of every scheduled token are cached in a cache-only
@@ -9,32 +9,19 @@ and token_ids [T], written on a thread, complete once the file's `.lock` is rele
 
     python -m eaglescope.features.vllm_worker SPOOL
 
-SPOOL/config.json     {"target", "layer_ids", "dtype", "max_model_len", "engine_args"}: written by eaglescope first
-SPOOL/ready.json      {"vllm_version", "captured_layers", "prefix_caching", "chunked_prefill", "max_model_len"}
-SPOOL/failed.json     {"error": one line}: the engine could not start or a batch raised
-SPOOL/batch-K.json    {"requests": [{"messages": [...]} | {"prompt_ids": [...]}]} from eaglescope, processed in K order
-SPOOL/batch-K.out.json {"results": [{"file", "prompt_ids", "sampled"}], "seconds"}: written when every file is complete
-SPOOL/stop            eaglescope is done: the worker exits
-vLLM's own log goes to this process's stdout and stderr (eaglescope sends them to SPOOL/engine.log).
+The spool protocol (config, ready, batches, stop) is features/spool.py's; ready.json adds "prefix_caching",
+"chunked_prefill", "max_model_len", "dtype" and "connector" to it. vLLM's own log goes to this process's stdout and
+stderr (eaglescope sends them to SPOOL/engine.log).
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import sys
 import time
 
-POLL_S = 0.05
-AUX_LAYERS_LOG = "Using auxiliary layers from speculative config:"
-
-
-def _write(path: str, obj) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+from eaglescope.features.spool import serve
 
 
 def _captured_layers(llm) -> list[int] | None:
@@ -155,53 +142,26 @@ def _result(o) -> dict:
     }
 
 
+def _start_ready(spool: str, cfg: dict):
+    import vllm
+
+    llm = _start(spool, cfg)
+    vc = llm.llm_engine.vllm_config
+    ready = {
+        "version": vllm.__version__,
+        "vllm_version": vllm.__version__,
+        "captured_layers": _captured_layers(llm),
+        "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
+        "chunked_prefill": bool(getattr(vc.scheduler_config, "enable_chunked_prefill", False)),
+        "max_model_len": int(vc.model_config.max_model_len),
+        "dtype": str(vc.model_config.dtype).removeprefix("torch."),
+        "connector": vc.kv_transfer_config.kv_connector,
+    }
+    return llm, ready
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m eaglescope.features.vllm_worker SPOOL", file=sys.stderr)
-        return 2
-    spool = argv[1]
-    try:
-        import vllm
-
-        with open(os.path.join(spool, "config.json")) as f:
-            cfg = json.load(f)
-        llm = _start(spool, cfg)
-        vc = llm.llm_engine.vllm_config
-        ready = {
-            "vllm_version": vllm.__version__,
-            "captured_layers": _captured_layers(llm),
-            "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
-            "chunked_prefill": bool(getattr(vc.scheduler_config, "enable_chunked_prefill", False)),
-            "max_model_len": int(vc.model_config.max_model_len),
-            "dtype": str(vc.model_config.dtype).removeprefix("torch."),
-            "connector": vc.kv_transfer_config.kv_connector,
-        }
-    except Exception as e:  # noqa: BLE001 - one line for eaglescope to report
-        _write(os.path.join(spool, "failed.json"), {"error": _line(e)})
-        return 1
-    _write(os.path.join(spool, "ready.json"), ready)
-    k = 0
-    while not os.path.exists(os.path.join(spool, "stop")):
-        batch = os.path.join(spool, f"batch-{k:05d}.json")
-        if not os.path.exists(batch):
-            time.sleep(POLL_S)
-            continue
-        with open(batch) as f:
-            requests = json.load(f)["requests"]
-        t = time.perf_counter()
-        try:
-            results = _run_batch(llm, requests)
-        except Exception as e:  # noqa: BLE001
-            _write(os.path.join(spool, "failed.json"), {"error": _line(e), "batch": k})
-            return 1
-        _write(os.path.join(spool, f"batch-{k:05d}.out.json"), {"results": results, "seconds": time.perf_counter() - t})
-        k += 1
-    return 0
-
-
-def _line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in f"{type(e).__name__}: {e}".splitlines() if ln.strip()]
-    return lines[0] if lines else type(e).__name__
+    return serve(argv, "vllm_worker", _start_ready, _run_batch)
 
 
 if __name__ == "__main__":  # vLLM's engine processes re-import the main module when they are spawned

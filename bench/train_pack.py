@@ -43,12 +43,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_speed import LLAMA_8B, TINY, build_target, commit  # noqa: E402
+from train_speed import LLAMA_8B, TINY, build_target, commit, write_prepared_lengths  # noqa: E402
 
 from eaglescope.config import TrainConfig  # noqa: E402
-from eaglescope.data.shards import FORMAT_VERSION, MANIFEST, SAMPLES, VOCAB, save_atomic, write_json_atomic  # noqa: E402
-from eaglescope.models.targets.loading import fingerprint_of, read_config  # noqa: E402
-from eaglescope.models.vocab import build_draft_vocab, count_tokens  # noqa: E402
 from eaglescope.train.loop import _Order  # noqa: E402
 from eaglescope.train.packing import plan  # noqa: E402
 
@@ -73,42 +70,7 @@ def sample_lengths(n: int, mix: tuple[float, float, int, int], seed: int) -> lis
 
 def write_prepared_mix(out: Path, target: Path, lengths: list[int], draft_vocab: int, seed: int = 0) -> Path:
     """A prepared-data directory (online mode: token ids and loss masks) of synthetic samples of these lengths."""
-    fp = fingerprint_of(target, read_config(target))
-    V = fp.vocab_size
-    total = sum(lengths)
-    g = torch.Generator().manual_seed(seed)
-    zipf = 1.0 / (torch.arange(V, dtype=torch.float64) + 10.0)
-    ids = torch.randperm(V, generator=g)[torch.multinomial(zipf, total, True, generator=g)]
-    mask = torch.ones(total, dtype=torch.uint8)
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    offsets[1:] = torch.tensor(lengths).cumsum(0)
-    for a, n in zip(offsets[:-1].tolist(), lengths, strict=True):
-        mask[a : a + max(1, n // 8)] = 0  # the prompt
-    out.mkdir(parents=True, exist_ok=True)
-    samples = {"input_ids": ids.to(torch.int32), "loss_mask": mask, "offsets": offsets}
-    samples_file = {"file": SAMPLES, **save_atomic(samples, out / SAMPLES)}
-    counts = count_tokens([(ids, mask)], V)
-    d2t, t2d = build_draft_vocab(counts, draft_vocab)
-    vocab_file = {"file": VOCAB, **save_atomic({"d2t": d2t, "t2d": t2d, "token_counts": counts}, out / VOCAB)}
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "producer": "bench/train_pack.py (synthetic token ids, lognormal lengths)",
-        "target": fp.to_dict(),
-        "chat_template_sha256": None,
-        "taps": None,
-        "num_samples": len(lengths),
-        "num_tokens": total,
-        "num_supervised_tokens": int(mask.sum()),
-        "max_length": max(lengths),
-        "regenerated": False,
-        "draft_vocab_size": draft_vocab,
-        "samples_file": samples_file,
-        "vocab_file": vocab_file,
-        "hidden_states": False,
-        "shards": [],
-    }
-    write_json_atomic(manifest, out / MANIFEST)
-    return out
+    return write_prepared_lengths(out, target, lengths, draft_vocab, seed, "bench/train_pack.py, lognormal lengths")
 
 
 def layout_of(lengths: list[int], batch: int, steps: int, eval_fraction: float, max_length: int, pack: bool,

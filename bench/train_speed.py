@@ -73,16 +73,25 @@ def build_target(shape: dict, out: Path, device: str, dtype: torch.dtype) -> Pat
 
 def write_prepared(out: Path, target: Path, num_samples: int, length: int, draft_vocab: int, seed: int = 0) -> Path:
     """A prepared-data directory (online mode: token ids and loss masks, no hidden states) of synthetic samples."""
+    return write_prepared_lengths(out, target, [length] * num_samples, draft_vocab, seed, "bench/train_speed.py")
+
+
+def write_prepared_lengths(out: Path, target: Path, lengths: list[int], draft_vocab: int, seed: int = 0,
+                           producer: str = "bench") -> Path:  # fmt: skip
+    """A prepared-data directory of synthetic samples of these lengths: Zipf-distributed ids over the vocabulary, the
+    first eighth of each sample its prompt (outside the loss mask), the draft vocabulary by build_draft_vocab."""
     fp = fingerprint_of(target, read_config(target))
     V = fp.vocab_size
+    total = sum(lengths)
     g = torch.Generator().manual_seed(seed)
     zipf = 1.0 / (torch.arange(V, dtype=torch.float64) + 10.0)
-    ids = torch.randperm(V, generator=g)[torch.multinomial(zipf, num_samples * length, True, generator=g)]
-    mask = torch.ones(num_samples, length, dtype=torch.uint8)
-    mask[:, : length // 8] = 0  # the prompt
-    mask = mask.reshape(-1)
+    ids = torch.randperm(V, generator=g)[torch.multinomial(zipf, total, True, generator=g)]
+    mask = torch.ones(total, dtype=torch.uint8)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths).cumsum(0)
+    for a, n in zip(offsets[:-1].tolist(), lengths, strict=True):
+        mask[a : a + max(1, n // 8)] = 0  # the prompt
     out.mkdir(parents=True, exist_ok=True)
-    offsets = torch.arange(num_samples + 1, dtype=torch.int64) * length
     samples = {"input_ids": ids.to(torch.int32), "loss_mask": mask, "offsets": offsets}
     samples_file = {"file": SAMPLES, **save_atomic(samples, out / SAMPLES)}
     counts = count_tokens([(ids, mask)], V)
@@ -90,14 +99,14 @@ def write_prepared(out: Path, target: Path, num_samples: int, length: int, draft
     vocab_file = {"file": VOCAB, **save_atomic({"d2t": d2t, "t2d": t2d, "token_counts": counts}, out / VOCAB)}
     manifest = {
         "format_version": FORMAT_VERSION,
-        "producer": "bench/train_speed.py (synthetic token ids)",
+        "producer": f"{producer} (synthetic token ids)",
         "target": fp.to_dict(),
         "chat_template_sha256": None,
         "taps": None,  # online: train takes the default taps
-        "num_samples": num_samples,
-        "num_tokens": num_samples * length,
+        "num_samples": len(lengths),
+        "num_tokens": total,
         "num_supervised_tokens": int(mask.sum()),
-        "max_length": length,
+        "max_length": max(lengths),
         "regenerated": False,
         "draft_vocab_size": draft_vocab,
         "samples_file": samples_file,

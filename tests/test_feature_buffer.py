@@ -44,28 +44,44 @@ def test_the_producer_blocks_at_the_bound_and_the_consumer_gets_every_shard_in_o
     buf = _create(tmp_path / "buf", capacity=2)
     stats: dict = {}
     produced = []
+    failed: list[BaseException] = []
 
     def producer():
-        for k in range(6):
-            seq, _ = buf.put(_samples(k), "p", stats)
-            produced.append(seq)
-        buf.report("p", stats, done=True)
+        try:
+            for k in range(6):
+                seq, _ = buf.put(_samples(k), "p", stats)
+                produced.append(seq)
+            buf.report("p", stats, done=True)
+        except BaseException as e:  # the consumer would otherwise wait out its timeout and hide the cause
+            failed.append(e)
+            raise
 
     t = threading.Thread(target=producer)
     t.start()
     time.sleep(1.0)  # the consumer has not started: the producer must stop at the bound
     assert len(buf.waiting()) == 2 and len(produced) == 2
     got = []
-    while (item := buf.next_shard(timeout=30)) is not None:
+    while not failed and (item := buf.next_shard(timeout=30)) is not None:
         seq, samples = item
         assert torch.equal(samples[0]["aux"], _samples(seq)[0]["aux"])
         got.append(seq)
         buf.mark_consumed(seq, len(samples), sum(len(s["input_ids"]) for s in samples))
     t.join()
+    assert not failed, f"the producer failed: {failed[0]!r}"
     assert got == list(range(6))
     assert stats["peak_waiting"] <= 2
     assert buf.consumed()["shards"] == got and not list(buf.root.glob("shard-*"))
     assert len(buf.eval_samples()) == 1
+
+
+def test_the_size_survives_a_shard_freed_while_it_is_listed(tmp_path, monkeypatch):
+    # The consumer deletes a shard between the producer's listing and its stat (CI saw exactly this race).
+    buf = _create(tmp_path / "buf", capacity=4)
+    seq, _ = buf.put(_samples(0), "p", {})
+    kept = buf.size_bytes()
+    listed = [*buf.root.glob("shard-*.safetensors"), buf.root / "shard-000099.safetensors"]
+    monkeypatch.setattr(type(buf.root), "glob", lambda self, pattern: iter(listed))
+    assert buf.size_bytes() == kept > 0
 
 
 def test_a_restart_resumes_after_the_last_recorded_shard(tmp_path):

@@ -100,7 +100,13 @@ class FeatureBuffer:
         return len(list(self.root.glob("done-*"))) >= int(self.header().get("producers", 1))
 
     def size_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.root.glob("shard-*.safetensors"))
+        total = 0
+        for p in self.root.glob("shard-*.safetensors"):
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:  # the consumer freed it between the listing and the stat
+                continue
+        return total
 
     # -- producer side ----------------------------------------------------------------------------------------------
     def create(self, header: dict, vocab: dict[str, torch.Tensor], eval_samples: list[dict]) -> None:

@@ -4,8 +4,11 @@ these never get as far as one)."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import http.server
 import io
 import json
+import threading
 
 import pytest
 from models import WIDE_HEADS, make_checkpoint
@@ -41,6 +44,9 @@ def _prepare(root, *extra: str, engine: str = "vllm", taps: str = "2,4,6") -> tu
         (["--engine-args", "[1, 2]"], "--engine-args must be a JSON object"),
         (["--engine-python", "/nonexistent/python"], "cannot run --engine-python '/nonexistent/python'"),
         (["--engine-python", "/bin/false"], "vLLM exited (1) before it could start"),
+        (["--engine-url", "http://127.0.0.1:1"], "cannot reach vLLM at http://127.0.0.1:1"),
+        (["--engine-url", "http://127.0.0.1:1", "--engine-args", "{}"], "do not apply to a running server"),
+        (["--engine-log", "vllm.log"], "--engine-log is the log of the server given by --engine-url"),
     ],
 )
 def test_bad_engine_input_is_one_line(setup, extra, phrase):
@@ -55,10 +61,25 @@ def test_bad_engine_input_is_one_line(setup, extra, phrase):
         (["--engine-python", "/bin/false"], "2,4,6", "SGLang exited (1) before it could start"),
         # llama.py reads every id as "output of layer i": the embedding output cannot be asked for
         ([], "0,4,6", "ids mean 'output of layer i'; the embedding (tap 0) cannot be expressed"),
+        (["--engine-url", "http://127.0.0.1:1"], "2,4,6", "--engine-url needs --engine vllm"),
     ],
 )
 def test_bad_sglang_engine_input_is_one_line(setup, extra, taps, phrase):
     # --overwrite: the vLLM cases above leave their interrupted preparation (other inputs) beside --out
     rc, errors = _prepare(setup, *extra, "--overwrite", engine="sglang", taps=taps)
     assert rc == 2 and len(errors) == 1 and phrase in errors[0], errors
+    assert not (setup / "out").exists()
+
+
+def test_a_server_that_is_not_vllm_is_named_in_one_line(setup, tmp_path):
+    # An HTTP server that answers, but not vLLM's API (a static file server: /version is 404)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        rc, errors = _prepare(setup, "--engine-url", url, "--overwrite")
+    finally:
+        server.shutdown()
+    assert rc == 2 and len(errors) == 1 and f"vLLM at {url} answered /version with 404" in errors[0], errors
     assert not (setup / "out").exists()

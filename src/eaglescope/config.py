@@ -37,6 +37,10 @@ class PrepareConfig:
     engine: str | None = None
     engine_python: str | None = None  # the engine environment's interpreter (default $EAGLESCOPE_<ENGINE>_PYTHON)
     engine_args: str | None = None  # JSON object of the engine's own arguments (vLLM: LLM keywords; SGLang: Engine)
+    # A vLLM server already running (the target too large for anything but its serving cluster) instead of an engine
+    # eaglescope starts; its log lets the captured layer ids be checked (features/vllm_server.py).
+    engine_url: str | None = None
+    engine_log: str | None = None
 
     def validate(self) -> None:
         if self.engine is not None:
@@ -48,6 +52,18 @@ class PrepareConfig:
                     "--regenerate with --engine is not supported yet: regenerate in a prepare without --engine first."
                 )
             self.hidden_states = True  # what an engine is for
+        if self.engine_url is not None:
+            if self.engine != "vllm":
+                raise EagleScopeError(
+                    "--engine-url needs --engine vllm: SGLang's server hands on no per-layer states, so eaglescope "
+                    "starts SGLang itself with its capture plugin."
+                )
+            if self.engine_python or self.engine_args:
+                raise EagleScopeError(
+                    "--engine-python and --engine-args do not apply to a running server (--engine-url)."
+                )
+        elif self.engine_log is not None:
+            raise EagleScopeError("--engine-log is the log of the server given by --engine-url.")
         for name, low in (("max_length", 2), ("batch_size", 1), ("shard_samples", 1), ("regen_max_new_tokens", 1)):
             if getattr(self, name) < low:
                 raise EagleScopeError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}.")

@@ -22,6 +22,7 @@ from unittest import mock
 
 import pytest
 import torch
+from engine_servers import HOST, Server, free_port
 from test_vllm_serving import MAX_LEN, base, cli, order2_chain
 from vllm_support import HERE, RUNNER, runner_env
 
@@ -289,3 +290,61 @@ def test_training_consumes_the_engine_features_through_a_bounded_buffer(prepared
     assert s["consumer"]["tokens_per_s"] > 0 and s["producers_tokens_per_s"] > 0
     assert not list(buf.glob("shard-*"))  # consumed shards are gone: nothing beyond the bound stays on disk
     assert res.metrics["num_samples"] > 0 and res.steps > 0
+
+
+# -- a vLLM server someone else started (--engine-url) -----------------------------------------------------------------
+def _extracting_server(python: str, target: Path, root: Path) -> Server:
+    """`vllm serve` as a user starts it for eaglescope (docs/engine-features.md): extract_hidden_states with the ids
+    of taps [2, 4, 6] and the final state, the hidden-states connector (eaglescope's CPU subclass on this machine),
+    prefix caching off, dev mode on so that /server_info answers."""
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 6, 8]}}}  # fmt: skip
+    kv = {"kv_connector": "CpuHiddenStatesConnector", "kv_role": "kv_producer",
+          "kv_connector_module_path": "eaglescope.features.vllm_cpu_connector",
+          "kv_connector_extra_config": {"shared_storage_path": str(root / "hs")}}  # fmt: skip
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--host", HOST,
+            "--port", str(free_port()), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_LEN),
+            "--seed", "0", "--no-enable-prefix-caching", "--speculative-config", json.dumps(spec),
+            "--kv-transfer-config", json.dumps(kv)]  # fmt: skip
+    env = runner_env() | {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    return Server(argv, env, root / "vllm-server.log", int(argv[argv.index("--port") + 1]))
+
+
+def test_features_from_a_running_server_equal_in_process_features(prepared, tmp_path):
+    """`--engine-url`: the same features from a server eaglescope did not start, its layer ids read from its log;
+    without the log the ids are named as unchecked (a warning, and the manifest's "checked" list says so); taps the
+    server does not capture are refused with one line before any sample is sent."""
+    target = prepared["base"]["target"]
+    server = _extracting_server(prepared["python"], target, tmp_path)
+    server.start(timeout_s=600)
+    try:
+        url, log = ["--engine-url", server.url], ["--engine-log", str(server.log)]
+        t = time.perf_counter()
+        rc, _, err = cli(prepare_argv(target, prepared["data"], tmp_path / "served", "--engine", "vllm", *url, *log))
+        assert rc == 0, err + server.tail()
+        seconds = time.perf_counter() - t
+        rc, _, unread = cli(prepare_argv(target, prepared["data"], tmp_path / "no-log", "--limit", "4", "--engine",
+                                         "vllm", *url))  # fmt: skip
+        assert rc == 0, unread
+        argv = prepare_argv(target, prepared["data"], tmp_path / "other-taps", "--engine", "vllm", *url, *log)
+        argv[argv.index("--taps") + 1] = "1,4,6"
+        rc, _, refused = cli(argv)
+    finally:
+        server.stop()
+    a, b = PreparedData.open(prepared["inproc"]), PreparedData.open(tmp_path / "served")
+    assert len(a) == len(b) == N_CONV
+    rows = feature_table(a, b)
+    worst = max(max(r["aux"], r["final"]) / r["scale"] for r in rows)
+    sys.stderr.write(f"prepare --engine-url: {seconds:.1f} s for {N_CONV} samples; worst relative |Δ| {worst:.2e}\n")
+    assert worst < TOL, f"the server's features differ from in-process ones by {worst:.2e} (relative)"
+    engine = b.manifest["features"]["engine"]
+    assert engine["url"] == server.url and engine["captured_layer_ids"] == [2, 4, 6, 8]
+    assert "layer ids captured" in b.manifest["features"]["checked"]
+    unchecked = PreparedData.open(tmp_path / "no-log").manifest["features"]
+    assert unchecked["engine"]["captured_layer_ids"] is None and "layer ids captured" not in unchecked["checked"]
+    warnings = [ln for ln in unread.splitlines() if ln.startswith("eaglescope: warning:") and "not checked" in ln]
+    assert len(warnings) == 1 and "--engine-log" in warnings[0] and "[2, 4, 6, 8]" in warnings[0], unread
+    errors = [ln for ln in refused.splitlines() if ln.startswith("eaglescope: error:")]
+    assert rc == 2 and len(errors) == 1, refused
+    assert "the engine captures hs[2, 4, 6] (vLLM ids [2, 4, 6]), the taps asked are hs[1, 4, 6]" in errors[0]
+    assert not (tmp_path / "other-taps").exists()

@@ -122,6 +122,9 @@ def add_prepare(sub) -> None:
     f("engine_python", help="the engine environment's python (default $EAGLESCOPE_VLLM_PYTHON or "
       "$EAGLESCOPE_SGLANG_PYTHON, else python)")  # fmt: skip
     f("engine_args", help="JSON object of the engine's own arguments, e.g. '{\"tensor_parallel_size\": 8}'")
+    f("engine_url", help="with --engine vllm: a running vLLM server that extracts hidden states "
+      "(http://HOST:PORT), instead of starting one (docs/engine-features.md)")  # fmt: skip
+    f("engine_log", help="with --engine-url: the server's log, from which the layer ids it captures are checked")
     p.add_argument(
         "--buffer",
         default=None,

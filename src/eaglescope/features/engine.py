@@ -228,14 +228,9 @@ class EngineFeatures:
     def features(self, samples: list[Sample], first: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each sample's (aux [T, nH], final_hidden [T, H]) in the target dtype, T = len(sample.ids); `first` numbers
         the samples in mismatch lines. Raises on any contract mismatch, naming every kind found."""
-        if self.proc is None:
+        if not self.ready:
             self.start()
-        assert self.spool is not None
-        reqs = self._requests(samples)
-        k = self.batch
-        (self.spool / f"batch-{k:05d}.json.tmp").write_text(json.dumps({"requests": reqs}))
-        os.replace(self.spool / f"batch-{k:05d}.json.tmp", self.spool / f"batch-{k:05d}.json")
-        out = self._wait_for(f"batch-{k:05d}.out.json", float("inf"), f"compute batch {k}")
+        out = self._compute(self._requests(samples))
         self.batch += 1
         self.seconds += float(out.get("seconds", 0.0))
         results = out["results"]
@@ -249,6 +244,15 @@ class EngineFeatures:
             self.tokens += len(r.get("prompt_ids") or [])
         found.raise_if_any(f"{self.name} {self.version}'s features".replace(" 's", "'s"))
         return rows
+
+    def _compute(self, reqs: list[dict]) -> dict:
+        """One batch through the engine → {"results": [{"file", "prompt_ids", "sampled", ...}], "seconds"}: here
+        through the worker's spool (a running server's class sends them over HTTP instead)."""
+        assert self.spool is not None, "start() first"
+        k = self.batch
+        (self.spool / f"batch-{k:05d}.json.tmp").write_text(json.dumps({"requests": reqs}))
+        os.replace(self.spool / f"batch-{k:05d}.json.tmp", self.spool / f"batch-{k:05d}.json")
+        return self._wait_for(f"batch-{k:05d}.out.json", float("inf"), f"compute batch {k}")
 
     def _one(self, s: Sample, r: dict, n: int, found: Mismatches) -> tuple[torch.Tensor, torch.Tensor] | None:
         H, names = self.target.hidden_size, self.state_names

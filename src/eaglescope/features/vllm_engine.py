@@ -28,7 +28,7 @@ class VllmFeatures(EngineFeatures):
     def check_ready(self, found: Mismatches) -> None:
         captured = self.ready.get("captured_layers")
         if captured is None:
-            captured = _aux_layers_from_log(self.spool / "engine.log")
+            captured = aux_layers_from_log(self.spool / "engine.log")
             self.ready["captured_layers"] = captured
         found.add(None, check_captured_ids(captured, self.taps))
         if self.ready.get("prefix_caching"):
@@ -37,7 +37,7 @@ class VllmFeatures(EngineFeatures):
             found.add(None, [f"the engine runs in {self.ready.get('dtype')}, eaglescope asked for {self.target.dtype}"])
 
 
-def _aux_layers_from_log(path: Path) -> list[int] | None:
+def aux_layers_from_log(path: Path) -> list[int] | None:
     """vLLM's model runner logs the ids it set (gpu_model_runner.py _setup_eagle3_aux_hidden_state_outputs)."""
     try:
         text = path.read_text(errors="replace")

@@ -28,6 +28,7 @@ from vllm_support import HERE, RUNNER, runner_env
 
 from eaglescope.config import TrainConfig
 from eaglescope.data.shards import PreparedData
+from eaglescope.features.buffer import FeatureBuffer, shard_file, unpack
 from eaglescope.train.loop import train
 
 TAPS = "2,4,6"
@@ -326,6 +327,12 @@ def test_features_from_a_running_server_equal_in_process_features(prepared, tmp_
         rc, _, unread = cli(prepare_argv(target, prepared["data"], tmp_path / "no-log", "--limit", "4", "--engine",
                                          "vllm", *url))  # fmt: skip
         assert rc == 0, unread
+        streamed = prepare_argv(target, prepared["data"], tmp_path / "unused", "--limit", "8", "--engine", "vllm",
+                                *url, *log, "--buffer", str(tmp_path / "buf"), "--buffer-shards", "8",
+                                "--eval-fraction", "0.25")  # fmt: skip
+        streamed[streamed.index("--shard-samples") + 1] = "3"
+        rc, _, err = cli(streamed)
+        assert rc == 0, err
         argv = prepare_argv(target, prepared["data"], tmp_path / "other-taps", "--engine", "vllm", *url, *log)
         argv[argv.index("--taps") + 1] = "1,4,6"
         rc, _, refused = cli(argv)
@@ -348,3 +355,12 @@ def test_features_from_a_running_server_equal_in_process_features(prepared, tmp_
     assert rc == 2 and len(errors) == 1, refused
     assert "the engine captures hs[2, 4, 6] (vLLM ids [2, 4, 6]), the taps asked are hs[1, 4, 6]" in errors[0]
     assert not (tmp_path / "other-taps").exists()
+    # the same server feeding the bounded buffer: 2 held-out samples, 6 training samples in 2 shards
+    buf = FeatureBuffer(tmp_path / "buf")
+    assert buf.finished() and len(buf.eval_samples()) == 2 and buf.waiting() == [0, 1]
+    streamed = [x for seq in buf.waiting() for x in unpack(buf.root / shard_file(seq))] + buf.eval_samples()
+    by_ids = {tuple(a.sample(i)["input_ids"].tolist()): a.sample(i) for i in range(8)}
+    assert len(streamed) == 8 and {tuple(x["input_ids"].tolist()) for x in streamed} == set(by_ids)
+    for x in streamed:
+        ref = by_ids[tuple(x["input_ids"].tolist())]
+        assert float((x["aux"] - ref["aux"]).abs().max()) < TOL * float(ref["aux"].abs().max())

@@ -155,6 +155,11 @@ class VllmServerFeatures(VllmFeatures):
         else:
             out = self._call("/v1/completions", {**common, "prompt": req["prompt_ids"]})
             prompt_ids = (out.get("choices") or [{}])[0].get("prompt_token_ids")
+        if prompt_ids is None:
+            raise EagleScopeError(
+                f"vLLM at {self.url} did not return the prompt's token ids (`return_token_ids`): a vLLM older than "
+                "this mode needs (0.32 is tested)."
+            )
         choice = (out.get("choices") or [{}])[0]
         path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
         if path and not (os.path.exists(path) or os.path.exists(path + ".lock")):
@@ -163,7 +168,7 @@ class VllmServerFeatures(VllmFeatures):
                 f"vLLM at {self.url} wrote its hidden states to {path}, which this machine cannot read: give the "
                 "connector a shared_storage_path on a file system both reach."
             )
-        return {"file": path, "prompt_ids": [int(x) for x in prompt_ids or []],
+        return {"file": path, "prompt_ids": [int(x) for x in prompt_ids],
                 "sampled": [int(x) for x in choice.get("token_ids") or []]}  # fmt: skip
 
     def _wait_written(self, path: str) -> None:

@@ -6,12 +6,15 @@ feature missing) turns the run's exit status into a failure, with one line per r
 they are known misses that turn into failures the day they are fixed.
 
 The summary also says, just above pytest's closing line, how many tests of each real-engine suite passed, failed and
-were skipped, so a run's own output shows that the judges ran.
+were skipped, so a run's own output shows that the judges ran; and, above that, where the run's time went: each
+pytest-xdist worker's busy time (its tests' setup, call and teardown) against its wall time, with the scopes it ran
+(the scheduler's own units: tests/conftest.py's "engines", "foreign", a module), and the five slowest modules.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import time
+from collections import Counter, defaultdict
 
 import pytest
 
@@ -32,6 +35,11 @@ ENGINE_SUITES = (
 
 _outcomes: Counter = Counter()  # (suite, outcome)
 _unexpected: Counter = Counter()  # skip reason not allowed → how many tests
+_seconds: defaultdict = defaultdict(float)  # (worker, nodeid) → seconds of setup, call and teardown
+_last_stop: dict[str, float] = {}  # worker → when its last report ended (epoch seconds)
+_session_start: list[float] = []
+SLOWEST = 5  # modules named in the summary
+SCOPES_PER_WORKER = 3  # scopes named per worker; the rest are counted
 
 
 def allowed(reason: str) -> bool:
@@ -49,7 +57,19 @@ def _skip_reason(report: pytest.TestReport) -> str:
     return str(longrepr)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _session_start.append(time.time())
+
+
+def _worker(report: pytest.TestReport) -> str:
+    node = getattr(report, "node", None)  # pytest-xdist's controller sets it to the worker that ran the test
+    return node.gateway.id if node is not None else "main"
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    worker = _worker(report)
+    _seconds[worker, report.nodeid] += report.duration
+    _last_stop[worker] = max(_last_stop.get(worker, 0.0), getattr(report, "stop", 0.0) or time.time())
     xfailed = hasattr(report, "wasxfail")
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         outcome = "xfailed" if xfailed and report.skipped else report.outcome
@@ -76,9 +96,45 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def _scope_of(config: pytest.Config):
+    """nodeid → the scheduler's unit of work: the one pytest-xdist's loadscope scheduler (tests/conftest.py's) used."""
+    sched = getattr(config.pluginmanager.getplugin("dsession"), "sched", None)
+    return getattr(sched, "_split_scope", _module)
+
+
+def time_lines(config: pytest.Config) -> list[str]:
+    """Where the run's time went: per worker, busy seconds over wall seconds and its scopes, largest first; then the
+    slowest modules (their tests' setup, call and teardown summed, whichever worker ran them)."""
+    if not _seconds:
+        return []
+    scope_of, start = _scope_of(config), _session_start[0] if _session_start else time.time()
+    per_worker: defaultdict = defaultdict(lambda: defaultdict(float))
+    per_module: defaultdict = defaultdict(float)
+    for (worker, nodeid), seconds in _seconds.items():
+        per_worker[worker][scope_of(nodeid)] += seconds
+        per_module[_module(nodeid)] += seconds
+    workers = []
+    for worker in sorted(per_worker):
+        scopes = sorted(per_worker[worker].items(), key=lambda kv: -kv[1])
+        named = [f"{scope} {seconds:.0f} s" for scope, seconds in scopes[:SCOPES_PER_WORKER]]
+        if rest := scopes[SCOPES_PER_WORKER:]:
+            named.append(f"+{len(rest)} more {sum(s for _, s in rest):.0f} s")
+        busy, wall = sum(per_worker[worker].values()), _last_stop[worker] - start
+        workers.append(f"{worker} {busy:.0f} s busy of {wall:.0f} s ({', '.join(named)})")
+    slowest = sorted(per_module.items(), key=lambda kv: -kv[1])[:SLOWEST]
+    return ["suite time: workers: " + "; ".join(workers),
+            "suite time: slowest modules: " + ", ".join(f"{m} {s:.0f} s" for m, s in slowest)]  # fmt: skip
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     if not _controller(config):
         return
+    for line in time_lines(config):
+        terminalreporter.write_line(line)
     for reason, n in sorted(_unexpected.items()):
         terminalreporter.write_line(f"suite: error: {n} test(s) skipped for a reason that fails the run: {reason}",
                                     red=True)  # fmt: skip

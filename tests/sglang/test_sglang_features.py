@@ -97,7 +97,7 @@ def sglang_environ(*front: Path) -> dict[str, str]:
     one thread; `front` first on the path (a private copy of SGLang)."""
     env = sglang_env()
     keep = ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DO_NOT_TRACK", "SGLANG_USE_CPU_ENGINE",
-            "OMP_NUM_THREADS")  # fmt: skip
+            "OMP_NUM_THREADS", "TORCH_COMPILE_DISABLE")  # fmt: skip
     out = {k: env[k] for k in keep}
     if front:
         out["PYTHONPATH"] = os.pathsep.join([*map(str, front), out["PYTHONPATH"]])

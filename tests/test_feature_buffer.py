@@ -58,7 +58,13 @@ def test_the_producer_blocks_at_the_bound_and_the_consumer_gets_every_shard_in_o
 
     t = threading.Thread(target=producer)
     t.start()
-    time.sleep(1.0)  # the consumer has not started: the producer must stop at the bound
+    # The consumer has not started: the producer must stop at the bound. Wait for it to get there (a loaded machine
+    # may take a while), then give it time to go past the bound if it would.
+    deadline = time.monotonic() + 60
+    while len(produced) < 2 and not failed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert not failed, f"the producer failed: {failed[0]!r}"
     assert len(buf.waiting()) == 2 and len(produced) == 2
     got = []
     while not failed and (item := buf.next_shard(timeout=30)) is not None:

@@ -15,7 +15,8 @@ import sys
 
 def keep_amx() -> None:
     # The class itself: `sglang.Engine` is a LazyImport proxy (sglang/utils.py), so an `__init__` set on it is never
-    # called (it once was, and SGLang ran torch_native unnoticed: right for Llama, wrong for DeepSeek-V3's MLA).
+    # called (it once was, and SGLang ran torch_native unnoticed: right for Llama, wrong for DeepSeek-V3's MLA, which
+    # prepare --engine sglang now refuses on torch_native, so the DeepSeek-V3 test fails if this stops working).
     from sglang.srt.entrypoints.engine import Engine
     from sglang.srt.runtime_context import override_platform
 
@@ -24,9 +25,6 @@ def keep_amx() -> None:
     def engine_init(self, *a, **kw):
         with override_platform(has_amx=True):
             init(self, *a, **kw)
-        backend = self.server_args.attention_backend
-        if backend != "intel_amx":  # the test must not pass on another backend than the one it names
-            raise RuntimeError(f"amx_python.py: SGLang runs the {backend} attention backend, not intel_amx")
 
     Engine.__init__ = engine_init
 

@@ -301,9 +301,9 @@ def test_latent_attention_on_torch_native_is_refused(prepared, tmp_path):
     (srt/arg_groups/overrides.py _attention_backend_platform_fallbacks) and, without a draft, runs on: its extend
     attention reads keys and values from the KV cache only, while deepseek_v2's multi-head prefill passes them uncached
     (forward_mha.py: attn_mha(..., save_kv_cache=False)), so the DeepSeek-V3 target's states come out wrong (measured:
-    max |Δ| 6 to 13 at values of 3 to 9 against in-process ones, and SGLang's own next token follows them, so no
-    other check sees it). Started on SGLang's own interpreter (not amx_python.py), SGLang falls back as a user's would:
-    refused with one line, nothing written."""
+    max |Δ| 6 to 13 on the taps, values up to about 9, against in-process ones; SGLang's own next token follows them,
+    so no other check sees it). Started on SGLang's own interpreter (not amx_python.py), SGLang falls back as a user's
+    would: refused with one line, nothing written."""
     target = dsv3_target(prepared["base"]["tok"], tmp_path)
     argv = prepare_argv(target, prepared["data"], tmp_path / "prep", "--limit", "2",
                         *engine_argv(prepared["sglang_python"]))  # fmt: skip

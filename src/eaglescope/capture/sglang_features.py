@@ -11,7 +11,8 @@ it on (the worker starts SGLang in that mode) and these hooks read both, per req
         (model_runner_components/attention_backend_setup.py, called by ModelRunner.init_attention_backends before any
         graph is captured): the model's `layers_to_capture` after its own id rule (llama.py: id i → i + 1;
         deepseek_v2.py: + 1 only when the first id is 1), HF output_hidden_states indices (the state entering layer
-        i), are read back into FEATURES_READY, and a forward hook is put on the model body
+        i), are read back into FEATURES_READY (with the prefill attention backend SGLang resolved and whether the
+        target's attention is latent), and a forward hook is put on the model body
     the target's model body (forward hook)   returns (final state after the final norm, the captured states: a list
         of [T, H] or one packed [T, nH]) for every token of the forward: copied at once
     ModelRunner.forward                      an extend (prefill) forward: its batch's request ids, each request's

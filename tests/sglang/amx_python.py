@@ -14,16 +14,19 @@ import sys
 
 
 def keep_amx() -> None:
-    import sglang
+    # The class itself: `sglang.Engine` is a LazyImport proxy (sglang/utils.py), so an `__init__` set on it is never
+    # called (it once was, and SGLang ran torch_native unnoticed: right for Llama, wrong for DeepSeek-V3's MLA, which
+    # prepare --engine sglang now refuses on torch_native, so the DeepSeek-V3 test fails if this stops working).
+    from sglang.srt.entrypoints.engine import Engine
     from sglang.srt.runtime_context import override_platform
 
-    init = sglang.Engine.__init__
+    init = Engine.__init__
 
     def engine_init(self, *a, **kw):
         with override_platform(has_amx=True):
             init(self, *a, **kw)
 
-    sglang.Engine.__init__ = engine_init
+    Engine.__init__ = engine_init
 
 
 if __name__ == "__main__":  # SGLang spawns its scheduler: the main module is re-imported there, and must not run

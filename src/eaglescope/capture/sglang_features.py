@@ -11,7 +11,8 @@ it on (the worker starts SGLang in that mode) and these hooks read both, per req
         (model_runner_components/attention_backend_setup.py, called by ModelRunner.init_attention_backends before any
         graph is captured): the model's `layers_to_capture` after its own id rule (llama.py: id i → i + 1;
         deepseek_v2.py: + 1 only when the first id is 1), HF output_hidden_states indices (the state entering layer
-        i), are read back into FEATURES_READY, and a forward hook is put on the model body
+        i), are read back into FEATURES_READY (with the prefill attention backend SGLang resolved and whether the
+        target's attention is latent), and a forward hook is put on the model body
     the target's model body (forward hook)   returns (final state after the final norm, the captured states: a list
         of [T, H] or one packed [T, nH]) for every token of the forward: copied at once
     ModelRunner.forward                      an extend (prefill) forward: its batch's request ids, each request's
@@ -50,6 +51,19 @@ def _body(model: torch.nn.Module) -> torch.nn.Module | None:
     return next((m for m in model.modules() if hasattr(m, "layers_to_capture")), None)
 
 
+def _prefill_backend() -> str | None:
+    """The prefill attention backend the target runs, as SGLang resolves it for its model runner
+    (model_runner_components/attention_backend_setup.py resolve_attention_backend_strs: runtime_context's
+    `attention_backends()`, after SGLang's platform fallbacks: an intel_amx becomes torch_native on a CPU without AMX);
+    the ServerArgs, in either process, keep the one asked."""
+    try:
+        from sglang.srt.runtime_context import attention_backends
+
+        return str(attention_backends()[0])
+    except Exception:  # noqa: BLE001 - not known here: the check that reads it is then not made
+        return None
+
+
 class Features(EngineCapture):
     """Process-wide state: the target's body once hooked, and the prefill forward in progress."""
 
@@ -76,6 +90,10 @@ class Features(EngineCapture):
             "capture_aux_hidden_states": bool(getattr(model, "capture_aux_hidden_states", False)),
             "architecture": type(model).__name__,
             "num_layers": int(getattr(config, "num_hidden_layers", len(getattr(body, "layers", ())))),
+            # DeepSeek-V2/V3, Kimi-K2: attention through a compressed latent (kv_lora_rank), which not every backend
+            # computes right (features/sglang_engine.py)
+            "latent_attention": bool(getattr(config, "kv_lora_rank", None)),
+            "attention_backend": _prefill_backend(),
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "pid": os.getpid(),
         }

@@ -12,6 +12,17 @@ from eaglescope.features.engine import EngineFeatures, Mismatches
 from eaglescope.features.target import EngineTarget
 from eaglescope.taps import TapContract, sglang_convention
 
+TORCH_NATIVE = "torch_native"
+# SGLang 0.5.23's torch_native extend attention reads keys and values from the KV cache only, while deepseek_v2's
+# multi-head prefill passes them uncached (forward_mha.py, save_kv_cache=False): the states come out wrong, and SGLang's
+# own next token follows them, so no later check sees it (docs/engine-features.md). SGLang picks torch_native itself
+# for an asked intel_amx on a CPU without AMX.
+TORCH_NATIVE_MLA = (
+    "the engine runs the target's latent attention (MLA) on SGLang's torch_native backend, which computes its prefill "
+    "wrong (keys read from the latent cache); on a CPU SGLang uses it in place of intel_amx when the CPU has no AMX: "
+    "use a CPU with AMX or a GPU attention backend"
+)
+
 
 class SglangFeatures(EngineFeatures):
     """A running SGLang whose target's own EAGLE-3 capture eaglescope's plugin reads."""
@@ -37,3 +48,5 @@ class SglangFeatures(EngineFeatures):
             found.add(None, ["the engine has its radix cache on: a cached prefix never runs, so it has no features"])
         if r.get("dtype") is not None and r.get("dtype") != str(self.target.dtype).removeprefix("torch."):
             found.add(None, [f"the engine runs in {r.get('dtype')}, eaglescope asked for {self.target.dtype}"])
+        if r.get("latent_attention") and r.get("attention_backend") == TORCH_NATIVE:
+            found.add(None, [TORCH_NATIVE_MLA])

@@ -84,6 +84,8 @@ class Worker:
             "capture_on": hooks.get("capture_aux_hidden_states"),
             "architecture": hooks.get("architecture"),
             "dtype": hooks.get("dtype"),
+            "latent_attention": hooks.get("latent_attention"),
+            "attention_backend": hooks.get("attention_backend"),
             "ids_given": getattr(sa, "return_aux_hidden_state_layer_ids", None),
             "radix_cache": not bool(getattr(sa, "disable_radix_cache", False)),
             "chunked_prefill_size": getattr(sa, "chunked_prefill_size", None),

@@ -134,6 +134,8 @@ def test_sglang_features_equal_in_process_features_per_sample(prepared):
         assert ma[key] == mb[key], key
     feats = mb["features"]
     assert feats["source"] == "sglang" and feats["engine"]["captured_layer_ids"] == [2, 4, 6]
+    # amx_python.py kept SGLang on intel_amx (a silent fallback to torch_native once went unnoticed here)
+    assert feats["engine"]["attention_backend"] == "intel_amx"
     assert feats["engine"]["layer_ids"] == [1, 3, 5]  # llama.py reads id i as "output of layer i": hs[i + 1]
     assert feats["final_hidden"] == "post-norm, as the engine hands it on"
     rows = feature_table(a, b)
@@ -286,6 +288,7 @@ def test_deepseek_v3_target_features_equal_in_process_features(prepared, tmp_pat
     a, b = PreparedData.open(tmp_path / "inproc"), PreparedData.open(tmp_path / "sglang")
     feats = b.manifest["features"]["engine"]
     assert feats["captured_layer_ids"] == [2, 3, 6] and feats["layer_ids"] == [1, 2, 5]
+    assert feats["attention_backend"] == "intel_amx"
     rows = feature_table(a, b)
     lines = ["| sample | tokens | max abs diff taps (3) | max abs diff final (normed) | max abs value |",
              "|---:|---:|---:|---:|---:|"]  # fmt: skip

@@ -50,3 +50,7 @@ class SglangFeatures(EngineFeatures):
             found.add(None, [f"the engine runs in {r.get('dtype')}, eaglescope asked for {self.target.dtype}"])
         if r.get("latent_attention") and r.get("attention_backend") == TORCH_NATIVE:
             found.add(None, [TORCH_NATIVE_MLA])
+
+    def stats(self) -> dict:
+        # the backend SGLang resolved (it may replace the one asked for): recorded beside the features it computed
+        return {**super().stats(), "attention_backend": self.ready.get("attention_backend")}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import stat
 import subprocess
 import sys
@@ -39,12 +38,13 @@ from test_vllm_features import (  # noqa: E402
     N_CONV,
     TOL,
     _other_template_tokenizer,
-    _train,
     conversations,
+    drafts_agree,
     feature_table,
     prepare_argv,
+    write_feature_table,
 )
-from test_vllm_serving import base, cli, order2_chain  # noqa: E402
+from test_vllm_serving import base, cli  # noqa: E402
 
 RUNNER = HERE / "sglang_runner.py"
 K = 3  # the drafts' TTT length and the chain SGLang serves
@@ -139,11 +139,7 @@ def test_sglang_features_equal_in_process_features_per_sample(prepared):
     assert feats["engine"]["layer_ids"] == [1, 3, 5]  # llama.py reads id i as "output of layer i": hs[i + 1]
     assert feats["final_hidden"] == "post-norm, as the engine hands it on"
     rows = feature_table(a, b)
-    lines = ["| sample | tokens | max abs diff taps (3) | max abs diff final (normed) | max abs value |",
-             "|---:|---:|---:|---:|---:|"]  # fmt: skip
-    lines += [f"| {r['sample']} | {r['tokens']} | {r['aux']:.2e} | {r['final']:.2e} | {r['scale']:.2f} |" for r in rows]
-    (prepared["root"] / "table.md").write_text("\n".join(lines) + "\n")
-    sys.stderr.write("\n".join(lines) + "\n")
+    write_feature_table(rows, prepared["root"] / "table.md")
     assert max(r["tokens"] for r in rows) > CHUNK  # prompts SGLang prefilled in more than one chunk
     worst = max(max(r["aux"], r["final"]) / r["scale"] for r in rows)
     assert worst < TOL, f"SGLang's features differ from in-process ones by {worst:.2e} (relative); table above"
@@ -170,33 +166,7 @@ def _served_tau(python: str, target: Path, drafts: dict[str, Path], prompts: lis
 
 
 def test_drafts_trained_from_sglang_and_in_process_features_agree(prepared):
-    b, root = prepared["base"], prepared["root"]
-    target = b["target"]
-    m_in = _train(prepared["inproc"], root / "draft-inproc", target)
-    m_sg = _train(prepared["sglang"], root / "draft-sglang", target)
-    exports = {}
-    for name in ("inproc", "sglang"):
-        rc, _, err = cli(["export", "--draft", str(root / f"draft-{name}"), "--to", "sglang", "--out",
-                          str(root / f"export-{name}"), "--target", str(target)])  # fmt: skip
-        assert rc == 0, err
-        exports[name] = root / f"export-{name}"
-    rng = random.Random(7)
-    tok = b["tok"]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": order2_chain(rng, b["perm"], 12)}],
-                                       tokenize=True, add_generation_prompt=True) for _ in range(6)]  # fmt: skip
-    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
-    taus = _served_tau(prepared["sglang_python"], target, exports, prompts, root)
-    lines = ["| features | held-out acc_0 | acc_1 | acc_2 | predicted τ | τ served by SGLang |",
-             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for name, key, m in (("in-process", "inproc", m_in), ("SGLang", "sglang", m_sg)):
-        accs = " | ".join(f"{a:.3f}" for a in m["acc"])
-        lines.append(f"| {name} | {accs} | {m['predicted_accept_length']:.2f} | {taus[key]:.2f} |")
-    (root / "drafts.md").write_text("\n".join(lines) + "\n")
-    sys.stderr.write("\n".join(lines) + "\n")
-    for a, c in zip(m_in["acc"], m_sg["acc"], strict=True):
-        assert abs(a - c) <= 0.03, (m_in["acc"], m_sg["acc"])
-    assert m_in["acc"][0] > 0.3  # the drafts learned something: equal acceptance is not vacuous
-    assert abs(taus["inproc"] - taus["sglang"]) <= 0.2, taus
+    drafts_agree(prepared, "sglang", "SGLang", prepared["sglang_python"], _served_tau)
 
 
 # -- mismatches made on purpose ----------------------------------------------------------------------------------------
@@ -290,10 +260,7 @@ def test_deepseek_v3_target_features_equal_in_process_features(prepared, tmp_pat
     assert feats["captured_layer_ids"] == [2, 3, 6] and feats["layer_ids"] == [1, 2, 5]
     assert feats["attention_backend"] == "intel_amx"
     rows = feature_table(a, b)
-    lines = ["| sample | tokens | max abs diff taps (3) | max abs diff final (normed) | max abs value |",
-             "|---:|---:|---:|---:|---:|"]  # fmt: skip
-    lines += [f"| {r['sample']} | {r['tokens']} | {r['aux']:.2e} | {r['final']:.2e} | {r['scale']:.2f} |" for r in rows]
-    sys.stderr.write("DeepSeek-V3 target:\n" + "\n".join(lines) + "\n")
+    write_feature_table(rows, None, "DeepSeek-V3 target:\n")
     assert len(rows) == DSV3_SAMPLES
     worst = max(max(r["aux"], r["final"]) / r["scale"] for r in rows)
     assert worst < TOL, f"SGLang's DeepSeek-V3 features differ from in-process ones by {worst:.2e} (relative)"

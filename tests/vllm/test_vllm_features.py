@@ -99,6 +99,16 @@ def feature_table(a: PreparedData, b: PreparedData) -> list[dict]:
     return rows
 
 
+def write_feature_table(rows: list[dict], path: Path | None, title: str = "") -> None:
+    """feature_table's rows as the markdown table the docs quote, on stderr (and in `path`)."""
+    lines = ["| sample | tokens | max abs diff taps (3) | max abs diff final (normed) | max abs value |",
+             "|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines += [f"| {r['sample']} | {r['tokens']} | {r['aux']:.2e} | {r['final']:.2e} | {r['scale']:.2f} |" for r in rows]
+    if path is not None:
+        path.write_text("\n".join(lines) + "\n")
+    sys.stderr.write(title + "\n".join(lines) + "\n")
+
+
 def test_vllm_features_equal_in_process_features_per_sample(prepared):
     a, b = PreparedData.open(prepared["inproc"]), PreparedData.open(prepared["vllm"])
     assert len(a) == len(b) == N_CONV
@@ -110,11 +120,7 @@ def test_vllm_features_equal_in_process_features_per_sample(prepared):
     assert mb["features"]["source"] == "vllm" and mb["features"]["engine"]["captured_layer_ids"] == [2, 4, 6, 8]
     assert "final RMSNorm applied by eaglescope" in mb["features"]["final_hidden"]
     rows = feature_table(a, b)
-    lines = ["| sample | tokens | max abs diff aux (3 taps) | max abs diff final (normed) | max abs value |",
-             "|---:|---:|---:|---:|---:|"]  # fmt: skip
-    lines += [f"| {r['sample']} | {r['tokens']} | {r['aux']:.2e} | {r['final']:.2e} | {r['scale']:.2f} |" for r in rows]
-    (prepared["root"] / "table.md").write_text("\n".join(lines) + "\n")
-    sys.stderr.write("\n".join(lines) + "\n")
+    write_feature_table(rows, prepared["root"] / "table.md")
     worst = max(max(r["aux"], r["final"]) / r["scale"] for r in rows)
     assert worst < TOL, f"vLLM's features differ from in-process ones by {worst:.2e} (relative); table above"
 
@@ -160,14 +166,17 @@ def _served_tau(python: str, target: Path, drafts: dict[str, Path], prompts: lis
     return taus
 
 
-def test_drafts_trained_from_vllm_and_in_process_features_agree(prepared):
+def drafts_agree(prepared: dict, key: str, engine: str, python: str, served_tau) -> None:
+    """Drafts trained from the in-process features and from the engine's (prepared[key]), exported for the engine
+    and served by it (`served_tau(python, target, drafts, prompts, root)` → τ per draft): the same held-out acc_k
+    within noise and the same served τ."""
     b, root = prepared["base"], prepared["root"]
     target = b["target"]
-    m_in = _train(prepared["inproc"], root / "draft-inproc", target)
-    m_vl = _train(prepared["vllm"], root / "draft-vllm", target)
+    metrics = {"inproc": _train(prepared["inproc"], root / "draft-inproc", target),
+               key: _train(prepared[key], root / f"draft-{key}", target)}  # fmt: skip
     exports = {}
-    for name in ("inproc", "vllm"):
-        rc, _, err = cli(["export", "--draft", str(root / f"draft-{name}"), "--to", "vllm", "--out",
+    for name in metrics:
+        rc, _, err = cli(["export", "--draft", str(root / f"draft-{name}"), "--to", key, "--out",
                           str(root / f"export-{name}"), "--target", str(target)])  # fmt: skip
         assert rc == 0, err
         exports[name] = root / f"export-{name}"
@@ -176,19 +185,24 @@ def test_drafts_trained_from_vllm_and_in_process_features_agree(prepared):
     prompts = [tok.apply_chat_template([{"role": "user", "content": order2_chain(rng, b["perm"], 12)}],
                                        tokenize=True, add_generation_prompt=True) for _ in range(6)]  # fmt: skip
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
-    taus = _served_tau(prepared["python"], target, exports, prompts, root)
-    lines = ["| features | held-out acc_0 | acc_1 | acc_2 | predicted τ | τ served by vLLM |",
+    taus = served_tau(python, target, exports, prompts, root)
+    lines = [f"| features | held-out acc_0 | acc_1 | acc_2 | predicted τ | τ served by {engine} |",
              "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for name, m in (("in-process", m_in), ("vLLM", m_vl)):
-        key = "inproc" if name == "in-process" else "vllm"
+    for name, label in (("inproc", "in-process"), (key, engine)):
+        m = metrics[name]
         accs = " | ".join(f"{a:.3f}" for a in m["acc"])
-        lines.append(f"| {name} | {accs} | {m['predicted_accept_length']:.2f} | {taus[key]:.2f} |")
+        lines.append(f"| {label} | {accs} | {m['predicted_accept_length']:.2f} | {taus[name]:.2f} |")
     (root / "drafts.md").write_text("\n".join(lines) + "\n")
     sys.stderr.write("\n".join(lines) + "\n")
-    for a, c in zip(m_in["acc"], m_vl["acc"], strict=True):
-        assert abs(a - c) <= 0.03, (m_in["acc"], m_vl["acc"])
+    m_in, m_engine = metrics["inproc"], metrics[key]
+    for a, c in zip(m_in["acc"], m_engine["acc"], strict=True):
+        assert abs(a - c) <= 0.03, (m_in["acc"], m_engine["acc"])
     assert m_in["acc"][0] > 0.3  # the drafts learned something: equal acceptance is not vacuous
-    assert abs(taus["inproc"] - taus["vllm"]) <= 0.2, taus
+    assert abs(taus["inproc"] - taus[key]) <= 0.2, taus
+
+
+def test_drafts_trained_from_vllm_and_in_process_features_agree(prepared):
+    drafts_agree(prepared, "vllm", "vLLM", prepared["python"], _served_tau)
 
 
 # -- mismatches made on purpose ----------------------------------------------------------------------------------------

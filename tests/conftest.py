@@ -17,6 +17,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # tests import their shared builders (models.py, …) as plain modules
 sys.path.insert(0, str(Path(__file__).parent))
+# the engine servers' shared checks assert as tests do: pytest explains their failures the same way
+pytest.register_assert_rewrite("engine_servers")
 
 # A judge that cannot run fails the run: the only skips allowed, and the engine suites' counts (suite_rules.py)
 pytest_plugins = ["suite_rules"]

@@ -169,3 +169,26 @@ def _wait(pred, timeout_s: float, what: str, proc: subprocess.Popen) -> None:
             raise RuntimeError(f"{what}: watch exited {proc.returncode}")
         time.sleep(0.5)
     raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def assert_restart_survived(run: dict) -> None:
+    """A watch run through watch_through_restarts: the healthy phase's server stopped and a new one started on the
+    same port; watch saw it go, come back and its counters go down, once each, in that order, without a traceback."""
+    healthy = run["phases"]["healthy"]
+    lines = run["lines"]
+    before = next(r for r in reversed(lines[: healthy["last"]]) if "total_rounds" in r)
+    # The new server's counts are those read after watch found the port unanswered: a stopped server may still answer
+    # /metrics while it shuts down (SGLang drains on SIGTERM and its HTTP server answers meanwhile), and those reads
+    # are the old process's counts, unchanged and no restart; a new server may answer /metrics before /health.
+    gone = next((i for i in range(healthy["last"], len(lines)) if lines[i]["status"] == "unreachable"), None)
+    assert gone is not None, [r["status"] for r in lines[healthy["last"] :]]
+    draining = [r for r in lines[healthy["last"] : gone] if "reset" in r]
+    assert all(r["reset"] is False and r["total_rounds"] == before["total_rounds"] for r in draining), draining
+    first_counts = next(r for r in lines[gone:] if "reset" in r)
+    assert first_counts["reset"] is True and first_counts["total_rounds"] < before["total_rounds"]
+    err = run["stderr"]
+    assert err.count("went down (the server restarted)") == 1
+    # gone (the restart), back, counters down, in that order; the test's own end stops the last server too
+    assert err.count("answers again") == 1
+    assert err.index("does not answer") < err.index("answers again") < err.index("went down")
+    assert "Traceback" not in err

@@ -27,7 +27,7 @@ from sglang_support import HERE, sglang_env
 
 sys.path.insert(0, str(HERE.parent / "vllm"))  # tests/vllm's target, data and helpers are reused as they are
 sys.path.insert(0, str(HERE.parent))
-from engine_servers import HOST, Server, requests_until, watch_through_restarts  # noqa: E402
+from engine_servers import HOST, Server, assert_restart_survived, requests_until, watch_through_restarts  # noqa: E402
 from test_vllm_serving import MAX_LEN, base, cli, order2_chain  # noqa: E402
 from test_vllm_watch import NORM_FLAG_WITHIN, NORM_REQUESTS, TRAIN_FLAGS, norm_before_fc_dropped  # noqa: E402
 
@@ -160,24 +160,7 @@ def test_a_served_fault_is_flagged_within_a_few_requests(run):
 
 
 def test_each_restart_is_survived(run):
-    healthy = run["phases"]["healthy"]
-    lines = run["lines"]
-    before = next(r for r in reversed(lines[: healthy["last"]]) if "total_rounds" in r)
-    # The new server's counts are those read after watch found the port unanswered: a stopped server may still answer
-    # /metrics while it shuts down (SGLang drains on SIGTERM and its HTTP server answers meanwhile), and those reads
-    # are the old process's counts, unchanged and no restart; a new server may answer /metrics before /health.
-    gone = next((i for i in range(healthy["last"], len(lines)) if lines[i]["status"] == "unreachable"), None)
-    assert gone is not None, [r["status"] for r in lines[healthy["last"] :]]
-    draining = [r for r in lines[healthy["last"] : gone] if "reset" in r]
-    assert all(r["reset"] is False and r["total_rounds"] == before["total_rounds"] for r in draining), draining
-    first_counts = next(r for r in lines[gone:] if "reset" in r)
-    assert first_counts["reset"] is True and first_counts["total_rounds"] < before["total_rounds"]
-    err = run["stderr"]
-    assert err.count("went down (the server restarted)") == 1
-    # gone (the restart), back, counters down, in that order; the test's own end stops the last server too
-    assert err.count("answers again") == 1
-    assert err.index("does not answer") < err.index("answers again") < err.index("went down")
-    assert "Traceback" not in err
+    assert_restart_survived(run)
 
 
 def test_doctor_reads_the_same_counters_from_the_metrics_url(run):

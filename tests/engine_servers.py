@@ -192,3 +192,25 @@ def assert_restart_survived(run: dict) -> None:
     assert err.count("answers again") == 1
     assert err.index("does not answer") < err.index("answers again") < err.index("went down")
     assert "Traceback" not in err
+
+
+def phase_lines(run: dict, phase: str) -> list[dict]:
+    """The watch lines written while `phase`'s server was the one watched."""
+    p = run["phases"][phase]
+    return run["lines"][p["first"] : p["last"]]
+
+
+def first_alert_within(run: dict, phase: str, within: int) -> tuple[int, dict]:
+    """(requests completed, the line) when watch first alerted in `phase`; fails unless that was within `within`."""
+    n = requests_until(run, phase, lambda r: bool(r.get("alert")))
+    lines = phase_lines(run, phase)
+    assert n is not None and n <= within, [(r["status"], (r.get("window") or {}).get("tau")) for r in lines]
+    return n, next(r for r in lines if r.get("alert"))
+
+
+def assert_named_before_any_request(run: dict, phase: str, code: str, flag: str) -> None:
+    """watch's static check of the served files named `code` (for `flag`) once, before `phase`'s first request."""
+    i, static = next((i, r) for i, r in enumerate(run["lines"]) if "static" in r)
+    assert [(f["code"], f["evidence"].get("flag")) for f in static["static"]] == [(code, flag)]
+    assert i < min(run["phases"][phase]["sent_by_line"])  # written before the first request was sent
+    assert run["stderr"].count(f"FINDING {code}") == 1

@@ -27,7 +27,15 @@ from sglang_support import HERE, sglang_env
 
 sys.path.insert(0, str(HERE.parent / "vllm"))  # tests/vllm's target, data and helpers are reused as they are
 sys.path.insert(0, str(HERE.parent))
-from engine_servers import HOST, Server, assert_restart_survived, requests_until, watch_through_restarts  # noqa: E402
+from engine_servers import (
+    HOST,
+    Server,
+    assert_named_before_any_request,
+    assert_restart_survived,
+    first_alert_within,
+    phase_lines,
+    watch_through_restarts,
+)  # noqa: E402
 from test_vllm_serving import MAX_LEN, base, cli, order2_chain  # noqa: E402
 from test_vllm_watch import NORM_FLAG_WITHIN, NORM_REQUESTS, TRAIN_FLAGS, norm_before_fc_dropped  # noqa: E402
 
@@ -129,13 +137,8 @@ def norm_run(built, sglang_python) -> dict:
     return watch_through_restarts(make_server, phases, send_one, watch, root, START_TIMEOUT_S) | {"case": case}
 
 
-def _lines(run: dict, phase: str) -> list[dict]:
-    p = run["phases"][phase]
-    return run["lines"][p["first"] : p["last"]]
-
-
 def test_a_healthy_draft_stays_in_band(run):
-    lines = _lines(run, "healthy")
+    lines = phase_lines(run, "healthy")
     judged = [r for r in lines if r["status"] in ("ok", "low")]
     # the served directory's files, checked once the engine is known: nothing to say
     assert next(r for r in run["lines"] if "static" in r)["static"] == [] and "FINDING" not in run["stderr"]
@@ -149,10 +152,7 @@ def test_a_healthy_draft_stays_in_band(run):
 
 def test_a_served_fault_is_flagged_within_a_few_requests(run):
     fault = "ids_in_vllm_convention"
-    n = requests_until(run, fault, lambda r: bool(r.get("alert")))
-    lines = _lines(run, fault)
-    assert n is not None and n <= FLAG_WITHIN, [(r["status"], (r.get("window") or {}).get("tau")) for r in lines]
-    alert = next(r for r in lines if r.get("alert"))
+    n, alert = first_alert_within(run, fault, FLAG_WITHIN)
     assert alert["alert"]["code"] == "SERVING_MISMATCH" and "SGLang reports no per-position" in alert["alert"][
         "points_to"]  # fmt: skip
     sys.stderr.write(f"{fault}: flagged after {n} requests (served τ {alert['window']['tau']}, expected "
@@ -177,14 +177,8 @@ def test_a_lost_norm_before_fc_is_named_before_any_request_and_its_acceptance_dr
     the served files at its first scrape, before any request (EAGLE31_IGNORED); on the scaled target the skipped norm
     also lowers τ, flagged against the trained draft's expectation within NORM_FLAG_WITHIN requests."""
     phase = "norm_before_fc_dropped"
-    i, static = next((i, r) for i, r in enumerate(norm_run["lines"]) if "static" in r)
-    assert [(f["code"], f["evidence"].get("flag")) for f in static["static"]] == [("EAGLE31_IGNORED", "norm_before_fc")]
-    assert i < min(norm_run["phases"][phase]["sent_by_line"])  # written before the first request was sent
-    assert norm_run["stderr"].count("FINDING EAGLE31_IGNORED") == 1
-    n = requests_until(norm_run, phase, lambda r: bool(r.get("alert")))
-    lines = _lines(norm_run, phase)
-    assert n is not None and n <= NORM_FLAG_WITHIN, [(r["status"], (r.get("window") or {}).get("tau")) for r in lines]
-    alert = next(r for r in lines if r.get("alert"))
+    assert_named_before_any_request(norm_run, phase, "EAGLE31_IGNORED", "norm_before_fc")
+    n, alert = first_alert_within(norm_run, phase, NORM_FLAG_WITHIN)
     assert alert["alert"]["code"] == "SERVING_MISMATCH"
     sys.stderr.write(f"norm_before_fc dropped: named statically at 0 requests; acceptance alert after {n} requests "
                      f"(served τ {alert['window']['tau']}, expected {alert['expected']['tau']})\n")  # fmt: skip

@@ -35,7 +35,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_servers import HOST, Server, assert_restart_survived, requests_until, watch_through_restarts
+from engine_servers import (
+    HOST,
+    Server,
+    assert_named_before_any_request,
+    assert_restart_survived,
+    first_alert_within,
+    phase_lines,
+    watch_through_restarts,
+)
 from safetensors.torch import load_file, save_file
 from test_vllm_serving import MAX_LEN, TRAIN_SETTINGS, K, base, cli, order2_chain, train_and_export
 from vllm_support import runner_env
@@ -196,13 +204,8 @@ def norm_run(built, vllm_python) -> dict:
     return watch_through_restarts(make_server, phases, send_one, watch, root, START_TIMEOUT_S) | {"case": case}
 
 
-def _lines(run: dict, phase: str) -> list[dict]:
-    p = run["phases"][phase]
-    return run["lines"][p["first"] : p["last"]]
-
-
 def test_a_healthy_draft_stays_in_band(run):
-    lines = _lines(run, "healthy")
+    lines = phase_lines(run, "healthy")
     judged = [r for r in lines if r["status"] in ("ok", "low")]
     # the served directory's files, checked once the engine is known: nothing to say
     assert next(r for r in run["lines"] if "static" in r)["static"] == [] and "FINDING" not in run["stderr"]
@@ -215,10 +218,7 @@ def test_a_healthy_draft_stays_in_band(run):
 
 def test_a_served_fault_is_flagged_within_a_few_requests(run):
     fault = "ids_in_sglang_convention"
-    n = requests_until(run, fault, lambda r: bool(r.get("alert")))
-    lines = _lines(run, fault)
-    assert n is not None and n <= FLAG_WITHIN, [(r["status"], (r.get("window") or {}).get("tau")) for r in lines]
-    alert = next(r for r in lines if r.get("alert"))
+    n, alert = first_alert_within(run, fault, FLAG_WITHIN)
     assert alert["alert"]["code"] == "SERVING_MISMATCH" and "α_1 already collapses" in alert["alert"]["points_to"]
     assert f"--metrics-url {run['url']}" in alert["alert"]["next"]
     sys.stderr.write(f"{fault}: flagged after {n} requests (served τ {alert['window']['tau']}, expected "
@@ -244,14 +244,8 @@ def test_a_lost_norm_before_fc_is_named_before_any_request_and_its_acceptance_dr
     the served files at its first scrape, before any request (EAGLE31_IGNORED); on the scaled target the skipped norm
     also lowers acceptance, flagged against the trained draft's expectation within NORM_FLAG_WITHIN requests."""
     phase = "norm_before_fc_dropped"
-    i, static = next((i, r) for i, r in enumerate(norm_run["lines"]) if "static" in r)
-    assert [(f["code"], f["evidence"].get("flag")) for f in static["static"]] == [("EAGLE31_IGNORED", "norm_before_fc")]
-    assert i < min(norm_run["phases"][phase]["sent_by_line"])  # written before the first request was sent
-    assert norm_run["stderr"].count("FINDING EAGLE31_IGNORED") == 1
-    n = requests_until(norm_run, phase, lambda r: bool(r.get("alert")))
-    lines = _lines(norm_run, phase)
-    assert n is not None and n <= NORM_FLAG_WITHIN, [(r["status"], (r.get("window") or {}).get("tau")) for r in lines]
-    alert = next(r for r in lines if r.get("alert"))
+    assert_named_before_any_request(norm_run, phase, "EAGLE31_IGNORED", "norm_before_fc")
+    n, alert = first_alert_within(norm_run, phase, NORM_FLAG_WITHIN)
     assert alert["alert"]["code"] == "SERVING_MISMATCH" and "α_1 already collapses" in alert["alert"]["points_to"]
     sys.stderr.write(f"norm_before_fc dropped: named statically at 0 requests; acceptance alert after {n} requests "
                      f"(served τ {alert['window']['tau']}, expected {alert['expected']['tau']})\n")  # fmt: skip

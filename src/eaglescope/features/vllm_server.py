@@ -31,7 +31,7 @@ from eaglescope.features.contract import check_captured_ids, engine_layer_ids
 from eaglescope.features.engine import Mismatches
 from eaglescope.features.target import EngineTarget
 from eaglescope.features.vllm_engine import VllmFeatures, aux_layers_from_log
-from eaglescope.features.vllm_worker import _written
+from eaglescope.features.vllm_worker import connector_file_written
 from eaglescope.taps import TapContract
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class VllmServerFeatures(VllmFeatures):
 
     def _wait_written(self, path: str) -> None:
         deadline = time.monotonic() + WRITE_TIMEOUT_S
-        while not _written(path):
+        while not connector_file_written(path):
             if time.monotonic() > deadline:
                 raise EagleScopeError(f"vLLM at {self.url} did not finish writing {path} in {WRITE_TIMEOUT_S:.0f} s.")
             time.sleep(POLL_S)

@@ -80,7 +80,7 @@ def _start(spool: str, cfg: dict):
     return LLM(**args)
 
 
-def _written(path: str) -> bool:
+def connector_file_written(path: str) -> bool:
     """The connector writes on a thread and holds an exclusive flock on PATH.lock until the file is complete."""
     if not os.path.exists(path):
         return False
@@ -101,7 +101,7 @@ def _drain(llm, files: list[str], timeout: float = 600.0) -> None:
     keeps stepping by itself while the connector holds finished requests."""
     inproc = type(llm.llm_engine.engine_core).__name__ == "InprocClient"
     deadline = time.monotonic() + timeout
-    while not all(_written(f) for f in files):
+    while not all(connector_file_written(f) for f in files):
         if time.monotonic() > deadline:
             raise TimeoutError(f"the hidden-states connector wrote no {files[0]} in {timeout:.0f} s")
         if inproc:

@@ -83,6 +83,26 @@ def make_checkpoint(family: str, out: Path, seed: int = 0, **overrides) -> Path:
     return out
 
 
+def fit_checkpoint(path: Path, ids: torch.Tensor, steps: int, lr: float = 3e-3, seq_len: int = 64, batch: int = 16,
+                   seed: int = 0) -> None:  # fmt: skip
+    """Train the checkpoint at `path` in place (transformers' own forward and loss, AdamW) on windows of the token
+    stream `ids`, so that its greedy continuations follow what the stream teaches: a draft trained on a random target
+    has almost nothing to learn. config.json is kept as it was (keys transformers does not know survive)."""
+    config = (path / "config.json").read_text()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - seq_len, (batch,), generator=g)
+        x = torch.stack([ids[s : s + seq_len] for s in starts])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval().save_pretrained(path, safe_serialization=True)
+    (path / "config.json").write_text(config)
+
+
 # Llama-3-8B's shape (the GPU tests' and benchmarks' realistic scale)
 LLAMA_8B = dict(
     vocab_size=128256,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import stat
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from unittest import mock
 
 import pytest
 import torch
-from models import make_checkpoint
+from models import fit_checkpoint, make_checkpoint
 from sglang_faults import Fault, _p, private_sglang
 from sglang_support import HERE, sglang_env
 
@@ -44,7 +45,7 @@ from test_vllm_features import (  # noqa: E402
     prepare_argv,
     write_feature_table,
 )
-from test_vllm_serving import base, cli  # noqa: E402
+from test_vllm_serving import base, cli, order2_chain  # noqa: E402
 
 RUNNER = HERE / "sglang_runner.py"
 K = 3  # the drafts' TTT length and the chain SGLang serves
@@ -220,7 +221,9 @@ def test_the_tap_states_are_the_engines_own_and_not_copies(prepared):
 
 
 DSV3_TAPS = "2,3,6"  # asked as ids [1, 2, 5]: deepseek_v2.py adds 1 to every id when the first is 1
-DSV3_SAMPLES = 8
+# The DeepSeek-V3 target fitted to the Llama target's chain before use (about 15 s): drafts of a random target accept
+# almost nothing (test_sglang_serving.py's: τ 1.06-1.08), so their equal acceptance would prove nothing.
+DSV3_FIT_STEPS = 150
 
 
 def dsv3_target(tok, root: Path) -> Path:
@@ -236,34 +239,50 @@ def dsv3_target(tok, root: Path) -> Path:
     return target
 
 
-def test_deepseek_v3_target_features_equal_in_process_features(prepared, tmp_path):
-    """The tiny DeepSeek-V3 target (MLA, MoE after the first layer, YaRN RoPE, random weights; tests/models.py, with
-    the config keys SGLang's deepseek_v2.py reads) through the same path: SGLang's deepseek_v2.py capture rule, its
-    latent attention on the CPU (intel_amx: its prefill runs as multi-head attention, deepseek_v2's MHA method; on
-    torch_native, SGLang's fallback on a CPU without AMX, these features were uncorrelated with in-process ones), its
-    final norm."""
-    target = dsv3_target(prepared["base"]["tok"], tmp_path)
-    common = ["--limit", str(DSV3_SAMPLES)]
-    argv = prepare_argv(target, prepared["data"], tmp_path / "inproc", "--hidden-states", *common)
+@pytest.fixture(scope="module")
+def dsv3_prepared(prepared) -> dict:
+    """The tiny DeepSeek-V3 target (MLA, MoE after the first layer, YaRN RoPE; tests/models.py, with the config keys
+    SGLang's deepseek_v2.py reads), fitted to the chain, and the conversations prepared from it in process and by
+    SGLang, in the layout drafts_agree reads."""
+    b = prepared["base"]
+    root = prepared["root"] / "dsv3"
+    target = dsv3_target(b["tok"], root)
+    fit_checkpoint(target, torch.tensor(b["tok"](order2_chain(random.Random(1), b["perm"], 20_000))["input_ids"]),
+                   DSV3_FIT_STEPS)  # fmt: skip
+    argv = prepare_argv(target, prepared["data"], root / "prep-inproc", "--hidden-states")
     argv[argv.index("--taps") + 1] = DSV3_TAPS
     rc, _, err = cli(argv)
     assert rc == 0, err
     t = time.perf_counter()
-    argv = prepare_argv(target, prepared["data"], tmp_path / "sglang", *common, *engine_argv(prepared["python"]))
+    argv = prepare_argv(target, prepared["data"], root / "prep-sglang", *engine_argv(prepared["python"]))
     argv[argv.index("--taps") + 1] = DSV3_TAPS
     with mock.patch.dict(os.environ, sglang_environ()):
         rc, _, err = cli(argv)
     assert rc == 0, err
     sys.stderr.write(f"prepare --engine sglang (DeepSeek-V3 target): {time.perf_counter() - t:.1f} s\n")
-    a, b = PreparedData.open(tmp_path / "inproc"), PreparedData.open(tmp_path / "sglang")
+    return {"base": {**b, "target": target}, "root": root, "inproc": root / "prep-inproc",
+            "sglang": root / "prep-sglang"}  # fmt: skip
+
+
+def test_deepseek_v3_target_features_equal_in_process_features(dsv3_prepared):
+    """The DeepSeek-V3 target through the same path: SGLang's deepseek_v2.py capture rule, its latent attention on the
+    CPU (intel_amx: its prefill runs as multi-head attention, deepseek_v2's MHA method; on torch_native, SGLang's
+    fallback on a CPU without AMX, these features were uncorrelated with in-process ones), its final norm."""
+    a, b = PreparedData.open(dsv3_prepared["inproc"]), PreparedData.open(dsv3_prepared["sglang"])
     feats = b.manifest["features"]["engine"]
     assert feats["captured_layer_ids"] == [2, 3, 6] and feats["layer_ids"] == [1, 2, 5]
     assert feats["attention_backend"] == "intel_amx"
     rows = feature_table(a, b)
-    write_feature_table(rows, None, "DeepSeek-V3 target:\n")
-    assert len(rows) == DSV3_SAMPLES
+    write_feature_table(rows, dsv3_prepared["root"] / "table.md", "DeepSeek-V3 target:\n")
+    assert len(rows) == N_CONV
     worst = max(max(r["aux"], r["final"]) / r["scale"] for r in rows)
     assert worst < TOL, f"SGLang's DeepSeek-V3 features differ from in-process ones by {worst:.2e} (relative)"
+
+
+def test_mla_drafts_trained_from_sglang_and_in_process_deepseek_v3_features_agree(dsv3_prepared, prepared):
+    """MLA drafts (as DeepSeek-V3 / Kimi-K2 targets' drafts are: SGLang serves them as Eagle3DeepseekV2ForCausalLM)
+    trained from each preparation of the DeepSeek-V3 target, exported for SGLang and served by it with that target."""
+    drafts_agree(dsv3_prepared, "sglang", "SGLang", prepared["sglang_python"], _served_tau, draft_arch="mla")
 
 
 def test_latent_attention_on_torch_native_is_refused(prepared, tmp_path):

@@ -140,8 +140,9 @@ def test_features_from_a_prefill_split_in_chunks_are_the_same(prepared, tmp_path
     assert max(max(r["aux"], r["final"]) / r["scale"] for r in rows) < TOL, rows
 
 
-def _train(prep: Path, out: Path, target: Path) -> dict:
-    res = train(TrainConfig(target=str(target), data=str(prep), out=str(out), seed=0, **TRAIN), progress=False)
+def _train(prep: Path, out: Path, target: Path, **settings) -> dict:
+    res = train(TrainConfig(target=str(target), data=str(prep), out=str(out), seed=0, **{**TRAIN, **settings}),
+                progress=False)  # fmt: skip
     return res.metrics
 
 
@@ -166,14 +167,14 @@ def _served_tau(python: str, target: Path, drafts: dict[str, Path], prompts: lis
     return taus
 
 
-def drafts_agree(prepared: dict, key: str, engine: str, python: str, served_tau) -> None:
+def drafts_agree(prepared: dict, key: str, engine: str, python: str, served_tau, **settings) -> None:
     """Drafts trained from the in-process features and from the engine's (prepared[key]), exported for the engine
     and served by it (`served_tau(python, target, drafts, prompts, root)` → τ per draft): the same held-out acc_k
-    within noise and the same served τ."""
+    within noise and the same served τ. `settings`: train's, over TRAIN."""
     b, root = prepared["base"], prepared["root"]
     target = b["target"]
-    metrics = {"inproc": _train(prepared["inproc"], root / "draft-inproc", target),
-               key: _train(prepared[key], root / f"draft-{key}", target)}  # fmt: skip
+    metrics = {"inproc": _train(prepared["inproc"], root / "draft-inproc", target, **settings),
+               key: _train(prepared[key], root / f"draft-{key}", target, **settings)}  # fmt: skip
     exports = {}
     for name in metrics:
         rc, _, err = cli(["export", "--draft", str(root / f"draft-{name}"), "--to", key, "--out",

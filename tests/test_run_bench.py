@@ -107,6 +107,30 @@ def test_the_roofline_replays_the_tuned_trees_acceptance_round_for_round(protoco
     assert again["rows"] == [] and "error" not in r2 and r2["replay_shape"] == shape
     _check_replay(r2, forced)
 
+    # the two pair (bench/paired_protocol.sh's last step): η and each figure side by side; a run that replayed other
+    # rounds, or ran on another card, is refused in one line
+    (second,) = (tmp / "roof").glob("bench-smoke-roofline-*.json")
+    pair = [sys.executable, str(ROOT / "bench" / "pair_rooflines.py"), str(first), str(second)]
+    proc = subprocess.run(pair, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    eta_row = next(line for line in proc.stdout.splitlines() if line.startswith("| η |"))
+    assert (
+        eta_row
+        == f"| η | {r2['replay_eta']:.3f} | {roof['replay_eta']:.3f} | {roof['replay_eta'] / r2['replay_eta']:.3f} |"
+    )
+    unpaired = {
+        "acceptance": lambda r: r["roofline"].update(replay_accepted=[a + 1 for a in r["roofline"]["replay_accepted"]]),
+        "card": lambda r: r.update(device="NVIDIA H200"),
+    }
+    for name, edit in unpaired.items():
+        other = json.loads(second.read_text())
+        edit(other)
+        edited = tmp / f"unpaired-{name}.json"
+        edited.write_text(json.dumps(other))
+        proc = subprocess.run([*pair[:-1], str(edited)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1 and proc.stdout == "", (name, proc.stdout)
+        assert proc.stderr.startswith("pair_rooflines: not a pair: ") and proc.stderr.count("\n") == 1, proc.stderr
+
 
 def _fake_nvidia_smi(tmp_path: Path, monkeypatch, body: str) -> None:
     """An `nvidia-smi` first on PATH that runs `body` (a shell script's lines)."""

@@ -6,8 +6,8 @@
 #   git archive REV src bench | tar -x -C BEFORE_DIR        # here, once: the earlier version's code
 #   EAGLESCOPE_COMMIT=<this commit> bash bench/paired_protocol.sh BEFORE_DIR OUT_DIR [AFTER_LIMIT_S]
 #
-# AFTER_LIMIT_S (default 430) is the protocol's --time-limit; the before run takes about 110 s more, so the whole call
-# stays under 10 minutes. OUT_DIR gets six files: card.txt, after.log, after/bench-all-*.json, before.log,
+# AFTER_LIMIT_S (default 430) is the protocol's --time-limit (stopped at +20 s); the before run at most 120 s more, so
+# the call stays under 10 minutes. OUT_DIR gets six files: card.txt, after.log, after/bench-all-*.json, before.log,
 # before/bench-roofline-*.json, paired.md. Exits with pair_rooflines.py's code (1: the runs do not pair).
 set -uo pipefail
 if [ $# -lt 2 ]; then
@@ -25,7 +25,7 @@ PYTHONPATH=src timeout $((limit + 20)) python3 bench/run_bench.py --part all --c
     --out "$out/after" 2>&1 | tee "$out/after.log" | tail -n 25
 after=$(ls "$out"/after/bench-all-*.json 2>/dev/null | head -n 1)
 [ -n "$after" ] || { echo "paired_protocol: the after run wrote no results (see $out/after.log)" >&2; exit 1; }
-(cd "$before_dir" && EAGLESCOPE_COMMIT="${EAGLESCOPE_BEFORE_COMMIT:-unknown}" PYTHONPATH=src timeout 130 \
+(cd "$before_dir" && EAGLESCOPE_COMMIT="${EAGLESCOPE_BEFORE_COMMIT:-unknown}" PYTHONPATH=src timeout 120 \
     python3 bench/run_bench.py --part roofline --compile --variants fused_verify --replay-from "$after" \
     --time-limit 110 --work /tmp/eaglescope-paired-before --out "$out/before") 2>&1 | tee "$out/before.log" | tail -n 10
 before=$(ls "$out"/before/bench-roofline-*.json 2>/dev/null | head -n 1)

@@ -56,7 +56,11 @@ def table(after: dict, before: dict) -> str:
     ra, rb = after["roofline"], before["roofline"]
     lines = ["| figure | before | after | after / before |", "|---|---|---|---|"]
     for label, get, digits in FIGURES:
-        a, b = get(ra), get(rb)
+        try:
+            a, b = get(ra), get(rb)
+        except (KeyError, TypeError):  # an older version's roofline that did not measure it
+            lines.append(f"| {label} | - | - | - |")
+            continue
         lines.append(f"| {label} | {b:.{digits}f} | {a:.{digits}f} | {a / b:.3f} |")
     return "\n".join(lines) + "\n"
 

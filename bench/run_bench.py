@@ -10,6 +10,7 @@
     PYTHONPATH=src python3 bench/run_bench.py --out bench/results            # GPU, < 10 minutes
     PYTHONPATH=src python3 bench/run_bench.py --smoke --out /tmp/bench       # CPU, tiny, a minute or two
     ... --part roofline [--replay-from results.json]                         # only the 8B section
+    ... --pair-with DIR    # then DIR's (an earlier version's) 8B section replaying this run: η paired
 
 Every stage has a wall-clock budget (cosine schedules fitted to the time), so the run fits its limit on any
 machine; the JSON records what each stage actually did. Nothing here is hard-coded: every number in
@@ -1413,6 +1414,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf-reserve-s", type=float, default=150.0, help="seconds the 8B section leaves to transformers")
     ap.add_argument("--no-vendor-rows", action="store_true", help="skip the cuBLAS + SDPA comparison rows")
     ap.add_argument("--pdl", action="store_true", help="launch the fused kernels with PDL (an A/B of it)")
+    ap.add_argument(
+        "--pair-with",
+        default=None,
+        metavar="DIR",
+        help="then run DIR's 8B section (an earlier version's src/ and bench/) replaying this run's acceptance, "
+        "and print the two side by side (bench/pair_rooflines.py)",
+    )
+    ap.add_argument("--pair-time-limit", type=float, default=110.0, help="seconds the --pair-with run may take")
     ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prepare-worker", default=None, help=argparse.SUPPRESS)
     return ap
@@ -1424,6 +1433,10 @@ def main() -> int:
         return hf_worker(args.hf_worker)
     if args.prepare_worker:
         return prepare_worker(args.prepare_worker)
+    if args.pair_with and not (Path(args.pair_with) / "bench" / "run_bench.py").is_file():
+        why = "has no bench/run_bench.py (it holds an earlier version's src/ and bench/)"
+        print(f"run_bench: --pair-with {args.pair_with} {why}", file=sys.stderr)
+        return 2
     if args.part in ("all", "train"):
         import importlib.util
 
@@ -1478,6 +1491,36 @@ def main() -> int:
     result["seconds"] = round(time.perf_counter() - T0, 1)
     write_json(result_path, result)
     say(f"wrote {result_path}")
+    if args.pair_with:
+        return run_paired(args, result_path, out_dir / "before", work / "before")
+    return 0
+
+
+def run_paired(args: argparse.Namespace, after: Path, out: Path, work: Path) -> int:
+    """An earlier version's 8B section, in its own process on its own code, replaying `after`'s acceptance round
+    for round, then both side by side: on one card in one call, so their η pair (bench/README.md)."""
+    import pair_rooflines
+
+    before_dir = Path(args.pair_with).resolve()
+    cmd = [sys.executable, str(before_dir / "bench" / "run_bench.py"), "--part", "roofline",
+           "--replay-from", str(after.resolve()), "--variants", args.variants,
+           "--time-limit", str(args.pair_time_limit), "--out", str(out), "--work", str(work)]  # fmt: skip
+    cmd += ["--compile"] * args.compile + ["--smoke"] * args.smoke
+    env = os.environ | {"PYTHONPATH": str(before_dir / "src"),
+                        "EAGLESCOPE_COMMIT": os.environ.get("EAGLESCOPE_BEFORE_COMMIT", "unknown")}  # fmt: skip
+    say(f"paired: {before_dir}'s 8B section replaying {after.name}")
+    # its stdout (the 8B section's kernel tables) joins the progress on stderr: stdout keeps this run's tables
+    try:
+        code = subprocess.run(cmd, cwd=before_dir, env=env, stdout=sys.stderr, timeout=args.pair_time_limit + 30)
+        code = code.returncode
+    except subprocess.TimeoutExpired:
+        code = "nothing: stopped at its limit"
+    found = sorted(out.glob("bench-*roofline-*.json"))
+    if code != 0 or not found:
+        say(f"paired: the run at {before_dir} exited {code} and wrote {len(found)} results")
+        return 1
+    before = found[-1]
+    return pair_rooflines.main([str(after), str(before), "--out", str(after.with_name(f"paired-{after.stem}.md"))])
     return 0
 
 

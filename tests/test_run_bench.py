@@ -39,7 +39,9 @@ def _run_bench(*args: str, out: Path, work: Path) -> tuple[dict, str, str]:
 @pytest.fixture(scope="module")
 def protocol(tmp_path_factory) -> tuple[dict, str, str, Path]:
     tmp = tmp_path_factory.mktemp("run_bench")
-    res, out, err = _run_bench("--part", "all", out=tmp / "all", work=tmp / "work")
+    # paired with this checkout itself (--pair-with; a GPU pairing names an earlier version): its 8B section replays
+    # this run's acceptance in its own process
+    res, out, err = _run_bench("--part", "all", "--pair-with", str(ROOT), out=tmp / "all", work=tmp / "work")
     return res, out, err, tmp
 
 
@@ -79,7 +81,9 @@ def test_every_eaglescope_row_decodes_as_vanilla_greedy_and_eta_is_speedup_over_
 
 def test_stdout_is_the_table_and_the_progress_goes_to_stderr(protocol):
     res, out, err, _ = protocol
-    table = [line for line in out.splitlines() if line.startswith("| ")]
+    paired_header = "| figure | before | after | after / before |"
+    lines = out.splitlines()
+    table = [line for line in lines[: lines.index(paired_header)] if line.startswith("| ")]
     assert table[0].startswith("| method | τ |")
     methods = [line.split(" | ")[0][2:] for line in table[1:]]
     assert methods == [r["method"] for r in res["rows"]]
@@ -90,7 +94,7 @@ def test_stdout_is_the_table_and_the_progress_goes_to_stderr(protocol):
 def test_the_roofline_replays_the_tuned_trees_acceptance_round_for_round(protocol):
     """The 8B section decodes with the tuned tree's acceptance forced, round for round, and so does a second run
     replaying the first's JSON (--replay-from, as the H100 and H200 pairings do)."""
-    res, _, _, tmp = protocol
+    res, out, _, tmp = protocol
     replay, roof = res["replay"], res["roofline"]
     tuned = next(r["method"] for r in res["rows"] if r["method"].startswith("eagle3 tree tuned"))
     shape = [int(x) for x in re.search(r"\(([\d, ]+)\)", tuned).group(1).split(",")]  # "... tuned (3, 3, 8)"
@@ -101,23 +105,22 @@ def test_the_roofline_replays_the_tuned_trees_acceptance_round_for_round(protoco
     # the GPU's clocks and power at the 8B section's start and end (here: none to read)
     assert roof["gpu_state_start"] == roof["gpu_state_end"] == {"unavailable": "not a GPU"}
 
+    # --pair-with: the second run replayed the first's JSON (as the H100 and H200 pairings do), in its own process
     (first,) = (tmp / "all").glob("bench-smoke-all-*.json")
-    again, _, _ = _run_bench("--part", "roofline", "--replay-from", str(first), out=tmp / "roof", work=tmp / "work2")
+    (second,) = (tmp / "all" / "before").glob("bench-smoke-roofline-*.json")
+    again = json.loads(second.read_text())
     r2 = again["roofline"]
     assert again["rows"] == [] and "error" not in r2 and r2["replay_shape"] == shape
     _check_replay(r2, forced)
 
-    # the two pair (bench/paired_protocol.sh's last step): η and each figure side by side; a run that replayed other
-    # rounds, or ran on another card, is refused in one line
-    (second,) = (tmp / "roof").glob("bench-smoke-roofline-*.json")
-    pair = [sys.executable, str(ROOT / "bench" / "pair_rooflines.py"), str(first), str(second)]
-    proc = subprocess.run(pair, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    eta_row = next(line for line in proc.stdout.splitlines() if line.startswith("| η |"))
-    assert (
-        eta_row
-        == f"| η | {r2['replay_eta']:.3f} | {roof['replay_eta']:.3f} | {roof['replay_eta'] / r2['replay_eta']:.3f} |"
-    )
+    # and the two side by side, on stdout after the run's table and beside its JSON; η is each run's own
+    paired = (tmp / "all" / f"paired-{first.stem}.md").read_text()
+    assert paired in out
+    eta_row = next(line for line in paired.splitlines() if line.startswith("| η |"))
+    ratio = roof["replay_eta"] / r2["replay_eta"]
+    assert eta_row == f"| η | {r2['replay_eta']:.3f} | {roof['replay_eta']:.3f} | {ratio:.3f} |"
+    # a run that replayed other rounds, or ran on another card, is refused in one line
+    pair = [sys.executable, str(ROOT / "bench" / "pair_rooflines.py"), str(first)]
     unpaired = {
         "acceptance": lambda r: r["roofline"].update(replay_accepted=[a + 1 for a in r["roofline"]["replay_accepted"]]),
         "card": lambda r: r.update(device="NVIDIA H200"),
@@ -127,7 +130,7 @@ def test_the_roofline_replays_the_tuned_trees_acceptance_round_for_round(protoco
         edit(other)
         edited = tmp / f"unpaired-{name}.json"
         edited.write_text(json.dumps(other))
-        proc = subprocess.run([*pair[:-1], str(edited)], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run([*pair, str(edited)], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 1 and proc.stdout == "", (name, proc.stdout)
         assert proc.stderr.startswith("pair_rooflines: not a pair: ") and proc.stderr.count("\n") == 1, proc.stderr
 

@@ -1505,23 +1505,24 @@ def run_paired(args: argparse.Namespace, after: Path, out: Path, work: Path) -> 
     cmd = [sys.executable, str(before_dir / "bench" / "run_bench.py"), "--part", "roofline",
            "--replay-from", str(after.resolve()), "--variants", args.variants,
            "--time-limit", str(args.pair_time_limit), "--out", str(out), "--work", str(work)]  # fmt: skip
-    cmd += ["--compile"] * args.compile + ["--smoke"] * args.smoke
+    if args.compile:
+        cmd.append("--compile")
+    if args.smoke:
+        cmd.append("--smoke")
     env = os.environ | {"PYTHONPATH": str(before_dir / "src"),
                         "EAGLESCOPE_COMMIT": os.environ.get("EAGLESCOPE_BEFORE_COMMIT", "unknown")}  # fmt: skip
     say(f"paired: {before_dir}'s 8B section replaying {after.name}")
     # its stdout (the 8B section's kernel tables) joins the progress on stderr: stdout keeps this run's tables
     try:
-        code = subprocess.run(cmd, cwd=before_dir, env=env, stdout=sys.stderr, timeout=args.pair_time_limit + 30)
-        code = code.returncode
+        proc = subprocess.run(cmd, cwd=before_dir, env=env, stdout=sys.stderr, timeout=args.pair_time_limit + 30)
+        ended = f"exited {proc.returncode}"
     except subprocess.TimeoutExpired:
-        code = "nothing: stopped at its limit"
+        proc, ended = None, "was stopped at its limit"
     found = sorted(out.glob("bench-*roofline-*.json"))
-    if code != 0 or not found:
-        say(f"paired: the run at {before_dir} exited {code} and wrote {len(found)} results")
+    if proc is None or proc.returncode != 0 or not found:
+        say(f"paired: the run at {before_dir} {ended} and wrote {len(found)} results")
         return 1
-    before = found[-1]
-    return pair_rooflines.main([str(after), str(before), "--out", str(after.with_name(f"paired-{after.stem}.md"))])
-    return 0
+    return pair_rooflines.main([str(after), str(found[-1]), "--out", str(after.with_name(f"paired-{after.stem}.md"))])
 
 
 @dataclass
